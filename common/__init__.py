@@ -1,0 +1,1 @@
+"""Plumbing shared by every entry point and library module: flags, errors, file access."""

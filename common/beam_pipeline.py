@@ -1,0 +1,43 @@
+"""Creating Beam pipelines from leftover command-line arguments, with the local runner pinned.
+
+Since Beam 2.68 the DirectRunner tries the Prism runner first, which downloads a binary at run
+time and cannot work offline. Local runs therefore use the in-process FnApiRunner, which honours
+``--direct_running_mode`` (``in_memory`` | ``multi_processing``) and ``--direct_num_workers``.
+Every other runner (``--runner DataflowRunner`` ...) is used as given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+from common.cli import UserError
+
+LOCAL_RUNNERS = (None, "DirectRunner", "FnApiRunner", "SwitchingDirectRunner")
+
+
+def pipeline_options(beam_args: list[str]) -> PipelineOptions:
+    """Beam options from the arguments our own parser did not consume; unknown ones are errors."""
+    options = PipelineOptions(beam_args)
+    beam_log = logging.getLogger("apache_beam.options.pipeline_options")
+    level = beam_log.level
+    beam_log.setLevel(logging.ERROR)  # we report unknown arguments ourselves, as one line
+    try:
+        known = options.get_all_options(retain_unknown_options=False)
+        with_unknown = options.get_all_options(retain_unknown_options=True)
+    finally:
+        beam_log.setLevel(level)
+    unknown = sorted(set(with_unknown) - set(known))
+    if unknown:
+        raise UserError(f"unrecognized arguments: {' '.join('--' + u for u in unknown)}")
+    return options
+
+
+def make_pipeline(options: PipelineOptions) -> beam.Pipeline:
+    """A pipeline on the requested runner; local runs go to the FnApiRunner."""
+    if options.view_as(StandardOptions).runner in LOCAL_RUNNERS:
+        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    return beam.Pipeline(options=options)

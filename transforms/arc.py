@@ -1,0 +1,109 @@
+"""ARC tasks: parsing both schemas in use, validating grids, and rendering the chat prompt.
+
+Schemas: ARC-AGI (``{"train": [{"input", "output"}...], "test": [{"input"}...]}``) and BARC-style
+(``{"examples": [[input, output], ...]}``, where the last pair is the test). A grid is rendered as
+a fenced block opening with ```` ```grid ````, one row of digits per line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from transforms.rejections import RejectedRecord
+
+SYSTEM_PROMPT = ("You are an expert at solving ARC (Abstraction and Reasoning Corpus) puzzles. "
+                 "Each puzzle shows input/output grid pairs that follow one hidden rule; "
+                 "apply the rule to the test input.")
+
+Grid = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArcTask:
+    task_id: str
+    train: tuple[tuple[Grid, Grid], ...]  # (input, output) pairs
+    test_inputs: tuple[Grid, ...]
+
+
+def is_arc_record(record: Any) -> bool:
+    return isinstance(record, dict) and (("train" in record and "test" in record)
+                                         or "examples" in record)
+
+
+def parse_grid(grid: Any, where: str) -> Grid:
+    """A validated grid: a non-empty rectangular list of rows of integers 0..9."""
+    if not isinstance(grid, (list, tuple)) or not grid:
+        raise RejectedRecord("empty_grid", f"{where} is not a non-empty list of rows")
+    rows = []
+    for r, row in enumerate(grid):
+        if not isinstance(row, (list, tuple)) or not row:
+            raise RejectedRecord("empty_grid", f"{where} row {r} is not a non-empty list")
+        for c, cell in enumerate(row):
+            if isinstance(cell, bool) or not isinstance(cell, int) or not 0 <= cell <= 9:
+                raise RejectedRecord("cell_out_of_range",
+                                     f"{where} cell ({r}, {c}) = {cell!r} is not an integer 0..9")
+        rows.append(tuple(row))
+    widths = {len(row) for row in rows}
+    if len(widths) != 1:
+        raise RejectedRecord("non_rectangular_grid",
+                             f"{where} has rows of different widths {sorted(widths)}")
+    return tuple(rows)
+
+
+def _field(record: dict, key: str, where: str) -> Any:
+    if key not in record:
+        raise RejectedRecord("missing_field", f"{where} has no {key!r}")
+    return record[key]
+
+
+def _pair(pair: Any, where: str) -> tuple[Grid, Grid]:
+    if isinstance(pair, dict):
+        return (parse_grid(_field(pair, "input", where), f"{where} input"),
+                parse_grid(_field(pair, "output", where), f"{where} output"))
+    if isinstance(pair, (list, tuple)) and len(pair) == 2:
+        return parse_grid(pair[0], f"{where} input"), parse_grid(pair[1], f"{where} output")
+    raise RejectedRecord("missing_field", f"{where} is not an input/output pair")
+
+
+def _nonempty_list(value: Any, where: str) -> list:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RejectedRecord("missing_field", f"{where} is not a non-empty list")
+    return list(value)
+
+
+def parse_arc_task(record: dict, default_id: str) -> ArcTask:
+    """An ``ArcTask`` from either schema; raises ``RejectedRecord`` naming what is wrong."""
+    task_id = str(record.get("id") or record.get("task_id") or record.get("uid") or default_id)
+    if "examples" in record and "train" not in record:
+        pairs = [_pair(p, f"example {i}")
+                 for i, p in enumerate(_nonempty_list(record["examples"], "examples"))]
+        if len(pairs) < 2:
+            raise RejectedRecord("missing_field", "examples needs at least one train and one test pair")
+        return ArcTask(task_id, tuple(pairs[:-1]), (pairs[-1][0],))
+    train = [_pair(p, f"train {i}")
+             for i, p in enumerate(_nonempty_list(_field(record, "train", "task"), "train"))]
+    tests = []
+    for i, test in enumerate(_nonempty_list(_field(record, "test", "task"), "test")):
+        grid = test.get("input") if isinstance(test, dict) else None
+        if grid is None:
+            raise RejectedRecord("missing_field", f"test {i} has no 'input'")
+        tests.append(parse_grid(grid, f"test {i} input"))
+    return ArcTask(task_id, tuple(train), tuple(tests))
+
+
+def grid_block(grid: Grid) -> str:
+    """A grid as a fenced ```` ```grid ```` block, one row of digits per line."""
+    return "```grid\n" + "\n".join("".join(map(str, row)) for row in grid) + "\n```"
+
+
+def arc_messages(task: ArcTask, test_index: int) -> list[dict[str, str]]:
+    """The chat (system, user) asking for the output of test input ``test_index``."""
+    parts = ["Here are the training examples of an ARC task. Each grid is a block of digits "
+             "0-9, one row per line."]
+    for i, (grid_in, grid_out) in enumerate(task.train, start=1):
+        parts.append(f"Example {i}\nInput:\n{grid_block(grid_in)}\nOutput:\n{grid_block(grid_out)}")
+    parts.append(f"Test input:\n{grid_block(task.test_inputs[test_index])}\n"
+                 "What is the output grid for the test input? Answer with a ```grid block.")
+    return [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "\n\n".join(parts)}]

