@@ -1,0 +1,93 @@
+"""Reading Hugging Face safetensors checkpoints (single or sharded) without a full copy in memory.
+
+The safetensors format is an 8-byte header length, a JSON header (dtype, shape, byte range of
+each tensor) and the raw bytes. Each file is memory-mapped and every tensor is a zero-copy numpy
+view (bfloat16 through ``ml_dtypes``), so a device shard reads only the bytes it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from common.cli import UserError
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+          "BOOL": np.bool_}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def resolve_model_dir(model_path: str) -> str:
+    """A local checkpoint directory; a hub id is downloaded (config and safetensors only)."""
+    if os.path.isdir(model_path):
+        return model_path
+    if os.path.exists(model_path) or model_path.startswith((".", "/", "~")):
+        raise UserError(f"--model_path {model_path!r} is not a checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:
+        raise UserError(f"cannot fetch model {model_path!r} from the hub: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory, by Hugging Face name, as numpy views."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._files: dict[str, tuple[np.memmap, dict]] = {}
+        self._where: dict[str, str] = {}  # tensor name -> file name
+        index_path = os.path.join(model_dir, INDEX_FILE)
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = [SINGLE_FILE]
+        for name in files:
+            path = os.path.join(model_dir, name)
+            if not os.path.exists(path):
+                raise UserError(f"checkpoint file {name!r} is missing from {model_dir!r}")
+            data, header = _open_safetensors(path)
+            self._files[name] = (data, header)
+            self._where.update({t: name for t in header if t != "__metadata__"})
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A zero-copy view of tensor ``name``; raises ``UserError`` if the checkpoint lacks it."""
+        if name not in self._where:
+            raise UserError(f"checkpoint {self.model_dir!r} has no tensor {name!r}")
+        data, header = self._files[self._where[name]]
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        dtype = DTYPES[entry["dtype"]]
+        return data[start:end].view(dtype).reshape(entry["shape"])
+
+
+def _open_safetensors(path: str) -> tuple[np.memmap, dict]:
+    """(memory map of the data section, parsed header) of one safetensors file."""
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise UserError(f"{path} is not a safetensors file (too short)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path} has a corrupt safetensors header") from None
+    size = os.path.getsize(path) - 8 - header_len
+    if size == 0:
+        return np.zeros(0, np.uint8), header
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len, shape=(size,)), header

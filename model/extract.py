@@ -1,0 +1,125 @@
+"""The extraction forward: residual stream at chosen layers, bucketed, sharded, unpadded.
+
+Layer ``L`` is the output of decoder block ``L`` (0-based), before the final norm: Hugging Face's
+``hidden_states[L + 1]`` for every block but the last (whose ``hidden_states`` entry has the final
+norm applied). Blocks after the last requested one are never computed, nor is the LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from common.cli import UserError
+from model.buckets import Batch, Bucketer, bucket_lengths
+from model.checkpoint import Checkpoint, resolve_model_dir
+from model.config import Qwen2Config, load_config
+from model.params import load_params
+from model.qwen2 import Qwen2, causal_mask
+from model.sharding import batch_sharding, make_mesh
+
+T = TypeVar("T")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def validate_layers(layers: Sequence[int], config: Qwen2Config) -> tuple[int, ...]:
+    """Sorted unique layer indices, each a block of this model; ``UserError`` otherwise."""
+    n = config.num_hidden_layers
+    bad = [layer for layer in layers if not 0 <= layer < n]
+    if bad:
+        raise UserError(f"layer {bad[0]} does not exist: the model has {n} layers (0..{n - 1})")
+    if not layers:
+        raise UserError("no layers to extract")
+    return tuple(sorted(set(layers)))
+
+
+def resolve_dtype(name: str) -> Any:
+    """``auto`` is bfloat16 on TPU/GPU and float32 on CPU."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh):
+    """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H]."""
+    model = Qwen2(config, dtype)
+    num_layers = max(layers) + 1
+
+    def forward(params, input_ids, lengths):
+        seq = input_ids.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
+        outputs, _ = model.apply({"params": params}, input_ids, positions,
+                                 causal_mask(lengths, seq), num_layers)
+        return jnp.stack([outputs[layer] for layer in layers])  # [len(layers), B, S, H]
+
+    return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
+
+
+@dataclasses.dataclass
+class Extractor:
+    """A loaded model ready to extract; build it with ``Extractor.load``."""
+    config: Qwen2Config
+    params: dict
+    mesh: Mesh
+    layers: tuple[int, ...]
+    dtype: Any
+    batch_size: int               # global: per-device batch size x data axis
+    buckets: tuple[int, ...]
+
+    @classmethod
+    def load(cls, model_path: str, layers: Sequence[int] | None = None, mesh_type: str = "1d",
+             dtype: str = "auto", batch_size_per_device: int = 1, max_seq_length: int = 2048,
+             model_axis_size: int | None = None, min_bucket: int = 32) -> "Extractor":
+        model_dir = resolve_model_dir(model_path)
+        config = load_config(model_dir)
+        layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
+        mesh = make_mesh(mesh_type, config, model_axis_size)
+        compute_dtype = resolve_dtype(dtype)
+        params = load_params(Checkpoint(model_dir), config, mesh, compute_dtype,
+                             num_layers=max(layers) + 1)
+        return cls(config, params, mesh, layers, compute_dtype,
+                   batch_size_per_device * mesh.shape["data"],
+                   bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)))
+
+    @functools.cached_property
+    def _forward(self):
+        return make_forward(self.config, self.dtype, self.layers, self.mesh)
+
+    def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray]]:
+        """Activations of up to ``batch_size`` sequences padded to ``length``: per sequence,
+        ``{layer: array [num_tokens, H]}`` with padding removed."""
+        ids = np.zeros((self.batch_size, length), np.int32)  # [B, S]; padding rows stay 0
+        lengths = np.zeros((self.batch_size,), np.int32)
+        for row, seq in enumerate(sequences):
+            ids[row, :len(seq)] = seq
+            lengths[row] = len(seq)
+        sharding = batch_sharding(self.mesh)
+        out = self._forward(self.params, jax.device_put(ids, sharding),
+                            jax.device_put(lengths, sharding))
+        acts = np.asarray(out)  # [len(layers), B, S, H]
+        return [{layer: acts[i, row, :lengths[row]] for i, layer in enumerate(self.layers)}
+                for row in range(len(sequences))]
+
+    def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
+        """(key, input_ids) pairs -> (key, {layer: [num_tokens, H]}), batched by length bucket.
+
+        Results come out in batch order (grouped by bucket), not input order.
+        """
+        bucketer: Bucketer[tuple[T, Sequence[int]]] = Bucketer(self.buckets, self.batch_size)
+        for key, ids in items:
+            for batch in bucketer.add((key, ids), len(ids)):
+                yield from self._run(batch)
+        for batch in bucketer.flush():
+            yield from self._run(batch)
+
+    def _run(self, batch: Batch) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
+        keys = [key for key, _ in batch.items]
+        yield from zip(keys, self.run_batch([ids for _, ids in batch.items], batch.length))

@@ -1,0 +1,64 @@
+"""The device mesh and where each parameter and activation lives on it.
+
+The mesh always has the axes ``("data", "model")``:
+  * ``1d``: ``(devices, 1)``: pure data parallelism, parameters replicated;
+  * ``2d``: ``(devices / m, m)``: projections split over ``model`` (q/k/v, gate/up by output
+    column; o/down by input row), the embedding by vocabulary row, batches over ``data``.
+A dimension that does not divide evenly stays replicated; XLA inserts the collectives either way,
+so the numbers do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from common.cli import UserError
+from model.config import Qwen2Config
+
+MESH_TYPES = ("1d", "2d")
+COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+ROW_SPLIT = ("o_proj", "down_proj")
+
+
+def make_mesh(mesh_type: str, config: Qwen2Config, model_axis_size: int | None = None,
+              devices: list | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh over ``devices`` (default: all of this process's)."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    if mesh_type not in MESH_TYPES:
+        raise UserError(f"unknown --mesh_type {mesh_type!r} (choose from {', '.join(MESH_TYPES)})")
+    if mesh_type == "1d":
+        model = 1
+    else:  # default: keep whole key/value heads on each device
+        model = model_axis_size or math.gcd(len(devices), config.num_key_value_heads)
+        if len(devices) % model:
+            raise UserError(f"model axis size {model} does not divide {len(devices)} devices")
+    return Mesh(np.array(devices).reshape(len(devices) // model, model), ("data", "model"))
+
+
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The partition spec of the parameter at ``path`` (e.g. ``layers_0/self_attn/q_proj/kernel``)."""
+    model = mesh.shape["model"]
+    split = lambda dim: model > 1 and shape[dim] % model == 0  # noqa: E731
+    module, leaf = path[-2], path[-1]
+    if module in COLUMN_SPLIT and leaf == "kernel" and split(1):
+        return P(None, "model")
+    if module in COLUMN_SPLIT and leaf == "bias" and split(0):
+        return P("model")
+    if module in ROW_SPLIT and leaf == "kernel" and split(0):
+        return P("model", None)
+    if module == "embed_tokens" and split(0):
+        return P("model", None)
+    return P()
+
+
+def param_sharding(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(path, shape, mesh))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Inputs [B, ...]: rows split over ``data``."""
+    return NamedSharding(mesh, P("data"))
