@@ -32,6 +32,14 @@ def flag(default: Any = dataclasses.MISSING, help: str = "", *, aliases: Sequenc
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """Parses ``"6,12,18"`` (a flag value) into ``(6, 12, 18)``."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors become ``UserError`` (one line) instead of usage + exit."""
 
@@ -84,6 +92,8 @@ def run_main(prog: str, main: Callable[[list[str]], int | None],
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Beam logs every postponed (string) annotation it meets at INFO: noise, not information.
     logging.getLogger("apache_beam.typehints").setLevel(logging.WARNING)
+    # JAX logs at INFO each accelerator platform it probes and does not find.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         code = main(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:

@@ -18,11 +18,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
-from model.checkpoint import Checkpoint, resolve_model_dir
+from model.checkpoint import resolve_model_dir
 from model.config import Qwen2Config, load_config
-from model.params import load_params
+from model.loading import LoadedModel, load_model
 from model.qwen2 import Qwen2, causal_mask
-from model.sharding import batch_sharding, make_mesh
+from model.sharding import batch_sharding
 
 T = TypeVar("T")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -77,16 +77,21 @@ class Extractor:
     @classmethod
     def load(cls, model_path: str, layers: Sequence[int] | None = None, mesh_type: str = "1d",
              dtype: str = "auto", batch_size_per_device: int = 1, max_seq_length: int = 2048,
-             model_axis_size: int | None = None, min_bucket: int = 32) -> "Extractor":
+             model_axis_size: int | None = None, min_bucket: int = 32,
+             devices: list | None = None) -> "Extractor":
+        """Loads only the blocks up to the last requested layer, straight onto the mesh."""
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
-        mesh = make_mesh(mesh_type, config, model_axis_size)
-        compute_dtype = resolve_dtype(dtype)
-        params = load_params(Checkpoint(model_dir), config, mesh, compute_dtype,
-                             num_layers=max(layers) + 1)
-        return cls(config, params, mesh, layers, compute_dtype,
-                   batch_size_per_device * mesh.shape["data"],
+        loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
+                            num_layers=max(layers) + 1, devices=devices)
+        return cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, layers: Sequence[int], batch_size_per_device: int = 1,
+                    max_seq_length: int = 2048, min_bucket: int = 32) -> "Extractor":
+        return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
+                   loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)))
 
     @functools.cached_property

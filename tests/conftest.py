@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# JAX sees 8 CPU devices (for sharding tests); must be set before JAX initialises its backend.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
 import dataclasses
 import json
 import pathlib
@@ -48,3 +55,18 @@ def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
 
 def with_output(config: PrepareConfig, output_dir: pathlib.Path) -> PrepareConfig:
     return dataclasses.replace(config, output_dir=str(output_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Tiny random Qwen2 checkpoints in several shapes, written once per session."""
+    from fixtures.tiny_qwen2 import write_checkpoint
+    root = tmp_path_factory.mktemp("checkpoints")
+    shapes = {
+        "gqa_tied": dict(),
+        "mha_untied_sharded": dict(num_key_value_heads=4, tie_word_embeddings=False,
+                                   rope_theta=10_000.0, max_shard_size="15MB"),
+        "odd": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                    intermediate_size=100, num_hidden_layers=3, rope_theta=50_000.0),
+    }
+    return {name: write_checkpoint(root / name, seed=i, **kw) for i, (name, kw) in enumerate(shapes.items())}

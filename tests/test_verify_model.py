@@ -1,0 +1,52 @@
+"""The verification report command, and its one-line errors."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_report_has_continuations_and_layer_statistics(tiny_checkpoints, qwen_tokenizer_dir, tmp_path):
+    out = tmp_path / "model_generation_verification.txt"
+    result = run_cli("runners.verify_model", "--model_path", tiny_checkpoints["gqa_tied"],
+                     "--tokenizer", qwen_tokenizer_dir, "--num_prompts", "2", "--max_new_tokens", "5",
+                     "--max_seq_length", "1024", "--layers_to_extract", "1,3", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert "NaN/Inf in activations: none" in text
+    assert text.count("=== ") == 2 and text.count("--- greedy continuation (5 tokens") == 2
+    table = text.split("--- activation statistics per layer")[1].splitlines()[2:]
+    assert [row.split()[0] for row in table] == ["1", "3"]
+
+
+@pytest.mark.parametrize("problem", ["layer 40", "missing file", "architecture", "not a dir"])
+def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path, problem):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["gqa_tied"], model)
+    args = ["--model_path", str(model), "--tokenizer", qwen_tokenizer_dir,
+            "--output", str(tmp_path / "r.txt")]
+    if problem == "layer 40":
+        args += ["--layers_to_extract", "2,40"]
+        expected = "layer 40 does not exist: the model has 4 layers (0..3)"
+    elif problem == "missing file":
+        os.remove(model / "model.safetensors")
+        expected = "checkpoint file 'model.safetensors' is missing"
+    elif problem == "architecture":
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"],
+                                                       "model_type": "llama"}))
+        expected = "unsupported architecture ['LlamaForCausalLM']"
+    else:
+        args[1] = str(tmp_path / "nothing_here")
+        expected = "is not a checkpoint directory"
+    result = run_cli("runners.verify_model", *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2
+    assert lines[-1].startswith("runners.verify_model: error:") and expected in lines[-1], lines
+    assert not any("Traceback" in line for line in lines)
+    assert not (tmp_path / "r.txt").exists()
