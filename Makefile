@@ -27,6 +27,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/prepare_throughput.py
+	$(PY) benchmarks/extraction_throughput.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -48,6 +48,16 @@ def resolve_dtype(name: str) -> Any:
     return DTYPES[name]
 
 
+def padded_rows(num_sequences: int, batch_size: int, data_axis: int) -> int:
+    """Rows of a batch: the next power of two (at least the data axis, at most ``batch_size``).
+
+    Full batches use ``batch_size`` rows; a partial one (the tail of a stream) computes few
+    empty rows, at the cost of at most log2(batch_size) extra compiles per length bucket.
+    """
+    rows = max(data_axis, 1 << max(0, num_sequences - 1).bit_length())
+    return min(batch_size, -(-rows // data_axis) * data_axis)
+
+
 def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh):
     """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H]."""
     model = Qwen2(config, dtype)
@@ -101,8 +111,9 @@ class Extractor:
     def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray]]:
         """Activations of up to ``batch_size`` sequences padded to ``length``: per sequence,
         ``{layer: array [num_tokens, H]}`` with padding removed."""
-        ids = np.zeros((self.batch_size, length), np.int32)  # [B, S]; padding rows stay 0
-        lengths = np.zeros((self.batch_size,), np.int32)
+        rows = padded_rows(len(sequences), self.batch_size, self.mesh.shape["data"])
+        ids = np.zeros((rows, length), np.int32)  # [B, S]; padding rows stay 0
+        lengths = np.zeros((rows,), np.int32)
         for row, seq in enumerate(sequences):
             ids[row, :len(seq)] = seq
             lengths[row] = len(seq)

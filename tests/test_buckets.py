@@ -27,3 +27,10 @@ def test_bucketer_emits_full_batches_then_flushes_partials():
     assert len(bucketer) == 1
     assert [(b.length, b.items) for b in bucketer.flush()] == [(4, ["d"])]
     assert len(bucketer) == 0
+
+
+def test_partial_batches_pad_rows_to_a_power_of_two_on_the_data_axis():
+    from model.extract import padded_rows
+    assert [padded_rows(n, 8, 1) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert [padded_rows(n, 16, 4) for n in (1, 4, 5, 9, 16)] == [4, 4, 8, 16, 16]
+    assert padded_rows(3, 6, 2) == 4 and padded_rows(5, 6, 2) == 6
