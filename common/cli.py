@@ -67,9 +67,11 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
         default = None if required else (f.default if f.default is not dataclasses.MISSING
                                          else f.default_factory())
         help_text = meta.get("help", "") + ("" if required else f" (default: {default})")
-        if kind is bool:
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
+        if kind is bool:  # --name / --no_name, in the project's underscore style
+            group = parser.add_mutually_exclusive_group()
+            group.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
+            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
+                               help=f"turn off --{f.name}")
             continue
         parser.add_argument(*names, dest=f.name, type=meta.get("parse") or kind,
                             default=default, required=required,

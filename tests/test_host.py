@@ -1,0 +1,194 @@
+"""The per-host runner end to end: prepare -> runners.tpu_host (x2) -> pipeline.index."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from activations.reader import iter_activations, load_shard
+from tests.conftest import REPO, read_streams, run_cli
+from tests.hf_reference import load_reference, reference_activations, relative_error
+
+pytestmark = pytest.mark.slow
+SHARD_GB = "0.0002"  # ~200 kB: a few samples per shard with the tiny model
+
+
+def host_args(streams, out, machine, model, *extra):
+    return ["--machine_id", str(machine), "--streams_dir", str(streams), "--model_path", model,
+            "--output_dir", str(out), "--shard_size_gb", SHARD_GB, "--batch_size", "2",
+            "--max_seq_length", "160", "--dtype", "float32", *extra]
+
+
+def run_host_cli(*args, **kw):
+    return run_cli("runners.tpu_host", *args, **kw)
+
+
+def shard_contents(machine_dir: pathlib.Path) -> dict:
+    """{shard file name: {layer: [(sample_id, activation bytes)]}} of a machine's shards."""
+    out = {}
+    for path in sorted(machine_dir.glob("shard_*.pkl*")):
+        shard = load_shard(str(path))
+        out[path.name] = {layer: [(e["sample_id"], e["activation"].tobytes(), e["source"]) for e in entries]
+                          for layer, entries in shard.items()}
+    return out
+
+
+def index_rows(machine_dir: pathlib.Path) -> list[dict]:
+    rows = []
+    for path in sorted((machine_dir / "index").glob("shard_*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            row["shard_path"] = os.path.basename(row["shard_path"])
+            rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(arc_streams, tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    for machine in (0, 1):
+        result = run_host_cli(*host_args(arc_streams, out, machine, tiny_checkpoints["gqa_tied"]))
+        assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_end_to_end_every_sample_once_and_equal_to_reference(arc_streams, tiny_checkpoints, uninterrupted,
+                                                             tmp_path):
+    index_path = tmp_path / "index.parquet"
+    result = run_cli("pipeline.index", "--activations_dir", str(uninterrupted), "--output", str(index_path))
+    assert result.returncode == 0, result.stderr
+    index = pq.read_table(index_path).to_pandas()
+    streams = [s for stream in read_streams(arc_streams, 2) for s in stream]
+    assert sorted(index["sample_id"]) == sorted(s["sample_id"] for s in streams)
+    assert index["sample_id"].is_unique and len(index) == 24
+    merged = json.loads((tmp_path / "merged_metadata.json").read_text())
+    assert merged["total_samples"] == 24 and merged["completed_machines"] == [0, 1]
+    reference = load_reference(tiny_checkpoints["gqa_tied"])
+    by_id = {s["sample_id"]: s for s in streams}
+    for layer in (0, 3):
+        got = dict(iter_activations(index, [s["sample_id"] for s in streams], layer))
+        refs = reference_activations(reference, [by_id[i]["input_ids"] for i in got])
+        for (sample_id, activation), ref in zip(got.items(), refs):
+            assert activation.shape == (by_id[sample_id]["num_tokens"], 64)
+            assert relative_error(activation, ref[layer]) <= 1e-5
+
+
+def test_metadata_and_checkpoint(uninterrupted):
+    machine = uninterrupted / "machine_000"
+    metadata = json.loads((machine / "metadata.json").read_text())
+    checkpoint = json.loads((machine / "checkpoint.json").read_text())
+    assert checkpoint["status"] == "completed" and metadata["total_shards"] == checkpoint["total_shards"] > 1
+    shards = metadata["shards"]
+    assert [s["filename"] for s in shards] == [f"shard_{i:04d}.pkl.gz" for i in range(1, len(shards) + 1)]
+    assert sum(s["total_samples_in_shard"] for s in shards) == metadata["total_samples"]
+    assert metadata["layers"] == [0, 1, 2, 3] and metadata["hidden_size"] == 64
+    assert checkpoint["last_processed_sample_idx"] == shards[-1]["last_sample_id"]
+
+
+def test_completed_run_does_nothing(arc_streams, tiny_checkpoints, uninterrupted):
+    before = shard_contents(uninterrupted / "machine_001")
+    result = run_host_cli(*host_args(arc_streams, uninterrupted, 1, tiny_checkpoints["gqa_tied"]))
+    assert result.returncode == 0 and "already completed" in result.stdout
+    assert shard_contents(uninterrupted / "machine_001") == before
+
+
+def kill_at_a_random_moment(proc, machine_dir: pathlib.Path, num_shards: int, rng: random.Random) -> bool:
+    """SIGKILLs ``proc`` once a random number of shard files exist, a random instant later (so
+    some kills land in start-up, some between shards, some mid-write); False if it ended first."""
+    target = rng.randint(0, num_shards - 1)
+    while proc.poll() is None:
+        if len(list(machine_dir.glob("shard_*"))) >= target:
+            time.sleep(rng.uniform(0.0, 0.05))
+            if proc.poll() is not None:
+                return False
+            proc.kill()
+            proc.communicate()
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams, tiny_checkpoints, tmp_path):
+    # 60 records in windows of 3, ~30 shards: shards are stored all through the run, so kills
+    # land in start-up, between shards and during a shard's store.
+    long_stream(arc_streams, tmp_path / "long.jsonl", copies=5)
+
+    def args_for(out):
+        return ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
+                tiny_checkpoints["gqa_tied"], "--output_dir", str(out), "--shard_size_gb", SHARD_GB,
+                "--batch_size", "2", "--window", "3", "--max_seq_length", "160", "--dtype", "float32"]
+
+    baseline = run_host_cli(*args_for(tmp_path / "baseline"))
+    assert baseline.returncode == 0, baseline.stderr
+    expected_shards = shard_contents(tmp_path / "baseline" / "machine_000")
+    expected_index = index_rows(tmp_path / "baseline" / "machine_000")
+    rng = random.Random(1234)
+    progress_at_kills = []
+    for trial in range(3):
+        out = tmp_path / f"trial{trial}"
+        args = args_for(out)
+        kills = 0
+        for attempt in range(12):
+            proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if kills < 3 and kill_at_a_random_moment(proc, out / "machine_000", len(expected_shards), rng):
+                kills += 1
+                checkpoint = out / "machine_000" / "checkpoint.json"
+                progress_at_kills.append(json.loads(checkpoint.read_text())["total_shards"]
+                                         if checkpoint.exists() else 0)
+                continue
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr
+            if "completed" in stdout:
+                break
+        assert kills >= 1
+        checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
+        assert checkpoint["status"] == "completed"
+        assert shard_contents(out / "machine_000") == expected_shards
+        assert index_rows(out / "machine_000") == expected_index
+        files = sorted(p.name for p in (out / "machine_000").rglob("*") if p.is_file())
+        assert not [f for f in files if f.endswith(".tmp")]
+    # Some kills landed mid-run: after some shards were stored but before the last.
+    assert any(0 < n < len(expected_shards) for n in progress_at_kills), progress_at_kills
+
+
+def long_stream(arc_streams, path, copies=80) -> list[dict]:
+    """A stream of many records (stream 0 repeated under new ids), slow enough to interrupt."""
+    base = read_streams(arc_streams, 2)[0]
+    records = [{**r, "sample_id": r["sample_id"] + (k << 50)} for k in range(copies) for r in base]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tmp_path):
+    records = long_stream(arc_streams, tmp_path / "long.jsonl")
+    args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
+            tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", "0.002",
+            "--batch_size", "1", "--window", "1", "--max_seq_length", "160", "--dtype", "float32"]
+    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(10)  # JAX start, model load, first compiles, then some samples
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert time.monotonic() - start < 10
+    assert "stopped by signal" in stdout
+    machine = tmp_path / "machine_000"
+    checkpoint = json.loads((machine / "checkpoint.json").read_text())
+    stored = [e["sample_id"] for p in sorted(machine.glob("shard_*.pkl.gz")) for e in load_shard(str(p))[0]]
+    assert checkpoint["status"] == "in_progress"
+    assert len(stored) == checkpoint["total_samples_processed"] > 0
+    assert stored == [r["sample_id"] for r in records[:len(stored)]]
+    # Resuming finishes the stream with every sample exactly once, in order.
+    result = run_host_cli(*args)
+    assert result.returncode == 0, result.stderr
+    ids = [e["sample_id"] for p in sorted(machine.glob("shard_*.pkl.gz")) for e in load_shard(str(p))[0]]
+    assert ids == [r["sample_id"] for r in records]

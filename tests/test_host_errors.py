@@ -1,0 +1,66 @@
+"""The runner's user errors: one clear line, and nothing already done is lost."""
+
+import json
+
+import pytest
+
+from tests.conftest import read_streams
+from tests.test_host import host_args, run_host_cli, shard_contents
+
+pytestmark = pytest.mark.slow
+
+
+def one_line_error(result, expected: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert lines and lines[-1].startswith("runners.tpu_host: error:") and expected in lines[-1], lines
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_malformed_line_is_reported_with_its_number_and_nothing_inconsistent_is_written(
+        arc_streams, tiny_checkpoints, tmp_path):
+    lines = (arc_streams / "stream_000.jsonl").read_text().splitlines()
+    lines[7] = lines[7][:40]  # cut mid-record
+    (tmp_path / "streams").mkdir()
+    (tmp_path / "streams" / "stream_000.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    result = run_host_cli(*host_args(tmp_path / "streams", out, 0, tiny_checkpoints["gqa_tied"],
+                                     "--window", "2", "--batch_size", "1"))
+    one_line_error(result, "stream_000.jsonl:8: malformed JSON")
+    checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
+    stored = [e[0] for shard in shard_contents(out / "machine_000").values() for e in shard[0]]
+    assert checkpoint["status"] == "in_progress" and checkpoint["total_samples_processed"] == len(stored) < 7
+    expected = [json.loads(line)["sample_id"] for line in lines[:len(stored)]]
+    assert stored == expected
+    assert sorted(p.name for p in (out / "machine_000").glob("shard_*")) == \
+        [s["filename"] for s in checkpoint["shards"]]
+
+
+def test_machine_without_stream(arc_streams, tiny_checkpoints, tmp_path):
+    result = run_host_cli(*host_args(arc_streams, tmp_path, 5, tiny_checkpoints["gqa_tied"]))
+    one_line_error(result, "no stream file for machine 5")
+
+
+def test_corrupted_checkpoint_keeps_the_shards(arc_streams, tiny_checkpoints, tmp_path):
+    args = host_args(arc_streams, tmp_path, 1, tiny_checkpoints["gqa_tied"], "--max_samples", "4")
+    assert run_host_cli(*args).returncode == 0
+    machine = tmp_path / "machine_001"
+    before = shard_contents(machine)
+    (machine / "checkpoint.json").write_text('{"total_shards": 3, "sta')
+    one_line_error(run_host_cli(*args), "corrupted checkpoint")
+    assert shard_contents(machine) == before and before
+
+
+def test_unwritable_output_dir(arc_streams, tiny_checkpoints, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    one_line_error(run_host_cli(*host_args(arc_streams, blocker / "out", 0, tiny_checkpoints["gqa_tied"])),
+                   "is not writable")
+
+
+def test_layer_past_the_model_and_bad_flags(arc_streams, tiny_checkpoints, tmp_path):
+    one_line_error(run_host_cli(*host_args(arc_streams, tmp_path, 0, tiny_checkpoints["gqa_tied"],
+                                           "--layers_to_extract", "1,9")),
+                   "layer 9 does not exist: the model has 4 layers")
+    one_line_error(run_host_cli(*host_args(arc_streams, tmp_path, 0, tiny_checkpoints["gqa_tied"],
+                                           "--upload_to_gcs")), "--upload_to_gcs needs --gcs_bucket")

@@ -1,0 +1,77 @@
+"""Uploading to a real local GCS API server (gcp-storage-emulator)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from activations.reader import load_shard
+from tests.conftest import REPO, read_streams
+from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
+from tests.test_host_errors import one_line_error
+
+pytestmark = pytest.mark.slow
+
+
+def bucket_names(gcs, prefix="activations/machine_000/"):
+    return sorted(b.name[len(prefix):] for b in gcs.client().list_blobs("acts", prefix=prefix))
+
+
+def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path, gcs):
+    result = run_host_cli(*host_args(arc_streams, tmp_path, 0, tiny_checkpoints["gqa_tied"],
+                                     "--upload_to_gcs", "--gcs_bucket", "acts",
+                                     "--delete_local_after_upload"))
+    assert result.returncode == 0, result.stderr
+    machine = tmp_path / "machine_000"
+    metadata = json.loads((machine / "metadata.json").read_text())
+    shards = [s["filename"] for s in metadata["shards"]]
+    names = bucket_names(gcs)
+    assert set(names) == {"checkpoint.json", "metadata.json", *shards,
+                          *(f"index/{s.replace('.pkl.gz', '.parquet')}" for s in shards)}
+    assert not list(machine.glob("shard_*"))  # deleted after verified upload
+    remote = json.loads(gcs.client().bucket("acts").blob("activations/machine_000/metadata.json")
+                        .download_as_bytes())
+    assert remote == metadata and metadata["shards"][0]["gcs_path"] == \
+        f"gs://acts/activations/machine_000/{shards[0]}"
+    blob = gcs.client().bucket("acts").blob(f"activations/machine_000/{shards[0]}").download_as_bytes()
+    from activations.reader import loads_shard
+    entries = loads_shard(blob)[0]
+    assert entries[0]["sample_id"] == read_streams(arc_streams, 2)[0][0]["sample_id"]
+
+
+def test_missing_bucket_is_one_line(arc_streams, tiny_checkpoints, tmp_path, gcs):
+    one_line_error(run_host_cli(*host_args(arc_streams, tmp_path, 0, tiny_checkpoints["gqa_tied"],
+                                           "--upload_to_gcs", "--gcs_bucket", "no-such-bucket")),
+                   "GCS bucket 'no-such-bucket' does not exist")
+    assert not list((tmp_path / "machine_000").glob("shard_*"))
+
+
+def test_emulator_stopped_mid_run_fails_clearly_then_resumes(arc_streams, tiny_checkpoints, tmp_path, gcs):
+    records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=40)
+    args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
+            tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", SHARD_GB,
+            "--max_seq_length", "160", "--dtype", "float32", "--upload_to_gcs", "--gcs_bucket", "acts",
+            "--upload_retries", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not bucket_names(gcs) and time.monotonic() < deadline:  # the first shard is up
+        time.sleep(0.2)
+    gcs.stop()
+    stdout, stderr = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the emulator stopped")
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 2 and "runners.tpu_host: error: GCS" in lines[-1], lines[-3:]
+    assert "failed after 2 attempts" in lines[-1] or "failed" in lines[-1]
+    gcs.start()
+    result = run_host_cli(*args)
+    assert result.returncode == 0, result.stderr
+    checkpoint = json.loads((tmp_path / "machine_000" / "checkpoint.json").read_text())
+    ids = [e[0] for shard in shard_contents(tmp_path / "machine_000").values() for e in shard[0]]
+    assert checkpoint["status"] == "completed"
+    assert ids == [r["sample_id"] for r in records]
+    remote = bucket_names(gcs)
+    assert [n for n in remote if n.startswith("shard_")] == [s["filename"] for s in checkpoint["shards"]]

@@ -1,0 +1,77 @@
+import gzip
+import io
+import os
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from activations.index import merge_index_files, shard_index, write_index
+from activations.reader import UnsafeShardError, load_shard, loads_shard
+from activations.shards import encode_shard, shard_dict, shard_filename
+
+
+def samples(n=3, hidden=4, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return [{"sample_id": 100 + i, "source": f"t{i}:0", "text_preview": f"prompt {i}", "num_tokens": i + 1,
+             "activations": {layer: rng.standard_normal((i + 1, hidden)).astype(dtype) for layer in (2, 5)}}
+            for i in range(n)]
+
+
+def test_shard_layout_and_plain_pickle_gzip_reading(tmp_path):
+    shard = shard_dict(samples(), layers=(2, 5))
+    path = tmp_path / shard_filename(7)
+    path.write_bytes(encode_shard(shard, compress=True))
+    assert path.name == "shard_0007.pkl.gz"
+    loaded = pickle.load(gzip.open(path))
+    assert sorted(loaded) == [2, 5]
+    for layer in (2, 5):
+        assert [e["sample_id"] for e in loaded[layer]] == [100, 101, 102]
+        entry = loaded[layer][1]
+        assert entry["sample_idx"] == 101 and entry["shape"] == (2, 4) and entry["source"] == "t1:0"
+        np.testing.assert_array_equal(entry["activation"], shard[layer][1]["activation"])
+
+
+def test_bytes_are_deterministic_and_uncompressed_is_plain_pickle():
+    shard = shard_dict(samples(), layers=(2, 5))
+    assert encode_shard(shard, True) == encode_shard(shard, True)
+    raw = encode_shard(shard, compress=False)
+    assert pickle.loads(raw)[5][2]["text_preview"] == "prompt 2"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_restricted_loader_reads_every_activation_dtype(tmp_path, dtype):
+    shard = shard_dict(samples(dtype=dtype), layers=(2, 5))
+    path = tmp_path / "s.pkl.gz"
+    path.write_bytes(encode_shard(shard, True))
+    loaded = load_shard(str(path))
+    assert loaded[2][0]["activation"].dtype == dtype
+    np.testing.assert_array_equal(loaded[5][2]["activation"], shard[5][2]["activation"])
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/should_not_exist",))
+
+
+def test_restricted_loader_refuses_code():
+    payload = pickle.dumps({2: [{"activation": Exploit()}]})
+    with pytest.raises(UnsafeShardError, match="posix.system|os.system"):
+        loads_shard(payload)
+    with pytest.raises(UnsafeShardError):
+        loads_shard(gzip.compress(payload))
+
+
+def test_index_rows_and_merge(tmp_path):
+    first = shard_index(samples(2), machine_id=1, shard_id=1, shard_path="/x/shard_0001.pkl.gz",
+                        layers=(2, 5), hidden_size=4, dtype="float32")
+    later = shard_index([{**s, "sample_id": s["sample_id"] - 50} for s in samples(2)], machine_id=0,
+                        shard_id=1, shard_path="/y/shard_0001.pkl.gz", layers=(2, 5), hidden_size=4,
+                        dtype="float32")
+    write_index(first, str(tmp_path / "a.parquet"))
+    write_index(later, str(tmp_path / "b.parquet"))
+    merged = merge_index_files([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]).to_pylist()
+    assert [(r["sample_id"], r["machine_id"], r["position"]) for r in merged] == [
+        (50, 0, 0), (51, 0, 1), (100, 1, 0), (101, 1, 1)]
+    assert merged[0]["layers"] == [2, 5] and merged[2]["num_tokens"] == 1

@@ -1,0 +1,124 @@
+"""``ExtractActivations``: stream records in, one record per sample with its activations out.
+
+The DoFn loads the model once per worker (``setup``), collects up to ``window`` records, runs
+them through the bucketed, sharded forward and emits the results **in input order**, so that a
+consumer (the host runner) can cut shards that each hold a contiguous run of the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Iterator, Sequence
+
+import apache_beam as beam
+from apache_beam.transforms.window import GlobalWindows
+
+from common.cli import UserError
+
+STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
+
+
+class StreamFormatError(UserError):
+    """A malformed line in a stream file; the message names the file and line number."""
+
+
+def parse_stream_line(line: str, where: str) -> dict[str, Any]:
+    """One stream record, validated; ``where`` is ``path:line`` for the error message."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise StreamFormatError(f"{where}: malformed JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise StreamFormatError(f"{where}: a stream line must be a JSON object")
+    missing = [f for f in STREAM_FIELDS if f not in record]
+    if missing:
+        raise StreamFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    ids = record["input_ids"]
+    if (not isinstance(ids, list) or not ids
+            or not all(type(t) is int and t >= 0 for t in ids)):
+        raise StreamFormatError(f"{where}: input_ids must be a non-empty list of token ids")
+    if record["num_tokens"] != len(ids):
+        raise StreamFormatError(f"{where}: num_tokens {record['num_tokens']} != {len(ids)} input_ids")
+    if type(record["sample_id"]) is not int:
+        raise StreamFormatError(f"{where}: sample_id must be an integer")
+    return record
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractConfig:
+    model_path: str
+    layers: tuple[int, ...] | None = None  # None: every layer
+    batch_size: int = 8                    # per device
+    max_seq_length: int = 2048
+    mesh_type: str = "1d"
+    dtype: str = "auto"
+    activation_dtype: str = "float32"
+    window: int | None = None              # records reordered at once; default 8 x global batch
+
+
+def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
+    """The output of one sample: its identity and ``{layer: array [num_tokens, hidden]}``."""
+    return {"sample_id": record["sample_id"], "source": record["source"],
+            "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
+            "activations": activations}
+
+
+def extract_in_order(extractor, records: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Activation records of ``records``, computed bucket by bucket, yielded in input order."""
+    limit = extractor.buckets[-1]
+    for record in records:
+        if record["num_tokens"] > limit:
+            raise UserError(f"sample {record['sample_id']} has {record['num_tokens']} tokens, more "
+                            f"than --max_seq_length {limit}")
+    results = dict(extractor.extract((i, r["input_ids"]) for i, r in enumerate(records)))
+    for i, record in enumerate(records):
+        yield activation_record(record, results.pop(i))
+
+
+class ExtractActivations(beam.DoFn):
+    """Stream records -> activation records (in input order within a bundle)."""
+
+    def __init__(self, config: ExtractConfig):
+        self.config = config
+        self.extractor = None
+        self._pending: list[dict[str, Any]] = []
+
+    def setup(self):
+        from model.extract import Extractor
+        c = self.config
+        self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
+                                        c.max_seq_length, activation_dtype=c.activation_dtype)
+
+    def window_for(self, global_batch: int) -> int:
+        """Records computed together: the configured window, else 8 global batches."""
+        return self.config.window or 8 * global_batch
+
+    @property
+    def window(self) -> int:
+        return self.window_for(self.extractor.batch_size)
+
+    def start_bundle(self):
+        self._pending = []
+
+    def process(self, record: dict[str, Any]):
+        self._pending.append(record)
+        if len(self._pending) >= self.window:
+            yield from self.drain()
+
+    def finish_bundle(self):
+        for out in self.drain():
+            yield GlobalWindows.windowed_value(out)
+
+    def drain(self) -> Iterator[dict[str, Any]]:
+        """Computes and yields every pending record (used by ``finish_bundle`` and the runner)."""
+        records, self._pending = self._pending, []
+        yield from extract_in_order(self.extractor, records)
+
+    def discard_pending(self) -> int:
+        """Drops records not computed yet (on preemption they are redone after resume)."""
+        dropped, self._pending = len(self._pending), []
+        return dropped
+
+    def teardown(self):
+        self.extractor = None
