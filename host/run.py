@@ -148,7 +148,8 @@ def run_host(config: HostConfig) -> int:
     dofn.setup()
     extractor = dofn.extractor
     progress = Progress(config.verbose)
-    settings = ShardSettings(config.machine_id, config.machine_dir, int(config.shard_size_gb * 1e9),
+    settings = ShardSettings(config.machine_id, os.path.abspath(config.machine_dir),
+                             int(config.shard_size_gb * 1e9),
                              config.compress_shards, extractor.layers, extractor.config.hidden_size,
                              config.activation_dtype, config.delete_local_after_upload,
                              _metadata(config, extractor))

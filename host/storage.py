@@ -18,6 +18,7 @@ from common.cli import UserError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+TIMEOUT_S = 120  # per request; retries are ours (``retries`` attempts), not the library's
 
 
 class StorageError(UserError):
@@ -48,7 +49,7 @@ class GcsStore:
         self.backoff_s = backoff_s
         self._client = storage.Client()
         self._bucket = self._client.bucket(bucket)
-        if not self._call("check bucket", self._bucket.exists):
+        if not self._call("check of the bucket", lambda: self._bucket.exists(retry=None, timeout=TIMEOUT_S)):
             raise StorageError(f"GCS bucket {bucket!r} does not exist (or is not visible to these "
                                "credentials)")
 
@@ -77,9 +78,10 @@ class GcsStore:
     def upload(self, name: str, data: bytes) -> str:
         """Uploads and verifies (size and MD5 read back); returns the ``gs://`` URL."""
         blob = self._bucket.blob(self._key(name))
-        self._call(f"upload of {self.url(name)}", lambda: blob.upload_from_string(data, retry=None))
+        self._call(f"upload of {self.url(name)}",
+                   lambda: blob.upload_from_string(data, retry=None, timeout=TIMEOUT_S))
         remote = self._bucket.blob(self._key(name))
-        self._call(f"check of {self.url(name)}", remote.reload)
+        self._call(f"check of {self.url(name)}", lambda: remote.reload(retry=None, timeout=TIMEOUT_S))
         if remote.size != len(data) or remote.md5_hash != md5_base64(data):
             raise StorageError(f"upload of {self.url(name)} did not verify: {remote.size} bytes, "
                                f"md5 {remote.md5_hash}; expected {len(data)} bytes, md5 {md5_base64(data)}")
@@ -92,7 +94,7 @@ class GcsStore:
 
         def fetch() -> bytes | None:
             try:
-                return blob.download_as_bytes()
+                return blob.download_as_bytes(retry=None, timeout=TIMEOUT_S)
             except gexc.NotFound:
                 return None
         return self._call(f"download of {self.url(name)}", fetch)
@@ -100,10 +102,11 @@ class GcsStore:
     def names(self, pattern: str) -> list[str]:
         """Names (relative to the prefix) of the objects whose name matches ``pattern``."""
         prefix = self._key("")
-        blobs = self._call("listing", lambda: list(self._client.list_blobs(self.bucket_name,
-                                                                           prefix=prefix)))
+        blobs = self._call("listing", lambda: list(self._client.list_blobs(
+            self.bucket_name, prefix=prefix, retry=None, timeout=TIMEOUT_S)))
         names = [b.name[len(prefix):] for b in blobs]
         return sorted(n for n in names if re.fullmatch(pattern, n))
 
     def delete(self, name: str) -> None:
-        self._call(f"delete of {self.url(name)}", self._bucket.blob(self._key(name)).delete)
+        blob = self._bucket.blob(self._key(name))
+        self._call(f"delete of {self.url(name)}", lambda: blob.delete(retry=None, timeout=TIMEOUT_S))
