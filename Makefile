@@ -37,6 +37,7 @@ bench: install
 	$(PY) benchmarks/prepare_throughput.py
 	$(PY) benchmarks/extraction_throughput.py
 	$(PY) benchmarks/host_throughput.py
+	$(PY) benchmarks/shard_access.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

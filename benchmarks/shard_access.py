@@ -96,7 +96,9 @@ def main() -> None:
 
     shard, raw = generated_shard(args.shard_gb)
     start = time.perf_counter()
-    encoded, locations = encode_shard(shard, compress=True)
+    result = encode_shard(shard, compress=True)
+    encoded, locations = result.data, result.locations
+    del result
     writer_s = time.perf_counter() - start
     payload = pickle.dumps(shard, protocol=3)
     start = time.perf_counter()

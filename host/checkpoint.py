@@ -43,11 +43,13 @@ class Checkpoint:
         return checkpoint
 
 
-def write_atomically(path: str, data: bytes) -> None:
-    """Replaces ``path`` with ``data`` so that readers see the old or the new file, never half."""
+def write_atomically(path: str, data: bytes | list[bytes]) -> None:
+    """Replaces ``path`` with ``data`` (bytes, or chunks written in order) so that readers see
+    the old or the new file, never half of one."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
-        f.write(data)
+        for chunk in ([data] if isinstance(data, bytes) else data):
+            f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

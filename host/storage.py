@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 import re
 import time
 from typing import Callable, TypeVar
@@ -80,11 +81,25 @@ class GcsStore:
         blob = self._bucket.blob(self._key(name))
         self._call(f"upload of {self.url(name)}",
                    lambda: blob.upload_from_string(data, retry=None, timeout=TIMEOUT_S))
+        return self._verify(name, len(data), md5_base64(data))
+
+    def upload_file(self, name: str, path: str) -> str:
+        """Uploads a local file (streamed, not read into memory) and verifies it."""
+        blob = self._bucket.blob(self._key(name))
+        self._call(f"upload of {self.url(name)}",
+                   lambda: blob.upload_from_filename(path, retry=None, timeout=TIMEOUT_S))
+        digest = hashlib.md5()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                digest.update(chunk)
+        return self._verify(name, os.path.getsize(path), base64.b64encode(digest.digest()).decode())
+
+    def _verify(self, name: str, size: int, md5: str) -> str:
         remote = self._bucket.blob(self._key(name))
         self._call(f"check of {self.url(name)}", lambda: remote.reload(retry=None, timeout=TIMEOUT_S))
-        if remote.size != len(data) or remote.md5_hash != md5_base64(data):
+        if remote.size != size or remote.md5_hash != md5:
             raise StorageError(f"upload of {self.url(name)} did not verify: {remote.size} bytes, "
-                               f"md5 {remote.md5_hash}; expected {len(data)} bytes, md5 {md5_base64(data)}")
+                               f"md5 {remote.md5_hash}; expected {size} bytes, md5 {md5}")
         return self.url(name)
 
     def download(self, name: str) -> bytes | None:

@@ -89,31 +89,36 @@ class ShardWriter:
         s = self.settings
         name = shard_filename(shard_id, s.compress)
         local_path = os.path.join(s.machine_dir, name)
-        data, locations = encode_shard(shard_dict(samples, s.layers), s.compress, s.compression_level)
-        write_atomically(local_path, data)
-        gcs_path = self.store.url(name) if self.store else None
-        indexes = {
-            index_filename(shard_id): parquet_bytes(shard_index(
-                samples, s.machine_id, shard_id, gcs_path or local_path, s.layers, s.hidden_size,
-                s.activation_dtype)),
-            arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, gcs_path or local_path)),
-        }
+        shard_path = self.store.url(name) if self.store else local_path
+        sample_index = shard_index(samples, s.machine_id, shard_id, shard_path, s.layers, s.hidden_size,
+                                   s.activation_dtype)
+        first_id, last_id, count = samples[0]["sample_id"], samples[-1]["sample_id"], len(samples)
+        document = shard_dict(samples, s.layers)
+        samples.clear()  # from here the arrays live in ``document`` only, and go with it
+        encoded = encode_shard(document, s.compress, s.compression_level)
+        del document
+        write_atomically(local_path, encoded.chunks)
+        size = encoded.size
+        indexes = {index_filename(shard_id): parquet_bytes(sample_index),
+                   arrays_index_filename(shard_id): parquet_bytes(arrays_index(encoded.locations, shard_path))}
+        del encoded
         for index_name, index in indexes.items():
             write_atomically(os.path.join(s.machine_dir, index_name), index)
         if self.store:
-            self.store.upload(name, data)
+            self.store.upload_file(name, local_path)
             for index_name, index in indexes.items():
                 self.store.upload(index_name, index)
             if s.delete_local_after_upload:
                 os.remove(local_path)
-        shard = {"shard_id": shard_id, "filename": name, "local_path": local_path, "gcs_path": gcs_path,
-                 "file_size_mb": round(len(data) / 2**20, 6), "layers": list(s.layers),
-                 "samples_per_layer": len(samples), "total_samples_in_shard": len(samples),
-                 "first_sample_id": samples[0]["sample_id"], "last_sample_id": samples[-1]["sample_id"]}
+        shard = {"shard_id": shard_id, "filename": name, "local_path": local_path,
+                 "gcs_path": self.store.url(name) if self.store else None,
+                 "file_size_mb": round(size / 2**20, 6), "layers": list(s.layers),
+                 "samples_per_layer": count, "total_samples_in_shard": count,
+                 "first_sample_id": first_id, "last_sample_id": last_id}
         self.checkpoint.shards.append(shard)
         self.checkpoint.total_shards = shard_id
         self.checkpoint.total_samples_processed = samples_done
-        self.checkpoint.last_processed_sample_idx = samples[-1]["sample_id"]
+        self.checkpoint.last_processed_sample_idx = last_id
         self.write_state()
         self.on_stored(shard)
 

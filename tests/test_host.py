@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from activations.reader import iter_activations, load_shard
+from activations.reader import iter_activations, load_shard, read_activations
 from tests.conftest import REPO, read_streams, run_cli
 from tests.hf_reference import load_reference, reference_activations, relative_error
 
@@ -68,6 +68,11 @@ def test_end_to_end_every_sample_once_and_equal_to_reference(arc_streams, tiny_c
     streams = [s for stream in read_streams(arc_streams, 2) for s in stream]
     assert sorted(index["sample_id"]) == sorted(s["sample_id"] for s in streams)
     assert index["sample_id"].is_unique and len(index) == 24
+    arrays = pq.read_table(tmp_path / "index_arrays.parquet").to_pandas()
+    assert len(arrays) == 24 * 4 and sorted(arrays["layer"].unique()) == [0, 1, 2, 3]
+    pairs = read_activations(arrays, [s["sample_id"] for s in streams[:6]], [1, 2])
+    per_sample = dict(iter_activations(index, [s["sample_id"] for s in streams[:6]], 2))
+    assert all(np.array_equal(pairs[(i, 2)], a) for i, a in per_sample.items())
     merged = json.loads((tmp_path / "merged_metadata.json").read_text())
     assert merged["total_samples"] == 24 and merged["completed_machines"] == [0, 1]
     reference = load_reference(tiny_checkpoints["gqa_tied"])

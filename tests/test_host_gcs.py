@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from activations.reader import iter_activations, load_shard
+from activations.reader import iter_activations, load_shard, read_activations
 from tests.conftest import REPO, read_streams, run_cli
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
@@ -30,7 +30,8 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     shards = [s["filename"] for s in metadata["shards"]]
     names = bucket_names(gcs)
     assert set(names) == {"checkpoint.json", "metadata.json", *shards,
-                          *(f"index/{s.replace('.pkl.gz', '.parquet')}" for s in shards)}
+                          *(f"index/{s.replace('.pkl.gz', '.parquet')}" for s in shards),
+                          *(f"index/{s.replace('.pkl.gz', '_arrays.parquet')}" for s in shards)}
     assert not list(machine.glob("shard_*"))  # deleted after verified upload
     remote = json.loads(gcs.client().bucket("acts").blob("activations/machine_000/metadata.json")
                         .download_as_bytes())
@@ -47,6 +48,8 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     assert all(got[r["sample_id"]].shape == (r["num_tokens"], 64) for r in stream[::5])
     first = load_shard(metadata["shards"][0]["gcs_path"])[2][0]
     np.testing.assert_array_equal(first["activation"], got[stream[0]["sample_id"]])
+    ranged = read_activations(str(tmp_path / "index_arrays.parquet"), [stream[0]["sample_id"]], [2])
+    np.testing.assert_array_equal(ranged[(stream[0]["sample_id"], 2)], first["activation"])
 
 
 def test_missing_bucket_is_one_line(arc_streams, tiny_checkpoints, tmp_path, gcs):

@@ -25,7 +25,8 @@ def make_samples(dtype=np.float32, hidden=64, lengths=LENGTHS):
 
 def write_shard(tmp_path, compress, dtype=np.float32, name=None):
     shard = shard_dict(make_samples(dtype), (0, 6, 12))
-    data, locations = encode_shard(shard, compress)
+    encoded = encode_shard(shard, compress)
+    data, locations = encoded.data, encoded.locations
     path = tmp_path / (name or ("shard_0001.pkl.gz" if compress else "shard_0001.pkl"))
     path.write_bytes(data)
     return shard, path, arrays_index(locations, str(path)).to_pandas()
@@ -94,7 +95,8 @@ def test_corrupted_or_truncated_shard_names_shard_and_offset(tmp_path, damage):
 @pytest.mark.slow
 def test_gcs_ranged_reads(tmp_path, gcs):
     shard, path, _ = write_shard(tmp_path, compress=True)
-    data, locations = encode_shard(shard, True)
+    encoded = encode_shard(shard, True)
+    data, locations = encoded.data, encoded.locations
     gcs.client().bucket("acts").blob("m/shard_0001.pkl.gz").upload_from_string(data)
     index = arrays_index(locations, "gs://acts/m/shard_0001.pkl.gz").to_pandas()
     write_index(arrays_index(locations, "gs://acts/m/shard_0001.pkl.gz"), str(tmp_path / "i.parquet"))

@@ -22,7 +22,7 @@ def samples(n=3, hidden=4, dtype=np.float32):
 def test_shard_layout_and_plain_pickle_gzip_reading(tmp_path):
     shard = shard_dict(samples(), layers=(2, 5))
     path = tmp_path / shard_filename(7)
-    path.write_bytes(encode_shard(shard, compress=True)[0])
+    path.write_bytes(encode_shard(shard, compress=True).data)
     assert path.name == "shard_0007.pkl.gz"
     loaded = pickle.load(gzip.open(path))
     assert sorted(loaded) == [2, 5]
@@ -35,8 +35,8 @@ def test_shard_layout_and_plain_pickle_gzip_reading(tmp_path):
 
 def test_bytes_are_deterministic_and_uncompressed_is_plain_pickle():
     shard = shard_dict(samples(), layers=(2, 5))
-    assert encode_shard(shard, True) == encode_shard(shard, True)
-    raw, _ = encode_shard(shard, compress=False)
+    assert encode_shard(shard, True).data == encode_shard(shard, True).data
+    raw = encode_shard(shard, compress=False).data
     assert pickle.loads(raw)[5][2]["text_preview"] == "prompt 2"
 
 
@@ -44,7 +44,7 @@ def test_bytes_are_deterministic_and_uncompressed_is_plain_pickle():
 def test_restricted_loader_reads_every_activation_dtype(tmp_path, dtype):
     shard = shard_dict(samples(dtype=dtype), layers=(2, 5))
     path = tmp_path / "s.pkl.gz"
-    path.write_bytes(encode_shard(shard, True)[0])
+    path.write_bytes(encode_shard(shard, True).data)
     loaded = load_shard(str(path))
     assert loaded[2][0]["activation"].dtype == dtype
     np.testing.assert_array_equal(loaded[5][2]["activation"], shard[5][2]["activation"])
