@@ -7,9 +7,7 @@ setup(
     version="0.1.0",
     description="Hidden-state activations of Qwen2.5 models from Hugging Face datasets, at scale.",
     python_requires=">=3.10",
-    packages=find_packages(include=["common", "common.*", "fixtures", "fixtures.*", "model",
-                                    "model.*", "pipeline", "pipeline.*", "runners", "runners.*",
-                                    "transforms", "transforms.*"]),
+    packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
     package_data={"fixtures": ["*.jinja"]},
     install_requires=[
         "apache-beam[gcp]>=2.68,<3",  # also brings google-cloud-storage

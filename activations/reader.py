@@ -16,7 +16,7 @@ import gzip
 import io
 import pickle
 import zlib
-from typing import Any, Iterable, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -51,17 +51,24 @@ class RestrictedUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _load_from(f: IO[bytes]) -> dict:
+    """Unpickles a shard from a seekable binary file, through a streaming gzip reader if gzipped
+    (``gzip.decompress`` copies the remaining data once per member: quadratic in members)."""
+    magic = f.read(2)
+    f.seek(0)
+    source = gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+    return RestrictedUnpickler(source).load()
+
+
 def loads_shard(data: bytes) -> dict:
     """A shard document from its file bytes (gzip detected by its magic number)."""
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
-    return RestrictedUnpickler(io.BytesIO(data)).load()
+    return _load_from(io.BytesIO(data))
 
 
 def load_shard(path: str) -> dict:
-    """The whole shard at a local or ``gs://`` path."""
+    """The whole shard at a local or ``gs://`` path, streamed."""
     with open_read(path) as f:
-        return loads_shard(f.read())
+        return _load_from(f)
 
 
 def iter_activations(index: Any, sample_ids: Iterable[int], layer: int) -> Iterator[tuple[int, np.ndarray]]:

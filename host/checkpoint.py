@@ -24,6 +24,7 @@ class Checkpoint:
     total_shards: int = 0
     status: str = IN_PROGRESS
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    max_samples: int | None = None                 # the --max_samples the status refers to
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"

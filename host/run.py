@@ -44,9 +44,11 @@ def prepare_machine_dir(path: str) -> None:
         raise UserError(f"output directory {path!r} is not writable: {e.strerror}") from None
 
 
-def stream_records(path: str, skip: int, limit: int | None, expect_before: int | None) -> Iterator[dict]:
-    """Records ``skip..limit-1`` of the stream, validated; checks that record ``skip - 1`` still
-    has the sample id the checkpoint ended on (the stream must not change under a resume)."""
+def stream_records(path: str, start: int, limit: int | None,
+                   checkpoint_at: tuple[int, int] | None) -> Iterator[dict]:
+    """Records ``start..limit-1`` of the stream, validated. ``checkpoint_at`` = (position, sample
+    id) of the last stored sample: the stream must still have it there (it must not change
+    under a resume)."""
     try:
         handle = open_read(path)
     except Exception as e:
@@ -55,11 +57,11 @@ def stream_records(path: str, skip: int, limit: int | None, expect_before: int |
         for number, line in enumerate(lines):
             if limit is not None and number >= limit:
                 return
-            if number == skip - 1 and expect_before is not None:
-                if parse_stream_line(line, f"{path}:{number + 1}")["sample_id"] != expect_before:
-                    raise UserError(f"{path} changed since the checkpoint: record {skip} is no longer "
-                                    f"sample {expect_before}")
-            if number >= skip:
+            if checkpoint_at is not None and number == checkpoint_at[0]:
+                if parse_stream_line(line, f"{path}:{number + 1}")["sample_id"] != checkpoint_at[1]:
+                    raise UserError(f"{path} changed since the checkpoint: line {number + 1} is no "
+                                    f"longer sample {checkpoint_at[1]}")
+            if number >= start:
                 yield parse_stream_line(line, f"{path}:{number + 1}")
 
 
@@ -124,10 +126,11 @@ def run_host(config: HostConfig) -> int:
         raise UserError(f"no stream file for machine {config.machine_id}: {stream_path}")
     store = GcsStore(config.gcs_bucket, config.prefix, config.upload_retries) if config.upload_to_gcs else None
     checkpoint = initial_checkpoint(config, store)
-    if checkpoint.status == COMPLETED:
+    if checkpoint.status == COMPLETED and checkpoint.max_samples == config.max_samples:
         print(f"machine {config.machine_id} already completed: {checkpoint.total_shards} shards, "
               f"{checkpoint.total_samples_processed} samples; nothing to do")
         return 0
+    checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     removed = remove_orphans(config.machine_dir, store, checkpoint.total_shards)
     if removed:
         log.info("removed %d file(s) left by an interrupted run: %s", len(removed), ", ".join(removed))
@@ -143,7 +146,7 @@ def run_host(config: HostConfig) -> int:
     # as in an uninterrupted run and the shards come out bit-identical.
     window_start = done - done % dofn.window_for(config.batch_size * _data_axis(config))
     records = stream_records(stream_path, window_start, config.max_samples,
-                             checkpoint.last_processed_sample_idx if window_start == done else None)
+                             (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
     dofn.setup()
     extractor = dofn.extractor

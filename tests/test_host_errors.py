@@ -64,3 +64,18 @@ def test_layer_past_the_model_and_bad_flags(arc_streams, tiny_checkpoints, tmp_p
                    "layer 9 does not exist: the model has 4 layers")
     one_line_error(run_host_cli(*host_args(arc_streams, tmp_path, 0, tiny_checkpoints["gqa_tied"],
                                            "--upload_to_gcs")), "--upload_to_gcs needs --gcs_bucket")
+
+
+def test_a_stream_changed_under_a_resume_is_refused(arc_streams, tiny_checkpoints, tmp_path):
+    (tmp_path / "streams").mkdir()
+    stream = tmp_path / "streams" / "stream_000.jsonl"
+    lines = (arc_streams / "stream_000.jsonl").read_text().splitlines()
+    stream.write_text("\n".join(lines) + "\n")
+    args = host_args(tmp_path / "streams", tmp_path / "out", 0, tiny_checkpoints["gqa_tied"])
+    assert run_host_cli(*args, "--max_samples", "4", "--shard_size_gb", "0.00001").returncode == 0
+    checkpoint = json.loads((tmp_path / "out" / "machine_000" / "checkpoint.json").read_text())
+    done = checkpoint["total_samples_processed"]
+    changed = json.loads(lines[done - 1])
+    lines[done - 1] = json.dumps({**changed, "sample_id": changed["sample_id"] + 1})
+    stream.write_text("\n".join(lines) + "\n")
+    one_line_error(run_host_cli(*args), f"changed since the checkpoint: line {done} is no longer sample")
