@@ -32,7 +32,7 @@ from activations.shards import encode_shard, gzip_member_compressor, shard_dict
 from common.files import read_range
 
 
-def real_activation_bytes() -> bytes:
+def real_activations() -> list[np.ndarray]:
     """Activations of the tiny random Qwen2 (all 4 layers) on the first ARC-AGI-1 prompts."""
     from fixtures.qwen_tokenizer import cached_tokenizer_dir
     from fixtures.tiny_qwen2 import write_checkpoint
@@ -46,7 +46,7 @@ def real_activation_bytes() -> bytes:
                for s in tokenize_samples(tokenizer, samples_from_record(r, "arc", "text"), 2048)]
     model = write_checkpoint(tempfile.mkdtemp(prefix="tiny."), seed=0)
     extractor = Extractor.load(model, dtype="float32", max_seq_length=2048, batch_size_per_device=4)
-    return b"".join(a.tobytes() for _, acts in extractor.extract(enumerate(prompts)) for a in acts.values())
+    return [a for _, acts in extractor.extract(enumerate(prompts)) for a in acts.values()]
 
 
 def throughput(fn, data: bytes, repeats: int = 2) -> tuple[float, int]:
@@ -85,7 +85,8 @@ def main() -> None:
     parser.add_argument("--shard_gb", type=float, default=1.0)
     args = parser.parse_args()
 
-    data = real_activation_bytes()
+    arrays = real_activations()
+    data = b"".join(a.tobytes() for a in arrays)
     print(f"compression of {len(data) / 1e6:.1f} MB of real float32 activations (one thread each):")
     baseline, base_size = throughput(lambda d: gzip.compress(d), data)
     print(f"  {'gzip module, default level 9':28s} {baseline:7.1f} MB/s  ratio {base_size / len(data):.3f}")
@@ -94,6 +95,18 @@ def main() -> None:
             mbs, size = throughput(gzip_member_compressor(name, level), data)
             print(f"  {name + ' level ' + str(level):28s} {mbs:7.1f} MB/s  ratio {size / len(data):.3f}"
                   f"  x{mbs / baseline:.1f}")
+
+    import ml_dtypes
+    flat = np.concatenate([a.ravel() for a in arrays]).astype(np.float64)
+    isal1 = gzip_member_compressor("isal", 1)
+    print("--activation_dtype trade-off on the same activations (isal level 1):")
+    for name, dtype in (("float32", np.float32), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
+        cast = flat.astype(np.float32).astype(dtype)
+        back = cast.astype(np.float64)
+        rel = np.linalg.norm(back - flat) / np.linalg.norm(flat)
+        size = len(isal1(cast.tobytes()))
+        print(f"  {name:9s} {cast.nbytes / 1e6:7.1f} MB raw, {size / 1e6:7.1f} MB gzipped; relative error "
+              f"{rel:.1e}, max |error| {np.abs(back - flat).max():.2e} (max |x| {np.abs(flat).max():.1f})")
 
     shard, raw = generated_shard(args.shard_gb)
     start = time.perf_counter()

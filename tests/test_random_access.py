@@ -93,13 +93,15 @@ def test_corrupted_or_truncated_shard_names_shard_and_offset(tmp_path, damage):
 
 
 @pytest.mark.slow
-def test_gcs_ranged_reads(tmp_path, gcs):
-    shard, path, _ = write_shard(tmp_path, compress=True)
-    encoded = encode_shard(shard, True)
+@pytest.mark.parametrize("compress", [True, False])
+def test_gcs_ranged_reads(tmp_path, gcs, compress):
+    shard, path, _ = write_shard(tmp_path, compress=compress)
+    encoded = encode_shard(shard, compress)
     data, locations = encoded.data, encoded.locations
-    gcs.client().bucket("acts").blob("m/shard_0001.pkl.gz").upload_from_string(data)
-    index = arrays_index(locations, "gs://acts/m/shard_0001.pkl.gz").to_pandas()
-    write_index(arrays_index(locations, "gs://acts/m/shard_0001.pkl.gz"), str(tmp_path / "i.parquet"))
+    url = f"gs://acts/m/{path.name}"
+    gcs.client().bucket("acts").blob(f"m/{path.name}").upload_from_string(data)
+    index = arrays_index(locations, url).to_pandas()
+    write_index(arrays_index(locations, url), str(tmp_path / "i.parquet"))
     rows = index.to_dict("records")
     for row in random.Random(1).sample(rows, 6):
         assert read_activation(row).tobytes() == shard[row["layer"]][row["position"]]["activation"].tobytes()
