@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from activations.reader import iter_activations, load_shard, read_activations
+from activations.reader import iter_activations, load_shard, loads_shard, read_activations
 from tests.conftest import REPO, read_streams, run_cli
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
@@ -50,6 +50,23 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     np.testing.assert_array_equal(first["activation"], got[stream[0]["sample_id"]])
     ranged = read_activations(str(tmp_path / "index_arrays.parquet"), [stream[0]["sample_id"]], [2])
     np.testing.assert_array_equal(ranged[(stream[0]["sample_id"], 2)], first["activation"])
+
+
+def test_a_lost_local_disk_resumes_from_the_uploaded_checkpoint(arc_streams, tiny_checkpoints, tmp_path, gcs):
+    args = host_args(arc_streams, tmp_path, 1, tiny_checkpoints["gqa_tied"], "--upload_to_gcs",
+                     "--gcs_bucket", "acts", "--delete_local_after_upload")
+    assert run_host_cli(*args, "--max_samples", "5").returncode == 0
+    import shutil
+    shutil.rmtree(tmp_path / "machine_001")  # a preempted VM comes back without its disk
+    result = run_host_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert "resuming after" in result.stderr
+    remote = json.loads(gcs.client().bucket("acts").blob("activations/machine_001/checkpoint.json")
+                        .download_as_bytes())
+    ids = [e["sample_id"] for s in remote["shards"] for e in loads_shard(
+        gcs.client().bucket("acts").blob(f"activations/machine_001/{s['filename']}").download_as_bytes())[0]]
+    assert remote["status"] == "completed"
+    assert ids == [r["sample_id"] for r in read_streams(arc_streams, 2)[1]]
 
 
 def test_missing_bucket_is_one_line(arc_streams, tiny_checkpoints, tmp_path, gcs):
