@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint

@@ -9,7 +9,6 @@ from model.checkpoint import Checkpoint
 
 
 def test_sharded_checkpoint_reads_every_tensor_like_torch(tiny_checkpoints):
-    import torch
     from safetensors.torch import load_file
     path = tiny_checkpoints["mha_untied_sharded"]
     files = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]

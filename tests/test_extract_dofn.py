@@ -9,7 +9,6 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that
 
-from common.cli import UserError
 from tests.conftest import read_streams
 from tests.hf_reference import load_reference, reference_activations, relative_error
 from transforms.extract import ExtractActivations, ExtractConfig, StreamFormatError, parse_stream_line

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from tests.conftest import read_streams
 from tests.test_host import host_args, run_host_cli, shard_contents
 
 pytestmark = pytest.mark.slow

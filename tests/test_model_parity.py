@@ -2,7 +2,6 @@
 
 import jax
 from jax.sharding import PartitionSpec as P
-import numpy as np
 import pytest
 
 from model.extract import Extractor

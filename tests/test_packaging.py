@@ -1,7 +1,5 @@
 """setup.py ships every package of the project (what Dataflow workers get with --setup_file)."""
 
-import pathlib
-
 from setuptools import distutils  # noqa: F401  (makes distutils.core importable on 3.12+)
 from distutils.core import run_setup
 

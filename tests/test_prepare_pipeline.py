@@ -7,7 +7,6 @@ import pytest
 
 from tests.conftest import read_streams, run_cli, run_prepare, with_output
 from transforms.prepare import PrepareConfig
-from transforms.sources import read_source_file, resolve_source_files
 
 pytestmark = pytest.mark.slow
 MACHINES = 4
