@@ -10,7 +10,7 @@ import io
 from typing import Any, Sequence
 
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common.files import open_read, write_bytes
@@ -99,7 +99,7 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
     return {"total_machines": len(machines),
             "total_shards": sum(m["total_shards"] for m in machines),
             "total_samples": table.num_rows,
-            "total_tokens": int(pa.compute.sum(table["num_tokens"]).as_py() or 0),
+            "total_tokens": int(pc.sum(table["num_tokens"]).as_py() or 0),
             "completed_machines": [m["machine_id"] for m in machines if m.get("status") == "completed"],
             "machines": [{k: m.get(k) for k in ("machine_id", "status", "total_shards", "total_samples",
                                                  "layers", "dtype", "hidden_size", "model", "gcs_bucket",

