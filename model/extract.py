@@ -21,7 +21,7 @@ from model.buckets import Batch, Bucketer, bucket_lengths
 from model.checkpoint import resolve_model_dir
 from model.config import Qwen2Config, load_config
 from model.loading import LoadedModel, load_model
-from model.qwen2 import Qwen2, causal_mask
+from model.qwen2 import Qwen2, causal_mask, chunk_tokens_for
 from model.sharding import batch_sharding
 
 T = TypeVar("T")
@@ -64,7 +64,7 @@ def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh:
     """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H].
 
     ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer."""
-    model = Qwen2(config, dtype)
+    model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh))
     num_layers = max(layers) + 1
 
     def forward(params, input_ids, lengths):

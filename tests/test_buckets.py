@@ -3,10 +3,12 @@ import pytest
 from model.buckets import Bucketer, bucket_for, bucket_lengths
 
 
-def test_powers_of_two_up_to_max():
-    assert bucket_lengths(256, 32) == (32, 64, 128, 256)
-    assert bucket_lengths(300, 32) == (32, 64, 128, 256, 300)
+def test_powers_of_two_and_their_midpoints_up_to_max():
+    assert bucket_lengths(256, 32) == (32, 48, 64, 96, 128, 192, 256)
+    assert bucket_lengths(300, 32) == (32, 48, 64, 96, 128, 192, 256, 300)
+    assert bucket_lengths(200, 64) == (64, 96, 128, 192, 200)
     assert bucket_lengths(16, 32) == (16,)
+    assert bucket_lengths(3, 2) == (2, 3)
 
 
 def test_smallest_bucket_that_fits():

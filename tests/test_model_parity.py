@@ -5,12 +5,14 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 from model.extract import Extractor
+from model.qwen2 import CHUNK_TOKENS, token_chunks
 from tests.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 
 pytestmark = pytest.mark.slow
 SHAPES = ["gqa_tied", "mha_untied_sharded", "odd"]
 # Short and long mixed in each batch of 4: every batch carries padding.
 LENGTHS = [3, 64, 17, 1, 40, 9, 64, 2]
+LONG_LENGTHS = [300, 129, 1, 512, 128, 257, 7, 400]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def test_requested_layers_only_and_default_buckets(tiny_checkpoints, references)
     sequences, refs = references
     extractor = Extractor.load(tiny_checkpoints["gqa_tied"], layers=[2, 0], dtype="float32",
                                max_seq_length=64, min_bucket=8, devices=jax.devices()[:1])
-    assert extractor.layers == (0, 2) and extractor.buckets == (8, 16, 32, 64)
+    assert extractor.layers == (0, 2) and extractor.buckets == (8, 12, 16, 24, 32, 48, 64)
     # Only blocks 0..2 are loaded: block 3 is never computed.
     assert sorted(k for k in extractor.params if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
     for mine, ref in zip(extract_all(extractor, sequences), refs["gqa_tied"]):
@@ -69,3 +71,19 @@ def test_sharded_equals_unsharded(tiny_checkpoints, references, name):
         for a, b in zip(single, extract_all(sharded, sequences)):
             for layer in a:
                 assert relative_error(b[layer], a[layer]) <= 1e-6, (mesh_type, model_axis, layer)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_sequences_over_several_attention_tiles_and_mlp_chunks_match(tiny_checkpoints, dtype, tolerance):
+    """Bucket 512: attention runs in tiles of 128 (tile edges and padding meet), and the MLP in
+    chunks of positions (4 rows x 512 on one device; 2 rows per device on the 2d mesh)."""
+    assert token_chunks(512, 4, CHUNK_TOKENS) == 4 and token_chunks(512, 2, CHUNK_TOKENS) == 2
+    sequences = random_sequences(LONG_LENGTHS, seed=1)
+    refs = reference_activations(load_reference(tiny_checkpoints["gqa_tied"]), sequences)
+    for devices, mesh_type in [(jax.devices()[:1], "1d"), (None, "2d")]:
+        extractor = Extractor.load(tiny_checkpoints["gqa_tied"], dtype=dtype, mesh_type=mesh_type,
+                                   max_seq_length=512, min_bucket=512, batch_size_per_device=4,
+                                   devices=devices)
+        for seq, mine, ref in zip(sequences, extract_all(extractor, sequences), refs):
+            for layer in ref:
+                assert relative_error(mine[layer], ref[layer]) <= tolerance, (len(seq), layer, mesh_type)
