@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
-from model.buckets import Bucketer
 from model.extract import Extractor, padded_rows
 from model.loading import load_model
 from transforms.prepare import tokenized_source
@@ -69,10 +68,8 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
 
 def computed_lengths(extractor: Extractor, prompts: list[list[int]]) -> list[int]:
     """The padded length of every row (empty rows included) that ``extractor.extract`` computes."""
-    bucketer = Bucketer(extractor.buckets, extractor.batch_size)
-    batches = [b for p in prompts for b in bucketer.add(p, len(p))] + list(bucketer.flush())
     data_axis = extractor.mesh.shape["data"]
-    return [b.length for b in batches
+    return [b.length for b in extractor.batches(enumerate(prompts))
             for _ in range(padded_rows(len(b.items), extractor.batch_size, data_axis))]
 
 

@@ -142,12 +142,16 @@ class Extractor:
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
         than ``max_seq_length`` raises ``ValueError``.
         """
+        for batch in self.batches(items):
+            yield from self._run(batch)
+
+    def batches(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[Batch]:
+        """The batches ``extract`` computes, in order: each full one as soon as it fills, then the
+        partial ones (``run_batch`` pads their rows, see ``padded_rows``)."""
         bucketer: Bucketer[tuple[T, Sequence[int]]] = Bucketer(self.buckets, self.batch_size)
         for key, ids in items:
-            for batch in bucketer.add((key, ids), len(ids)):
-                yield from self._run(batch)
-        for batch in bucketer.flush():
-            yield from self._run(batch)
+            yield from bucketer.add((key, ids), len(ids))
+        yield from bucketer.flush()
 
     def _run(self, batch: Batch) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
         keys = [key for key, _ in batch.items]

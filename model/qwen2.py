@@ -63,7 +63,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     """Attention over every key at once: q [B, S, K, G, D], k, v [B, T, K, D], mask [B, S, T]
     -> [B, S, K, G, D]. Materialises all [B, K, G, S, T] scores; used with a cache, where S or T
     is small."""
-    q = (q / math.sqrt(q.shape[-1])).astype(q.dtype)
+    q = q / math.sqrt(q.shape[-1])  # a Python scale keeps q's dtype
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision)  # [B, K, G, S, T]
     probs = masked_softmax(scores, mask, q.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision)
@@ -84,7 +84,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     s, kv_heads, groups, d = q.shape
     block = min(s, ATTENTION_BLOCK)
     padded = -(-s // block) * block  # tiles are whole: pad, mask the extra keys, drop the queries
-    q = jnp.pad((q / math.sqrt(d)).astype(q.dtype), ((0, padded - s), (0, 0), (0, 0), (0, 0)))
+    q = jnp.pad(q / math.sqrt(d), ((0, padded - s), (0, 0), (0, 0), (0, 0)))
     q = q.transpose(1, 2, 0, 3)  # [K, G, S', D]
     k, v = (jnp.pad(x, ((0, padded - s), (0, 0), (0, 0))).transpose(1, 0, 2)
             for x in (k, v))  # [K, S', D]
