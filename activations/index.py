@@ -20,6 +20,10 @@ SCHEMA = pa.schema([
     ("shard_path", pa.string()), ("position", pa.int32()), ("num_tokens", pa.int32()),
     ("layers", pa.list_(pa.int32())), ("hidden_size", pa.int32()), ("dtype", pa.string()),
     ("source", pa.string()), ("text_preview", pa.string()),
+    # Truncated by the prepare pipeline or by the runner (--long_samples truncate); the length
+    # before truncation (null where the stream did not record it). Null in indexes written
+    # before these columns existed.
+    ("truncated", pa.bool_()), ("original_num_tokens", pa.int32()),
 ])
 
 
@@ -59,6 +63,8 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
         "num_tokens": [s["num_tokens"] for s in samples], "layers": [list(layers)] * n,
         "hidden_size": [hidden_size] * n, "dtype": [dtype] * n,
         "source": [s["source"] for s in samples], "text_preview": [s["text_preview"] for s in samples],
+        "truncated": [bool(s["truncated"]) for s in samples],
+        "original_num_tokens": [s["original_num_tokens"] for s in samples],
     }, schema=SCHEMA)
 
 
@@ -100,6 +106,8 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "total_shards": sum(m["total_shards"] for m in machines),
             "total_samples": table.num_rows,
             "total_tokens": int(pc.sum(table["num_tokens"]).as_py() or 0),
+            "total_truncated": int(pc.sum(pc.cast(table["truncated"], "int64")).as_py() or 0),
+            "total_skipped": sum(m.get("total_skipped", 0) for m in machines),
             "completed_machines": [m["machine_id"] for m in machines if m.get("status") == "completed"],
             "machines": [{k: m.get(k) for k in ("machine_id", "status", "total_shards", "total_samples",
                                                  "layers", "dtype", "hidden_size", "model", "gcs_bucket",

@@ -38,6 +38,24 @@ def forward_only(stream: str, model_dir: str, batch_size: int, max_seq_length: i
     print(f"FORWARD {tokens} {time.perf_counter() - start}")
 
 
+def arc_stream_and_model(work: str, num_samples: int, max_seq_length: int, model_dir: str) -> str:
+    """Prepares the first ``num_samples`` ARC-AGI-1 prompts into one stream under ``work`` (the
+    prepare pipeline, truncating at ``max_seq_length``) and writes the Qwen2.5-0.5B-shaped model to
+    ``model_dir`` unless it is there; returns the stream's path."""
+    from common.beam_pipeline import make_pipeline, pipeline_options
+    from fixtures.qwen_tokenizer import cached_tokenizer_dir
+    from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
+    from transforms.prepare import Prepare, PrepareConfig, resolve_plan
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        write_checkpoint(model_dir, seed=0, **QWEN2_5_0_5B)
+    plan = resolve_plan(PrepareConfig(tokenizer=str(cached_tokenizer_dir()), num_machines=1,
+                                      max_samples=num_samples, max_seq_length=max_seq_length,
+                                      output_dir=os.path.join(work, "streams")))
+    with make_pipeline(pipeline_options([])) as p:
+        _ = p | Prepare(plan)
+    return os.path.join(work, "streams", "stream_000.jsonl")
+
+
 def run_child(args: list[str]) -> tuple[str, float]:
     """(combined output, peak RSS in GB) of a child process."""
     with tempfile.TemporaryFile("w+") as out:
@@ -62,19 +80,8 @@ def main() -> None:
     if args.forward_only:
         return forward_only(args.forward_only, args.model_dir, args.batch_size, args.max_seq_length)
 
-    from fixtures.qwen_tokenizer import cached_tokenizer_dir
-    from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
-    from common.beam_pipeline import make_pipeline, pipeline_options
-    from transforms.prepare import Prepare, PrepareConfig, resolve_plan
-    if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        write_checkpoint(args.model_dir, seed=0, **QWEN2_5_0_5B)
     work = tempfile.mkdtemp(prefix="host_bench.")
-    plan = resolve_plan(PrepareConfig(tokenizer=str(cached_tokenizer_dir()), num_machines=1,
-                                      max_samples=args.num_samples, max_seq_length=args.max_seq_length,
-                                      output_dir=os.path.join(work, "streams")))
-    with make_pipeline(pipeline_options([])) as p:
-        _ = p | Prepare(plan)
-    stream = os.path.join(work, "streams", "stream_000.jsonl")
+    stream = arc_stream_and_model(work, args.num_samples, args.max_seq_length, args.model_dir)
     model_gb = os.path.getsize(os.path.join(args.model_dir, "model.safetensors")) / 1e9
 
     text, rss_forward = run_child([__file__, "--forward_only", stream, "--model_dir", args.model_dir,

@@ -44,7 +44,7 @@ def plain_loop(config: PrepareConfig, fmt: str) -> int:
                 prompt = render_prompt(tokenizer, sample)
                 ids = tokenizer(prompt, add_special_tokens=sample.messages is None)["input_ids"]
                 record = stream_record(TokenizedSample(sample.sample_id, sample.source, prompt,
-                                                       tuple(ids), False))
+                                                       tuple(ids), False, len(ids)))
                 outputs[stable_hash(sample.sample_id) % config.num_machines].write(json_line(record))
                 tokens += len(ids)
     for f in outputs:

@@ -1,7 +1,9 @@
 """Command-line plumbing: configuration dataclasses mirrored as argparse flags, and one-line errors.
 
 Every entry point declares its configuration as a frozen dataclass whose fields carry their help
-text (``flag(...)``); ``parse_config`` turns ``argv`` into that dataclass. User mistakes raise
+text (``flag(...)``); ``add_config_flags`` and ``config_from_namespace`` turn ``argv`` into that
+dataclass. A ``tuple[...]`` field is a list flag: its values may be separated by spaces, commas
+or both. User mistakes raise
 ``UserError`` and ``run_main`` prints them as one line (``prog: error: ...``) with no traceback.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import sys
 import types
@@ -33,11 +36,24 @@ def flag(default: Any = dataclasses.MISSING, help: str = "", *, aliases: Sequenc
 
 
 def int_list(text: str) -> tuple[int, ...]:
-    """Parses ``"6,12,18"`` (a flag value) into ``(6, 12, 18)``."""
+    """Parses one word of a list flag, ``"6,12,18"`` or ``"6"``, into ``(6, 12, 18)`` / ``(6,)``."""
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas or spaces, "
+                                         f"got {text!r}") from None
+
+
+class _Concatenate(argparse.Action):
+    """A list flag takes one or more words, each parsed to a tuple: ``6 12 18``, ``6,12,18`` and
+    ``6,12 18`` all give ``(6, 12, 18)``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(itertools.chain.from_iterable(values)))
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is tuple
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -73,9 +89,10 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
             group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
                                help=f"turn off --{f.name}")
             continue
+        list_flag = {"nargs": "+", "action": _Concatenate} if _is_list(kind) else {}
         parser.add_argument(*names, dest=f.name, type=meta.get("parse") or kind,
                             default=default, required=required,
-                            choices=meta.get("choices"), help=help_text)
+                            choices=meta.get("choices"), help=help_text, **list_flag)
 
 
 def config_from_namespace(config_cls: type[C], namespace: argparse.Namespace) -> C:

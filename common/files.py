@@ -8,7 +8,7 @@ import glob
 import os
 import posixpath
 import re
-from typing import IO
+from typing import IO, Iterator
 
 
 def gcs_client():
@@ -40,6 +40,30 @@ def open_read(path: str) -> IO[bytes]:
         import fsspec
         return fsspec.open(path, "rb").open()
     return open(path, "rb")
+
+
+def binary_lines(f: IO[bytes], chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
+    """The lines of an open binary file, each with its ``\\n`` (the last may lack one), read in
+    large chunks: a ``gs://`` reader has no ``readline`` of its own and would be read byte by byte."""
+    pending = b""
+    for chunk in iter(lambda: f.read(chunk_bytes), b""):
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line + b"\n"
+    if pending:
+        yield pending
+
+
+def count_lines(path: str) -> int:
+    """Lines of a text file (local or ``gs://``), read in chunks; a last line without a newline
+    counts too."""
+    count, last = 0, b"\n"
+    with open_read(path) as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
 
 
 def read_range(path: str, offset: int, length: int) -> bytes:

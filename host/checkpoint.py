@@ -2,7 +2,8 @@
 
 Written atomically (temporary file, fsync, rename) after each shard is stored (and uploaded,
 when uploading). Resume trusts nothing else: everything after ``total_samples_processed`` stream
-records is recomputed, and shard files numbered past ``total_shards`` are orphans.
+records is recomputed, shard files numbered past ``total_shards`` are orphans, and lines of
+``rejected.jsonl`` past ``total_skipped`` are dropped.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ IN_PROGRESS, COMPLETED = "in_progress", "completed"
 
 @dataclasses.dataclass
 class Checkpoint:
-    last_processed_sample_idx: int | None = None   # sample id ending the last stored shard
-    total_samples_processed: int = 0               # stream records covered by stored shards
+    last_processed_sample_idx: int | None = None   # sample id of the last covered stream record
+    total_samples_processed: int = 0               # stream records covered (stored or skipped)
     total_shards: int = 0
     status: str = IN_PROGRESS
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     max_samples: int | None = None                 # the --max_samples the status refers to
+    total_tokens: int = 0                          # tokens of the stored samples
+    total_truncated: int = 0                       # stored samples that were truncated
+    total_skipped: int = 0                         # records skipped: the first lines of rejected.jsonl
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -37,8 +41,11 @@ class Checkpoint:
         except (json.JSONDecodeError, TypeError) as e:
             raise UserError(f"corrupted checkpoint {where}: {str(e).splitlines()[0]} (the shards it "
                             "lists are untouched; restore the file or move it away to start over)") from None
-        if (checkpoint.status not in (IN_PROGRESS, COMPLETED) or checkpoint.total_shards != len(checkpoint.shards)
-                or checkpoint.total_samples_processed < 0):
+        counts = (checkpoint.total_samples_processed, checkpoint.total_shards, checkpoint.total_tokens,
+                  checkpoint.total_truncated, checkpoint.total_skipped)
+        if (checkpoint.status not in (IN_PROGRESS, COMPLETED) or not isinstance(checkpoint.shards, list)
+                or not all(type(n) is int and n >= 0 for n in counts)
+                or checkpoint.total_shards != len(checkpoint.shards)):
             raise UserError(f"corrupted checkpoint {where}: inconsistent fields (the shards it lists "
                             "are untouched; restore the file or move it away to start over)")
         return checkpoint

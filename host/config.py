@@ -6,19 +6,30 @@ import dataclasses
 import os
 
 from common.cli import UserError, flag, int_list
+from host.machine_id import machine_id_flag
+from transforms.long_samples import POLICIES
+
+# JAX's own variable, where a user has set it; else a per-user directory.
+DEFAULT_COMPILATION_CACHE_DIR = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                                 or "~/.cache/activation-extraction/xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class HostConfig:
-    machine_id: int = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl)")
+    machine_id: int | str = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl), or "
+                                 "auto: from JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
+                                 "VM metadata attribute machine-id", parse=machine_id_flag)
     streams_dir: str | None = flag(None, "directory (local or gs://) of the prepare pipeline's streams")
     dataset_stream: str | None = flag(None, "an explicit stream file (instead of --streams_dir)")
     max_samples: int | None = flag(None, "process at most the first N records of the stream")
     model_path: str | None = flag(None, "Hugging Face checkpoint directory or hub id")
-    layers_to_extract: tuple[int, ...] | None = flag(None, "layers to store, e.g. 6,12,18 (default: all)",
-                                                     parse=int_list)
+    layers_to_extract: tuple[int, ...] | None = flag(None, "layers to store, e.g. 6,12,18 or 6 12 18 "
+                                                     "(default: all)", parse=int_list)
     batch_size: int = flag(8, "sequences per device per forward (global batch = this x data axis)")
     max_seq_length: int = flag(2048, "longest sequence (the largest length bucket)")
+    long_samples: str = flag("truncate", "a record longer than --max_seq_length: truncate (keep its first "
+                             "tokens, flagged in the index) | skip (listed in rejected.jsonl) | error "
+                             "(checked before the model loads)", choices=POLICIES)
     mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=("1d", "2d"))
     dtype: str = flag("auto", "compute and weight dtype: auto | float32 | bfloat16 "
                       "(auto: bfloat16 on TPU/GPU, float32 on CPU)",
@@ -38,6 +49,13 @@ class HostConfig:
     window: int | None = flag(None, "records computed together, then emitted in stream order "
                               "(default: 8 x global batch)")
     verbose: bool = flag(False, "log a line per shard")
+    heartbeat_s: float = flag(60.0, "write status.json at least this often (seconds), also while a "
+                              "batch or a compile runs")
+    compilation_cache_dir: str = flag(DEFAULT_COMPILATION_CACHE_DIR, "persistent XLA compilation cache "
+                                      "(local or gs://): a restarted host loads its compiled buckets; "
+                                      "'' turns it off")
+    profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
+    profile_batches: int = flag(3, "batches traced with --profile_dir, after the first (compiling) one")
 
     def validate(self) -> None:
         if self.machine_id < 0:
@@ -54,9 +72,11 @@ class HostConfig:
             raise UserError("--delete_local_after_upload needs --upload_to_gcs")
         if not 0 <= self.compression_level <= 3:
             raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
-        for name in ("batch_size", "max_seq_length", "upload_retries"):
+        for name in ("batch_size", "max_seq_length", "upload_retries", "profile_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
+        if self.heartbeat_s <= 0:
+            raise UserError(f"--heartbeat_s must be positive, got {self.heartbeat_s}")
 
     @property
     def machine_dir(self) -> str:

@@ -1,32 +1,68 @@
-"""Progress of a host run: a bar on a terminal, plain log lines otherwise."""
+"""Progress of a host run: its counters, shown as a bar on a terminal (plain log lines otherwise)
+and read by the health reporter (``status.json``)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
 log = logging.getLogger("runners.tpu_host")
 LOG_EVERY_S = 30.0
+RATE_WINDOW_S = 60.0
 
 
 class Progress:
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
-        self.samples = self.tokens = self.shards = 0
+        # This process's work; what earlier runs stored comes from the checkpoint (``resume_from``).
+        self.samples = self.tokens = self.shards = self.truncated = self.skipped = 0
+        self.before = {"samples": 0, "tokens": 0, "shards": 0, "truncated": 0, "skipped": 0}
+        self.samples_total: int | None = None  # the stream's records (or --max_samples), once counted
         self._start = self._last_log = time.monotonic()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, self.tokens)
+        self._lock = threading.Lock()
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
             self._bar = tqdm(unit=" samples", dynamic_ncols=True)
 
+    def resume_from(self, checkpoint) -> None:
+        """Counts what the checkpoint says is already stored (records, tokens, shards, ...)."""
+        self.before = {"samples": checkpoint.total_samples_processed, "tokens": checkpoint.total_tokens,
+                       "shards": checkpoint.total_shards, "truncated": checkpoint.total_truncated,
+                       "skipped": checkpoint.total_skipped}
+
     def _rate(self) -> float:
         return self.tokens / max(time.monotonic() - self._start, 1e-9)
 
-    def sample_done(self, num_tokens: int) -> None:
+    def _rate_last_minute(self, now: float) -> float:
+        """Tokens per second over the last minute (since start, if that is shorter)."""
+        window_start = max(self._start, now - RATE_WINDOW_S)
+        with self._lock:
+            while len(self._recent) > 1 and self._recent[1][0] <= window_start:
+                self._recent.popleft()
+            base = self._recent[0][1] if self._recent and self._recent[0][0] <= window_start else 0
+        return (self.tokens - base) / max(now - window_start, 1e-9)
+
+    def sample_done(self, num_tokens: int, truncated: bool = False) -> None:
         self.samples += 1
         self.tokens += num_tokens
+        self.truncated += truncated
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, self.tokens))
+        self._rate_last_minute(now)  # prunes: the window's history stays bounded
+        self._report()
+
+    def sample_skipped(self) -> None:
+        self.skipped += 1
+        self._report()
+
+    def _report(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(tokens_per_s=f"{self._rate():.0f}", shards=self.shards, refresh=False)
@@ -40,6 +76,19 @@ class Progress:
             log.info("stored %s: %d samples (%d..%d), %.1f MB%s", shard["filename"],
                      shard["total_samples_in_shard"], shard["first_sample_id"], shard["last_sample_id"],
                      shard["file_size_mb"], f" -> {shard['gcs_path']}" if shard["gcs_path"] else "")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters of ``status.json``: this machine's totals (earlier runs included), rates of
+        this process."""
+        now = time.monotonic()
+        b = self.before
+        return {"samples_done": b["samples"] + self.samples + self.skipped,
+                "samples_total": self.samples_total,
+                "tokens_done": b["tokens"] + self.tokens,
+                "tokens_per_s": {"last_minute": round(self._rate_last_minute(now), 1),
+                                 "since_start": round(self.tokens / max(now - self._start, 1e-9), 1)},
+                "shards": b["shards"] + self.shards, "truncated": b["truncated"] + self.truncated,
+                "skipped": b["skipped"] + self.skipped}
 
     def close(self) -> None:
         if self._bar is not None:

@@ -6,28 +6,42 @@ the checkpoint (partial or orphan files, locally and on GCS), skips the covered 
 recomputes the rest, so shard boundaries, and therefore the shards, are the same as in an
 uninterrupted run. SIGTERM/SIGINT (a preemption notice) stops reading, stores the buffered
 samples as a final shard, checkpoints, and returns 0.
+
+Around that core, each in a module of its own: reading the stream (``host/stream.py``), the
+machine id (``host/machine_id.py``), the health file (``host/status.py``), the compilation cache
+(``host/compilation_cache.py``), profiling (``host/profiling.py``) and the skipped records
+(``host/rejected.py``).
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import re
 import signal
+import threading
 from typing import Any, Iterator
 
 import jax.numpy as jnp
+from apache_beam.pvalue import TaggedOutput
 
 from common.cli import UserError
-from common.files import open_read
 from host.checkpoint import COMPLETED, IN_PROGRESS, Checkpoint, load_checkpoint
+from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
+from host.machine_id import resolve_machine_id
+from host.profiling import BatchProfiler
 from host.progress import Progress
+from host.rejected import RejectedLog
+from host.status import LOADING, RUNNING, STOPPED, HealthReporter
 from host.storage import GcsStore
+from host.stream import check_lengths, count_records, stream_records
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
-from transforms.extract import ExtractActivations, ExtractConfig, parse_stream_line
+from model.extract import ForwardObserver
+from transforms.extract import ExtractActivations, ExtractConfig
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
@@ -43,27 +57,6 @@ def prepare_machine_dir(path: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise UserError(f"output directory {path!r} is not writable: {e.strerror}") from None
-
-
-def stream_records(path: str, start: int, limit: int | None,
-                   checkpoint_at: tuple[int, int] | None) -> Iterator[dict]:
-    """Records ``start..limit-1`` of the stream, validated. ``checkpoint_at`` = (position, sample
-    id) of the last stored sample: the stream must still have it there (it must not change
-    under a resume)."""
-    try:
-        handle = open_read(path)
-    except Exception as e:
-        raise UserError(f"cannot open stream {path!r}: {str(e).splitlines()[0]}") from None
-    with handle, io.TextIOWrapper(handle, encoding="utf-8") as lines:
-        for number, line in enumerate(lines):
-            if limit is not None and number >= limit:
-                return
-            if checkpoint_at is not None and number == checkpoint_at[0]:
-                if parse_stream_line(line, f"{path}:{number + 1}")["sample_id"] != checkpoint_at[1]:
-                    raise UserError(f"{path} changed since the checkpoint: line {number + 1} is no "
-                                    f"longer sample {checkpoint_at[1]}")
-            if number >= start:
-                yield parse_stream_line(line, f"{path}:{number + 1}")
 
 
 def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) -> list[str]:
@@ -119,46 +112,83 @@ class StopFlag:
             signal.signal(s, handler)
 
 
+class RunObserver(ForwardObserver):
+    """The forward as the runner watches it: compiles go to ``status.json``, batches to the
+    profiler (if one was asked for)."""
+
+    def __init__(self, health: HealthReporter, profiler: BatchProfiler | None):
+        self.health = health
+        self.profiler = profiler
+
+    def compiling(self, rows: int, length: int):
+        return self.health.compiling(rows, length)
+
+    def batch(self, rows: int, length: int):
+        return self.profiler.batch() if self.profiler else contextlib.nullcontext()
+
+
 def run_host(config: HostConfig) -> int:
+    """One machine's run, reported in ``status.json`` from the moment its directory exists."""
+    config = dataclasses.replace(config, machine_id=resolve_machine_id(config.machine_id))
     config.validate()
     prepare_machine_dir(config.machine_dir)
+    cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
+    progress = Progress(config.verbose)
+    health = HealthReporter(config.machine_dir, config.machine_id, config.heartbeat_s, progress.snapshot,
+                            CompileStats(), cache_dir)
+    stop = StopFlag()
+    try:
+        with health.reporting():
+            finished = _run(config, health, progress, stop)
+    finally:
+        stop.restore()
+        progress.close()
+    if finished:
+        progress.samples_total = progress.snapshot()["samples_done"]  # the stream's end was reached
+    health.finish(COMPLETED if finished else STOPPED)
+    return 0
+
+
+def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag) -> bool:
+    """Resume, compute, store; True when the stream is done, False when a signal stopped it."""
     stream_path = config.stream_path
     if "://" not in stream_path and not os.path.exists(stream_path):
         raise UserError(f"no stream file for machine {config.machine_id}: {stream_path}")
+    threading.Thread(target=count_records, args=(progress, stream_path, config.max_samples),
+                     daemon=True, name="count-records").start()
     store = GcsStore(config.gcs_bucket, config.prefix, config.upload_retries) if config.upload_to_gcs else None
+    health.store = store  # status.json goes beside checkpoint.json from now on
     checkpoint = initial_checkpoint(config, store)
+    progress.resume_from(checkpoint)
     if checkpoint.status == COMPLETED and checkpoint.max_samples == config.max_samples:
         print(f"machine {config.machine_id} already completed: {checkpoint.total_shards} shards, "
               f"{checkpoint.total_samples_processed} samples; nothing to do")
-        return 0
+        return True
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
-    removed = remove_orphans(config.machine_dir, store, checkpoint.total_shards)
-    if removed:
-        log.info("removed %d file(s) left by an interrupted run: %s", len(removed), ", ".join(removed))
-    if checkpoint.total_shards:
-        log.info("resuming after %d shards / %d samples", checkpoint.total_shards,
-                 checkpoint.total_samples_processed)
+    rejected = _back_to_checkpoint(config, store, checkpoint)
     dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
                                             config.batch_size, config.max_seq_length, config.mesh_type,
-                                            config.dtype, config.activation_dtype, config.window))
+                                            config.dtype, config.activation_dtype, config.window,
+                                            config.long_samples))
     done = checkpoint.total_samples_processed
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
     window_start = done - done % dofn.window_for(config.batch_size * _data_axis(config))
+    if config.long_samples == "error":
+        check_lengths(stream_path, done, config.max_samples, config.max_seq_length)
     records = stream_records(stream_path, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
+    health.set_state(LOADING)
     dofn.setup()
     extractor = dofn.extractor
-    progress = Progress(config.verbose)
-    settings = ShardSettings(config.machine_id, os.path.abspath(config.machine_dir),
-                             int(config.shard_size_gb * 1e9),
-                             config.compress_shards, extractor.layers, extractor.config.hidden_size,
-                             config.activation_dtype, config.delete_local_after_upload,
-                             config.compression_level, _metadata(config, extractor))
-    writer = ShardWriter(settings, checkpoint, store, on_stored=progress.shard_stored)
-    stop = StopFlag()
+    profiler = BatchProfiler(config.profile_dir, config.profile_batches) if config.profile_dir else None
+    extractor.observer = RunObserver(health, profiler)
+    health.devices = extractor.mesh.devices.flatten().tolist()
+    health.set_state(RUNNING)
+    writer = ShardWriter(_shard_settings(config, extractor), checkpoint, store, rejected,
+                         on_stored=progress.shard_stored)
     try:
         finished = _drive(dofn, writer, progress, stop, first, records, skip=done - window_start)
         writer.finalize()  # the buffer (a signal's final shard, or the stream's tail)
@@ -166,9 +196,9 @@ def run_host(config: HostConfig) -> int:
         try:
             writer.close()  # after an error too: the shard being stored completes consistently
         finally:
-            stop.restore()
+            if profiler is not None:
+                profiler.stop()
             dofn.teardown()
-            progress.close()
     checkpoint.status = COMPLETED if finished else IN_PROGRESS
     writer.write_state()
     if finished:
@@ -179,7 +209,21 @@ def run_host(config: HostConfig) -> int:
         print(f"machine {config.machine_id} stopped by signal {stop.signal}: checkpoint at "
               f"{checkpoint.total_samples_processed} samples, {checkpoint.total_shards} shards; "
               "re-run the same command to resume")
-    return 0
+    return finished
+
+
+def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint) -> RejectedLog:
+    """Removes what an interrupted run left past the checkpoint (orphan shards and indexes,
+    locally and on GCS; ``rejected.jsonl`` lines it does not count); returns the rejected log."""
+    removed = remove_orphans(config.machine_dir, store, checkpoint.total_shards)
+    if removed:
+        log.info("removed %d file(s) left by an interrupted run: %s", len(removed), ", ".join(removed))
+    rejected = RejectedLog(config.machine_dir, store)
+    rejected.load(checkpoint.total_skipped)
+    if checkpoint.total_samples_processed:
+        log.info("resuming after %d shards / %d samples", checkpoint.total_shards,
+                 checkpoint.total_samples_processed)
+    return rejected
 
 
 def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, stop: StopFlag,
@@ -192,8 +236,12 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, st
             if skip:
                 skip -= 1
                 continue
-            writer.add(out)
-            progress.sample_done(out["num_tokens"])
+            if isinstance(out, TaggedOutput):  # not computed (--long_samples skip)
+                writer.skip(out.value)
+                progress.sample_skipped()
+            else:
+                writer.add(out)
+                progress.sample_done(out["num_tokens"], out["truncated"])
 
     dofn.start_bundle()
     pending = [first] if first is not None else []
@@ -205,7 +253,7 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, st
     if stop.signal is not None:
         dofn.discard_pending()
         return False
-    consume(w.value for w in dofn.finish_bundle())
+    consume(dofn.drain())
     return True
 
 
@@ -217,8 +265,16 @@ def _data_axis(config: HostConfig) -> int:
     return make_mesh(config.mesh_type, load_config(resolve_model_dir(config.model_path))).shape["data"]
 
 
+def _shard_settings(config: HostConfig, extractor) -> ShardSettings:
+    return ShardSettings(config.machine_id, os.path.abspath(config.machine_dir), int(config.shard_size_gb * 1e9),
+                         config.compress_shards, extractor.layers, extractor.config.hidden_size,
+                         config.activation_dtype, config.delete_local_after_upload,
+                         config.compression_level, _metadata(config, extractor))
+
+
 def _metadata(config: HostConfig, extractor) -> dict[str, Any]:
     return {"machine_id": config.machine_id, "shard_size_gb": config.shard_size_gb,
+            "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
             "gcs_prefix": config.prefix if config.upload_to_gcs else None,
             "model": config.model_path, "layers": list(extractor.layers),

@@ -3,13 +3,17 @@
 Layer ``L`` is the output of decoder block ``L`` (0-based), before the final norm: Hugging Face's
 ``hidden_states[L + 1]`` for every block but the last (whose ``hidden_states`` entry has the final
 norm applied). Blocks after the last requested one are never computed, nor is the LM head.
+
+Each batch shape (rows, bucket length) is compiled once, explicitly, so that a runner can watch
+compiles and batches through a ``ForwardObserver`` (health reporting, profiling).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, ContextManager, Iterable, Iterator, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +63,18 @@ def padded_rows(num_sequences: int, batch_size: int, data_axis: int) -> int:
     return min(batch_size, -(-rows // data_axis) * data_axis)
 
 
+class ForwardObserver:
+    """What a runner may watch of an ``Extractor``; this base class watches nothing."""
+
+    def compiling(self, rows: int, length: int) -> ContextManager[None]:
+        """Wraps the compile of the batch shape [rows, length] (a persistent-cache load too)."""
+        return contextlib.nullcontext()
+
+    def batch(self, rows: int, length: int) -> ContextManager[None]:
+        """Wraps one batch: inputs to the devices, forward, activations back on the host."""
+        return contextlib.nullcontext()
+
+
 def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None):
     """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H].
@@ -89,6 +105,9 @@ class Extractor:
     batch_size: int               # global: per-device batch size x data axis
     buckets: tuple[int, ...]
     activation_dtype: Any = None  # dtype of the returned arrays (default: the compute dtype)
+    observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
+    _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
+                                                                 repr=False)
 
     @classmethod
     def load(cls, model_path: str, layers: Sequence[int] | None = None, mesh_type: str = "1d",
@@ -120,6 +139,17 @@ class Extractor:
     def _forward(self):
         return make_forward(self.config, self.dtype, self.layers, self.mesh, self.activation_dtype)
 
+    def executable(self, rows: int, length: int):
+        """The forward compiled for inputs [rows, length] (compiled on first use)."""
+        key = (rows, length)
+        if key not in self._executables:
+            sharding = batch_sharding(self.mesh)
+            ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
+            lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
+            with self.observer.compiling(rows, length):
+                self._executables[key] = self._forward.lower(self.params, ids, lengths).compile()
+        return self._executables[key]
+
     def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray]]:
         """Activations of up to ``batch_size`` sequences padded to ``length``: per sequence,
         ``{layer: array [num_tokens, H]}`` with padding removed."""
@@ -129,10 +159,11 @@ class Extractor:
         for row, seq in enumerate(sequences):
             ids[row, :len(seq)] = seq
             lengths[row] = len(seq)
+        forward = self.executable(rows, length)
         sharding = batch_sharding(self.mesh)
-        out = self._forward(self.params, jax.device_put(ids, sharding),
-                            jax.device_put(lengths, sharding))
-        acts = np.asarray(out)  # [len(layers), B, S, H]
+        with self.observer.batch(rows, length):
+            out = forward(self.params, jax.device_put(ids, sharding), jax.device_put(lengths, sharding))
+            acts = np.asarray(out)  # [len(layers), B, S, H]
         return [{layer: acts[i, row, :lengths[row]] for i, layer in enumerate(self.layers)}
                 for row in range(len(sequences))]
 

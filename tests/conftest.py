@@ -48,9 +48,24 @@ def read_streams(output_dir: pathlib.Path, num_machines: int) -> list[list[dict]
             for m in range(num_machines)]
 
 
-def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
+def run_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m module args``; ``env`` is added to this process's environment."""
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """The runners started by the tests share one compilation cache (their default, through
+    JAX's variable), not the user's."""
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    previous = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    yield path
+    if previous is None:
+        del os.environ["JAX_COMPILATION_CACHE_DIR"]
+    else:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = previous
 
 
 def with_output(config: PrepareConfig, output_dir: pathlib.Path) -> PrepareConfig:
@@ -133,6 +148,61 @@ def gcs(tmp_path, monkeypatch):
     monkeypatch.setenv("NO_GCE_CHECK", "True")
     monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
     monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    # gcsfs (JAX's gs:// cache goes through it) asks the Storage Control API, which the emulator
+    # does not serve, for each bucket's layout: ~3 s per call until it gives up.
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     emulator.client().create_bucket("acts")
     yield emulator
     emulator.stop()
+
+
+class MetadataServer:
+    """A local stand-in for the GCE metadata server: answers instance attributes only to requests
+    with ``Metadata-Flavor: Google``, and says so in its answers, as the real one does."""
+
+    PREFIX = "/computeMetadata/v1/instance/attributes/"
+
+    def __init__(self, attributes: dict[str, str]):
+        import http.server
+        import threading
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                server.requests.append((self.path, self.headers.get("Metadata-Flavor")))
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    return self._answer(403, "Missing Metadata-Flavor:Google header.")
+                key = self.path[len(MetadataServer.PREFIX):] if self.path.startswith(MetadataServer.PREFIX) else None
+                if key not in server.attributes:
+                    return self._answer(404, "Not found")
+                self._answer(200, server.attributes[key])
+
+            def _answer(self, code, body):
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Metadata-Flavor", "Google")
+                self.send_header("Content-Type", "application/text")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.attributes = attributes
+        self.requests: list[tuple[str, str | None]] = []
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def metadata_server():
+    server = MetadataServer({"machine-id": "3"})
+    yield server
+    server.close()

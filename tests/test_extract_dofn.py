@@ -1,5 +1,6 @@
 """ExtractActivations inside an ordinary Beam pipeline on the local runner."""
 
+import dataclasses
 import re
 
 import apache_beam as beam
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
-from apache_beam.testing.util import assert_that
+from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import read_streams
 from tests.hf_reference import load_reference, reference_activations, relative_error
-from transforms.extract import ExtractActivations, ExtractConfig, StreamFormatError, parse_stream_line
+from transforms.extract import REJECTED, ExtractActivations, ExtractConfig, StreamFormatError, parse_stream_line
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,31 @@ def test_dofn_in_a_beam_pipeline_matches_the_reference(arc_streams, tiny_checkpo
     with BeamTestPipeline(runner=FnApiRunner()) as p:
         outputs = p | beam.Create(records) | beam.ParDo(ExtractActivations(config))
         assert_that(outputs, check)
+
+
+def test_long_records_are_truncated_or_go_to_the_rejected_output(arc_streams, tiny_checkpoints):
+    records = read_streams(arc_streams, 2)[0][:4]  # cut to 160 tokens by prepare, most of them
+    assert any(r["truncated"] for r in records) and "original_num_tokens" in records[0]
+    long = {"sample_id": 99, "input_ids": records[1]["input_ids"] * 3, "num_tokens": 480,
+            "source": "long", "text_preview": ""}
+    config = ExtractConfig(tiny_checkpoints["gqa_tied"], layers=(1,), batch_size=2, max_seq_length=160,
+                           dtype="float32", window=2)
+    with BeamTestPipeline(runner=FnApiRunner()) as p:
+        inputs = p | beam.Create([*records, long])
+        skipped = inputs | "Skip" >> beam.ParDo(ExtractActivations(
+            dataclasses.replace(config, long_samples="skip"))).with_outputs(REJECTED, main="activations")
+        assert_that(skipped.activations | "Ids" >> beam.Map(lambda o: o["sample_id"]),
+                    equal_to([r["sample_id"] for r in records]), label="Computed")
+        assert_that(skipped[REJECTED], equal_to([{"sample_id": 99, "source": "long", "num_tokens": 480,
+                                                  "max_seq_length": 160, "reason": "too_long"}]),
+                    label="Rejected")
+        truncated = (inputs | "Truncate" >> beam.ParDo(ExtractActivations(config))
+                     | "Flags" >> beam.Map(lambda o: (o["sample_id"], o["num_tokens"], o["truncated"],
+                                                      o["original_num_tokens"])))
+        # Truncated by prepare or here: both flagged, with the length before any truncation.
+        assert_that(truncated, equal_to([(r["sample_id"], r["num_tokens"], r["truncated"],
+                                          r.get("original_num_tokens", r["num_tokens"])) for r in records]
+                                        + [(99, 160, True, 480)]), label="Truncated")
 
 
 @pytest.mark.parametrize("line, message", [

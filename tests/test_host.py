@@ -120,6 +120,25 @@ def kill_at_a_random_moment(proc, machine_dir: pathlib.Path, num_shards: int, rn
     return False
 
 
+def run_with_kills(args, machine_dir: pathlib.Path, num_shards: int, rng: random.Random,
+                   max_kills: int = 3) -> list[dict | None]:
+    """Runs the runner with ``args`` until it completes, SIGKILLing up to ``max_kills`` of its
+    starts at random moments; returns the checkpoint found after each kill (None: none yet)."""
+    at_kills = []
+    for attempt in range(12):
+        proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if len(at_kills) < max_kills and kill_at_a_random_moment(proc, machine_dir, num_shards, rng):
+            checkpoint = machine_dir / "checkpoint.json"
+            at_kills.append(json.loads(checkpoint.read_text()) if checkpoint.exists() else None)
+            continue
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        if "completed" in stdout:
+            return at_kills
+    raise AssertionError("the run did not complete in 12 starts")
+
+
 def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams, tiny_checkpoints, tmp_path):
     # 60 records in windows of 3, ~30 shards: shards are stored all through the run, so kills
     # land in start-up, between shards and during a shard's store.
@@ -138,22 +157,9 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams
     progress_at_kills = []
     for trial in range(3):
         out = tmp_path / f"trial{trial}"
-        args = args_for(out)
-        kills = 0
-        for attempt in range(12):
-            proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            if kills < 3 and kill_at_a_random_moment(proc, out / "machine_000", len(expected_shards), rng):
-                kills += 1
-                checkpoint = out / "machine_000" / "checkpoint.json"
-                progress_at_kills.append(json.loads(checkpoint.read_text())["total_shards"]
-                                         if checkpoint.exists() else 0)
-                continue
-            stdout, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stderr
-            if "completed" in stdout:
-                break
-        assert kills >= 1
+        at_kills = run_with_kills(args_for(out), out / "machine_000", len(expected_shards), rng)
+        assert at_kills
+        progress_at_kills += [c["total_shards"] if c else 0 for c in at_kills]
         checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
         assert checkpoint["status"] == "completed"
         assert shard_contents(out / "machine_000") == expected_shards
@@ -191,6 +197,8 @@ def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tm
     stored = [e["sample_id"] for p in sorted(machine.glob("shard_*.pkl.gz")) for e in load_shard(str(p))[0]]
     assert checkpoint["status"] == "in_progress"
     assert len(stored) == checkpoint["total_samples_processed"] > 0
+    status = json.loads((machine / "status.json").read_text())
+    assert status["state"] == "stopped" and status["samples_done"] == len(stored) and status["error"] is None
     assert stored == [r["sample_id"] for r in records[:len(stored)]]
     # Resuming finishes the stream with every sample exactly once, in order.
     result = run_host_cli(*args)

@@ -26,6 +26,9 @@ def test_malformed_line_is_reported_with_its_number_and_nothing_inconsistent_is_
     result = run_host_cli(*host_args(tmp_path / "streams", out, 0, tiny_checkpoints["gqa_tied"],
                                      "--window", "2", "--batch_size", "1"))
     one_line_error(result, "stream_000.jsonl:8: malformed JSON")
+    status = json.loads((out / "machine_000" / "status.json").read_text())
+    assert status["state"] == "failed"
+    assert result.stderr.strip().splitlines()[-1] == f"runners.tpu_host: error: {status['error']}"
     checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
     stored = [e[0] for shard in shard_contents(out / "machine_000").values() for e in shard[0]]
     assert checkpoint["status"] == "in_progress" and checkpoint["total_samples_processed"] == len(stored) < 7
@@ -33,6 +36,14 @@ def test_malformed_line_is_reported_with_its_number_and_nothing_inconsistent_is_
     assert stored == expected
     assert sorted(p.name for p in (out / "machine_000").glob("shard_*")) == \
         [s["filename"] for s in checkpoint["shards"]]
+
+
+def test_a_stream_that_is_not_utf8(arc_streams, tiny_checkpoints, tmp_path):
+    lines = (arc_streams / "stream_000.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "streams").mkdir()
+    (tmp_path / "streams" / "stream_000.jsonl").write_bytes(b"".join(lines[:2]) + b"\xff\xfe{\n")
+    result = run_host_cli(*host_args(tmp_path / "streams", tmp_path / "out", 0, tiny_checkpoints["gqa_tied"]))
+    one_line_error(result, "stream_000.jsonl:3: not UTF-8 text")
 
 
 def test_machine_without_stream(arc_streams, tiny_checkpoints, tmp_path):

@@ -29,7 +29,7 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     metadata = json.loads((machine / "metadata.json").read_text())
     shards = [s["filename"] for s in metadata["shards"]]
     names = bucket_names(gcs)
-    assert set(names) == {"checkpoint.json", "metadata.json", *shards,
+    assert set(names) == {"checkpoint.json", "metadata.json", "status.json", *shards,
                           *(f"index/{s.replace('.pkl.gz', '.parquet')}" for s in shards),
                           *(f"index/{s.replace('.pkl.gz', '_arrays.parquet')}" for s in shards)}
     assert not list(machine.glob("shard_*"))  # deleted after verified upload
@@ -37,6 +37,9 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
                         .download_as_bytes())
     assert remote == metadata and metadata["shards"][0]["gcs_path"] == \
         f"gs://acts/activations/machine_000/{shards[0]}"
+    status = json.loads(gcs.client().bucket("acts").blob("activations/machine_000/status.json")
+                        .download_as_bytes())
+    assert status == json.loads((machine / "status.json").read_text()) and status["state"] == "completed"
     # Read back through gs:// only: merge the uploaded indexes, then look samples up.
     index_path = tmp_path / "index.parquet"
     merged = run_cli("pipeline.index", "--activations_dir", "gs://acts/activations", "--output",

@@ -4,6 +4,7 @@ import pickle
 
 import ml_dtypes
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from activations.index import merge_index_files, shard_index, write_index
@@ -14,6 +15,7 @@ from activations.shards import encode_shard, shard_dict, shard_filename
 def samples(n=3, hidden=4, dtype=np.float32):
     rng = np.random.default_rng(0)
     return [{"sample_id": 100 + i, "source": f"t{i}:0", "text_preview": f"prompt {i}", "num_tokens": i + 1,
+             "truncated": i == 1, "original_num_tokens": 10 * i + 1,
              "activations": {layer: rng.standard_normal((i + 1, hidden)).astype(dtype) for layer in (2, 5)}}
             for i in range(n)]
 
@@ -74,3 +76,17 @@ def test_index_rows_and_merge(tmp_path):
     assert [(r["sample_id"], r["machine_id"], r["position"]) for r in merged] == [
         (50, 0, 0), (51, 0, 1), (100, 1, 0), (101, 1, 1)]
     assert merged[0]["layers"] == [2, 5] and merged[2]["num_tokens"] == 1
+    assert [(r["truncated"], r["original_num_tokens"]) for r in merged] == [
+        (False, 1), (True, 11), (False, 1), (True, 11)]
+
+
+def test_indexes_written_before_the_truncation_columns_still_merge(tmp_path):
+    current = shard_index(samples(1), machine_id=0, shard_id=2, shard_path="/x/shard_0002.pkl.gz",
+                          layers=(2, 5), hidden_size=4, dtype="float32")
+    older = current.drop_columns(["truncated", "original_num_tokens"]).set_column(
+        0, "sample_id", pa.array([7], pa.int64()))
+    write_index(older, str(tmp_path / "old.parquet"))
+    write_index(current, str(tmp_path / "new.parquet"))
+    merged = merge_index_files([str(tmp_path / "old.parquet"), str(tmp_path / "new.parquet")]).to_pylist()
+    assert [(r["sample_id"], r["truncated"], r["original_num_tokens"]) for r in merged] == [
+        (7, None, None), (100, False, 1)]

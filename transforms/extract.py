@@ -3,6 +3,9 @@
 The DoFn loads the model once per worker (``setup``), collects up to ``window`` records, runs
 them through the bucketed, sharded forward and emits the results **in input order**, so that a
 consumer (the host runner) can cut shards that each hold a contiguous run of the stream.
+Records longer than ``max_seq_length`` follow ``long_samples`` (``transforms/long_samples.py``);
+a skipped one is emitted in its place as a rejection on the ``rejected`` tagged output, and
+counted (Beam counters ``extract:truncated``, ``extract:skipped_too_long``).
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ import json
 from typing import Any, Iterator, Sequence
 
 import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from common.cli import UserError
+from transforms.long_samples import fit_record, rejection
 
 STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
+REJECTED = "rejected"  # the tagged output of records that were not computed
 
 
 class StreamFormatError(UserError):
@@ -42,6 +49,8 @@ def parse_stream_line(line: str, where: str) -> dict[str, Any]:
         raise StreamFormatError(f"{where}: num_tokens {record['num_tokens']} != {len(ids)} input_ids")
     if type(record["sample_id"]) is not int:
         raise StreamFormatError(f"{where}: sample_id must be an integer")
+    if type(record.get("truncated", False)) is not bool:
+        raise StreamFormatError(f"{where}: truncated must be true or false")
     return record
 
 
@@ -55,25 +64,30 @@ class ExtractConfig:
     dtype: str = "auto"
     activation_dtype: str = "float32"
     window: int | None = None              # records reordered at once; default 8 x global batch
+    long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
 
 
 def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
-    """The output of one sample: its identity and ``{layer: array [num_tokens, hidden]}``."""
+    """The output of one sample (as computed, see ``fit_record``): its identity, whether it was
+    truncated, and ``{layer: array [num_tokens, hidden]}``."""
     return {"sample_id": record["sample_id"], "source": record["source"],
             "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
+            "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
             "activations": activations}
 
 
-def extract_in_order(extractor, records: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Activation records of ``records``, computed bucket by bucket, yielded in input order."""
+def extract_in_order(extractor, records: Sequence[dict[str, Any]],
+                     long_samples: str = "truncate") -> Iterator[dict[str, Any] | TaggedOutput]:
+    """For each record in input order: its activation record, or ``TaggedOutput(REJECTED, ...)``
+    if ``long_samples`` skips it. Computed bucket by bucket."""
     limit = extractor.buckets[-1]
-    for record in records:
-        if record["num_tokens"] > limit:
-            raise UserError(f"sample {record['sample_id']} has {record['num_tokens']} tokens, more "
-                            f"than --max_seq_length {limit}")
-    results = dict(extractor.extract((i, r["input_ids"]) for i, r in enumerate(records)))
-    for i, record in enumerate(records):
-        yield activation_record(record, results.pop(i))
+    fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
+    results = dict(extractor.extract((i, r["input_ids"]) for i, r in enumerate(fitted) if r is not None))
+    for i, (record, fit) in enumerate(zip(records, fitted)):
+        if fit is None:
+            yield TaggedOutput(REJECTED, rejection(record, limit))
+        else:
+            yield activation_record(fit, results.pop(i))
 
 
 class ExtractActivations(beam.DoFn):
@@ -108,12 +122,20 @@ class ExtractActivations(beam.DoFn):
 
     def finish_bundle(self):
         for out in self.drain():
-            yield GlobalWindows.windowed_value(out)
+            if isinstance(out, TaggedOutput):
+                yield TaggedOutput(out.tag, GlobalWindows.windowed_value(out.value))
+            else:
+                yield GlobalWindows.windowed_value(out)
 
-    def drain(self) -> Iterator[dict[str, Any]]:
+    def drain(self) -> Iterator[dict[str, Any] | TaggedOutput]:
         """Computes and yields every pending record (used by ``finish_bundle`` and the runner)."""
         records, self._pending = self._pending, []
-        yield from extract_in_order(self.extractor, records)
+        for out in extract_in_order(self.extractor, records, self.config.long_samples):
+            if isinstance(out, TaggedOutput):
+                Metrics.counter("extract", "skipped_too_long").inc()
+            elif out["truncated"]:
+                Metrics.counter("extract", "truncated").inc()
+            yield out
 
     def discard_pending(self) -> int:
         """Drops records not computed yet (on preemption they are redone after resume)."""

@@ -26,9 +26,11 @@ def stream_filename(machine: int) -> str:
 
 
 def stream_record(sample: TokenizedSample) -> dict[str, Any]:
-    """The JSON object of one stream line (field order fixed for byte-stable output)."""
+    """The JSON object of one stream line (field order fixed for byte-stable output);
+    ``original_num_tokens`` only on truncated samples."""
+    cut = {"original_num_tokens": sample.original_num_tokens} if sample.truncated else {}
     return {"sample_id": sample.sample_id, "input_ids": list(sample.input_ids),
-            "num_tokens": len(sample.input_ids), "truncated": sample.truncated,
+            "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut,
             "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS]}
 
 

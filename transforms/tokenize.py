@@ -3,7 +3,7 @@
 Chat samples are rendered through the tokenizer's own chat template (with the generation prompt
 for the assistant) and encoded without adding special tokens again; plain texts are encoded with
 the tokenizer's usual special tokens. ``max_seq_length`` keeps the first tokens and marks the
-sample ``truncated``.
+sample ``truncated`` (with its ``original_num_tokens``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class TokenizedSample:
     prompt: str  # the exact text that was tokenized
     input_ids: tuple[int, ...]
     truncated: bool
+    original_num_tokens: int  # before truncation
 
 
 @functools.lru_cache(maxsize=4)
@@ -73,7 +74,8 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample],
     for sample, prompt, tokens in zip(samples, prompts, ids):
         truncated = max_seq_length is not None and len(tokens) > max_seq_length
         kept = tokens[:max_seq_length] if truncated else tokens
-        out.append(TokenizedSample(sample.sample_id, sample.source, prompt, tuple(kept), truncated))
+        out.append(TokenizedSample(sample.sample_id, sample.source, prompt, tuple(kept), truncated,
+                                   len(tokens)))
     return out
 
 

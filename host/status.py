@@ -1,0 +1,175 @@
+"""``status.json``: a host's health, readable without logging into the host.
+
+Written atomically in the machine directory (and uploaded beside ``checkpoint.json`` when
+uploading) at every state change, and at least every ``heartbeat_s`` seconds by a background
+thread: the model never waits for it, and a long compile or batch (XLA releases the GIL) does not
+stop it. A stale ``updated_at`` therefore means a dead or frozen process. States:
+
+  starting -> loading -> compiling <-> running -> completed | stopped (a signal) | failed
+
+``failed`` carries the one-line ``error``, written before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from common.cli import UserError
+from host.checkpoint import write_atomically
+
+if TYPE_CHECKING:  # annotations only: this module needs neither JAX nor a GCS client to import
+    from host.compilation_cache import CompileStats
+    from host.storage import GcsStore
+
+log = logging.getLogger("runners.tpu_host")
+STATUS_FILE = "status.json"
+STARTING, LOADING, COMPILING, RUNNING = "starting", "loading", "compiling", "running"
+COMPLETED, STOPPED, FAILED = "completed", "stopped", "failed"
+STATES = (STARTING, LOADING, COMPILING, RUNNING, COMPLETED, STOPPED, FAILED)
+
+
+def utc_now() -> str:
+    """ISO 8601 in UTC, e.g. ``2026-11-22T07:23:00.123+00:00``."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def host_rss_gb() -> float:
+    """This process's resident memory now (peak where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def device_report(devices: list) -> dict[str, Any]:
+    """Backend, device kind and count, and memory in use / limit where the backend reports it
+    (TPU and GPU do; CPU does not)."""
+    memory = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_in_use" in stats:
+            memory.append({"id": device.id, "in_use_gb": round(stats["bytes_in_use"] / 1e9, 3),
+                           "limit_gb": round(stats["bytes_limit"] / 1e9, 3) if "bytes_limit" in stats else None})
+    return {"backend": devices[0].platform, "device_kind": devices[0].device_kind,
+            "device_count": len(devices), "device_memory": memory}
+
+
+class HealthReporter:
+    """Keeps ``status.json`` current; ``compiling`` wraps each compile of the forward."""
+
+    def __init__(self, machine_dir: str, machine_id: int, heartbeat_s: float,
+                 counters: Callable[[], dict[str, Any]], compile_stats: CompileStats | None = None,
+                 cache_dir: str | None = None):
+        self.path = os.path.join(machine_dir, STATUS_FILE)
+        self.heartbeat_s = heartbeat_s
+        self.counters = counters            # the run's progress (host/progress.py)
+        self.compile_stats = compile_stats  # host/compilation_cache.py
+        self.cache_dir = cache_dir          # the persistent compilation cache, None when off
+        self.store: GcsStore | None = None  # set once the run has one
+        self.devices: list = []
+        self.state = STARTING
+        self.error: str | None = None
+        self.compile_s = 0.0
+        self.compiles = 0
+        self._identity = {"machine_id": machine_id, "hostname": socket.gethostname(), "pid": os.getpid(),
+                          "started_at": utc_now(), "heartbeat_s": heartbeat_s}
+        self._history = [{"state": STARTING, "at": self._identity["started_at"]}]
+        self._wake = threading.Event()
+        self._closed = False
+        self._write_lock = threading.Lock()  # the heartbeat and the final write never interleave
+        self._thread = threading.Thread(target=self._beat, name="status-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.write()
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """Starts the heartbeat; an exception out of the body ends the status as ``failed`` with
+        its one line (a user error's message; for anything else its type too, the traceback
+        going to the log as usual) before it propagates."""
+        self.start()
+        try:
+            yield
+        except UserError as e:
+            self.finish(FAILED, str(e))
+            raise
+        except Exception as e:
+            self.finish(FAILED, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
+            raise
+
+    def set_state(self, state: str) -> None:
+        """A state change: recorded, and written by the heartbeat thread right away."""
+        if state != self.state:
+            self.state = state
+            self._history.append({"state": state, "at": utc_now()})
+            self._wake.set()
+
+    @contextlib.contextmanager
+    def compiling(self, rows: int, length: int) -> Iterator[None]:
+        previous = self.state
+        self.set_state(COMPILING)
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.compile_s += time.monotonic() - start
+            self.compiles += 1
+            self.set_state(previous if previous != COMPILING else RUNNING)
+
+    def finish(self, state: str, error: str | None = None) -> None:
+        """The final state, written before returning (after the heartbeat thread has stopped)."""
+        self.error = error
+        self.set_state(state)
+        self._closed = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.write()
+
+    def document(self) -> dict[str, Any]:
+        stats = self.compile_stats
+        return {**self._identity, "state": self.state, "updated_at": utc_now(), "error": self.error,
+                **self.counters(),
+                "compile_s": round(self.compile_s, 3), "compiles": self.compiles,
+                "compile_phases_s": ({phase: round(s, 3) for phase, s in stats.seconds.items()}
+                                     if stats is not None else None),
+                "compilation_cache": ({"dir": self.cache_dir, "lookups": stats.lookups, "hits": stats.hits}
+                                      if stats is not None and self.cache_dir else None),
+                "host_rss_gb": round(host_rss_gb(), 3),
+                **(device_report(self.devices) if self.devices else
+                   {"backend": None, "device_kind": None, "device_count": None, "device_memory": []}),
+                "history": list(self._history)}
+
+    def write(self) -> None:
+        """Writes ``status.json`` locally, then uploads it; an upload failure is only logged (the
+        next heartbeat tries again), never the run's failure."""
+        with self._write_lock:
+            data = (json.dumps(self.document(), indent=2) + "\n").encode()
+            write_atomically(self.path, data)
+            if self.store is not None:
+                try:
+                    self.store.upload(STATUS_FILE, data)
+                except Exception as e:  # GCS trouble must not stop the run; shards report their own
+                    log.warning("status.json upload failed: %s", str(e).splitlines()[0] if str(e) else e)
+
+    def _beat(self) -> None:
+        while True:
+            self._wake.wait(self.heartbeat_s)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.write()
+            except Exception:  # a full disk, say: the run goes on and reports its own errors
+                log.exception("writing %s failed", self.path)

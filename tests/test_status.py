@@ -1,0 +1,93 @@
+"""status.json of a real run, read while it runs (the way a fleet watches its hosts)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.conftest import REPO, read_streams
+from tests.hf_reference import random_sequences
+
+pytestmark = pytest.mark.slow
+PHASE = {"starting": 0, "loading": 1, "compiling": 2, "running": 2, "completed": 3, "stopped": 3, "failed": 3}
+TRANSITIONS = {("starting", "loading"), ("loading", "running"), ("running", "compiling"),
+               ("compiling", "running"), ("running", "completed")}
+
+
+def watch(args, status_path, env=None, poll_s=0.02):
+    """Runs the runner (in ``env``, default this one) while polling its status.json; (exit code,
+    stdout, stderr, the distinct statuses seen, in order)."""
+    out, err = (tempfile.TemporaryFile("w+") for _ in range(2))  # a pipe could fill and block it
+    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO, text=True,
+                            stdout=out, stderr=err, env=env)
+    seen = []
+    while proc.poll() is None:
+        try:
+            status = json.loads(status_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            status = None
+        if status and (not seen or status["updated_at"] != seen[-1]["updated_at"]):
+            seen.append(status)
+        time.sleep(poll_s)
+    seen.append(json.loads(status_path.read_text()))
+    out.seek(0)
+    err.seek(0)
+    return proc.returncode, out.read(), err.read(), seen
+
+
+def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_streams, tiny_checkpoints,
+                                                                      tmp_path, metadata_server):
+    metadata_server.attributes["machine-id"] = "1"
+    env = {k: v for k, v in os.environ.items() if k != "JOB_COMPLETION_INDEX"}
+    env["GCE_METADATA_HOST"] = metadata_server.host
+    args = ["--machine_id", "auto", "--streams_dir", str(arc_streams), "--model_path",
+            tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", "0.0002",
+            "--batch_size", "1", "--window", "2", "--max_seq_length", "160", "--dtype", "float32",
+            "--heartbeat_s", "0.1"]
+    code, stdout, stderr, seen = watch(args, tmp_path / "machine_001" / "status.json", env)
+    assert code == 0, stderr
+    assert "machine id 1 from metadata attribute machine-id '1'" in stderr
+    states = [s["state"] for s in seen]
+    assert [PHASE[s] for s in states] == sorted(PHASE[s] for s in states), states  # never backwards
+    assert {"loading", "compiling", "running"} <= set(states) and states[-1] == "completed", states
+    final = seen[-1]
+    history = [h["state"] for h in final["history"]]
+    assert history[0] == "starting" and history[-1] == "completed"
+    assert all(pair in TRANSITIONS for pair in zip(history, history[1:])), history
+    stream = read_streams(arc_streams, 2)[1]
+    checkpoint = json.loads((tmp_path / "machine_001" / "checkpoint.json").read_text())
+    assert final["machine_id"] == 1 and final["error"] is None
+    assert final["samples_done"] == final["samples_total"] == len(stream)
+    assert final["tokens_done"] == sum(r["num_tokens"] for r in stream)
+    assert final["shards"] == checkpoint["total_shards"] > 1
+    assert final["truncated"] == sum(r["truncated"] for r in stream) and final["skipped"] == 0
+    assert final["compiles"] >= 1 and final["compile_s"] > 0 and final["host_rss_gb"] > 0.1
+    assert (final["backend"], final["device_count"]) == ("cpu", 8)
+    assert final["tokens_per_s"]["since_start"] > 0
+    assert final["started_at"] < final["updated_at"]
+    # While it ran, samples_total was known and samples_done only grew.
+    running = [s for s in seen if s["state"] == "running"]
+    assert any(s["samples_total"] == len(stream) for s in running)
+    assert [s["samples_done"] for s in seen] == sorted(s["samples_done"] for s in seen)
+
+
+def test_the_heartbeat_goes_on_during_a_long_batch(tiny_checkpoints, tmp_path):
+    # One global batch of 8 x 4,000 tokens (1 per device x 8 devices): ~4 s of forward, during
+    # which no sample completes.
+    sequences = random_sequences([4000] * 8, seed=5)
+    stream = tmp_path / "long.jsonl"
+    stream.write_text("".join(json.dumps({"sample_id": i, "input_ids": ids, "num_tokens": len(ids),
+                                          "source": f"r{i}", "text_preview": ""}) + "\n"
+                              for i, ids in enumerate(sequences)))
+    args = ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", tiny_checkpoints["gqa_tied"],
+            "--output_dir", str(tmp_path / "out"), "--batch_size", "1", "--max_seq_length", "4096",
+            "--dtype", "float32", "--heartbeat_s", "0.2"]
+    code, _, stderr, seen = watch(args, tmp_path / "out" / "machine_000" / "status.json")
+    assert code == 0, stderr
+    during_batch = [s for s in seen if s["state"] == "running" and s["samples_done"] == 0]
+    assert len(during_batch) >= 5, [(s["state"], s["samples_done"], s["updated_at"]) for s in seen]
+    assert seen[-1]["state"] == "completed" and seen[-1]["samples_done"] == 8
