@@ -29,6 +29,19 @@ class Checkpoint:
     total_tokens: int = 0                          # tokens of the stored samples
     total_truncated: int = 0                       # stored samples that were truncated
     total_skipped: int = 0                         # records skipped: the first lines of rejected.jsonl
+    settings: dict[str, Any] | None = None         # the flags that decide what is stored
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Records ``settings`` on a new run; a resumed run must come with the same ones (else its
+        shards would mix two kinds of output). Checkpoints older than this field are trusted."""
+        if self.settings is None or not (self.total_samples_processed or self.total_shards):
+            self.settings = settings
+            return
+        changed = [f"--{k} {self.settings.get(k)!r} -> {v!r}" for k, v in settings.items()
+                   if self.settings.get(k) != v]
+        if changed:
+            raise UserError(f"this machine's stored output was made with other settings ({'; '.join(changed)}): "
+                            "resume with the same flags, or write to a new --output_dir")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"

@@ -15,7 +15,6 @@ import os
 import jax
 
 log = logging.getLogger("runners.tpu_host")
-DEFAULT_DIR = "~/.cache/activation-extraction/xla"
 _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 _HIT = "/jax/compilation_cache/cache_hits"
 _PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
@@ -27,15 +26,17 @@ def enable_compilation_cache(path: str) -> str | None:
     """Caches every compile of this process under ``path`` (local or ``gs://``); returns the
     directory used, or None when ``path`` is empty or the local directory cannot be made (then
     the run compiles as usual). Must come before the process's first compile."""
-    if not path:
-        return None
-    if "://" not in path:
+    if path and "://" not in path:
         path = os.path.abspath(os.path.expanduser(path))
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
             log.warning("compilation cache off: cannot create %s (%s)", path, e.strerror)
-            return None
+            path = ""
+    # Off means off, also where JAX would take a directory from JAX_COMPILATION_CACHE_DIR itself.
+    jax.config.update("jax_enable_compilation_cache", bool(path))
+    if not path:
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     # Cache every compile, however small or quick (JAX skips compiles under 1 s by default).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -64,3 +65,8 @@ class CompileStats:
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event in _PHASES:
             self.seconds[_PHASES[event]] += duration
+
+    def close(self) -> None:
+        """Stops listening (JAX's listeners are process-wide)."""
+        jax.monitoring.unregister_event_listener(self._on_event)
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from common.cli import UserError, flag, int_list
@@ -58,7 +59,7 @@ class HostConfig:
     profile_batches: int = flag(3, "batches traced with --profile_dir, after the first (compiling) one")
 
     def validate(self) -> None:
-        if self.machine_id < 0:
+        if self.machine_id != "auto" and self.machine_id < 0:
             raise UserError(f"--machine_id must be >= 0, got {self.machine_id}")
         if not (self.streams_dir or self.dataset_stream):
             raise UserError("pass --streams_dir or --dataset_stream")
@@ -75,8 +76,8 @@ class HostConfig:
         for name in ("batch_size", "max_seq_length", "upload_retries", "profile_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
-        if self.heartbeat_s <= 0:
-            raise UserError(f"--heartbeat_s must be positive, got {self.heartbeat_s}")
+        if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
+            raise UserError(f"--heartbeat_s must be a positive number of seconds, got {self.heartbeat_s}")
 
     @property
     def machine_dir(self) -> str:

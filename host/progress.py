@@ -86,7 +86,7 @@ class Progress:
                 "samples_total": self.samples_total,
                 "tokens_done": b["tokens"] + self.tokens,
                 "tokens_per_s": {"last_minute": round(self._rate_last_minute(now), 1),
-                                 "since_start": round(self.tokens / max(now - self._start, 1e-9), 1)},
+                                 "since_start": round(self._rate(), 1)},
                 "shards": b["shards"] + self.shards, "truncated": b["truncated"] + self.truncated,
                 "skipped": b["skipped"] + self.skipped}
 

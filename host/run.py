@@ -36,7 +36,7 @@ from host.machine_id import resolve_machine_id
 from host.profiling import BatchProfiler
 from host.progress import Progress
 from host.rejected import RejectedLog
-from host.status import LOADING, RUNNING, STOPPED, HealthReporter
+from host.status import LOADING, RUNNING, STATUS_FILE, STOPPED, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.stream import check_lengths, count_records, stream_records
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
@@ -64,7 +64,8 @@ def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) 
     removed = []
     for rel in _local_files(machine_dir):
         match = SHARD_FILE.fullmatch(rel) or INDEX_FILE.fullmatch(rel)
-        if rel.endswith(".tmp") or (match and int(match.group(1)) > total_shards):
+        live = rel == f"{STATUS_FILE}.tmp"  # the heartbeat of this very run may be writing it
+        if (rel.endswith(".tmp") and not live) or (match and int(match.group(1)) > total_shards):
             os.remove(os.path.join(machine_dir, rel))
             removed.append(rel)
     if store:
@@ -97,15 +98,21 @@ def initial_checkpoint(config: HostConfig, store: GcsStore | None) -> Checkpoint
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGINT; the run checks it between records."""
+    """SIGTERM / SIGINT. During start-up (checkpoint, model load) there is nothing to store, so a
+    signal ends the run at once (``Stopped``); once records flow (``graceful``) it only sets
+    ``signal``, which the run checks between records, to store what it has and stop."""
 
     def __init__(self):
         self.signal: int | None = None
+        self.graceful = False
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
         self.signal = signum
-        log.warning("received %s: storing buffered samples and stopping", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if not self.graceful:
+            raise Stopped(f"received {name} before any sample was computed")
+        log.warning("received %s: storing buffered samples and stopping", name)
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
@@ -129,23 +136,27 @@ class RunObserver(ForwardObserver):
 
 def run_host(config: HostConfig) -> int:
     """One machine's run, reported in ``status.json`` from the moment its directory exists."""
-    config = dataclasses.replace(config, machine_id=resolve_machine_id(config.machine_id))
     config.validate()
+    config = dataclasses.replace(config, machine_id=resolve_machine_id(config.machine_id))
     prepare_machine_dir(config.machine_dir)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
     progress = Progress(config.verbose)
+    compile_stats = CompileStats()
     health = HealthReporter(config.machine_dir, config.machine_id, config.heartbeat_s, progress.snapshot,
-                            CompileStats(), cache_dir)
+                            compile_stats, cache_dir)
     stop = StopFlag()
     try:
         with health.reporting():
             finished = _run(config, health, progress, stop)
+        if finished:
+            progress.samples_total = progress.snapshot()["samples_done"]  # the stream's end was reached
+        health.finish(COMPLETED if finished else STOPPED)
+    except Stopped as e:
+        print(f"machine {config.machine_id} stopped: {e}; re-run the same command to start it")
     finally:
-        stop.restore()
+        stop.restore()  # after the final status: a second signal must not cut its write short
         progress.close()
-    if finished:
-        progress.samples_total = progress.snapshot()["samples_done"]  # the stream's end was reached
-    health.finish(COMPLETED if finished else STOPPED)
+        compile_stats.close()
     return 0
 
 
@@ -154,8 +165,6 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     stream_path = config.stream_path
     if "://" not in stream_path and not os.path.exists(stream_path):
         raise UserError(f"no stream file for machine {config.machine_id}: {stream_path}")
-    threading.Thread(target=count_records, args=(progress, stream_path, config.max_samples),
-                     daemon=True, name="count-records").start()
     store = GcsStore(config.gcs_bucket, config.prefix, config.upload_retries) if config.upload_to_gcs else None
     health.store = store  # status.json goes beside checkpoint.json from now on
     checkpoint = initial_checkpoint(config, store)
@@ -164,6 +173,9 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         print(f"machine {config.machine_id} already completed: {checkpoint.total_shards} shards, "
               f"{checkpoint.total_samples_processed} samples; nothing to do")
         return True
+    threading.Thread(target=count_records, args=(progress, stream_path, config.max_samples),
+                     daemon=True, name="count-records").start()
+    checkpoint.check_settings(output_settings(config))
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
     dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
@@ -176,7 +188,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     # as in an uninterrupted run and the shards come out bit-identical.
     window_start = done - done % dofn.window_for(config.batch_size * _data_axis(config))
     if config.long_samples == "error":
-        check_lengths(stream_path, done, config.max_samples, config.max_seq_length)
+        check_lengths(stream_path, window_start, config.max_samples, config.max_seq_length)
     records = stream_records(stream_path, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
@@ -189,6 +201,9 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     health.set_state(RUNNING)
     writer = ShardWriter(_shard_settings(config, extractor), checkpoint, store, rejected,
                          on_stored=progress.shard_stored)
+    stop.graceful = True  # from here a signal stores what was computed, then stops
+    if stop.signal is not None:  # (one may have come just before)
+        raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
     try:
         finished = _drive(dofn, writer, progress, stop, first, records, skip=done - window_start)
         writer.finalize()  # the buffer (a signal's final shard, or the stream's tail)
@@ -263,6 +278,19 @@ def _data_axis(config: HostConfig) -> int:
     from model.checkpoint import resolve_model_dir
     from model.sharding import make_mesh
     return make_mesh(config.mesh_type, load_config(resolve_model_dir(config.model_path))).shape["data"]
+
+
+def output_settings(config: HostConfig) -> dict[str, Any]:
+    """The flags that decide what a run stores, resolved (``auto``, all layers); a resumed run
+    must keep them."""
+    from model.checkpoint import resolve_model_dir
+    from model.config import load_config
+    from model.extract import resolve_dtype, validate_layers
+    model = load_config(resolve_model_dir(config.model_path))
+    layers = config.layers_to_extract or range(model.num_hidden_layers)
+    return {"layers_to_extract": list(validate_layers(layers, model)),
+            "dtype": jnp.dtype(resolve_dtype(config.dtype)).name, "activation_dtype": config.activation_dtype,
+            "max_seq_length": config.max_seq_length, "long_samples": config.long_samples}
 
 
 def _shard_settings(config: HostConfig, extractor) -> ShardSettings:

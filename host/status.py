@@ -1,11 +1,12 @@
 """``status.json``: a host's health, readable without logging into the host.
 
-Written atomically in the machine directory (and uploaded beside ``checkpoint.json`` when
-uploading) at every state change, and at least every ``heartbeat_s`` seconds by a background
-thread: the model never waits for it, and a long compile or batch (XLA releases the GIL) does not
-stop it. A stale ``updated_at`` therefore means a dead or frozen process. States:
+Written atomically in the machine directory at every state change, and at least every
+``heartbeat_s`` seconds by a background thread: the model never waits for it, and a long compile
+or batch (XLA releases the GIL) does not stop it. A second thread uploads the newest document
+beside ``checkpoint.json`` when uploading, at most one a second (GCS's rate for one object), so a
+slow upload never delays a local heartbeat. A stale ``updated_at`` means a dead or frozen process.
 
-  starting -> loading -> compiling <-> running -> completed | stopped (a signal) | failed
+  starting -> loading -> running <-> compiling, then completed | stopped (a signal) | failed
 
 ``failed`` carries the one-line ``error``, written before the process exits non-zero.
 """
@@ -34,6 +35,11 @@ STATUS_FILE = "status.json"
 STARTING, LOADING, COMPILING, RUNNING = "starting", "loading", "compiling", "running"
 COMPLETED, STOPPED, FAILED = "completed", "stopped", "failed"
 STATES = (STARTING, LOADING, COMPILING, RUNNING, COMPLETED, STOPPED, FAILED)
+UPLOAD_GAP_S = 1.0
+
+
+class Stopped(Exception):
+    """A signal ended the run before it computed anything: nothing to store, status ``stopped``."""
 
 
 def utc_now() -> str:
@@ -88,10 +94,16 @@ class HealthReporter:
         self._closed = False
         self._write_lock = threading.Lock()  # the heartbeat and the final write never interleave
         self._thread = threading.Thread(target=self._beat, name="status-heartbeat", daemon=True)
+        self._upload_lock = threading.Lock()
+        self._to_upload: bytes | None = None  # the newest document not uploaded yet
+        self._upload_wake = threading.Event()
+        self._uploads_closed = False
+        self._uploader = threading.Thread(target=self._upload, name="status-upload", daemon=True)
 
     def start(self) -> None:
         self.write()
         self._thread.start()
+        self._uploader.start()
 
     @contextlib.contextmanager
     def reporting(self) -> Iterator[None]:
@@ -101,6 +113,9 @@ class HealthReporter:
         self.start()
         try:
             yield
+        except Stopped:
+            self.finish(STOPPED)
+            raise
         except UserError as e:
             self.finish(FAILED, str(e))
             raise
@@ -128,7 +143,7 @@ class HealthReporter:
             self.set_state(previous if previous != COMPILING else RUNNING)
 
     def finish(self, state: str, error: str | None = None) -> None:
-        """The final state, written before returning (after the heartbeat thread has stopped)."""
+        """The final state, written (and uploaded, after any upload in flight) before returning."""
         self.error = error
         self.set_state(state)
         self._closed = True
@@ -136,6 +151,10 @@ class HealthReporter:
         if self._thread.is_alive():
             self._thread.join()
         self.write()
+        self._uploads_closed = True
+        self._upload_wake.set()
+        if self._uploader.is_alive():
+            self._uploader.join()
 
     def document(self) -> dict[str, Any]:
         stats = self.compile_stats
@@ -152,23 +171,42 @@ class HealthReporter:
                 "history": list(self._history)}
 
     def write(self) -> None:
-        """Writes ``status.json`` locally, then uploads it; an upload failure is only logged (the
-        next heartbeat tries again), never the run's failure."""
+        """Writes ``status.json`` locally and hands it to the uploader (which keeps the newest)."""
         with self._write_lock:
             data = (json.dumps(self.document(), indent=2) + "\n").encode()
             write_atomically(self.path, data)
-            if self.store is not None:
+        if self.store is not None:
+            with self._upload_lock:
+                self._to_upload = data
+            self._upload_wake.set()
+
+    def _upload(self) -> None:
+        """Uploads the newest document, in order, at most one per ``UPLOAD_GAP_S``. A failure is
+        only logged (the next document tries again), never the run's failure."""
+        while True:
+            self._upload_wake.wait()
+            self._upload_wake.clear()
+            with self._upload_lock:
+                data, self._to_upload = self._to_upload, None
+            if data is not None:
                 try:
                     self.store.upload(STATUS_FILE, data)
                 except Exception as e:  # GCS trouble must not stop the run; shards report their own
                     log.warning("status.json upload failed: %s", str(e).splitlines()[0] if str(e) else e)
+            with self._upload_lock:
+                if self._uploads_closed and self._to_upload is None:
+                    return
+            if data is not None:
+                time.sleep(UPLOAD_GAP_S)
 
     def _beat(self) -> None:
+        next_at = time.monotonic() + self.heartbeat_s  # beats are timed from a write's start
         while True:
-            self._wake.wait(self.heartbeat_s)
+            self._wake.wait(max(0.0, next_at - time.monotonic()))
             self._wake.clear()
             if self._closed:
                 return
+            next_at = time.monotonic() + self.heartbeat_s
             try:
                 self.write()
             except Exception:  # a full disk, say: the run goes on and reports its own errors

@@ -102,6 +102,36 @@ class GcsStore:
                                f"md5 {remote.md5_hash}; expected {size} bytes, md5 {md5}")
         return self.url(name)
 
+    def append(self, name: str, data: bytes, size_after: int) -> str:
+        """Appends ``data`` to object ``name`` (made if missing) without re-sending what it holds:
+        ``data`` is uploaded (and verified) as a part, composed onto the object on the server,
+        and the result checked to be ``size_after`` bytes. A composite object has no MD5."""
+        part = f"{name}.part"
+        self.upload(part, data)
+        target = self._bucket.blob(self._key(name))
+        sources = ([target] if size_after > len(data) else []) + [self._bucket.blob(self._key(part))]
+        self._call(f"compose of {self.url(name)}",
+                   lambda: target.compose(sources, retry=None, timeout=TIMEOUT_S))
+        self._call(f"check of {self.url(name)}", lambda: target.reload(retry=None, timeout=TIMEOUT_S))
+        if target.size != size_after:
+            raise StorageError(f"append to {self.url(name)} did not verify: {target.size} bytes, "
+                               f"expected {size_after}")
+        self.delete(part)
+        return self.url(name)
+
+    def size(self, name: str) -> int | None:
+        """The object's size in bytes, or None if it does not exist."""
+        from google.api_core import exceptions as gexc
+        blob = self._bucket.blob(self._key(name))
+
+        def fetch() -> int | None:
+            try:
+                blob.reload(retry=None, timeout=TIMEOUT_S)
+            except gexc.NotFound:
+                return None
+            return blob.size
+        return self._call(f"check of {self.url(name)}", fetch)
+
     def download(self, name: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
         from google.api_core import exceptions as gexc

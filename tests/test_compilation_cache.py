@@ -49,8 +49,11 @@ def test_a_gcs_cache(arc_streams, tiny_checkpoints, tmp_path, gcs):
 
 
 def test_an_empty_cache_dir_turns_it_off(arc_streams, tiny_checkpoints, tmp_path):
+    jax_default = tmp_path / "jax_default"  # what JAX itself would use, from its variable
     result = run_cli("runners.tpu_host", *host_args(arc_streams, tmp_path, 1, tiny_checkpoints["gqa_tied"],
-                                                    "--max_samples", "2", "--compilation_cache_dir", ""))
+                                                    "--max_samples", "2", "--compilation_cache_dir", ""),
+                     env={"JAX_COMPILATION_CACHE_DIR": str(jax_default)})
     assert result.returncode == 0, result.stderr
+    assert not jax_default.exists() or not any(jax_default.iterdir())
     off = status(tmp_path, 1)
     assert off["compilation_cache"] is None and off["compiles"] > 0 and off["compile_phases_s"]["backend"] > 0

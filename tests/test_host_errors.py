@@ -76,6 +76,19 @@ def test_layer_past_the_model_and_bad_flags(arc_streams, tiny_checkpoints, tmp_p
                                            "--upload_to_gcs")), "--upload_to_gcs needs --gcs_bucket")
 
 
+def test_a_resume_with_other_output_settings_is_refused(arc_streams, tiny_checkpoints, tmp_path):
+    args = host_args(arc_streams, tmp_path, 1, tiny_checkpoints["gqa_tied"])  # --dtype float32
+    assert run_host_cli(*args, "--max_samples", "3", "--layers_to_extract", "0", "1", "2", "3").returncode == 0
+    # The same settings in other words: all layers, auto (float32 on CPU). It goes on.
+    assert run_host_cli(*args, "--max_samples", "4", "--dtype", "auto").returncode == 0
+    before = shard_contents(tmp_path / "machine_001")
+    one_line_error(run_host_cli(*args, "--max_samples", "6", "--long_samples", "skip",
+                                "--layers_to_extract", "1"),
+                   "this machine's stored output was made with other settings (--layers_to_extract "
+                   "[0, 1, 2, 3] -> [1]; --long_samples 'truncate' -> 'skip')")
+    assert shard_contents(tmp_path / "machine_001") == before
+
+
 def test_a_stream_changed_under_a_resume_is_refused(arc_streams, tiny_checkpoints, tmp_path):
     (tmp_path / "streams").mkdir()
     stream = tmp_path / "streams" / "stream_000.jsonl"

@@ -79,3 +79,22 @@ def test_an_exception_ends_the_status_as_failed_with_its_line(tmp_path, error, l
             raise error
     status = read_status(tmp_path)
     assert status["state"] == "failed" and status["error"] == line
+
+
+def test_rejected_log_on_gcs_is_appended_and_trimmed_like_the_local_file(tmp_path, gcs):
+    from host.storage import GcsStore
+    store = GcsStore("acts", "m", retries=2)
+    remote = gcs.client().bucket("acts").blob("m/rejected.jsonl")
+    log = RejectedLog(str(tmp_path), store)
+    log.load(0)
+    log.append([{"sample_id": 1}])
+    log.append([{"sample_id": 2}, {"sample_id": 3}])  # composed onto the object, not re-sent
+    assert remote.download_as_bytes() == (tmp_path / "rejected.jsonl").read_bytes() == \
+        b'{"sample_id":1}\n{"sample_id":2}\n{"sample_id":3}\n'
+    assert not [b.name for b in gcs.client().list_blobs("acts", prefix="m/rejected.jsonl.part")]
+    (tmp_path / "rejected.jsonl").unlink()  # a lost disk; the checkpoint counted two lines
+    RejectedLog(str(tmp_path), store).load(2)
+    assert remote.download_as_bytes() == (tmp_path / "rejected.jsonl").read_bytes() == \
+        b'{"sample_id":1}\n{"sample_id":2}\n'
+    RejectedLog(str(tmp_path), store).load(0)
+    assert not remote.exists() and not (tmp_path / "rejected.jsonl").exists()

@@ -47,7 +47,7 @@ def test_skip_and_error():
         fit_record(long, LIMIT, "error")
 
 
-def write_stream(path, copies=5):
+def write_stream(path, copies=5):  # with windows of 3, resumes land mid-window
     """``copies`` x (3, 400, 600, 2500 tokens) of random ids: with ``skip``, shards hold skipped
     records between their samples, and the stream ends on two skipped records."""
     lengths = [n for _ in range(copies) for n in LENGTHS]
@@ -59,7 +59,7 @@ def write_stream(path, copies=5):
 def host_args(stream, out, model, policy, *extra):
     return ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", model,
             "--output_dir", str(out), "--max_seq_length", str(LIMIT), "--long_samples", policy,
-            "--batch_size", "1", "--window", "2", "--shard_size_gb", "0.0002", "--dtype", "float32",
+            "--batch_size", "1", "--window", "3", "--shard_size_gb", "0.0002", "--dtype", "float32",
             "--layers_to_extract", "0,3", *extra]
 
 

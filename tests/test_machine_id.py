@@ -48,3 +48,16 @@ def test_neither_source_names_both():
 def test_an_index_that_is_not_a_machine_number(value):
     with pytest.raises(UserError, match="is not a machine number"):
         resolve_machine_id("auto", environ={"JOB_COMPLETION_INDEX": value})
+
+
+def test_a_server_that_never_answers_is_given_up_on():
+    import socket
+    import time
+    with socket.socket() as silent:  # accepts connections (the backlog), never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        start = time.monotonic()
+        with pytest.raises(UserError, match="not reachable|no answer within"):
+            resolve_machine_id("auto", environ={"GCE_METADATA_HOST": f"127.0.0.1:{silent.getsockname()[1]}"},
+                               timeout_s=0.5)
+        assert time.monotonic() - start < 2

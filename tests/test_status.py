@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,28 @@ def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_stream
     assert [s["samples_done"] for s in seen] == sorted(s["samples_done"] for s in seen)
 
 
+def test_sigterm_during_start_up_stops_at_once(tiny_checkpoints, tmp_path):
+    # --long_samples error reads the whole stream before the model loads: seconds of start-up.
+    stream = tmp_path / "big.jsonl"
+    line = {"sample_id": 0, "input_ids": [7] * 2000, "num_tokens": 2000, "source": "s", "text_preview": ""}
+    stream.write_text("".join(json.dumps({**line, "sample_id": i}) + "\n" for i in range(6000)))
+    args = ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", tiny_checkpoints["gqa_tied"],
+            "--output_dir", str(tmp_path / "out"), "--long_samples", "error", "--max_seq_length", "2048"]
+    status_path = tmp_path / "out" / "machine_000" / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not (status_path.exists() and json.loads(status_path.read_text())["state"] == "starting"):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "stopped: received SIGTERM before any sample was computed" in stdout
+    status = json.loads(status_path.read_text())
+    assert status["state"] == "stopped" and "loading" not in [h["state"] for h in status["history"]]
+    assert not list((tmp_path / "out" / "machine_000").glob("shard_*"))
+
+
 def test_the_heartbeat_goes_on_during_a_long_batch(tiny_checkpoints, tmp_path):
     # One global batch of 8 x 4,000 tokens (1 per device x 8 devices): ~4 s of forward, during
     # which no sample completes.
@@ -88,6 +111,8 @@ def test_the_heartbeat_goes_on_during_a_long_batch(tiny_checkpoints, tmp_path):
             "--dtype", "float32", "--heartbeat_s", "0.2"]
     code, _, stderr, seen = watch(args, tmp_path / "out" / "machine_000" / "status.json")
     assert code == 0, stderr
-    during_batch = [s for s in seen if s["state"] == "running" and s["samples_done"] == 0]
+    compiled_at = [h["at"] for h in seen[-1]["history"] if h["state"] == "running"][-1]  # then the batch
+    during_batch = [s for s in seen if s["state"] == "running" and s["samples_done"] == 0
+                    and s["updated_at"] > compiled_at]
     assert len(during_batch) >= 5, [(s["state"], s["samples_done"], s["updated_at"]) for s in seen]
     assert seen[-1]["state"] == "completed" and seen[-1]["samples_done"] == 8

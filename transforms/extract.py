@@ -51,6 +51,9 @@ def parse_stream_line(line: str, where: str) -> dict[str, Any]:
         raise StreamFormatError(f"{where}: sample_id must be an integer")
     if type(record.get("truncated", False)) is not bool:
         raise StreamFormatError(f"{where}: truncated must be true or false")
+    original = record.get("original_num_tokens", len(ids))
+    if type(original) is not int or original < len(ids):
+        raise StreamFormatError(f"{where}: original_num_tokens must be an integer >= num_tokens")
     return record
 
 
