@@ -42,7 +42,10 @@ def open_read(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
-def binary_lines(f: IO[bytes], chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
+CHUNK_BYTES = 8 << 20  # whole-file reads go in chunks this large
+
+
+def binary_lines(f: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The lines of an open binary file, each with its ``\\n`` (the last may lack one), read in
     large chunks: a ``gs://`` reader has no ``readline`` of its own and would be read byte by byte."""
     pending = b""
@@ -60,7 +63,7 @@ def count_lines(path: str) -> int:
     counts too."""
     count, last = 0, b"\n"
     with open_read(path) as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
+        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
             count += chunk.count(b"\n")
             last = chunk[-1:]
     return count + (last != b"\n")

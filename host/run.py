@@ -40,7 +40,10 @@ from host.status import LOADING, RUNNING, STATUS_FILE, STOPPED, HealthReporter, 
 from host.storage import GcsStore
 from host.stream import check_lengths, count_records, stream_records
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
-from model.extract import ForwardObserver
+from model.checkpoint import resolve_model_dir
+from model.config import Qwen2Config, load_config
+from model.extract import ForwardObserver, resolve_dtype, validate_layers
+from model.sharding import make_mesh
 from transforms.extract import ExtractActivations, ExtractConfig
 
 log = logging.getLogger("runners.tpu_host")
@@ -175,7 +178,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         return True
     threading.Thread(target=count_records, args=(progress, stream_path, config.max_samples),
                      daemon=True, name="count-records").start()
-    checkpoint.check_settings(output_settings(config))
+    model_config = load_config(resolve_model_dir(config.model_path))
+    checkpoint.check_settings(output_settings(config, model_config))
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
     dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
@@ -186,7 +190,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
-    window_start = done - done % dofn.window_for(config.batch_size * _data_axis(config))
+    data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
+    window_start = done - done % dofn.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":
         check_lengths(stream_path, window_start, config.max_samples, config.max_seq_length)
     records = stream_records(stream_path, window_start, config.max_samples,
@@ -272,21 +277,9 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, st
     return True
 
 
-def _data_axis(config: HostConfig) -> int:
-    """Size of the mesh's data axis, known before the model is loaded (for the window size)."""
-    from model.config import load_config
-    from model.checkpoint import resolve_model_dir
-    from model.sharding import make_mesh
-    return make_mesh(config.mesh_type, load_config(resolve_model_dir(config.model_path))).shape["data"]
-
-
-def output_settings(config: HostConfig) -> dict[str, Any]:
+def output_settings(config: HostConfig, model: Qwen2Config) -> dict[str, Any]:
     """The flags that decide what a run stores, resolved (``auto``, all layers); a resumed run
     must keep them."""
-    from model.checkpoint import resolve_model_dir
-    from model.config import load_config
-    from model.extract import resolve_dtype, validate_layers
-    model = load_config(resolve_model_dir(config.model_path))
     layers = config.layers_to_extract or range(model.num_hidden_layers)
     return {"layers_to_extract": list(validate_layers(layers, model)),
             "dtype": jnp.dtype(resolve_dtype(config.dtype)).name, "activation_dtype": config.activation_dtype,

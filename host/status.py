@@ -132,7 +132,7 @@ class HealthReporter:
 
     @contextlib.contextmanager
     def compiling(self, rows: int, length: int) -> Iterator[None]:
-        previous = self.state
+        """Compiles happen while running (the first batch of each shape), and return to it."""
         self.set_state(COMPILING)
         start = time.monotonic()
         try:
@@ -140,7 +140,7 @@ class HealthReporter:
         finally:
             self.compile_s += time.monotonic() - start
             self.compiles += 1
-            self.set_state(previous if previous != COMPILING else RUNNING)
+            self.set_state(RUNNING)
 
     def finish(self, state: str, error: str | None = None) -> None:
         """The final state, written (and uploaded, after any upload in flight) before returning."""
