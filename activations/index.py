@@ -6,14 +6,17 @@ one table sorted by ``sample_id``, to be queried with DuckDB, BigQuery or pandas
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from common.files import open_read, write_bytes
+from common.cli import UserError
+from common.files import join, open_read, write_bytes
 
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
@@ -112,3 +115,52 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "machines": [{k: m.get(k) for k in ("machine_id", "status", "total_shards", "total_samples",
                                                  "layers", "dtype", "hidden_size", "model", "gcs_bucket",
                                                  "gcs_prefix")} for m in machines]}
+
+
+def arrays_path(output: str) -> str:
+    """``index.parquet`` -> ``index_arrays.parquet``: the per-(sample, layer) table beside it."""
+    stem = output[:-len(".parquet")] if output.endswith(".parquet") else output
+    return f"{stem}_arrays.parquet"
+
+
+@dataclasses.dataclass
+class CollectedIndex:
+    """Every machine's index files under one root, merged in memory (nothing written yet)."""
+    table: pa.Table                     # one row per sample, sorted by sample_id
+    index_files: list[str]
+    arrays_files: list[str]
+    machines: list[dict[str, Any]]      # each machine's metadata.json
+
+    @property
+    def duplicates(self) -> int:
+        """Rows whose sample id another row has too."""
+        ids = self.table["sample_id"]
+        return len(ids) - len(pc.unique(ids))
+
+
+def collect_index(activations_dir: str) -> CollectedIndex:
+    """Finds and merges the per-shard indexes and metadata of every machine under the root."""
+    try:
+        index_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}\.parquet")
+        arrays_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}_arrays\.parquet")
+        metadata_files = find_files(activations_dir, r"(.*/)?metadata\.json")
+    except Exception as e:
+        raise UserError(f"cannot list {activations_dir!r}: {str(e).splitlines()[0]}") from None
+    if not index_files:
+        raise UserError(f"no index/shard_NNNN.parquet files under {activations_dir!r}")
+    machines = []
+    for path in metadata_files:
+        with open_read(path) as f:
+            machines.append(json.load(f))
+    return CollectedIndex(merge_index_files(index_files), index_files, arrays_files, machines)
+
+
+def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
+    """Writes the index, its arrays table and ``merged_metadata.json`` beside it; returns the
+    merged metadata."""
+    write_index(collected.table, output)
+    write_index(merge_index_files(collected.arrays_files, ARRAYS_SCHEMA), arrays_path(output))
+    folder = output.rsplit("/", 1)[0] if "/" in output else "."
+    summary = merged_metadata(collected.machines, collected.table)
+    write_bytes(join(folder, "merged_metadata.json"), (json.dumps(summary, indent=2) + "\n").encode())
+    return summary

@@ -42,6 +42,22 @@ def open_read(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
+def read_optional(path: str) -> bytes | None:
+    """The bytes of ``path`` (local or ``gs://``, one request), or None if it does not exist."""
+    if path.startswith("gs://"):
+        from google.api_core import exceptions as gexc
+        bucket, key = _split_gs(path)
+        try:
+            return gcs_client().bucket(bucket).blob(key).download_as_bytes()
+        except gexc.NotFound:
+            return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 CHUNK_BYTES = 8 << 20  # whole-file reads go in chunks this large
 
 

@@ -44,7 +44,9 @@ class HostConfig:
                                   "measured best (benchmarks/shard_access.py)")
     upload_to_gcs: bool = flag(False, "also store everything under gs://BUCKET/PREFIX/")
     gcs_bucket: str | None = flag(None, "GCS bucket for --upload_to_gcs")
-    gcs_prefix: str | None = flag(None, "object prefix (default: activations/machine_{N:03d})")
+    gcs_prefix: str | None = flag(None, "object prefix (default: activations/machine_{N:03d}); "
+                                  "{machine_id} in it is replaced, e.g. run1/machine_{machine_id:03d} "
+                                  "for one command on every host with --machine_id auto")
     delete_local_after_upload: bool = flag(False, "remove each local shard once its upload is verified")
     upload_retries: int = flag(5, "attempts per GCS operation on transient errors")
     window: int | None = flag(None, "records computed together, then emitted in stream order "
@@ -71,6 +73,12 @@ class HostConfig:
             raise UserError("--upload_to_gcs needs --gcs_bucket")
         if self.delete_local_after_upload and not self.upload_to_gcs:
             raise UserError("--delete_local_after_upload needs --upload_to_gcs")
+        if self.gcs_prefix is not None:
+            try:
+                self.gcs_prefix.format(machine_id=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise UserError(f"--gcs_prefix {self.gcs_prefix!r}: the only field it may hold is "
+                                f"{{machine_id}} (e.g. {{machine_id:03d}}), got {e}") from None
         if not 0 <= self.compression_level <= 3:
             raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
         for name in ("batch_size", "max_seq_length", "upload_retries", "profile_batches"):
@@ -92,4 +100,6 @@ class HostConfig:
 
     @property
     def prefix(self) -> str:
-        return self.gcs_prefix if self.gcs_prefix is not None else f"activations/machine_{self.machine_id:03d}"
+        if self.gcs_prefix is None:
+            return f"activations/machine_{self.machine_id:03d}"
+        return self.gcs_prefix.format(machine_id=self.machine_id)

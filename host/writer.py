@@ -21,6 +21,7 @@ from activations.index import arrays_index, arrays_index_filename, index_filenam
 from activations.shards import activation_bytes, encode_shard, shard_dict, shard_filename
 from host.checkpoint import Checkpoint, write_atomically
 from host.rejected import RejectedLog
+from host.status import utc_now
 from host.storage import GcsStore
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ class ShardWriter:
                 "gcs_path": self.store.url(name) if self.store else None,
                 "file_size_mb": round(size / 2**20, 6), "layers": list(s.layers),
                 "samples_per_layer": count, "total_samples_in_shard": count,
-                "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id}
+                "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id,
+                "stored_at": utc_now()}  # the fleet's progress over time (runners.fleet status --chart)
 
     def write_state(self) -> None:
         """metadata.json, then checkpoint.json (the commit point), locally and on GCS."""

@@ -9,10 +9,10 @@ from tests.test_host import host_args, run_host_cli, shard_contents
 pytestmark = pytest.mark.slow
 
 
-def one_line_error(result, expected: str) -> None:
+def one_line_error(result, expected: str, prog: str = "runners.tpu_host") -> None:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
-    assert lines and lines[-1].startswith("runners.tpu_host: error:") and expected in lines[-1], lines
+    assert lines and lines[-1].startswith(f"{prog}: error:") and expected in lines[-1], lines
     assert not any("Traceback" in line for line in lines)
 
 

@@ -1,0 +1,80 @@
+"""The one small interface every place machines run behind: create, exists, is it alive, delete.
+
+``launch``, ``supervise`` and ``teardown`` are written once against it; a backend module only
+knows its engine (local processes, Cloud TPU queued resources, a Kubernetes Indexed Job).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Sequence
+
+from common.cli import UserError
+from fleet.config import FleetConfig
+
+# What a backend says of one machine.
+ABSENT = "absent"      # never created, or deleted: create it
+PENDING = "pending"    # being created, queued for capacity, booting: wait
+ALIVE = "alive"        # running (its files tell how it is doing)
+GONE = "gone"          # exited, killed, preempted, failed: recreate it
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    kind: str
+    detail: str = ""    # why, in a few words: "exited with status 1", "node PREEMPTED"
+
+
+class Backend(abc.ABC):
+    """Machines of one fleet on one engine."""
+
+    self_healing = False  # True: the engine restarts machines itself; supervise only watches
+
+    def __init__(self, config: FleetConfig):
+        self.config = config
+
+    @property
+    @abc.abstractmethod
+    def where(self) -> str:
+        """Where this fleet's machines are looked for, in words (for messages)."""
+
+    @abc.abstractmethod
+    def plan(self, machines: Sequence[int]) -> str:
+        """Exactly what ``create(machines)`` would create (requests, manifest, commands)."""
+
+    def prepare(self) -> None:
+        """Once per launch, before the first ``create`` (e.g. upload what the hosts install)."""
+
+    @abc.abstractmethod
+    def create(self, machines: Sequence[int]) -> list[int]:
+        """Creates these machines (those it has room for); returns the ones created."""
+
+    @abc.abstractmethod
+    def existing(self) -> set[int]:
+        """Machines of this fleet that exist now, alive or not."""
+
+    @abc.abstractmethod
+    def health(self, machine: int) -> Health:
+        """Is it alive?"""
+
+    @abc.abstractmethod
+    def delete(self, machines: Sequence[int]) -> None:
+        """Deletes these machines and whatever of them the engine holds; never their output."""
+
+    def recreate(self, machine: int) -> None:
+        self.delete([machine])
+        self.create([machine])
+
+
+def make_backend(config: FleetConfig) -> Backend:
+    if config.backend == "local":
+        from fleet.local import LocalBackend
+        return LocalBackend(config)
+    if config.backend == "tpu-vm":
+        from fleet.tpu_vm import TpuVmBackend
+        return TpuVmBackend(config)
+    if config.backend == "gke":
+        from fleet.gke import GkeBackend
+        return GkeBackend(config)
+    raise UserError(f"unknown backend {config.backend!r} (choose from local, tpu-vm, gke)")

@@ -1,0 +1,157 @@
+"""What the output says about each machine: its ``status.json``, ``checkpoint.json`` and
+``metadata.json`` read from the output (local or GCS), and the state the fleet sees.
+
+No SSH and no cloud API: a machine is judged by the files it writes. On top of the runner's own
+states (``host/status.py``) the fleet adds two: ``missing`` (no file yet) and ``stalled`` (a
+non-final state whose heartbeat is older than three intervals: the process is dead or frozen).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+from common.files import read_optional
+from fleet.config import FleetConfig
+from host.status import COMPLETED, FAILED, STOPPED
+
+log = logging.getLogger("runners.fleet")
+MISSING, STALLED = "missing", "stalled"
+FINAL = (COMPLETED, FAILED, STOPPED)
+STALE_HEARTBEATS = 3
+# Exit codes of ``status``: scripts wait on them.
+ALL_COMPLETED, STILL_RUNNING, NEEDS_ATTENTION = 0, 1, 2
+NEEDS_ATTENTION_STATES = (FAILED, STALLED, MISSING, STOPPED)
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineFiles:
+    machine_id: int
+    status: dict[str, Any] | None
+    checkpoint: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        data = read_optional(path)
+        return None if data is None else json.loads(data)
+    except Exception as e:  # unreadable counts as absent; the next look may succeed
+        log.warning("cannot read %s: %s", path, str(e).splitlines()[0])
+        return None
+
+
+def read_machine(config: FleetConfig, machine: int) -> MachineFiles:
+    base = config.machine_dir(machine)
+    status, checkpoint, metadata = (_read_json(f"{base}/{name}.json")
+                                    for name in ("status", "checkpoint", "metadata"))
+    return MachineFiles(machine, status, checkpoint, metadata)
+
+
+def read_fleet(config: FleetConfig) -> list[MachineFiles]:
+    """Every machine's files, read in parallel (three small reads per machine)."""
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda i: read_machine(config, i), range(config.num_machines)))
+
+
+def parse_time(text: str | None) -> float | None:
+    return datetime.datetime.fromisoformat(text).timestamp() if text else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineView:
+    """One row of the status table."""
+    machine_id: int
+    state: str
+    samples_done: int
+    samples_total: int | None
+    shards: int
+    tokens_per_s: float
+    heartbeat_age_s: float | None
+    updated_at: float | None      # the status's own time (seconds since the epoch)
+    heartbeat_s: float | None
+    error: str | None
+    eta_s: float | None
+
+    @property
+    def fraction(self) -> float | None:
+        if self.state == COMPLETED:
+            return 1.0
+        return self.samples_done / self.samples_total if self.samples_total else None
+
+
+def machine_view(files: MachineFiles, now: float, expected_samples: int | None = None) -> MachineView:
+    status, checkpoint = files.status or {}, files.checkpoint or {}
+    updated = parse_time(status.get("updated_at"))
+    age = now - updated if updated is not None else None
+    heartbeat = status.get("heartbeat_s")
+    if files.status is None and files.checkpoint is None:
+        state = MISSING
+    elif checkpoint.get("status") == COMPLETED or status.get("state") == COMPLETED:
+        state = COMPLETED
+    elif files.status is None:
+        state = MISSING  # a checkpoint without a health file: nothing says the machine is alive
+    elif status["state"] not in FINAL and age is not None and age > STALE_HEARTBEATS * heartbeat:
+        state = STALLED
+    else:
+        state = status["state"]
+    done = max(status.get("samples_done") or 0, checkpoint.get("total_samples_processed") or 0)
+    total = expected_samples if expected_samples is not None else status.get("samples_total")
+    if state == COMPLETED and files.checkpoint:
+        done = checkpoint["total_samples_processed"]
+    rates = status.get("tokens_per_s") or {}
+    rate = (rates.get("last_minute") or rates.get("since_start") or 0.0) if state not in FINAL + (STALLED,) else 0.0
+    return MachineView(files.machine_id, state, done, total,
+                       max(status.get("shards") or 0, checkpoint.get("total_shards") or 0), rate, age,
+                       updated, heartbeat, status.get("error") if state == FAILED else None,
+                       _eta(done, total, status.get("tokens_done") or 0, rate))
+
+
+def _eta(done: int, total: int | None, tokens_done: int, rate: float) -> float | None:
+    """Seconds left at the current rate, from the tokens per sample so far."""
+    if total is None or not done or not rate:
+        return None
+    return max(total - done, 0) * (tokens_done / done) / rate
+
+
+def fleet_views(files: Sequence[MachineFiles], manifest: dict[str, Any] | None = None,
+                now: float | None = None) -> list[MachineView]:
+    now = time.time() if now is None else now
+    counts = {m["machine"]: m["samples"] for m in manifest["machines"]} if manifest else {}
+    return [machine_view(f, now, counts.get(f.machine_id, 0) if manifest else None) for f in files]
+
+
+def exit_code(views: Sequence[MachineView]) -> int:
+    """0: every machine completed; 2: any failed, stalled, stopped or missing; else 1."""
+    if all(v.state == COMPLETED for v in views):
+        return ALL_COMPLETED
+    if any(v.state in NEEDS_ATTENTION_STATES for v in views):
+        return NEEDS_ATTENTION
+    return STILL_RUNNING
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetTotals:
+    machines: int
+    completed: int
+    samples_done: int
+    samples_total: int | None
+    shards: int
+    tokens_per_s: float
+    eta_s: float | None    # the slowest machine's
+
+
+def totals(views: Sequence[MachineView]) -> FleetTotals:
+    known = [v.samples_total for v in views]
+    pending = [v for v in views if v.state != COMPLETED]
+    etas = [v.eta_s for v in pending]
+    return FleetTotals(len(views), sum(v.state == COMPLETED for v in views),
+                       sum(v.samples_done for v in views),
+                       None if any(t is None for t in known) else sum(known),
+                       sum(v.shards for v in views), sum(v.tokens_per_s for v in views),
+                       0.0 if not pending else (None if any(e is None for e in etas) else max(etas)))

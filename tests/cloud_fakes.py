@@ -1,0 +1,212 @@
+"""Local servers of the two cloud APIs the fleet drives, so the tests run the real client
+libraries (``google-cloud-tpu`` over REST, ``kubernetes``) against the far side of the wire.
+
+``FakeTpuApi`` serves the Cloud TPU v2 queued-resource calls with long-running operations;
+``FakeKubernetesApi`` serves batch/v1 Jobs. Both keep what they were sent, for the tests to check,
+and can be scripted (a preemption, a Job's status).
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.server
+import itertools
+import json
+import re
+import threading
+import traceback
+import urllib.parse
+from typing import Any, Callable
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+class _Server:
+    """A threaded HTTP server on a free loopback port; subclasses answer ``handle(method, path,
+    query, body) -> (status, document)``."""
+
+    def __init__(self):
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _serve(self):
+                url = urllib.parse.urlsplit(self.path)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                query = dict(urllib.parse.parse_qsl(url.query))
+                with outer.lock:
+                    status, document = outer.handle(self.command, url.path, query, body)
+                data = json.dumps(document).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_DELETE = _serve
+
+            def log_message(self, *args):  # quiet: the tests read their own logs
+                pass
+
+        self.lock = threading.RLock()
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._http.server_address[1]}"
+
+    def handle(self, method: str, path: str, query: dict, body: Any) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    def start(self):
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _google_error(code: int, status: str, message: str) -> tuple[int, Any]:
+    return code, {"error": {"code": code, "message": message, "status": status}}
+
+
+class FakeTpuApi(_Server):
+    """Cloud TPU v2: create / get / list / delete queued resources, get nodes and operations.
+
+    A created queued resource is ACTIVE at once with its node READY; ``on_create(node_id)`` then
+    "boots" the VM (called outside the request, on a thread). ``preempt(node_id)`` makes the node
+    PREEMPTED and its queued resource SUSPENDED, as a spot preemption does.
+    """
+
+    def __init__(self, on_create: Callable[[str], None] | None = None):
+        super().__init__()
+        self.on_create = on_create
+        self.created: list[dict] = []       # request bodies, with "queuedResourceId" added
+        self.deleted: list[str] = []        # queued-resource names
+        self._queued: dict[str, dict] = {}
+        self._nodes: dict[str, dict] = {}
+        self._operations: dict[str, dict] = {}
+        self._ids = itertools.count(1)
+
+    def queued_resources(self) -> dict[str, dict]:
+        with self.lock:
+            return dict(self._queued)
+
+    def nodes(self) -> dict[str, dict]:
+        with self.lock:
+            return dict(self._nodes)
+
+    def preempt(self, node_id: str) -> None:
+        with self.lock:
+            node = next(n for name, n in self._nodes.items() if name.endswith(f"/nodes/{node_id}"))
+            node["state"] = "PREEMPTED"
+            self._queued[node["queuedResource"]]["state"] = {"state": "SUSPENDED"}
+
+    def _operation(self, location: str, response: dict) -> dict:
+        name = f"{location}/operations/op-{next(self._ids)}"
+        self._operations[name] = {"name": name, "done": True, "response": response}
+        return {"name": name, "done": False}  # the client polls it once
+
+    def handle(self, method, path, query, body):
+        path = path.removeprefix("/v2/")
+        location = re.fullmatch(r"(projects/[^/]+/locations/[^/]+)/.*", path)
+        if method == "POST" and path.endswith("/queuedResources"):
+            return self._create(path.rsplit("/", 1)[0], query["queuedResourceId"], body)
+        if method == "GET" and path.endswith("/queuedResources"):
+            prefix = path + "/"
+            return 200, {"queuedResources": [q for n, q in self._queued.items() if n.startswith(prefix)]}
+        store = (self._queued if "/queuedResources/" in path else self._nodes if "/nodes/" in path
+                 else self._operations if "/operations/" in path else None)
+        if store is None or path not in store:
+            return _google_error(404, "NOT_FOUND", f"{path} not found")
+        if method == "GET":
+            return 200, store[path]
+        if method == "DELETE" and store is self._queued:
+            queued = self._queued.pop(path)
+            for spec in queued["tpu"]["nodeSpec"]:
+                self._nodes.pop(f"{spec['parent']}/nodes/{spec['nodeId']}", None)
+            self.deleted.append(path)
+            return 200, self._operation(location.group(1), {"@type": "type.googleapis.com/google.protobuf.Empty"})
+        return _google_error(400, "INVALID_ARGUMENT", f"{method} {path} is not served here")
+
+    def _create(self, location: str, queued_id: str, body: dict):
+        name = f"{location}/queuedResources/{queued_id}"
+        if name in self._queued:
+            return _google_error(409, "ALREADY_EXISTS", f"{name} already exists")
+        self.created.append({**body, "queuedResourceId": queued_id})
+        queued = {**body, "name": name, "createTime": _now(), "state": {"state": "ACTIVE"}}
+        self._queued[name] = queued
+        specs = queued["tpu"]["nodeSpec"]
+        for spec in specs:
+            self._nodes[f"{spec['parent']}/nodes/{spec['nodeId']}"] = {
+                **spec["node"], "name": f"{spec['parent']}/nodes/{spec['nodeId']}", "state": "READY",
+                "queuedResource": name}
+        if self.on_create:
+            threading.Thread(target=self._boot, args=[s["nodeId"] for s in specs]).start()
+        return 200, self._operation(location, {**queued, "@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"})
+
+    def _boot(self, *node_ids: str) -> None:
+        for node_id in node_ids:
+            try:
+                self.on_create(node_id)
+            except Exception:  # a broken test hook must be seen, not swallowed by the thread
+                traceback.print_exc()
+
+
+def _k8s_status(code: int, reason: str, message: str) -> tuple[int, Any]:
+    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                  "message": message, "reason": reason, "code": code}
+
+
+class FakeKubernetesApi(_Server):
+    """batch/v1 Jobs: create, read, list (``labelSelector=k=v``) and delete in a namespace."""
+
+    def __init__(self):
+        super().__init__()
+        self.jobs: dict[tuple[str, str], dict] = {}
+
+    def kubeconfig(self, path: str) -> str:
+        """A kubeconfig whose current context is this server (no authentication)."""
+        config = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
+                  "clusters": [{"name": "fake", "cluster": {"server": self.endpoint}}],
+                  "users": [{"name": "fake", "user": {}}],
+                  "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}
+        with open(path, "w") as f:
+            json.dump(config, f)  # JSON is YAML
+        return path
+
+    def set_job_status(self, namespace: str, name: str, status: dict) -> None:
+        with self.lock:
+            self.jobs[namespace, name]["status"] = status
+
+    def handle(self, method, path, query, body):
+        found = re.fullmatch(r"/apis/batch/v1/namespaces/([^/]+)/jobs(?:/([^/]+))?", path)
+        if not found:
+            return _k8s_status(404, "NotFound", f"{path} is not served here")
+        namespace, name = found.groups()
+        if name is None and method == "POST":
+            key = (namespace, body["metadata"]["name"])
+            if key in self.jobs:
+                return _k8s_status(409, "AlreadyExists", f'jobs.batch "{key[1]}" already exists')
+            body["metadata"].update(namespace=namespace, uid=f"uid-{len(self.jobs) + 1}", creationTimestamp=_now())
+            self.jobs[key] = {**body, "status": {}}
+            return 201, self.jobs[key]
+        if name is None and method == "GET":
+            selector = dict(p.split("=", 1) for p in query.get("labelSelector", "").split(",") if p)
+            items = [j for (ns, _), j in self.jobs.items() if ns == namespace and
+                     all(j["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())]
+            return 200, {"kind": "JobList", "apiVersion": "batch/v1", "metadata": {}, "items": items}
+        if (namespace, name) not in self.jobs:
+            return _k8s_status(404, "NotFound", f'jobs.batch "{name}" not found')
+        if method == "GET":
+            return 200, self.jobs[namespace, name]
+        if method == "DELETE":
+            del self.jobs[namespace, name]
+            return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}
+        return _k8s_status(405, "MethodNotAllowed", f"{method} {path}")

@@ -1,0 +1,97 @@
+"""``runners.fleet status`` on hand-written machine directories, one per state."""
+
+import datetime
+import json
+import pathlib
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def iso(seconds_ago: float) -> str:
+    at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=seconds_ago)
+    return at.isoformat(timespec="milliseconds")
+
+
+def write_machine(out: pathlib.Path, machine: int, state: str, age_s: float, done: int, total: int,
+                  shards: int, completed: bool = False, error: str | None = None) -> None:
+    folder = out / f"machine_{machine:03d}"
+    folder.mkdir(parents=True)
+    status = {"machine_id": machine, "state": state, "error": error, "updated_at": iso(age_s),
+              "heartbeat_s": 60.0, "samples_done": done, "samples_total": total, "tokens_done": done * 100,
+              "tokens_per_s": {"last_minute": 250.0, "since_start": 200.0}, "shards": shards}
+    history = [{"shard_id": i + 1, "total_samples_in_shard": 2, "stored_at": iso(600 - 60 * i)}
+               for i in range(shards)]
+    checkpoint = {"status": "completed" if completed else "in_progress", "total_shards": shards,
+                  "total_samples_processed": 2 * shards, "shards": history}
+    (folder / "status.json").write_text(json.dumps(status))
+    (folder / "checkpoint.json").write_text(json.dumps(checkpoint))
+
+
+@pytest.fixture
+def fleet_dir(tmp_path):
+    out = tmp_path / "out"
+    write_machine(out, 0, "completed", 30, 10, 10, 5, completed=True)
+    write_machine(out, 1, "running", 5, 4, 10, 2)
+    write_machine(out, 2, "running", 500, 6, 10, 3)            # heartbeat 500 s old > 3 x 60 s
+    write_machine(out, 3, "failed", 10, 2, 10, 1, error="SampleTooLong: sample 7 has 3000 tokens")
+    return out                                                   # machine 4: no file at all
+
+
+def status(out, machines, *extra):
+    return run_cli("runners.fleet", "status", "--name", "t", "--output", str(out),
+                   "--num_machines", str(machines), *extra)
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in stdout.splitlines() if line[:3].isdigit()}
+
+
+def seconds(text: str) -> int:
+    """``8m20s`` -> 500."""
+    minutes, _, rest = text.rpartition("m")
+    return 60 * int(minutes or 0) + int(rest.rstrip("s"))
+
+
+def test_every_state_in_the_table_and_exit_code_2(fleet_dir, tmp_path):
+    chart = tmp_path / "fleet.png"
+    result = status(fleet_dir, 5, "--chart", str(chart))
+    assert result.returncode == 2, result.stderr
+    rows = table_rows(result.stdout)
+    assert [rows[f"{i:03d}"][1] for i in range(5)] == ["COMPLETED", "RUNNING", "STALLED", "FAILED", "MISSING"]
+    assert rows["000"][2:5] == ["10/10", "100.0", "5"]
+    assert rows["001"][2:6] == ["4/10", "40.0", "2", "250"]
+    assert rows["002"][5] == "-"                    # a stalled machine computes nothing
+    assert 5 <= seconds(rows["001"][6]) < 60 and 500 <= seconds(rows["002"][6]) < 560  # + start-up
+    assert rows["004"][2:] == ["0/?", "-", "0", "-", "-"]
+    assert "machine 003: SampleTooLong: sample 7 has 3000 tokens" in result.stdout
+    assert "fleet: 1/5 machines completed, 22/? samples" in result.stdout
+    assert "250 tokens/s" in result.stdout
+    png = chart.read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_exit_code_1_while_running_0_when_all_completed(tmp_path):
+    out = tmp_path / "out"
+    write_machine(out, 0, "completed", 30, 10, 10, 5, completed=True)
+    write_machine(out, 1, "compiling", 5, 4, 10, 2)
+    result = status(out, 2)
+    assert result.returncode == 1, result.stderr
+    # ETA: 6 samples left x 100 tokens each at 250 tokens/s
+    assert "ETA 2s" in result.stdout and "5/10" not in result.stdout
+    (out / "machine_001" / "checkpoint.json").write_text(json.dumps(
+        {"status": "completed", "total_shards": 5, "total_samples_processed": 10, "shards": []}))
+    result = status(out, 2)
+    assert result.returncode == 0 and "2/2 machines completed, 20/20 samples" in result.stdout
+    watched = status(out, 2, "--watch", "--interval", "0.1")  # not a terminal: plain tables
+    assert watched.returncode == 0 and watched.stdout.count("machine  state") == 1
+
+
+def test_samples_over_time_from_the_shard_history(fleet_dir):
+    from fleet.config import FleetConfig
+    from fleet.machines import read_fleet
+    from fleet.report import samples_over_time
+    files = read_fleet(FleetConfig(name="t", output=str(fleet_dir), num_machines=5))
+    times, counts = samples_over_time(files)
+    assert counts == list(range(2, 2 * 11 + 1, 2)) and times == sorted(times)

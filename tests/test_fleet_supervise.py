@@ -1,0 +1,32 @@
+"""When ``supervise`` recreates a machine: the rule, on literal machine views."""
+
+import pytest
+
+from fleet.backend import ABSENT, ALIVE, GONE, PENDING, Health
+from fleet.machines import MachineView
+from fleet.supervise import reason_to_restart
+
+NOW = 10_000.0
+
+
+def view(state: str, updated_at: float | None, error: str | None = None) -> MachineView:
+    return MachineView(7, state, 3, 10, 1, 0.0, None, updated_at, 60.0, error, None)
+
+
+@pytest.mark.parametrize("machine, health, acted_at, expected", [
+    (view("running", NOW - 5), Health(ALIVE), 1.0, None),
+    (view("missing", None), Health(GONE, "node PREEMPTED"), 1.0, "node PREEMPTED"),
+    (view("missing", None), Health(PENDING, "queued resource PROVISIONING"), 1.0, None),
+    (view("missing", None), Health(ABSENT), 0.0, None),
+    # its own files: failed / stopped count only when newer than our last action on it
+    (view("failed", NOW - 5, "SampleTooLong: ..."), Health(ALIVE), NOW - 60, "failed: SampleTooLong: ..."),
+    (view("failed", NOW - 120, "SampleTooLong: ..."), Health(ALIVE), NOW - 60, None),
+    (view("stopped", NOW - 5), Health(ALIVE), NOW - 60, "stopped by a signal"),
+    # stalled: 3 heartbeats (180 s) + --stall_timeout (100 s) since the newer of heartbeat and action
+    (view("stalled", NOW - 281), Health(ALIVE), NOW - 3000, "stalled: no heartbeat for 281 s"),
+    (view("stalled", NOW - 279), Health(ALIVE), NOW - 3000, None),
+    (view("missing", None), Health(ALIVE), NOW - 279, None),       # a new VM still booting
+    (view("missing", None), Health(ALIVE), NOW - 400, "stalled: no heartbeat for 400 s"),
+])
+def test_reason_to_restart(machine, health, acted_at, expected):
+    assert reason_to_restart(machine, health, acted_at, NOW, stall_timeout=100.0) == expected
