@@ -49,6 +49,12 @@ class GkeBackend(Backend):
                     "cloud.google.com/gke-tpu-topology": c.gke_topology}
         if c.gke_spot:
             selector["cloud.google.com/gke-spot"] = "true"
+        # GKE taints TPU nodes (and tainted spot pools); requesting google.com/tpu alone is not
+        # enough on every cluster, so both tolerations are spelled out.
+        tolerations = [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+        if c.gke_spot:
+            tolerations.append({"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+                                "effect": "NoSchedule"})
         tpus = {"google.com/tpu": str(c.tpu_chips)}
         container = {"name": "runner", "image": c.image,
                      "command": ["python", "-m", "runners.tpu_host", *runner_argv(c, "auto")],
@@ -70,6 +76,7 @@ class GkeBackend(Backend):
                     "spec": {"restartPolicy": "Never",  # required by backoffLimitPerIndex
                              "terminationGracePeriodSeconds": c.grace_period_s,
                              "nodeSelector": selector,
+                             "tolerations": tolerations,
                              "containers": [container]}}}}
 
     def manifest_yaml(self) -> str:

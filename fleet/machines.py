@@ -36,6 +36,9 @@ class MachineFiles:
     checkpoint: dict[str, Any] | None
     metadata: dict[str, Any] | None
 
+    def checkpoint_status(self) -> str | None:
+        return (self.checkpoint or {}).get("status")
+
 
 def _read_json(path: str) -> dict[str, Any] | None:
     try:
@@ -92,7 +95,7 @@ def machine_view(files: MachineFiles, now: float, expected_samples: int | None =
     heartbeat = status.get("heartbeat_s")
     if files.status is None and files.checkpoint is None:
         state = MISSING
-    elif checkpoint.get("status") == COMPLETED or status.get("state") == COMPLETED:
+    elif files.checkpoint_status() == COMPLETED or status.get("state") == COMPLETED:
         state = COMPLETED
     elif files.status is None:
         state = MISSING  # a checkpoint without a health file: nothing says the machine is alive

@@ -60,7 +60,7 @@ def check_machine(config: FleetConfig, files: MachineFiles, expected_count: int,
     """(problems, skipped records) of one machine."""
     m, problems = files.machine_id, []
     state = (files.status or {}).get("state") or "missing"
-    if (files.checkpoint or {}).get("status") != COMPLETED:
+    if files.checkpoint_status() != COMPLETED:
         problems.append(f"machine {m:03d} not completed ({state})")
     skipped = set(rejected_ids(config.machine_dir(m)))
     stream = join(config.streams_dir, f"stream_{m:03d}.jsonl")

@@ -19,7 +19,7 @@ from typing import Callable
 from fleet.backend import ABSENT, GONE, PENDING, Backend
 from fleet.config import FleetConfig
 from fleet.machines import (COMPLETED, FAILED, STALE_HEARTBEATS, STOPPED, MachineView, fleet_views,
-                            read_fleet)
+                            read_fleet, read_machine)
 
 log = logging.getLogger("runners.fleet")
 
@@ -79,6 +79,8 @@ class Supervisor:
                 if not record.acted_at:
                     record.acted_at = self.clock()  # created before we looked: time its heartbeat from now
                 continue
+            if read_machine(self.config, view.machine_id).checkpoint_status() == COMPLETED:
+                continue  # it finished between our reading its files and asking the backend
             if record.restarts >= self.config.max_restarts:
                 record.gave_up = reason
                 log.error("machine %03d: %s; giving up on it (%d restarts)", view.machine_id, reason,

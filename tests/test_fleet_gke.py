@@ -53,6 +53,8 @@ def test_the_job_field_by_field(streams_on_gcs, tmp_path):
     assert pod.restart_policy == "Never" and pod.termination_grace_period_seconds == 90
     assert pod.node_selector == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
                                  "cloud.google.com/gke-tpu-topology": "2x2", "cloud.google.com/gke-spot": "true"}
+    assert [(t.key, t.effect) for t in pod.tolerations] == [("google.com/tpu", "NoSchedule"),
+                                                            ("cloud.google.com/gke-spot", "NoSchedule")]
     [container] = pod.containers
     assert container.image == "us-docker.pkg.dev/p/r/extract:1"
     assert container.resources.limits == container.resources.requests == {"google.com/tpu": "4"}

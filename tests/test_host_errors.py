@@ -102,3 +102,16 @@ def test_a_stream_changed_under_a_resume_is_refused(arc_streams, tiny_checkpoint
     lines[done - 1] = json.dumps({**changed, "sample_id": changed["sample_id"] + 1})
     stream.write_text("\n".join(lines) + "\n")
     one_line_error(run_host_cli(*args), f"changed since the checkpoint: line {done} is no longer sample")
+
+
+def test_gcs_prefix_takes_the_machine_id():
+    from common.cli import UserError
+    from host.config import HostConfig
+    config = HostConfig(machine_id=7, streams_dir="s", model_path="m", upload_to_gcs=True, gcs_bucket="b",
+                        gcs_prefix="run/machine_{machine_id:03d}")
+    config.validate()
+    assert config.prefix == "run/machine_007"
+    assert HostConfig(machine_id=7, gcs_prefix="plain/prefix").prefix == "plain/prefix"
+    bad = HostConfig(machine_id=7, streams_dir="s", model_path="m", gcs_prefix="run/{machine}")
+    with pytest.raises(UserError, match=r"--gcs_prefix 'run/\{machine\}': the only field"):
+        bad.validate()
