@@ -150,7 +150,15 @@ def run_host(config: HostConfig) -> int:
     stop = StopFlag()
     try:
         with health.reporting():
-            finished = _run(config, health, progress, stop)
+            try:
+                finished = _run(config, health, progress, stop)
+            except Exception as e:
+                if isinstance(e, Stopped) or stop.signal is None or stop.graceful:
+                    raise
+                # The start-up signal's Stopped was caught and re-raised as another error by the
+                # library it interrupted (JAX does, during backend initialisation).
+                raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was "
+                              "computed") from None
         if finished:
             progress.samples_total = progress.snapshot()["samples_done"]  # the stream's end was reached
         health.finish(COMPLETED if finished else STOPPED)
