@@ -7,8 +7,9 @@ knows its engine (local processes, Cloud TPU queued resources, a Kubernetes Inde
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from common.cli import UserError
 from fleet.config import FleetConfig
@@ -78,3 +79,25 @@ def make_backend(config: FleetConfig) -> Backend:
         from fleet.gke import GkeBackend
         return GkeBackend(config)
     raise UserError(f"unknown backend {config.backend!r} (choose from local, tpu-vm, gke)")
+
+
+def _cloud_error_types() -> tuple[type, ...]:
+    """What the cloud clients raise for a refused, failed or unreachable call."""
+    import concurrent.futures
+    import requests
+    import urllib3
+    from google.api_core.exceptions import GoogleAPIError
+    from google.auth.exceptions import GoogleAuthError
+    from kubernetes.client.exceptions import OpenApiException
+    return (GoogleAPIError, GoogleAuthError, OpenApiException, urllib3.exceptions.HTTPError,
+            requests.exceptions.RequestException, concurrent.futures.TimeoutError)
+
+
+@contextlib.contextmanager
+def cloud_errors(backend: str) -> Iterator[None]:
+    """A cloud API's refusal (credentials, permissions, quota, a timeout) as one line."""
+    try:
+        yield
+    except _cloud_error_types() as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{backend}: {type(e).__name__}: {first[:300]}".rstrip(": ")) from None

@@ -74,8 +74,8 @@ class FleetConfig:
     # supervise
     interval: float = flag(30.0, "seconds between two looks at the fleet (status --watch, supervise)")
     stall_timeout: float = flag(900.0, "supervise: restart a machine STALLED for longer than this (s)")
-    max_restarts: int = flag(3, "supervise: restarts per machine before giving up on it "
-                             "(gke: the Job's backoffLimitPerIndex)")
+    max_restarts: int = flag(3, "supervise: restarts of a machine in a row without progress "
+                             "before giving up on it (gke: the Job's backoffLimitPerIndex)")
 
     @property
     def cloud(self) -> bool:
@@ -134,7 +134,10 @@ def _runner_words(runner: Any) -> tuple[str, ...]:
 
 def read_config_file(path: str) -> dict[str, Any]:
     """The fields a YAML or JSON fleet file sets, flattened (sections merged), by flag name."""
-    data = read_optional(path)
+    try:
+        data = read_optional(path)
+    except OSError as e:
+        raise UserError(f"--config {path!r} cannot be read: {e.strerror or e}") from None
     if data is None:
         raise UserError(f"--config {path!r} does not exist")
     try:
@@ -159,6 +162,22 @@ def read_config_file(path: str) -> dict[str, Any]:
     return flat
 
 
+def setting_words(settings: dict[str, Any], path: str) -> list[str]:
+    """Settings of a config file as flags: ``{max_parallel: 2}`` -> ``--max_parallel 2``."""
+    kinds = {f.name: f.type for f in dataclasses.fields(FleetConfig)}
+    words: list[str] = []
+    for key, value in settings.items():
+        if kinds[key] == "bool":
+            if not isinstance(value, bool):
+                raise UserError(f"--config {path!r}: {key} must be true or false, got {value!r}")
+            words.append(f"--{key}" if value else f"--no_{key}")
+        elif value is not None:
+            if isinstance(value, (list, dict)):
+                raise UserError(f"--config {path!r}: {key} must be a single value, got {value!r}")
+            words += [f"--{key}", str(value)]
+    return words
+
+
 def add_fleet_flags(parser) -> None:
     parser.add_argument("--config", help="YAML or JSON file of these settings (flags override it)")
     add_config_flags(parser, FleetConfig)
@@ -176,7 +195,11 @@ def fleet_config(parser, argv: list[str]):
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     if known.config:
-        parser.set_defaults(**read_config_file(known.config))
+        settings = read_config_file(known.config)
+        parser.set_defaults(runner=settings.pop("runner", ()))
+        # The file's settings go through the parser as flags (so choices and types are checked),
+        # before the command line's, which therefore win.
+        argv = setting_words(settings, known.config) + argv
     namespace = parser.parse_args(argv)
     config = config_from_namespace(FleetConfig, namespace)
     return dataclasses.replace(config, runner=config.runner + extra), namespace
@@ -191,7 +214,10 @@ def read_manifest(streams_dir: str) -> dict[str, Any]:
         raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
     if data is None:
         raise UserError(f"no manifest.json in --streams_dir {streams_dir!r}: run pipeline.prepare first")
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
 
 
 def resolve(config: FleetConfig) -> tuple[FleetConfig, dict[str, Any]]:

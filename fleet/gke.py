@@ -134,6 +134,11 @@ class GkeBackend(Backend):
         if status is not None and machine in parse_indexes(status.failed_indexes):
             return Health(GONE, f"index {machine} failed {self.config.max_restarts + 1} times "
                                 "(backoffLimitPerIndex)")
+        if status is not None and machine in parse_indexes(status.completed_indexes):
+            # Asked only of machines whose files do not say completed: the runner exited 0 after a
+            # signal stopped it, so Kubernetes counts the index as done and will not rerun it.
+            return Health(GONE, f"index {machine} succeeded before its stream was done (stopped by a "
+                                "signal); launch a new Job to finish it")
         if status is not None and any(c.type == "Failed" and c.status == "True" for c in status.conditions or []):
             return Health(GONE, "Job failed")
         return Health(ALIVE)

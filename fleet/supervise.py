@@ -5,7 +5,8 @@ A machine is (re)created when its backend says it is gone (a process that exited
 a queued resource FAILED or SUSPENDED, a node PREEMPTED or TERMINATED), when its own files say
 it failed or stopped, or when it has been STALLED for ``--stall_timeout``. Its files only count
 once they are newer than the last action on it: a recreated host needs time to write its first
-heartbeat. At most ``--max_restarts`` per machine. Every action is one log line. A self-healing
+heartbeat; one still queued for capacity (pending) is not timed. At most ``--max_restarts``
+restarts in a row without progress per machine. Every action is one log line. A self-healing
 backend (gke) is only watched.
 """
 
@@ -28,6 +29,7 @@ log = logging.getLogger("runners.fleet")
 class MachineRecord:
     restarts: int = 0
     acted_at: float = 0.0          # when we last created it (its older files do not count)
+    done_at_action: int = 0        # samples done then: restarts count only while nothing moves
     gave_up: str | None = None     # why it is no longer restarted
 
 
@@ -43,9 +45,12 @@ def reason_to_restart(view: MachineView, health, acted_at: float, now: float,
         return f"failed: {view.error}"
     if fresh and view.state == STOPPED:
         return "stopped by a signal"
-    since = max(view.updated_at or 0.0, acted_at)
-    limit = STALE_HEARTBEATS * (view.heartbeat_s or 0.0) + stall_timeout
-    if view.state not in (COMPLETED, FAILED, STOPPED) and acted_at and now - since > limit:
+    # A final state from before our last action says nothing of the new incarnation: it has
+    # until the stall limit, from that action, to write its first heartbeat.
+    running = view.state not in (COMPLETED, FAILED, STOPPED)
+    since = max(view.updated_at or 0.0, acted_at) if running else acted_at
+    limit = STALE_HEARTBEATS * ((view.heartbeat_s or 0.0) if running else 0.0) + stall_timeout
+    if acted_at and now - since > limit:
         return f"stalled: no heartbeat for {now - since:.0f} s"
     return None
 
@@ -65,15 +70,26 @@ class Supervisor:
             record = self.machines[view.machine_id]
             if view.state == COMPLETED or record.gave_up:
                 continue
-            health = self.backend.health(view.machine_id)
+            try:
+                health = self.backend.health(view.machine_id)
+            except Exception as e:  # a transient API error: look again next time
+                log.warning("machine %03d: cannot ask %s: %s", view.machine_id, self.config.backend,
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                continue
             if self.backend.self_healing:  # the engine restarts it; only its giving up is ours to see
-                if health.kind == GONE:
-                    record.gave_up = health.detail
-                    log.error("machine %03d: %s", view.machine_id, health.detail)
+                if health.kind in (GONE, ABSENT) and read_machine(self.config, view.machine_id) \
+                        .checkpoint_status() != COMPLETED:
+                    record.gave_up = health.detail or f"not found ({self.backend.where})"
+                    log.error("machine %03d: %s", view.machine_id, record.gave_up)
                 continue
             if health.kind == ABSENT:
                 waiting.append(view.machine_id)
                 continue
+            if health.kind == PENDING:  # queued for capacity: its stall clock starts when it runs
+                record.acted_at = self.clock()
+                continue
+            if view.samples_done > record.done_at_action:
+                record.restarts, record.done_at_action = 0, view.samples_done  # it progressed
             reason = reason_to_restart(view, health, record.acted_at, self.clock(), self.config.stall_timeout)
             if reason is None:
                 if not record.acted_at:
@@ -83,8 +99,8 @@ class Supervisor:
                 continue  # it finished between our reading its files and asking the backend
             if record.restarts >= self.config.max_restarts:
                 record.gave_up = reason
-                log.error("machine %03d: %s; giving up on it (%d restarts)", view.machine_id, reason,
-                          record.restarts)
+                log.error("machine %03d: %s; giving up on it (%d restarts without progress)",
+                          view.machine_id, reason, record.restarts)
                 continue
             record.restarts += 1
             log.warning("machine %03d: %s; recreating it (restart %d of %d)", view.machine_id, reason,

@@ -11,8 +11,11 @@ Runner flags after ``--`` are passed to every ``runners.tpu_host`` (after those 
 
 from __future__ import annotations
 
+import sys
+
 from common.cli import make_parser, run_main
 from fleet import commands
+from fleet.backend import cloud_errors
 from fleet.config import add_fleet_flags, fleet_config
 
 COMMANDS = {
@@ -46,6 +49,15 @@ def main(argv: list[str]) -> int:
     if command not in COMMANDS:
         parser.parse_args(argv)  # help, or the one-line error for a missing or unknown command
     config, args = fleet_config(parsers[command], argv[1:])
+    try:
+        with cloud_errors(config.backend):
+            return run(command, config, args)
+    except KeyboardInterrupt:  # Ctrl-C ends a watch or a supervise; the machines go on
+        print(f"runners.fleet {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(command: str, config, args) -> int:
     if command == "launch":
         return commands.launch(config, args.dry_run, args.apply, args.manifest)
     if command == "status":

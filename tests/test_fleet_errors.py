@@ -81,4 +81,8 @@ def test_config_file_errors(arc_streams, tmp_path):
     config.write_text("name: x\nstreams_dir: s\nmax_paralel: 2\n")
     fleet_error(fleet("status", "--config", str(config)), "unknown setting(s) max_paralel")
     fleet_error(fleet("status", "--config", str(tmp_path / "nope.yaml")), "does not exist")
+    config.write_text("name: x\noutput: o\nnum_machines: 2\nprovisioning: preemptible\n")
+    fleet_error(fleet("status", "--config", str(config)), "argument --provisioning: invalid choice: 'preemptible'")
+    config.write_text("name: x\noutput: o\nnum_machines: 2\ngke: {gke_spot: 'false'}\n")
+    fleet_error(fleet("status", "--config", str(config)), "gke_spot must be true or false, got 'false'")
     fleet_error(fleet("status", "--name", "Bad_Name", "--output", str(tmp_path)), "--name must be")

@@ -21,6 +21,8 @@ def view(state: str, updated_at: float | None, error: str | None = None) -> Mach
     # its own files: failed / stopped count only when newer than our last action on it
     (view("failed", NOW - 5, "SampleTooLong: ..."), Health(ALIVE), NOW - 60, "failed: SampleTooLong: ..."),
     (view("failed", NOW - 120, "SampleTooLong: ..."), Health(ALIVE), NOW - 60, None),
+    # ... and a stale one does not stop the clock: the new incarnation never wrote a file
+    (view("failed", NOW - 900, "SampleTooLong: ..."), Health(ALIVE), NOW - 101, "stalled: no heartbeat for 101 s"),
     (view("stopped", NOW - 5), Health(ALIVE), NOW - 60, "stopped by a signal"),
     # stalled: 3 heartbeats (180 s) + --stall_timeout (100 s) since the newer of heartbeat and action
     (view("stalled", NOW - 281), Health(ALIVE), NOW - 3000, "stalled: no heartbeat for 281 s"),
