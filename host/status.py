@@ -110,8 +110,8 @@ class HealthReporter:
         """Starts the heartbeat; an exception out of the body ends the status as ``failed`` with
         its one line (a user error's message; for anything else its type too, the traceback
         going to the log as usual) before it propagates."""
-        self.start()
         try:
+            self.start()  # inside: a start-up signal may land while it starts the threads
             yield
         except Stopped:
             self.finish(STOPPED)
