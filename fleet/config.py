@@ -132,14 +132,20 @@ def _runner_words(runner: Any) -> tuple[str, ...]:
     return tuple(words)
 
 
-def read_config_file(path: str) -> dict[str, Any]:
-    """The fields a YAML or JSON fleet file sets, flattened (sections merged), by flag name."""
+def _read_required(path: str, what: str, missing: str) -> bytes:
+    """The bytes of a file the command needs: one-line errors if it is missing or unreadable."""
     try:
         data = read_optional(path)
-    except OSError as e:
-        raise UserError(f"--config {path!r} cannot be read: {e.strerror or e}") from None
+    except Exception as e:  # a directory, no permission, an unreachable bucket
+        raise UserError(f"{what} cannot be read: {str(e).splitlines()[0]}") from None
     if data is None:
-        raise UserError(f"--config {path!r} does not exist")
+        raise UserError(missing)
+    return data
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The fields a YAML or JSON fleet file sets, flattened (sections merged), by flag name."""
+    data = _read_required(path, f"--config {path!r}", f"--config {path!r} does not exist")
     try:
         import yaml
         raw = yaml.safe_load(data) if not path.endswith(".json") else json.loads(data)
@@ -208,12 +214,8 @@ def fleet_config(parser, argv: list[str]):
 def read_manifest(streams_dir: str) -> dict[str, Any]:
     """The prepare pipeline's ``manifest.json``."""
     path = join(streams_dir, "manifest.json")
-    try:
-        data = read_optional(path)
-    except Exception as e:
-        raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    if data is None:
-        raise UserError(f"no manifest.json in --streams_dir {streams_dir!r}: run pipeline.prepare first")
+    data = _read_required(path, path, f"no manifest.json in --streams_dir {streams_dir!r}: run "
+                          "pipeline.prepare first")
     try:
         return json.loads(data)
     except json.JSONDecodeError as e:

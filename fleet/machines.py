@@ -1,5 +1,6 @@
-"""What the output says about each machine: its ``status.json``, ``checkpoint.json`` and
-``metadata.json`` read from the output (local or GCS), and the state the fleet sees.
+"""What the output says about each machine: its ``status.json`` and ``checkpoint.json`` read from
+the output (local or GCS), and the state the fleet sees. (``metadata.json`` repeats the
+checkpoint's counts, so it is not read.)
 
 No SSH and no cloud API: a machine is judged by the files it writes. On top of the runner's own
 states (``host/status.py``) the fleet adds two: ``missing`` (no file yet) and ``stalled`` (a
@@ -34,7 +35,6 @@ class MachineFiles:
     machine_id: int
     status: dict[str, Any] | None
     checkpoint: dict[str, Any] | None
-    metadata: dict[str, Any] | None
 
     def checkpoint_status(self) -> str | None:
         return (self.checkpoint or {}).get("status")
@@ -51,13 +51,11 @@ def _read_json(path: str) -> dict[str, Any] | None:
 
 def read_machine(config: FleetConfig, machine: int) -> MachineFiles:
     base = config.machine_dir(machine)
-    status, checkpoint, metadata = (_read_json(f"{base}/{name}.json")
-                                    for name in ("status", "checkpoint", "metadata"))
-    return MachineFiles(machine, status, checkpoint, metadata)
+    return MachineFiles(machine, _read_json(f"{base}/status.json"), _read_json(f"{base}/checkpoint.json"))
 
 
 def read_fleet(config: FleetConfig) -> list[MachineFiles]:
-    """Every machine's files, read in parallel (three small reads per machine)."""
+    """Every machine's files, read in parallel (two small reads per machine)."""
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         return list(pool.map(lambda i: read_machine(config, i), range(config.num_machines)))
 
