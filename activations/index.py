@@ -103,16 +103,19 @@ def find_files(root: str, pattern: str) -> list[str]:
 
 
 def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table) -> dict[str, Any]:
-    """Totals over machines, from each machine's ``metadata.json`` and the merged index."""
-    machines = sorted(machine_metadata, key=lambda m: m["machine_id"])
-    return {"total_machines": len(machines),
+    """Totals over machines, from each ``metadata.json`` (one per machine, or per process of a
+    machine made of several) and the merged index."""
+    machines = sorted(machine_metadata, key=lambda m: (m["machine_id"], m.get("process_id") or 0))
+    ids = sorted({m["machine_id"] for m in machines})
+    completed = [i for i in ids if all(m.get("status") == "completed" for m in machines if m["machine_id"] == i)]
+    return {"total_machines": len(ids),
             "total_shards": sum(m["total_shards"] for m in machines),
             "total_samples": table.num_rows,
             "total_tokens": int(pc.sum(table["num_tokens"]).as_py() or 0),
             "total_truncated": int(pc.sum(pc.cast(table["truncated"], "int64")).as_py() or 0),
             "total_skipped": sum(m.get("total_skipped", 0) for m in machines),
-            "completed_machines": [m["machine_id"] for m in machines if m.get("status") == "completed"],
-            "machines": [{k: m.get(k) for k in ("machine_id", "status", "total_shards", "total_samples",
+            "completed_machines": completed,
+            "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
                                                  "layers", "dtype", "hidden_size", "model", "gcs_bucket",
                                                  "gcs_prefix")} for m in machines]}
 

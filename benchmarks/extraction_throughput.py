@@ -5,6 +5,8 @@ Prints real (non-padding) tokens/s of:
   (b) transformers' PyTorch model, output_hidden_states=True, batches in file order padded to the
       longest in the batch (the baseline);
   (c) (a) with every sequence padded to max_seq_length, as the old system did;
+  (d) (a) synchronous (``batches_in_flight=1``: each batch copied back before the next is
+      dispatched, as before pipelining), with (a)'s compiled buckets;
 and the FLOP rate of (a) against a plain jitted float32 matmul on this machine, counting
 2 * params * tokens for the blocks computed plus causal attention (2 * n^2 * heads * head_dim per
 block per sequence). Compile time is reported apart: it is paid once per bucket in a long run.
@@ -128,6 +130,8 @@ def main() -> None:
     matmul = matmul_flops_per_second()
     compile_a, seconds_a = time_ours(bucketed, prompts)
     compile_c, seconds_c = time_ours(fixed, prompts)
+    in_flight, bucketed.batches_in_flight = bucketed.batches_in_flight, 1
+    _, seconds_d = time_ours(bucketed, prompts)
     seconds_b = time_hf(args.model_dir, prompts, args.batch_size)
     flops_a = useful_flops(loaded.config, max(LAYERS) + 1, [len(p) for p in prompts]) / seconds_a
     rows = computed_lengths(bucketed, prompts)
@@ -139,7 +143,10 @@ def main() -> None:
     print(f"(b) transformers, pad longest {tokens / seconds_b:9.1f} tokens/s  ({seconds_b:.1f} s)")
     print(f"(c) ours, pad to max_seq_len  {tokens / seconds_c:9.1f} tokens/s  ({seconds_c:.1f} s; "
           f"compile {compile_c:.1f} s)")
-    print(f"(a)/(b) = {seconds_b / seconds_a:.2f}   (a)/(c) = {seconds_c / seconds_a:.2f}")
+    print(f"(d) ours, synchronous         {tokens / seconds_d:9.1f} tokens/s  ({seconds_d:.1f} s; "
+          f"(a): {in_flight} batches in flight)")
+    print(f"(a)/(b) = {seconds_b / seconds_a:.2f}   (a)/(c) = {seconds_c / seconds_a:.2f}   "
+          f"(a)/(d) = {seconds_d / seconds_a:.2f}")
     print(f"plain jitted float32 matmul: {matmul / 1e9:.1f} GFLOP/s; (a): {flops_a / 1e9:.1f} "
           f"GFLOP/s useful = {100 * flops_a / matmul:.0f}% of matmul")
     print(f"(a) computes {len(rows)} rows, {sum(rows)} tokens with padding (real: "

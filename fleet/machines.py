@@ -2,6 +2,11 @@
 the output (local or GCS), and the state the fleet sees. (``metadata.json`` repeats the
 checkpoint's counts, so it is not read.)
 
+A machine made of several processes (a multi-host slice) has its status in the machine's
+``status.json`` (written by process 0, it counts every process) and a checkpoint per process
+(``process_PP/checkpoint.json``), read here as one: completed when all are, the stream records
+all have passed, the shards of all.
+
 No SSH and no cloud API: a machine is judged by the files it writes. On top of the runner's own
 states (``host/status.py``) the fleet adds two: ``missing`` (no file yet) and ``stalled`` (a
 non-final state whose heartbeat is older than three intervals: the process is dead or frozen).
@@ -19,6 +24,7 @@ from typing import Any, Sequence
 
 from common.files import read_optional
 from fleet.config import FleetConfig
+from host.config import process_folder
 from host.status import COMPLETED, FAILED, STOPPED
 
 log = logging.getLogger("runners.fleet")
@@ -35,6 +41,7 @@ class MachineFiles:
     machine_id: int
     status: dict[str, Any] | None
     checkpoint: dict[str, Any] | None
+    dirs: tuple[str, ...] = ()  # where the machine's processes store (the machine directory if one)
 
     def checkpoint_status(self) -> str | None:
         return (self.checkpoint or {}).get("status")
@@ -51,7 +58,24 @@ def _read_json(path: str) -> dict[str, Any] | None:
 
 def read_machine(config: FleetConfig, machine: int) -> MachineFiles:
     base = config.machine_dir(machine)
-    return MachineFiles(machine, _read_json(f"{base}/status.json"), _read_json(f"{base}/checkpoint.json"))
+    status = _read_json(f"{base}/status.json")
+    processes = (status or {}).get("num_processes") or 1
+    if processes == 1:
+        return MachineFiles(machine, status, _read_json(f"{base}/checkpoint.json"), (base,))
+    dirs = tuple(f"{base}/{process_folder(p)}" for p in range(processes))
+    return MachineFiles(machine, status, combined_checkpoint([_read_json(f"{d}/checkpoint.json") for d in dirs]),
+                        dirs)
+
+
+def combined_checkpoint(checkpoints: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The processes' checkpoints as the machine's (None until every process has one)."""
+    if any(c is None for c in checkpoints):
+        return None
+    return {"status": COMPLETED if all(c["status"] == COMPLETED for c in checkpoints) else "in_progress",
+            "total_samples_processed": min(c["total_samples_processed"] for c in checkpoints),
+            **{k: sum(c.get(k) or 0 for c in checkpoints)
+               for k in ("total_shards", "total_tokens", "total_truncated", "total_skipped")},
+            "shards": [s for c in checkpoints for s in c.get("shards", [])]}
 
 
 def read_fleet(config: FleetConfig) -> list[MachineFiles]:

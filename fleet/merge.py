@@ -38,9 +38,10 @@ def stream_ids(path: str, limit: int | None) -> list[int]:
     return ids
 
 
-def rejected_ids(machine_dir: str) -> list[int]:
-    data = read_optional(join(machine_dir, REJECTED_FILE))
-    return [json.loads(line)["sample_id"] for line in (data or b"").splitlines() if line.strip()]
+def rejected_ids(dirs: Sequence[str]) -> list[int]:
+    """The records a machine's runner skipped, from its ``rejected.jsonl`` (one per process)."""
+    lines = [line for d in dirs for line in (read_optional(join(d, REJECTED_FILE)) or b"").splitlines()]
+    return [json.loads(line)["sample_id"] for line in lines if line.strip()]
 
 
 def _ids(values: Sequence[int], most: int = 5) -> str:
@@ -62,7 +63,7 @@ def check_machine(config: FleetConfig, files: MachineFiles, expected_count: int,
     state = (files.status or {}).get("state") or "missing"
     if files.checkpoint_status() != COMPLETED:
         problems.append(f"machine {m:03d} not completed ({state})")
-    skipped = set(rejected_ids(config.machine_dir(m)))
+    skipped = set(rejected_ids(files.dirs or (config.machine_dir(m),)))
     stream = join(config.streams_dir, f"stream_{m:03d}.jsonl")
     try:
         ids = stream_ids(stream, limit)

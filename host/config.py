@@ -8,6 +8,7 @@ import os
 
 from common.cli import UserError, flag, int_list
 from host.machine_id import machine_id_flag
+from model.config import ATTENTION_KINDS
 from transforms.long_samples import POLICIES
 
 # JAX's own variable, where a user has set it; else a per-user directory.
@@ -59,6 +60,21 @@ class HostConfig:
                                       "'' turns it off")
     profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
     profile_batches: int = flag(3, "batches traced with --profile_dir, after the first (compiling) one")
+    attention: str = flag("auto", "attention kernel: auto (tiled on CPU, fused on TPU/GPU) | tiled "
+                          "(per-row tiles with an online softmax) | fused (jax.nn.dot_product_attention "
+                          "with causal masking and per-row lengths)", choices=ATTENTION_KINDS)
+    batches_in_flight: int = flag(2, "batches dispatched before the oldest one's activations are "
+                                  "copied back, so transfers overlap compute (1: synchronous)")
+    distributed: str = flag("auto", "one machine made of several processes (a multi-host TPU slice: "
+                            "the same command on every host) through jax.distributed: auto (on when "
+                            "the TPU environment reports more than one host, or --coordinator_address "
+                            "is given) | on | off", choices=("auto", "on", "off"))
+    coordinator_address: str | None = flag(None, "host:port of the machine's process 0 (default: "
+                                           "detected by JAX on TPU slices and GKE)")
+    num_processes: int | None = flag(None, "processes that make up this machine (default: detected)")
+    process_id: int | None = flag(None, "this process's index, 0..num_processes-1 (default: detected)")
+    distributed_timeout_s: int = flag(100, "a process of the machine that stops answering for this "
+                                      "long ends the others, failed (JAX's heartbeat timeout)")
 
     def validate(self) -> None:
         if self.machine_id != "auto" and self.machine_id < 0:
@@ -81,15 +97,38 @@ class HostConfig:
                                 f"{{machine_id}} (e.g. {{machine_id:03d}}), got {e}") from None
         if not 0 <= self.compression_level <= 3:
             raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
-        for name in ("batch_size", "max_seq_length", "upload_retries", "profile_batches"):
+        for name in ("batch_size", "max_seq_length", "upload_retries", "profile_batches",
+                     "batches_in_flight", "distributed_timeout_s"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise UserError(f"--num_processes must be at least 1, got {self.num_processes}")
+        if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1 << 30):
+            raise UserError(f"--process_id must be in 0..--num_processes - 1, got {self.process_id}")
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise UserError(f"--heartbeat_s must be a positive number of seconds, got {self.heartbeat_s}")
 
     @property
     def machine_dir(self) -> str:
         return os.path.join(self.output_dir, f"machine_{self.machine_id:03d}")
+
+    @property
+    def multi_process(self) -> bool:
+        """Several processes make up this machine (resolved once jax.distributed has started)."""
+        return (self.num_processes or 1) > 1
+
+    @property
+    def process_dir(self) -> str:
+        """Where this process stores: the machine directory, or its ``process_PP/`` when the
+        machine has several processes (each writes its own shards, index and checkpoint)."""
+        if not self.multi_process:
+            return self.machine_dir
+        return os.path.join(self.machine_dir, process_folder(self.process_id))
+
+    @property
+    def process_prefix(self) -> str:
+        """``prefix`` of this process's objects (``process_PP/`` below the machine's)."""
+        return f"{self.prefix}/{process_folder(self.process_id)}" if self.multi_process else self.prefix
 
     @property
     def stream_path(self) -> str:
@@ -103,3 +142,7 @@ class HostConfig:
         if self.gcs_prefix is None:
             return f"activations/machine_{self.machine_id:03d}"
         return self.gcs_prefix.format(machine_id=self.machine_id)
+
+
+def process_folder(process_id: int) -> str:
+    return f"process_{process_id:02d}"

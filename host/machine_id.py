@@ -24,7 +24,7 @@ AUTO = "auto"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 METADATA_HOST_ENV = "GCE_METADATA_HOST"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
-ATTRIBUTE_PATH = "/computeMetadata/v1/instance/attributes/machine-id"
+ATTRIBUTES_PATH = "/computeMetadata/v1/instance/attributes/"
 TIMEOUT_S = 2.0  # off GCE the server does not exist: give up fast
 
 
@@ -50,7 +50,7 @@ def resolve_machine_id(value: int | str, environ: Mapping[str, str] = os.environ
         return _as_id(index, f"{INDEX_ENV}={index!r}")
     tried.append(f"{INDEX_ENV} is not set")
     url = metadata_url(environ)
-    answer, problem = _metadata_attribute(url, timeout_s)
+    answer, problem = metadata_attribute(url, timeout_s)
     if answer is not None:
         return _as_id(answer, f"metadata attribute machine-id {answer!r} ({url})")
     tried.append(f"metadata server {url}: {problem}")
@@ -59,9 +59,9 @@ def resolve_machine_id(value: int | str, environ: Mapping[str, str] = os.environ
                     "metadata attribute machine-id)")
 
 
-def metadata_url(environ: Mapping[str, str] = os.environ) -> str:
+def metadata_url(environ: Mapping[str, str] = os.environ, attribute: str = "machine-id") -> str:
     host = environ.get(METADATA_HOST_ENV) or DEFAULT_METADATA_HOST
-    return f"http://{host}{ATTRIBUTE_PATH}"
+    return f"http://{host}{ATTRIBUTES_PATH}{attribute}"
 
 
 def _as_id(text: str, source: str) -> int:
@@ -75,7 +75,7 @@ def _as_id(text: str, source: str) -> int:
     return machine_id
 
 
-def _metadata_attribute(url: str, timeout_s: float) -> tuple[str | None, str]:
+def metadata_attribute(url: str, timeout_s: float) -> tuple[str | None, str]:
     """(the attribute's text, "") or (None, why not). The whole request, name resolution
     included (which a socket timeout does not bound), gets ``timeout_s``."""
     result: list[tuple[str | None, str]] = []
@@ -89,7 +89,8 @@ def _metadata_attribute(url: str, timeout_s: float) -> tuple[str | None, str]:
                 else:
                     result.append((response.read().decode("utf-8", "replace"), ""))
         except urllib.error.HTTPError as e:
-            result.append((None, "no attribute machine-id" if e.code == 404 else f"HTTP {e.code}"))
+            attribute = url.rsplit("/", 1)[-1]
+            result.append((None, f"no attribute {attribute}" if e.code == 404 else f"HTTP {e.code}"))
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             result.append((None, f"not reachable ({reason})"))

@@ -20,6 +20,7 @@ class Progress:
         self.verbose = verbose
         # This process's work; what earlier runs stored comes from the checkpoint (``resume_from``).
         self.samples = self.tokens = self.shards = self.truncated = self.skipped = 0
+        self.elsewhere = 0  # records another process of the machine computed and stores
         self.before = {"samples": 0, "tokens": 0, "shards": 0, "truncated": 0, "skipped": 0}
         self.samples_total: int | None = None  # the stream's records (or --max_samples), once counted
         self._start = self._last_log = time.monotonic()
@@ -58,6 +59,9 @@ class Progress:
         self._rate_last_minute(now)  # prunes: the window's history stays bounded
         self._report()
 
+    def sample_elsewhere(self) -> None:
+        self.elsewhere += 1
+
     def sample_skipped(self) -> None:
         self.skipped += 1
         self._report()
@@ -82,7 +86,7 @@ class Progress:
         this process."""
         now = time.monotonic()
         b = self.before
-        return {"samples_done": b["samples"] + self.samples + self.skipped,
+        return {"samples_done": b["samples"] + self.samples + self.skipped + self.elsewhere,
                 "samples_total": self.samples_total,
                 "tokens_done": b["tokens"] + self.tokens,
                 "tokens_per_s": {"last_minute": round(self._rate_last_minute(now), 1),

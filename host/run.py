@@ -7,6 +7,14 @@ recomputes the rest, so shard boundaries, and therefore the shards, are the same
 uninterrupted run. SIGTERM/SIGINT (a preemption notice) stops reading, stores the buffered
 samples as a final shard, checkpoints, and returns 0.
 
+A machine made of several processes (a multi-host TPU slice, ``host/distributed.py``): each
+process runs under a watchdog (``host/watchdog.py``), computes every batch with the others and
+stores only its own rows' samples, under ``machine_NNN/process_PP/`` with its own checkpoint.
+Every process still passes every stream record (another process's sample counts as covered), so
+the checkpoints count the same stream positions. On resume the processes restart computing from
+the smallest position all have stored; each drops its outputs up to its own checkpoint. Process 0
+writes the machine's ``status.json`` (``host/machine_status.py``) and logs the skipped records.
+
 Around that core, each in a module of its own: reading the stream (``host/stream.py``), the
 machine id (``host/machine_id.py``), the health file (``host/status.py``), the compilation cache
 (``host/compilation_cache.py``), profiling (``host/profiling.py``) and the skipped records
@@ -17,34 +25,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import itertools
 import logging
 import os
 import re
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 from apache_beam.pvalue import TaggedOutput
 
 from common.cli import UserError
+from host import distributed
 from host.checkpoint import COMPLETED, IN_PROGRESS, Checkpoint, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
 from host.machine_id import resolve_machine_id
+from host.machine_status import MachineStatus, mark_failed
 from host.profiling import BatchProfiler
 from host.progress import Progress
 from host.rejected import RejectedLog
 from host.status import LOADING, RUNNING, STATUS_FILE, STOPPED, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.stream import check_lengths, count_records, stream_records
+from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
 from model.checkpoint import resolve_model_dir
 from model.config import Qwen2Config, load_config
 from model.extract import ForwardObserver, resolve_dtype, validate_layers
 from model.sharding import make_mesh
-from transforms.extract import ExtractActivations, ExtractConfig
+from transforms.extract import ELSEWHERE, REJECTED, ExtractActivations, ExtractConfig
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
@@ -90,7 +103,7 @@ def _local_files(machine_dir: str) -> list[str]:
 
 def initial_checkpoint(config: HostConfig, store: GcsStore | None) -> Checkpoint:
     """The local checkpoint, else the uploaded one (a preempted VM may lose its disk), else new."""
-    local = load_checkpoint(os.path.join(config.machine_dir, CHECKPOINT_FILE))
+    local = load_checkpoint(os.path.join(config.process_dir, CHECKPOINT_FILE))
     if local is not None:
         return local
     if store is not None:
@@ -138,15 +151,33 @@ class RunObserver(ForwardObserver):
 
 
 def run_host(config: HostConfig) -> int:
-    """One machine's run, reported in ``status.json`` from the moment its directory exists."""
+    """One machine's run (or this host's process of it), reported in ``status.json`` from the
+    moment its directory exists."""
     config.validate()
     config = dataclasses.replace(config, machine_id=resolve_machine_id(config.machine_id))
-    prepare_machine_dir(config.machine_dir)
+    if distributed.wants_distributed(config):
+        return run_watched(config, run_process, record_death)
+    return run_process(config)
+
+
+def run_process(config: HostConfig, placement: Placement | None = None) -> int:
+    """This process's part of the machine; with a ``placement``, one of several processes (it
+    joins the others first, and tells the watchdog where it stands)."""
+    if placement is not None:
+        config = distributed.initialize(config)
+        placement.set(config.process_id, config.num_processes)
+    check_layout(config)
+    prepare_machine_dir(config.process_dir)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before anything compiles
     progress = Progress(config.verbose)
     compile_stats = CompileStats()
-    health = HealthReporter(config.machine_dir, config.machine_id, config.heartbeat_s, progress.snapshot,
-                            compile_stats, cache_dir)
+    health = HealthReporter(config.process_dir, config.machine_id, config.heartbeat_s, progress.snapshot,
+                            compile_stats, cache_dir,
+                            (config.process_id, config.num_processes) if config.multi_process else None)
+    if config.multi_process:
+        machine_store = _store(config, config.prefix)
+        health.on_document = MachineStatus(config.machine_dir, config.process_id, config.num_processes,
+                                           machine_store).publish
     stop = StopFlag()
     try:
         with health.reporting():
@@ -171,16 +202,52 @@ def run_host(config: HostConfig) -> int:
     return 0
 
 
+def check_layout(config: HostConfig) -> None:
+    """A machine's output is either one process's or several processes' (``process_PP/``); a run
+    must not add the other kind (the merged index would hold its samples twice)."""
+    folders = sorted(glob.glob(os.path.join(config.machine_dir, "process_[0-9][0-9]")))
+    single = os.path.exists(os.path.join(config.machine_dir, CHECKPOINT_FILE))
+    if config.multi_process and single:
+        raise UserError(f"{config.machine_dir} holds a one-process run's output: a machine of "
+                        f"{config.num_processes} processes cannot resume it (use a new --output_dir)")
+    if not config.multi_process and folders:
+        raise UserError(f"{config.machine_dir} holds a run of {len(folders)} processes (process_PP/): "
+                        "resume it with as many processes, or use a new --output_dir")
+    stray = [f for f in folders if int(f[-2:]) >= (config.num_processes or 1)]
+    if config.multi_process and stray:
+        raise UserError(f"{config.machine_dir} holds a run of more than {config.num_processes} "
+                        f"processes ({os.path.basename(stray[0])}/): resume it with as many")
+
+
+def record_death(config: HostConfig, signal_name: str) -> None:
+    """The watchdog's record of a process that the runtime (or a kill) ended: ``failed``."""
+    error = (f"process {config.process_id} ended by {signal_name} (a process of this machine stopped "
+             "answering, or was killed)" if config.multi_process else f"ended by {signal_name}")
+    mark_failed(os.path.join(config.process_dir, STATUS_FILE), error, _store(config, config.process_prefix))
+    if config.multi_process:
+        mark_failed(os.path.join(config.machine_dir, STATUS_FILE), error, _store(config, config.prefix))
+
+
+def _store(config: HostConfig, prefix: str) -> GcsStore | None:
+    return GcsStore(config.gcs_bucket, prefix, config.upload_retries) if config.upload_to_gcs else None
+
+
 def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag) -> bool:
     """Resume, compute, store; True when the stream is done, False when a signal stopped it."""
     stream_path = config.stream_path
     if "://" not in stream_path and not os.path.exists(stream_path):
         raise UserError(f"no stream file for machine {config.machine_id}: {stream_path}")
-    store = GcsStore(config.gcs_bucket, config.prefix, config.upload_retries) if config.upload_to_gcs else None
+    store = _store(config, config.process_prefix)
     health.store = store  # status.json goes beside checkpoint.json from now on
     checkpoint = initial_checkpoint(config, store)
     progress.resume_from(checkpoint)
-    if checkpoint.status == COMPLETED and checkpoint.max_samples == config.max_samples:
+    done = checkpoint.total_samples_processed
+    completed = checkpoint.status == COMPLETED and checkpoint.max_samples == config.max_samples
+    restart = done
+    if config.multi_process:  # all compute every batch: from where every process has stored
+        restart = distributed.agreed_restart(done)
+        completed = not distributed.any_process(not completed)
+    if completed:
         print(f"machine {config.machine_id} already completed: {checkpoint.total_shards} shards, "
               f"{checkpoint.total_samples_processed} samples; nothing to do")
         return True
@@ -193,13 +260,12 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
                                             config.batch_size, config.max_seq_length, config.mesh_type,
                                             config.dtype, config.activation_dtype, config.window,
-                                            config.long_samples))
-    done = checkpoint.total_samples_processed
+                                            config.long_samples, config.attention, config.batches_in_flight))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
     data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
-    window_start = done - done % dofn.window_for(config.batch_size * data_axis)
+    window_start = restart - restart % dofn.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":
         check_lengths(stream_path, window_start, config.max_samples, config.max_seq_length)
     records = stream_records(stream_path, window_start, config.max_samples,
@@ -210,7 +276,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     extractor = dofn.extractor
     profiler = BatchProfiler(config.profile_dir, config.profile_batches) if config.profile_dir else None
     extractor.observer = RunObserver(health, profiler)
-    health.devices = extractor.mesh.devices.flatten().tolist()
+    health.devices = [d for d in extractor.mesh.devices.flat if d.process_index == jax.process_index()]
     health.set_state(RUNNING)
     writer = ShardWriter(_shard_settings(config, extractor), checkpoint, store, rejected,
                          on_stored=progress.shard_stored)
@@ -218,7 +284,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     if stop.signal is not None:  # (one may have come just before)
         raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
     try:
-        finished = _drive(dofn, writer, progress, stop, first, records, skip=done - window_start)
+        finished = _drive(dofn, writer, progress, _stop_check(config, stop), first, records,
+                          skip=done - window_start, keep_rejections=config.process_id in (None, 0))
         writer.finalize()  # the buffer (a signal's final shard, or the stream's tail)
     finally:
         try:
@@ -231,7 +298,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     writer.write_state()
     if finished:
         print(f"machine {config.machine_id} completed: {checkpoint.total_shards} shards, "
-              f"{checkpoint.total_samples_processed} samples in {config.machine_dir}"
+              f"{checkpoint.total_samples_processed} samples in {config.process_dir}"
               + (f" and {store.url('')}" if store else ""))
     else:
         print(f"machine {config.machine_id} stopped by signal {stop.signal}: checkpoint at "
@@ -243,10 +310,10 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
 def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint) -> RejectedLog:
     """Removes what an interrupted run left past the checkpoint (orphan shards and indexes,
     locally and on GCS; ``rejected.jsonl`` lines it does not count); returns the rejected log."""
-    removed = remove_orphans(config.machine_dir, store, checkpoint.total_shards)
+    removed = remove_orphans(config.process_dir, store, checkpoint.total_shards)
     if removed:
         log.info("removed %d file(s) left by an interrupted run: %s", len(removed), ", ".join(removed))
-    rejected = RejectedLog(config.machine_dir, store)
+    rejected = RejectedLog(config.process_dir, store)
     rejected.load(checkpoint.total_skipped)
     if checkpoint.total_samples_processed:
         log.info("resuming after %d shards / %d samples", checkpoint.total_shards,
@@ -254,17 +321,32 @@ def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: 
     return rejected
 
 
-def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, stop: StopFlag,
-           first: dict | None, records: Iterator[dict], skip: int) -> bool:
+def _stop_check(config: HostConfig, stop: StopFlag) -> Callable[[bool], bool]:
+    """``check(at_window_start)``: whether to stop now. One process stops at any record; several
+    stop together, at a window's start, if any of them got a signal (a process that stopped alone
+    would leave the others waiting in the next batch's collectives)."""
+    if not config.multi_process:
+        return lambda at_window_start: stop.signal is not None
+    return lambda at_window_start: at_window_start and distributed.any_process(stop.signal is not None)
+
+
+def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress,
+           should_stop: Callable[[bool], bool], first: dict | None, records: Iterator[dict], skip: int,
+           keep_rejections: bool = True) -> bool:
     """Feeds the stream through the DoFn into the writer, dropping the first ``skip`` outputs
-    (already stored); False if a signal stopped it."""
+    (already stored); False if a signal stopped it. Without ``keep_rejections`` (a process other
+    than a machine's first) a skipped record counts as covered elsewhere."""
     def consume(outputs):
         nonlocal skip
         for out in outputs:
             if skip:
                 skip -= 1
                 continue
-            if isinstance(out, TaggedOutput):  # not computed (--long_samples skip)
+            if isinstance(out, TaggedOutput) and (out.tag == ELSEWHERE or not keep_rejections):
+                writer.elsewhere(out.value["sample_id"])
+                progress.sample_elsewhere()
+            elif isinstance(out, TaggedOutput):  # not computed (--long_samples skip)
+                assert out.tag == REJECTED
                 writer.skip(out.value)
                 progress.sample_skipped()
             else:
@@ -274,11 +356,11 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress, st
     dofn.start_bundle()
     pending = [first] if first is not None else []
     for record in itertools.chain(pending, records):
-        if stop.signal is not None:
+        if should_stop(dofn.pending == 0):
             dofn.discard_pending()
             return False
         consume(dofn.process(record))
-    if stop.signal is not None:
+    if should_stop(True):
         dofn.discard_pending()
         return False
     consume(dofn.drain())
@@ -295,7 +377,7 @@ def output_settings(config: HostConfig, model: Qwen2Config) -> dict[str, Any]:
 
 
 def _shard_settings(config: HostConfig, extractor) -> ShardSettings:
-    return ShardSettings(config.machine_id, os.path.abspath(config.machine_dir), int(config.shard_size_gb * 1e9),
+    return ShardSettings(config.machine_id, os.path.abspath(config.process_dir), int(config.shard_size_gb * 1e9),
                          config.compress_shards, extractor.layers, extractor.config.hidden_size,
                          config.activation_dtype, config.delete_local_after_upload,
                          config.compression_level, _metadata(config, extractor))
@@ -305,8 +387,10 @@ def _metadata(config: HostConfig, extractor) -> dict[str, Any]:
     return {"machine_id": config.machine_id, "shard_size_gb": config.shard_size_gb,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
-            "gcs_prefix": config.prefix if config.upload_to_gcs else None,
+            "gcs_prefix": config.process_prefix if config.upload_to_gcs else None,
             "model": config.model_path, "layers": list(extractor.layers),
             "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
             "hidden_size": extractor.config.hidden_size, "compressed": config.compress_shards,
-            "stream": config.stream_path}
+            "stream": config.stream_path, "attention": extractor.attention_kind,
+            "process_id": config.process_id if config.multi_process else None,
+            "num_processes": config.num_processes or 1}

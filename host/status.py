@@ -75,20 +75,24 @@ class HealthReporter:
 
     def __init__(self, machine_dir: str, machine_id: int, heartbeat_s: float,
                  counters: Callable[[], dict[str, Any]], compile_stats: CompileStats | None = None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, process: tuple[int, int] | None = None):
         self.path = os.path.join(machine_dir, STATUS_FILE)
         self.heartbeat_s = heartbeat_s
         self.counters = counters            # the run's progress (host/progress.py)
         self.compile_stats = compile_stats  # host/compilation_cache.py
         self.cache_dir = cache_dir          # the persistent compilation cache, None when off
         self.store: GcsStore | None = None  # set once the run has one
+        # Called with each document written (a process of a multi-host machine publishes it).
+        self.on_document: Callable[[dict[str, Any]], None] | None = None
         self.devices: list = []
         self.state = STARTING
         self.error: str | None = None
         self.compile_s = 0.0
         self.compiles = 0
         self._identity = {"machine_id": machine_id, "hostname": socket.gethostname(), "pid": os.getpid(),
-                          "started_at": utc_now(), "heartbeat_s": heartbeat_s}
+                          "started_at": utc_now(), "heartbeat_s": heartbeat_s,
+                          # (index, count) of this process in a machine made of several
+                          **({"process_id": process[0], "num_processes": process[1]} if process else {})}
         self._history = [{"state": STARTING, "at": self._identity["started_at"]}]
         self._wake = threading.Event()
         self._closed = False
@@ -173,8 +177,11 @@ class HealthReporter:
     def write(self) -> None:
         """Writes ``status.json`` locally and hands it to the uploader (which keeps the newest)."""
         with self._write_lock:
-            data = (json.dumps(self.document(), indent=2) + "\n").encode()
+            document = self.document()
+            data = (json.dumps(document, indent=2) + "\n").encode()
             write_atomically(self.path, data)
+            if self.on_document is not None:
+                self.on_document(document)
         if self.store is not None:
             with self._upload_lock:
                 self._to_upload = data

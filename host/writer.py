@@ -76,6 +76,10 @@ class ShardWriter:
         self._skipped.append(rejection)
         self._count(rejection["sample_id"])
 
+    def elsewhere(self, sample_id: int) -> None:
+        """A record another process of the machine stores: covered by the next commit too."""
+        self._count(sample_id)
+
     def _count(self, sample_id: int) -> None:
         self._records += 1
         self._last_id = sample_id

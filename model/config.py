@@ -13,6 +13,10 @@ from typing import Any
 
 from common.cli import UserError
 
+# The attention kernels of a forward without a cache (``model.qwen2.attention_for``); here, where
+# the flag parsers can read them without importing JAX.
+ATTENTION_KINDS = ("auto", "tiled", "fused")
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2Model")
 
 

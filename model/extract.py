@@ -6,10 +6,17 @@ norm applied). Blocks after the last requested one are never computed, nor is th
 
 Each batch shape (rows, bucket length) is compiled once, explicitly, so that a runner can watch
 compiles and batches through a ``ForwardObserver`` (health reporting, profiling).
+
+Batches are pipelined: batch k+1 is placed on the devices and dispatched before batch k's
+activations are copied back (at most ``batches_in_flight`` at once), so transfers overlap compute.
+Over several processes (a multi-host slice, ``jax.distributed``) every process runs the same
+batches; each feeds only the rows that live on its own devices and reads back only those rows'
+activations: the other rows come back as ``None``.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -25,7 +32,7 @@ from model.buckets import Batch, Bucketer, bucket_lengths
 from model.checkpoint import resolve_model_dir
 from model.config import Qwen2Config, load_config
 from model.loading import LoadedModel, load_model
-from model.qwen2 import Qwen2, causal_mask, chunk_tokens_for
+from model.qwen2 import Qwen2, attention_for, causal_mask, chunk_tokens_for
 from model.sharding import batch_sharding
 
 T = TypeVar("T")
@@ -71,16 +78,18 @@ class ForwardObserver:
         return contextlib.nullcontext()
 
     def batch(self, rows: int, length: int) -> ContextManager[None]:
-        """Wraps one batch: inputs to the devices, forward, activations back on the host."""
+        """Wraps the dispatch of one batch: inputs to the devices, forward started (with
+        pipelining its activations come back while the next batch is dispatched)."""
         return contextlib.nullcontext()
 
 
 def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
-                 out_dtype: Any = None):
+                 out_dtype: Any = None, attention: str = "auto"):
     """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H].
 
-    ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer."""
-    model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh))
+    ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer.
+    ``attention``: auto | tiled | fused (``model.qwen2.attention_for``)."""
+    model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention))
     num_layers = max(layers) + 1
 
     def forward(params, input_ids, lengths):
@@ -94,6 +103,31 @@ def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh:
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
+def placed(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``host`` as a global array: each device receives its slice, and a process only ever
+    touches the slices of its own devices (on a multi-host slice every process holds the same
+    ``host`` batch, and feeds its rows)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def local_blocks(out: jax.Array) -> list[tuple[slice, jax.Array]]:
+    """The rows of ``out`` [L, B, ...] (sharded over B) that this process holds: (row slice,
+    device data), each slice once (a ``model`` axis holds copies of the same rows)."""
+    blocks: dict[tuple[int, int], tuple[slice, jax.Array]] = {}
+    for shard in out.addressable_shards:
+        rows = shard.index[1]
+        blocks.setdefault(rows.indices(out.shape[1])[:2], (rows, shard.data))
+    return [blocks[key] for key in sorted(blocks)]
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched batch whose activations are still on the devices."""
+    out: jax.Array          # [len(layers), rows, length, H]
+    lengths: np.ndarray     # [rows]
+    count: int              # real sequences (the first rows)
+
+
 @dataclasses.dataclass
 class Extractor:
     """A loaded model ready to extract; build it with ``Extractor.load``."""
@@ -105,6 +139,8 @@ class Extractor:
     batch_size: int               # global: per-device batch size x data axis
     buckets: tuple[int, ...]
     activation_dtype: Any = None  # dtype of the returned arrays (default: the compute dtype)
+    attention: str = "auto"       # auto | tiled | fused (model.qwen2.attention_for)
+    batches_in_flight: int = 2    # dispatched and not yet copied back (1: synchronous)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                  repr=False)
@@ -113,7 +149,8 @@ class Extractor:
     def load(cls, model_path: str, layers: Sequence[int] | None = None, mesh_type: str = "1d",
              dtype: str = "auto", batch_size_per_device: int = 1, max_seq_length: int = 2048,
              model_axis_size: int | None = None, min_bucket: int = 32,
-             devices: list | None = None, activation_dtype: str | None = None) -> "Extractor":
+             devices: list | None = None, activation_dtype: str | None = None,
+             attention: str = "auto", batches_in_flight: int = 2) -> "Extractor":
         """Loads only the blocks up to the last requested layer, straight onto the mesh."""
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
@@ -121,23 +158,30 @@ class Extractor:
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=max(layers) + 1, devices=devices)
         return cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
-                               activation_dtype)
+                               activation_dtype, attention, batches_in_flight)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, layers: Sequence[int], batch_size_per_device: int = 1,
                     max_seq_length: int = 2048, min_bucket: int = 32,
-                    activation_dtype: str | None = None) -> "Extractor":
+                    activation_dtype: str | None = None, attention: str = "auto",
+                    batches_in_flight: int = 2) -> "Extractor":
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
-                   ACTIVATION_DTYPES.get(activation_dtype))
+                   ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight)
+
+    @property
+    def attention_kind(self) -> str:
+        """The attention kernel ``attention`` resolves to on this mesh (tiled | fused)."""
+        return attention_for(self.mesh, self.attention)
 
     @functools.cached_property
     def _forward(self):
-        return make_forward(self.config, self.dtype, self.layers, self.mesh, self.activation_dtype)
+        return make_forward(self.config, self.dtype, self.layers, self.mesh, self.activation_dtype,
+                            self.attention)
 
     def executable(self, rows: int, length: int):
         """The forward compiled for inputs [rows, length] (compiled on first use)."""
@@ -150,9 +194,14 @@ class Extractor:
                 self._executables[key] = self._forward.lower(self.params, ids, lengths).compile()
         return self._executables[key]
 
-    def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray]]:
+    def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray] | None]:
         """Activations of up to ``batch_size`` sequences padded to ``length``: per sequence,
-        ``{layer: array [num_tokens, H]}`` with padding removed."""
+        ``{layer: array [num_tokens, H]}`` with padding removed (``None`` for a sequence whose row
+        lives on another process's devices)."""
+        return self.collect(self.dispatch(sequences, length))
+
+    def dispatch(self, sequences: Sequence[Sequence[int]], length: int) -> InFlight:
+        """Places the batch on the devices and starts its forward, without waiting for it."""
         rows = padded_rows(len(sequences), self.batch_size, self.mesh.shape["data"])
         ids = np.zeros((rows, length), np.int32)  # [B, S]; padding rows stay 0
         lengths = np.zeros((rows,), np.int32)
@@ -162,19 +211,37 @@ class Extractor:
         forward = self.executable(rows, length)
         sharding = batch_sharding(self.mesh)
         with self.observer.batch(rows, length):
-            out = forward(self.params, jax.device_put(ids, sharding), jax.device_put(lengths, sharding))
-            acts = np.asarray(out)  # [len(layers), B, S, H]
-        return [{layer: acts[i, row, :lengths[row]] for i, layer in enumerate(self.layers)}
-                for row in range(len(sequences))]
+            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding))
+        for _, data in local_blocks(out):
+            data.copy_to_host_async()  # starts the transfer as soon as the forward ends
+        return InFlight(out, lengths, len(sequences))
+
+    def collect(self, batch: InFlight) -> list[dict[int, np.ndarray] | None]:
+        """Waits for a dispatched batch and copies this process's rows back to the host."""
+        results: list[dict[int, np.ndarray] | None] = [None] * batch.count
+        for rows, data in local_blocks(batch.out):
+            acts = np.asarray(data)  # [len(layers), rows here, S, H]
+            for i, row in enumerate(range(*rows.indices(batch.out.shape[1]))):
+                if row < batch.count:
+                    n = batch.lengths[row]
+                    results[row] = {layer: acts[j, i, :n] for j, layer in enumerate(self.layers)}
+        return results
 
     def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
         """(key, input_ids) pairs -> (key, {layer: [num_tokens, H]}), batched by length bucket.
 
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
-        than ``max_seq_length`` raises ``ValueError``.
+        than ``max_seq_length`` raises ``ValueError``. Up to ``batches_in_flight`` batches are
+        dispatched before the oldest is copied back.
         """
+        in_flight: collections.deque[tuple[list[T], InFlight]] = collections.deque()
         for batch in self.batches(items):
-            yield from self._run(batch)
+            in_flight.append(([key for key, _ in batch.items],
+                              self.dispatch([ids for _, ids in batch.items], batch.length)))
+            if len(in_flight) >= self.batches_in_flight:
+                yield from self._collected(*in_flight.popleft())
+        while in_flight:
+            yield from self._collected(*in_flight.popleft())
 
     def batches(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[Batch]:
         """The batches ``extract`` computes, in order: each full one as soon as it fills, then the
@@ -184,6 +251,5 @@ class Extractor:
             yield from bucketer.add((key, ids), len(ids))
         yield from bucketer.flush()
 
-    def _run(self, batch: Batch) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
-        keys = [key for key, _ in batch.items]
-        yield from zip(keys, self.run_batch([ids for _, ids in batch.items], batch.length))
+    def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict[int, np.ndarray] | None]]:
+        yield from zip(keys, self.collect(batch))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from model.config import Qwen2Config
+from model.config import ATTENTION_KINDS, Qwen2Config
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 MASKED = -1e30  # finite, so a fully masked row (a padding row) gives no NaN
@@ -146,6 +146,34 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                          out_specs=q_spec)(q, k, v, mask)
 
 
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    precision: jax.lax.Precision) -> jax.Array:
+    """Causal self-attention through ``jax.nn.dot_product_attention`` (a fused kernel where the
+    backend has one: cuDNN on GPU; XLA's fusion elsewhere): q [B, S, K, G, D], k, v [B, S, K, D],
+    mask [B, S, S] (causal, padding keys masked) -> [B, S, K, G, D].
+
+    The kernel takes the causal structure and each row's length instead of a mask, so it can skip
+    masked tiles; the length is read off the mask (the keys some query may attend to). A padding
+    row (length 0) gets length 1: its outputs are discarded, and no row is fully masked.
+    """
+    b, s, kv_heads, groups, d = q.shape
+    lengths = jnp.maximum(mask.any(axis=1).sum(axis=-1), 1).astype(jnp.int32)  # [B]
+    with jax.default_matmul_precision("highest" if precision == jax.lax.Precision.HIGHEST else None):
+        out = jax.nn.dot_product_attention(q.reshape(b, s, kv_heads * groups, d), k, v, is_causal=True,
+                                           key_value_seq_lengths=lengths)  # [B, S, N, D]
+    return out.reshape(b, s, kv_heads, groups, d)
+
+
+def attention_for(mesh: Mesh | None, choice: str = "auto") -> str:
+    """``auto``: the per-tile loop on CPU (``causal_attention``), the fused kernel on TPU and GPU."""
+    if choice not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {choice!r} (choose from {', '.join(ATTENTION_KINDS)})")
+    if choice != "auto":
+        return choice
+    cpu = mesh is None or mesh.devices.flat[0].platform == "cpu"
+    return "tiled" if cpu else "fused"
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
@@ -162,6 +190,7 @@ class Attention(nn.Module):
     config: Qwen2Config
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # where the batch lives; causal attention then runs per device
+    attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused (fused_attention)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None):
@@ -181,7 +210,9 @@ class Attention(nn.Module):
             k = jax.lax.dynamic_update_slice(cache[0], k, (0, cache_index, 0, 0))  # [B, T, K, D]
             v = jax.lax.dynamic_update_slice(cache[1], v, (0, cache_index, 0, 0))
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
-        if cache is None:
+        if cache is None and self.attention == "fused":
+            out = fused_attention(q, k, v, mask, precision_for(self.dtype))
+        elif cache is None:
             out = causal_attention(q, k, v, mask, precision_for(self.dtype), self.mesh)
         else:
             out = dense_attention(q, k, v, mask, precision_for(self.dtype))  # [B, S, K, G, D]
@@ -249,11 +280,12 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
     chunk_tokens: int | None = None
+    attention: str = "tiled"
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None):
         eps = self.config.rms_norm_eps
-        attn_out, new_cache = Attention(self.config, self.dtype, self.mesh, name="self_attn")(
+        attn_out, new_cache = Attention(self.config, self.dtype, self.mesh, self.attention, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(x), cos, sin, mask, cache, cache_index)
         x = x + attn_out
         mlp = MLP(self.config, self.dtype, name="mlp")
@@ -269,12 +301,14 @@ class Qwen2(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # the mesh the batch is sharded over, if any (see causal_attention)
     chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
+    attention: str = "tiled"         # tiled | fused: see attention_for
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, name=f"layers_{i}")
+        self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
+                                    name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:

@@ -4,6 +4,9 @@ The mesh always has the axes ``("data", "model")``:
   * ``1d``: ``(devices, 1)``: pure data parallelism, parameters replicated;
   * ``2d``: ``(devices / m, m)``: projections split over ``model`` (q/k/v, gate/up by output
     column; o/down by input row), the embedding by vocabulary row, batches over ``data``.
+Over several processes (a multi-host slice) the mesh spans every process's devices, grouped by
+process, and ``m`` divides each process's device count: the ``model`` axis never leaves a host
+(its collectives stay on the chip interconnect) and ``data`` spans the hosts.
 A dimension that does not divide evenly stays replicated; XLA inserts the collectives either way,
 so the numbers do not depend on the layout.
 """
@@ -26,16 +29,19 @@ ROW_SPLIT = ("o_proj", "down_proj")
 
 def make_mesh(mesh_type: str, config: Qwen2Config, model_axis_size: int | None = None,
               devices: list | None = None) -> Mesh:
-    """A ``("data", "model")`` mesh over ``devices`` (default: all of this process's)."""
-    devices = list(devices if devices is not None else jax.local_devices())
+    """A ``("data", "model")`` mesh over ``devices`` (default: every process's)."""
+    devices = sorted(devices if devices is not None else jax.devices(),
+                     key=lambda d: (d.process_index, d.id))
+    per_process = len(devices) // len({d.process_index for d in devices})
     if mesh_type not in MESH_TYPES:
         raise UserError(f"unknown --mesh_type {mesh_type!r} (choose from {', '.join(MESH_TYPES)})")
     if mesh_type == "1d":
         model = 1
     else:  # default: keep whole key/value heads on each device
-        model = model_axis_size or math.gcd(len(devices), config.num_key_value_heads)
-        if len(devices) % model:
-            raise UserError(f"model axis size {model} does not divide {len(devices)} devices")
+        model = model_axis_size or math.gcd(per_process, config.num_key_value_heads)
+        if per_process % model:
+            raise UserError(f"model axis size {model} does not divide the {per_process} devices of "
+                            "each process (the model axis stays within a host)")
     return Mesh(np.array(devices).reshape(len(devices) // model, model), ("data", "model"))
 
 

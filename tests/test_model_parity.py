@@ -87,3 +87,34 @@ def test_sequences_over_several_attention_tiles_and_mlp_chunks_match(tiny_checkp
         for seq, mine, ref in zip(sequences, extract_all(extractor, sequences), refs):
             for layer in ref:
                 assert relative_error(mine[layer], ref[layer]) <= tolerance, (len(seq), layer, mesh_type)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_fused_attention_matches_hugging_face(tiny_checkpoints, references, name):
+    """``--attention fused`` (jax.nn.dot_product_attention with per-row lengths), on one device
+    and on a 2d mesh, over padded mixed-length batches."""
+    sequences, refs = references
+    for extractor in (one_device_extractor(tiny_checkpoints[name], "float32", attention="fused"),
+                      Extractor.load(tiny_checkpoints[name], dtype="float32", mesh_type="2d",
+                                     max_seq_length=64, min_bucket=64, attention="fused")):
+        for seq, mine, ref in zip(sequences, extract_all(extractor, sequences), refs[name]):
+            for layer in ref:
+                err = relative_error(mine[layer], ref[layer])
+                assert err <= 1e-5, (name, extractor.mesh.shape, len(seq), layer, err)
+
+
+def test_fused_attention_is_one_kernel_call_and_tiled_a_loop(tiny_checkpoints):
+    import jax.numpy as jnp
+    from model.extract import make_forward
+    from model.sharding import batch_sharding
+    extractor = one_device_extractor(tiny_checkpoints["gqa_tied"], "float32")
+    ids = jax.ShapeDtypeStruct((4, 64), jnp.int32, sharding=batch_sharding(extractor.mesh))
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=batch_sharding(extractor.mesh))
+
+    def program(attention):
+        forward = make_forward(extractor.config, jnp.float32, extractor.layers, extractor.mesh,
+                               attention=attention)
+        return forward.lower(extractor.params, ids, lengths).as_text()
+
+    assert "while" not in program("fused") and "while" in program("tiled")
+    assert program("auto") == program("tiled")  # auto on CPU

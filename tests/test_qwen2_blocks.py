@@ -55,3 +55,12 @@ def test_token_chunks_divide_positions_and_stay_near_512_tokens():
     assert token_chunks(1536, 4) == 12 and token_chunks(300, 4) == 3
     assert token_chunks(64, 4) == 1  # small already
     assert token_chunks(2039, 4) == 1  # a prime length: only 1-position chunks would divide it
+
+
+def test_attention_choice_is_gated_by_backend():
+    from model.qwen2 import attention_for
+    cpu = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    assert attention_for(cpu) == "tiled" and attention_for(None) == "tiled"
+    assert attention_for(cpu, "fused") == "fused" and attention_for(cpu, "tiled") == "tiled"
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        attention_for(cpu, "flash")

@@ -24,6 +24,9 @@ from transforms.long_samples import fit_record, rejection
 
 STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
 REJECTED = "rejected"  # the tagged output of records that were not computed
+# The tagged output of records another process of a multi-host machine computed and stores:
+# ``{"sample_id": ...}``, so that each process still sees every stream position.
+ELSEWHERE = "elsewhere"
 
 
 class StreamFormatError(UserError):
@@ -68,6 +71,8 @@ class ExtractConfig:
     activation_dtype: str = "float32"
     window: int | None = None              # records reordered at once; default 8 x global batch
     long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
+    attention: str = "auto"                # auto | tiled | fused (model.qwen2.attention_for)
+    batches_in_flight: int = 2             # dispatched before the oldest is copied back
 
 
 def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
@@ -81,16 +86,19 @@ def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> di
 
 def extract_in_order(extractor, records: Sequence[dict[str, Any]],
                      long_samples: str = "truncate") -> Iterator[dict[str, Any] | TaggedOutput]:
-    """For each record in input order: its activation record, or ``TaggedOutput(REJECTED, ...)``
-    if ``long_samples`` skips it. Computed bucket by bucket."""
+    """For each record in input order: its activation record, ``TaggedOutput(REJECTED, ...)`` if
+    ``long_samples`` skips it, or ``TaggedOutput(ELSEWHERE, ...)`` if another process computed
+    it. Computed bucket by bucket."""
     limit = extractor.buckets[-1]
     fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
     results = dict(extractor.extract((i, r["input_ids"]) for i, r in enumerate(fitted) if r is not None))
     for i, (record, fit) in enumerate(zip(records, fitted)):
         if fit is None:
             yield TaggedOutput(REJECTED, rejection(record, limit))
+        elif (activations := results.pop(i)) is None:
+            yield TaggedOutput(ELSEWHERE, {"sample_id": record["sample_id"]})
         else:
-            yield activation_record(fit, results.pop(i))
+            yield activation_record(fit, activations)
 
 
 class ExtractActivations(beam.DoFn):
@@ -105,7 +113,8 @@ class ExtractActivations(beam.DoFn):
         from model.extract import Extractor
         c = self.config
         self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
-                                        c.max_seq_length, activation_dtype=c.activation_dtype)
+                                        c.max_seq_length, activation_dtype=c.activation_dtype,
+                                        attention=c.attention, batches_in_flight=c.batches_in_flight)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""
@@ -114,6 +123,11 @@ class ExtractActivations(beam.DoFn):
     @property
     def window(self) -> int:
         return self.window_for(self.extractor.batch_size)
+
+    @property
+    def pending(self) -> int:
+        """Records waiting for the window to fill (0 at a window's start)."""
+        return len(self._pending)
 
     def start_bundle(self):
         self._pending = []
@@ -135,7 +149,8 @@ class ExtractActivations(beam.DoFn):
         records, self._pending = self._pending, []
         for out in extract_in_order(self.extractor, records, self.config.long_samples):
             if isinstance(out, TaggedOutput):
-                Metrics.counter("extract", "skipped_too_long").inc()
+                if out.tag == REJECTED:
+                    Metrics.counter("extract", "skipped_too_long").inc()
             elif out["truncated"]:
                 Metrics.counter("extract", "truncated").inc()
             yield out
