@@ -194,14 +194,9 @@ class Extractor:
                 self._executables[key] = self._forward.lower(self.params, ids, lengths).compile()
         return self._executables[key]
 
-    def run_batch(self, sequences: Sequence[Sequence[int]], length: int) -> list[dict[int, np.ndarray] | None]:
-        """Activations of up to ``batch_size`` sequences padded to ``length``: per sequence,
-        ``{layer: array [num_tokens, H]}`` with padding removed (``None`` for a sequence whose row
-        lives on another process's devices)."""
-        return self.collect(self.dispatch(sequences, length))
-
     def dispatch(self, sequences: Sequence[Sequence[int]], length: int) -> InFlight:
-        """Places the batch on the devices and starts its forward, without waiting for it."""
+        """Places up to ``batch_size`` sequences, padded to ``length``, on the devices and starts
+        their forward, without waiting for it."""
         rows = padded_rows(len(sequences), self.batch_size, self.mesh.shape["data"])
         ids = np.zeros((rows, length), np.int32)  # [B, S]; padding rows stay 0
         lengths = np.zeros((rows,), np.int32)
@@ -217,7 +212,9 @@ class Extractor:
         return InFlight(out, lengths, len(sequences))
 
     def collect(self, batch: InFlight) -> list[dict[int, np.ndarray] | None]:
-        """Waits for a dispatched batch and copies this process's rows back to the host."""
+        """Waits for a dispatched batch and copies this process's rows back to the host: per
+        sequence, ``{layer: array [num_tokens, H]}`` with padding removed (``None`` for a sequence
+        whose row lives on another process's devices)."""
         results: list[dict[int, np.ndarray] | None] = [None] * batch.count
         for rows, data in local_blocks(batch.out):
             acts = np.asarray(data)  # [len(layers), rows here, S, H]
@@ -245,7 +242,7 @@ class Extractor:
 
     def batches(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[Batch]:
         """The batches ``extract`` computes, in order: each full one as soon as it fills, then the
-        partial ones (``run_batch`` pads their rows, see ``padded_rows``)."""
+        partial ones (``dispatch`` pads their rows, see ``padded_rows``)."""
         bucketer: Bucketer[tuple[T, Sequence[int]]] = Bucketer(self.buckets, self.batch_size)
         for key, ids in items:
             yield from bucketer.add((key, ids), len(ids))
