@@ -30,6 +30,8 @@ demo: install
 	$(PY) -m runners.fleet launch $(DEMO_FLEET) -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet supervise $(DEMO_FLEET) --index $(DEMO_DIR)/index.parquet -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet status $(DEMO_FLEET) --chart $(DEMO_DIR)/fleet.png
+	$(PY) -m pipeline.export --format saelens --index $(DEMO_DIR)/index.parquet --layers 3 --context_size 128 \
+		--max_tokens 262144 --exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite --no_progress
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
 
 test: install
@@ -41,6 +43,7 @@ bench: install
 	$(PY) benchmarks/host_throughput.py
 	$(PY) benchmarks/shard_access.py
 	$(PY) benchmarks/restart_compile_cache.py
+	$(PY) benchmarks/token_loader.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

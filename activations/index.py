@@ -77,9 +77,18 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return out.getvalue()
 
 
-def read_index_file(path: str, schema: pa.Schema = SCHEMA) -> pa.Table:
+def read_parquet(path: str, **kwargs) -> pa.Table:
+    """A Parquet file (local or ``gs://``) read whole, ``kwargs`` to ``pq.read_table``.
+
+    Without Arrow's thread pool: after a read from a Python file object, the pool's teardown can
+    abort the interpreter at exit ("terminate called without an active exception",
+    apache/arrow#34314 and #50482; half the runs here with pyarrow 25). Index files are small."""
     with open_read(path) as f:
-        return pq.read_table(io.BytesIO(f.read()), schema=schema)
+        return pq.read_table(io.BytesIO(f.read()), use_threads=False, **kwargs)
+
+
+def read_index_file(path: str, schema: pa.Schema = SCHEMA) -> pa.Table:
+    return read_parquet(path, schema=schema)
 
 
 def merge_index_files(paths: Sequence[str], schema: pa.Schema = SCHEMA) -> pa.Table:
@@ -116,8 +125,8 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "total_skipped": sum(m.get("total_skipped", 0) for m in machines),
             "completed_machines": completed,
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
-                                                 "layers", "dtype", "hidden_size", "model", "gcs_bucket",
-                                                 "gcs_prefix")} for m in machines]}
+                                                 "layers", "dtype", "hidden_size", "num_hidden_layers", "model",
+                                                 "stream", "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 
 def arrays_path(output: str) -> str:

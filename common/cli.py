@@ -113,6 +113,8 @@ def run_main(prog: str, main: Callable[[list[str]], int | None],
     logging.getLogger("apache_beam.typehints").setLevel(logging.WARNING)
     # JAX logs at INFO each accelerator platform it probes and does not find.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    # datasets logs at INFO which array libraries it found.
+    logging.getLogger("datasets").setLevel(logging.WARNING)
     try:
         code = main(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:

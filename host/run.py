@@ -390,7 +390,8 @@ def _metadata(config: HostConfig, extractor) -> dict[str, Any]:
             "gcs_prefix": config.process_prefix if config.upload_to_gcs else None,
             "model": config.model_path, "layers": list(extractor.layers),
             "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
-            "hidden_size": extractor.config.hidden_size, "compressed": config.compress_shards,
+            "hidden_size": extractor.config.hidden_size,
+            "num_hidden_layers": extractor.config.num_hidden_layers, "compressed": config.compress_shards,
             "stream": config.stream_path, "attention": extractor.attention_kind,
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1}

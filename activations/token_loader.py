@@ -1,0 +1,315 @@
+"""Shuffled token batches from stored activations: ``[batch, hidden]`` arrays drawn across every
+shard, for training sparse autoencoders and probes.
+
+    loader = TokenLoader(LoaderConfig(index="index.parquet", layers=(12,), batch_tokens=4096, seed=0))
+    for batch in loader:                 # one epoch: every kept token exactly once
+        batch.activations[12]            # np.ndarray [batch, hidden], float32
+    sae_data = loader.arrays(as_torch=True)  # endless torch tensors, reshuffled each epoch
+
+How: the epoch's blocks (runs of neighbouring arrays, one ranged read per layer: see
+``token_plan``) are read in a random order by a pool of threads, ``read_ahead`` blocks ahead of
+the consumer, each array's gzip member decompressed alone and CRC-checked. Their tokens pass
+the filters and enter a shuffle buffer of ``buffer_tokens`` rows; whenever it is full, a batch of
+random rows leaves it. The result depends only on the seed and the epoch, never on thread
+timing. With ``seed=None`` nothing is shuffled: tokens come in sample-id order, then position.
+
+Memory: the buffer (``buffer_tokens`` x hidden x layers x 4 bytes, allocated once) plus up to
+``read_ahead`` blocks being read (each at most ``block_bytes`` of shard, or one array if larger,
+held compressed and decoded), plus the plan (~50 bytes a sample and 16 a layer) and, when token
+ids are used, 4 bytes a token.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import numpy as np
+
+from activations.reader import CorruptShardError, decode_array, storage_dtype
+from activations.token_buffer import TokenBuffer
+from activations.token_ids import TokenIds, load_token_ids, stream_paths
+from activations.token_plan import StoredArrays, blocks, stored_arrays
+from common.cli import UserError
+from common.files import read_range
+
+OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderConfig:
+    """What a ``TokenLoader`` reads, and how it batches and shuffles."""
+    index: str                     # merged index.parquet (local or gs://); index_arrays.parquet beside it
+    layers: tuple[int, ...]        # stored layers to read; a batch holds the same tokens of each
+    batch_tokens: int = 4096       # tokens per batch (the last of an epoch may be short, see drop_last)
+    seed: int | None = 0           # shuffle seed; None: no shuffle (sample-id order, then position)
+    buffer_tokens: int = 1 << 18   # shuffle buffer rows: a batch is drawn from this many tokens
+    exclude_first_positions: int = 0           # drop each sample's first k tokens (attention sinks)
+    exclude_token_ids: tuple[int, ...] = ()    # drop tokens with these ids (e.g. special tokens)
+    with_token_ids: bool = False   # each batch carries its tokens' ids (read from the streams)
+    streams_dir: str | None = None  # streams holding the token ids (default: those the runs recorded)
+    dtype: str = "float32"         # dtype of the returned activations (stored ones are converted)
+    drop_last: bool = False        # drop an epoch's last, short batch
+    max_tokens: int | None = None  # stop an epoch after this many tokens
+    read_threads: int = 4          # threads reading and decompressing blocks
+    read_ahead: int = 6            # blocks read ahead of the consumer
+    block_bytes: int = 8 << 20     # a read covers neighbouring arrays up to this many bytes
+
+    def validate(self) -> None:
+        if not self.layers:
+            raise UserError("name at least one layer to load")
+        if len(set(self.layers)) != len(self.layers):
+            raise UserError(f"a layer is named twice in {list(self.layers)}")
+        for name in ("batch_tokens", "buffer_tokens", "read_threads", "read_ahead", "block_bytes"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.seed is not None and self.buffer_tokens < self.batch_tokens:
+            raise UserError(f"the shuffle buffer ({self.buffer_tokens} tokens) must hold at least "
+                            f"one batch ({self.batch_tokens} tokens)")
+        if self.exclude_first_positions < 0:
+            raise UserError(f"exclude_first_positions must be >= 0, got {self.exclude_first_positions}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.dtype not in OUTPUT_DTYPES:
+            raise UserError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def needs_token_ids(self) -> bool:
+        return self.with_token_ids or bool(self.exclude_token_ids)
+
+
+def row_bytes(hidden_size: int, num_layers: int, dtype: str = "float32", with_token_ids: bool = True) -> int:
+    """Bytes one token takes in the shuffle buffer: its activations, sample id and position
+    (8 bytes each) and token id (4)."""
+    return hidden_size * num_layers * storage_dtype(dtype).itemsize + 16 + 4 * with_token_ids
+
+
+@dataclasses.dataclass
+class TokenBatch:
+    """Tokens drawn together: row ``i`` of every array is the same token."""
+    activations: dict[int, np.ndarray]   # layer -> [batch, hidden]
+    sample_ids: np.ndarray               # [batch] int64
+    positions: np.ndarray                # [batch] int64: the token's place in its sample
+    token_ids: np.ndarray | None         # [batch] int32, with with_token_ids
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+
+@dataclasses.dataclass
+class LoaderStats:
+    """Counters over every epoch read so far; each dropped token counted under its reason."""
+    blocks_read: int = 0
+    bytes_read: int = 0              # shard bytes fetched (compressed)
+    tokens_read: int = 0             # tokens stored in the samples read, before the filters
+    tokens_returned: int = 0
+    dropped: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"first_positions": 0, "token_ids": 0})
+    peak_buffered_tokens: int = 0    # the most tokens the shuffle buffer ever held
+
+
+@dataclasses.dataclass
+class _Block:
+    """One block's tokens, filtered, and what reading it cost."""
+    pieces: list[dict[Any, np.ndarray]]   # per sample: {layer: [k, hidden], "sample_ids", ...}
+    bytes_read: int
+    tokens_read: int
+    dropped: dict[str, int]
+
+
+class TokenLoader:
+    """Batches of tokens from a merged index; iterating it reads one epoch (epoch 0)."""
+
+    def __init__(self, config: LoaderConfig, stored: StoredArrays | None = None):
+        """``stored``: ``stored_arrays(config.index, config.layers)``, if already read."""
+        config.validate()
+        self.config = config
+        self.stored = stored if stored is not None else stored_arrays(config.index, config.layers)
+        self.token_ids = self._token_ids(self.stored) if config.needs_token_ids else None
+        self.kept_tokens = self._kept_tokens(self.stored)   # [samples] tokens left after the filters
+        self.stats = LoaderStats()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.stored.hidden_size
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """``merged_metadata.json`` beside the index ({} if absent)."""
+        return self.stored.metadata
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens one epoch returns (after the filters, ``max_tokens`` and ``drop_last``)."""
+        total = int(self.kept_tokens.sum())
+        if self.config.max_tokens is not None:
+            total = min(total, self.config.max_tokens)
+        if self.config.drop_last:
+            total -= total % self.config.batch_tokens
+        return total
+
+    def __iter__(self) -> Iterator[TokenBatch]:
+        return self.batches()
+
+    def batches(self, epoch: int = 0) -> Iterator[TokenBatch]:
+        """One epoch: every kept token once, shuffled by (seed, epoch)."""
+        c = self.config
+        rng = None if c.seed is None else np.random.default_rng([c.seed, epoch])
+        plan = blocks(self.stored, rng, c.block_bytes)
+        # Unshuffled, one batch of room is all a buffer needs; never more than the epoch holds.
+        room = c.buffer_tokens if rng is not None else c.batch_tokens
+        buffer = TokenBuffer(max(1, min(room, int(self.kept_tokens.sum()))), self._layout(), rng)
+        remaining = self.total_tokens
+        try:
+            for block in in_order(self._read_block, plan, c.read_threads, c.read_ahead):
+                self._count(block)
+                for piece in block.pieces:
+                    for part in _split(piece, buffer):
+                        buffer.put(part)
+                        while buffer.free == 0 and remaining:
+                            batch = buffer.take(min(c.batch_tokens, remaining))
+                            remaining -= len(batch["positions"])
+                            yield self._batch(batch)
+                        if not remaining:
+                            return
+            while remaining and buffer.size:
+                batch = buffer.take(min(c.batch_tokens, buffer.size, remaining))
+                remaining -= len(batch["positions"])
+                yield self._batch(batch)
+        finally:
+            self.stats.peak_buffered_tokens = max(self.stats.peak_buffered_tokens, buffer.peak)
+
+    def arrays(self, layer: int | None = None, epochs: int | None = None,
+               as_torch: bool = False) -> Iterator[Any]:
+        """``[batch, hidden]`` arrays of one layer (default: the only one loaded), numpy or torch
+        tensors, over ``epochs`` epochs (None: without end, reshuffled each epoch): e.g. SAELens's
+        ``data_provider=loader.arrays(as_torch=True)``."""
+        if layer is None:
+            if len(self.config.layers) != 1:
+                raise UserError(f"name the layer to yield: the loader reads {list(self.config.layers)}")
+            layer = self.config.layers[0]
+        if layer not in self.config.layers:
+            raise UserError(f"layer {layer} is not among the loaded layers {list(self.config.layers)}")
+        convert = _torch_from_numpy() if as_torch else (lambda array: array)
+        for epoch in itertools.count() if epochs is None else range(epochs):
+            for batch in self.batches(epoch):
+                yield convert(batch.activations[layer])
+
+    def _token_ids(self, arrays: StoredArrays) -> TokenIds:
+        paths = stream_paths(sorted(set(arrays.machine_id.tolist())), arrays.metadata.get("machines", []),
+                             self.config.streams_dir)
+        wanted: dict[int, dict[int, int]] = collections.defaultdict(dict)
+        for sample, machine, n in zip(arrays.sample_id.tolist(), arrays.machine_id.tolist(),
+                                      arrays.num_tokens.tolist()):
+            wanted[machine][sample] = n
+        return load_token_ids(wanted, paths)
+
+    def _kept_tokens(self, arrays: StoredArrays) -> np.ndarray:
+        if not self.config.exclude_token_ids:
+            return np.maximum(arrays.num_tokens - self.config.exclude_first_positions, 0)
+        return np.array([len(self._kept_positions(s, n)) for s, n in
+                         zip(arrays.sample_id.tolist(), arrays.num_tokens.tolist())], dtype=np.int64)
+
+    def _kept_positions(self, sample_id: int, num_tokens: int) -> np.ndarray:
+        """[kept] int64: the positions of the sample's tokens that pass the filters."""
+        first = min(self.config.exclude_first_positions, num_tokens)
+        if not self.config.exclude_token_ids:
+            return np.arange(first, num_tokens)
+        excluded = np.isin(self.token_ids[sample_id][first:], self.config.exclude_token_ids)
+        return np.flatnonzero(~excluded) + first
+
+    def _layout(self) -> dict[Any, tuple[tuple[int, ...], np.dtype]]:
+        out_dtype = storage_dtype(self.config.dtype)
+        layout = {layer: ((self.hidden_size,), out_dtype) for layer in self.config.layers}
+        layout.update(sample_ids=((), np.dtype(np.int64)), positions=((), np.dtype(np.int64)))
+        if self.config.with_token_ids:
+            layout["token_ids"] = ((), np.dtype(np.int32))
+        return layout
+
+    def _read_block(self, bounds: tuple[int, int]) -> _Block:
+        """Reads and decodes rows ``start..stop-1`` (one ranged read per layer) and filters
+        their tokens. Runs in a reader thread."""
+        start, stop = bounds
+        a, c = self.stored, self.config
+        path = a.shard_paths[a.shard[start]]
+        per_layer, fetched = {}, 0
+        for layer in c.layers:
+            offsets, lengths = a.offset[layer], a.length[layer]
+            first, span = int(offsets[start]), int(offsets[stop - 1] + lengths[stop - 1] - offsets[start])
+            data = memoryview(read_range(path, first, span))
+            fetched += len(data)
+            if len(data) != span:
+                raise CorruptShardError(f"shard truncated: {path}: got {len(data)} of {span} bytes "
+                                        f"from byte {first}")
+            per_layer[layer] = [
+                decode_array(data[offsets[i] - first:offsets[i] - first + lengths[i]], a.dtype[layer],
+                             (a.num_tokens[i], a.hidden_size), path.endswith(".gz"),
+                             f"{path} at byte {offsets[i]} (sample {a.sample_id[i]}, layer {layer})")
+                for i in range(start, stop)]
+        pieces, dropped = [], {"first_positions": 0, "token_ids": 0}
+        out_dtype = storage_dtype(c.dtype)
+        for k, row in enumerate(range(start, stop)):
+            sample_id, n = int(a.sample_id[row]), int(a.num_tokens[row])
+            positions = self._kept_positions(sample_id, n)
+            first = min(n, c.exclude_first_positions)
+            dropped["first_positions"] += first
+            dropped["token_ids"] += n - first - len(positions)
+            # A slice when only leading tokens go: a view, not a copy.
+            rows = positions if c.exclude_token_ids else slice(first, n)
+            piece = {layer: per_layer[layer][k][rows].astype(out_dtype, copy=False) for layer in c.layers}
+            piece["positions"] = positions
+            piece["sample_ids"] = np.full(len(positions), sample_id, dtype=np.int64)
+            if c.with_token_ids:
+                piece["token_ids"] = self.token_ids[sample_id][positions]
+            pieces.append(piece)
+        return _Block(pieces, fetched, int(a.num_tokens[start:stop].sum()), dropped)
+
+    def _count(self, block: _Block) -> None:
+        self.stats.blocks_read += 1
+        self.stats.bytes_read += block.bytes_read
+        self.stats.tokens_read += block.tokens_read
+        for reason, n in block.dropped.items():
+            self.stats.dropped[reason] += n
+
+    def _batch(self, rows: dict[Any, np.ndarray]) -> TokenBatch:
+        self.stats.tokens_returned += len(rows["positions"])
+        return TokenBatch({layer: rows[layer] for layer in self.config.layers}, rows["sample_ids"],
+                          rows["positions"], rows.get("token_ids"))
+
+
+def _torch_from_numpy() -> Callable[[np.ndarray], Any]:
+    import torch
+    return torch.from_numpy
+
+
+def _split(piece: dict[Any, np.ndarray], buffer: TokenBuffer) -> Iterator[dict[Any, np.ndarray]]:
+    """A sample's rows in parts that fit the buffer's free room as it is emptied between them."""
+    n, done = len(piece["positions"]), 0
+    while done < n:
+        k = min(buffer.free, n - done)
+        yield {name: column[done:done + k] for name, column in piece.items()}
+        done += k
+
+
+def in_order(fn: Callable[[T], Any], items: Sequence[T], threads: int, ahead: int) -> Iterator[Any]:
+    """``fn(item)`` for each item, computed by ``threads`` threads at most ``ahead`` items ahead of
+    the consumer, yielded in the items' order. Closing the iterator cancels what has not started."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="token-reader")
+    pending: collections.deque = collections.deque()
+    todo = iter(items)
+    try:
+        for item in itertools.islice(todo, ahead):
+            pending.append(pool.submit(fn, item))
+        while pending:
+            result = pending.popleft().result()
+            for item in itertools.islice(todo, 1):
+                pending.append(pool.submit(fn, item))
+            yield result
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)

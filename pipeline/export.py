@@ -1,0 +1,103 @@
+"""Exports stored activations for a trainer: a SAELens cached-activations directory.
+
+    python -m pipeline.export --format saelens --index index.parquet --layers 12 --output_dir sae_cache/
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from activations.layer_names import SAELENS_HOOK_TEMPLATE
+from activations.reader import CorruptShardError
+from activations.saelens_export import SaeLensLayout, check_output, export_info, export_saelens, hook_names
+from activations.token_loader import LoaderConfig, TokenLoader, row_bytes
+from activations.token_plan import stored_arrays
+from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+
+log = logging.getLogger("pipeline.export")
+BATCH_BYTES = 64 << 20  # tokens are written in batches of about this many bytes
+
+
+def seed_flag(text: str) -> int | None:
+    """``--seed``: an integer, or ``none`` for the stored order."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--seed takes an integer or none, got {text!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    format: str = flag(help="what to write: saelens (a Hugging Face datasets directory that SAELens's "
+                       "ActivationsStore(cached_activations_path=...) reads)", choices=("saelens",))
+    index: str = flag(help="merged index.parquet of pipeline.index or runners.fleet merge (local or gs://); "
+                      "index_arrays.parquet and merged_metadata.json beside it")
+    output_dir: str = flag(help="local directory to create (written beside it, then renamed into place)")
+    layers: tuple[int, ...] = flag(help="stored layers to export, one column each (e.g. 12 or 6,12)",
+                                   parse=int_list)
+    context_size: int = flag(128, "tokens per row (SAELens's context_size)")
+    seed: int | None = flag(0, "shuffle the tokens across all samples with this seed; none: stored order "
+                            "(sample id, then position). SAELens reads rows in order", parse=seed_flag)
+    hook_name: str = flag(SAELENS_HOOK_TEMPLATE, "column name; {layer} is replaced (a literal name for "
+                          "one layer)")
+    max_tokens: int | None = flag(None, "export at most this many tokens (a random subset when shuffled)")
+    streams_dir: str | None = flag(None, "streams of pipeline.prepare holding the token ids (default: the "
+                                   "stream each runner recorded in its metadata.json)")
+    exclude_token_ids: tuple[int, ...] = flag((), "leave out tokens with these ids (e.g. Qwen2.5's "
+                                              "151643,151644,151645)", parse=int_list)
+    exclude_first_positions: int = flag(0, "leave out each sample's first K tokens (attention sinks)")
+    buffer_gb: float = flag(1.0, "shuffle buffer size: tokens are drawn from this many GB of float32 rows")
+    read_threads: int = flag(4, "threads reading and decompressing shards")
+    max_file_gb: float = flag(0.5, "start a new Arrow file past this size")
+    overwrite: bool = flag(False, "replace an existing, non-empty --output_dir")
+    progress: bool = flag(True, "a progress bar on stderr")
+
+    def validate(self) -> None:
+        if self.context_size < 1:
+            raise UserError(f"--context_size must be at least 1, got {self.context_size}")
+        if not (self.buffer_gb > 0 and self.max_file_gb > 0):
+            raise UserError("--buffer_gb and --max_file_gb must be positive")
+
+
+def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
+    """The loader behind an export: batches of whole rows (no larger than the buffer or an Arrow
+    file), a buffer of ``buffer_gb``."""
+    buffer_tokens = int(config.buffer_gb * 1e9 // token_bytes)
+    batch_bytes = min(BATCH_BYTES, buffer_tokens * token_bytes, int(config.max_file_gb * 1e9))
+    rows = max(1, batch_bytes // (token_bytes * config.context_size))
+    return LoaderConfig(index=config.index, layers=config.layers, batch_tokens=rows * config.context_size,
+                        seed=config.seed, buffer_tokens=max(buffer_tokens, rows * config.context_size),
+                        exclude_first_positions=config.exclude_first_positions,
+                        exclude_token_ids=config.exclude_token_ids, with_token_ids=True,
+                        streams_dir=config.streams_dir, max_tokens=config.max_tokens,
+                        read_threads=config.read_threads)
+
+
+def main(argv: list[str]) -> int:
+    parser = make_parser("pipeline.export", __doc__.splitlines()[0])
+    add_config_flags(parser, ExportConfig)
+    config = config_from_namespace(ExportConfig, parser.parse_args(argv))
+    config.validate()
+    check_output(config.output_dir, config.overwrite)
+    names = hook_names(config.layers, config.hook_name)
+    stored = stored_arrays(config.index, config.layers)  # its hidden size decides the batch
+    loader = TokenLoader(loader_config(config, row_bytes(stored.hidden_size, len(config.layers))), stored)
+    layout = SaeLensLayout(config.context_size, loader.hidden_size, names)
+    log.info("exporting %d tokens of %d samples (layers %s) to %s", loader.total_tokens,
+             len(loader.stored), list(config.layers), config.output_dir)
+    try:
+        summary = export_saelens(loader, config.output_dir, layout, int(config.max_file_gb * 1e9),
+                                 export_info(loader, layout, config.hook_name), config.overwrite, config.progress)
+    except CorruptShardError as e:  # nothing was written: the output appears only when complete
+        raise UserError(str(e)) from None
+    print(f"exported {summary['rows']} rows of {config.context_size} tokens ({summary['tokens']} tokens, "
+          f"layers {list(config.layers)}, columns {list(names.values())}) -> {config.output_dir}; "
+          f"left out: {summary['dropped_tokens']}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main("pipeline.export", main)
