@@ -129,6 +129,12 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
                                                  "stream", "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 
+def merged_metadata_path(output: str) -> str:
+    """``index.parquet`` -> ``merged_metadata.json`` in the same folder."""
+    folder = output.rsplit("/", 1)[0] if "/" in output else "."
+    return join(folder, "merged_metadata.json")
+
+
 def arrays_path(output: str) -> str:
     """``index.parquet`` -> ``index_arrays.parquet``: the per-(sample, layer) table beside it."""
     stem = output[:-len(".parquet")] if output.endswith(".parquet") else output
@@ -172,7 +178,6 @@ def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
     merged metadata."""
     write_index(collected.table, output)
     write_index(merge_index_files(collected.arrays_files, ARRAYS_SCHEMA), arrays_path(output))
-    folder = output.rsplit("/", 1)[0] if "/" in output else "."
     summary = merged_metadata(collected.machines, collected.table)
-    write_bytes(join(folder, "merged_metadata.json"), (json.dumps(summary, indent=2) + "\n").encode())
+    write_bytes(merged_metadata_path(output), (json.dumps(summary, indent=2) + "\n").encode())
     return summary

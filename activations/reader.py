@@ -142,6 +142,23 @@ def read_activation(row: dict) -> np.ndarray:
     return _decode_row(read_range(row["shard_path"], int(row["byte_offset"]), int(row["byte_length"])), row)
 
 
+def coalesced_reads(offsets: Sequence[int], lengths: Sequence[int], max_gap: int = COALESCE_GAP_BYTES,
+                    max_bytes: int | None = None) -> list[tuple[int, int]]:
+    """Ranges of one file, sorted by offset, grouped into reads: ``(start, stop)`` index runs
+    whose neighbours lie at most ``max_gap`` bytes apart and whose span stays within
+    ``max_bytes`` (a range longer than that is a read alone)."""
+    runs, start = [], 0
+    for i in range(1, len(offsets) + 1):
+        if i < len(offsets):
+            gap = offsets[i] - (offsets[i - 1] + lengths[i - 1])
+            span = offsets[i] + lengths[i] - offsets[start]
+            if gap <= max_gap and (max_bytes is None or span <= max_bytes):
+                continue
+        runs.append((start, i))
+        start = i
+    return runs if len(offsets) else []
+
+
 def read_activations(arrays_index: Any, sample_ids: Iterable[int],
                      layers: Iterable[int]) -> dict[tuple[int, int], np.ndarray]:
     """{(sample_id, layer): array} for every requested pair; reads that touch the same shard
@@ -152,17 +169,11 @@ def read_activations(arrays_index: Any, sample_ids: Iterable[int],
     out = {}
     for shard_path, group in wanted.sort_values("byte_offset").groupby("shard_path", sort=True):
         rows = group.to_dict("records")
-        start = 0
-        while start < len(rows):
-            end = start + 1
-            while (end < len(rows) and rows[end]["byte_offset"]
-                   - (rows[end - 1]["byte_offset"] + rows[end - 1]["byte_length"]) <= COALESCE_GAP_BYTES):
-                end += 1
+        for start, end in coalesced_reads([r["byte_offset"] for r in rows], [r["byte_length"] for r in rows]):
             first = rows[start]["byte_offset"]
             span = rows[end - 1]["byte_offset"] + rows[end - 1]["byte_length"] - first
             data = read_range(shard_path, int(first), int(span))
             for row in rows[start:end]:
                 lo = row["byte_offset"] - first
                 out[(int(row["sample_id"]), int(row["layer"]))] = _decode_row(data[lo:lo + row["byte_length"]], row)
-            start = end
     return out

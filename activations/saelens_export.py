@@ -6,7 +6,8 @@ chunk of ``context_size`` tokens, the activations in a column named by the hook
 (``blocks.L.hook_resid_post``) of feature type ``Array2D((context_size, hidden), "float32")``,
 and ``token_ids`` as ``Sequence(Value("int32"), length=context_size)``. SAELens reads the rows in
 order, so the order is decided here: the token loader's, shuffled across every shard by a seed,
-or, with no seed, the stored order (sample id, then position).
+or, with no seed, storage order (shard by shard, position by position: each sample's tokens
+together and in order).
 
 Rows are filled token after token: a row may end one sample and begin the next (as SAELens packs
 its own tokenized datasets), so no row is ever padded. Only the export's last tokens, fewer than
@@ -32,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from activations.layer_names import layer_names
+from activations.layer_names import hook_name, layer_names
 from activations.token_loader import TokenLoader
 from common.cli import UserError
 
@@ -70,22 +71,25 @@ class SaeLensLayout:
 
 
 def hook_names(layers: Sequence[int], template: str) -> dict[int, str]:
-    """Column name per layer; ``template`` holds ``{layer}``, or is one literal name for one layer."""
-    if "{layer}" not in template and len(layers) > 1:
-        raise UserError(f"--hook_name {template!r} would name all {len(layers)} layers' columns "
-                        "alike: put {layer} in it")
+    """Column name per layer; ``template`` holds ``{layer}`` (any format of it), or is one literal
+    name for one layer."""
     try:
-        names = {layer: template.format(layer=layer) for layer in layers}
+        names = {layer: hook_name(layer, template) for layer in layers}
     except (KeyError, IndexError, ValueError) as e:
         raise UserError(f"--hook_name {template!r}: the only field it may hold is {{layer}} ({e})") from None
+    if len(set(names.values())) != len(names):
+        raise UserError(f"--hook_name {template!r} names several layers' columns alike: put {{layer}} in it")
     if "token_ids" in names.values():
         raise UserError("--hook_name must not be token_ids (the token id column)")
     return names
 
 
 def check_output(output_dir: str, overwrite: bool) -> None:
-    """``output_dir`` must not hold anything, unless ``overwrite``."""
-    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)) and not overwrite:
+    """``output_dir`` must be a local path holding nothing, unless ``overwrite``."""
+    if "://" in output_dir:
+        raise UserError(f"--output_dir must be a local directory, got {output_dir!r} (copy the finished "
+                        "directory to the bucket; SAELens reads it from local disk)")
+    if not overwrite and os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
         raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace it)")
 
 
@@ -138,13 +142,29 @@ def export_saelens(loader: TokenLoader, output_dir: str, layout: SaeLensLayout, 
                    "dropped_tokens": {"last_partial_row": loader.total_tokens - tokens,
                                       **loader.stats.dropped}}
         _finish(partial, files, features, summary)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.rename(partial, output_dir)
-        return summary
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    _move_into_place(partial, output_dir, overwrite)
+    return summary
+
+
+def _move_into_place(partial: str, output_dir: str, overwrite: bool) -> None:
+    """Renames the finished export to ``output_dir``. What is there is replaced only with
+    ``overwrite``, and only once the new export is in place; otherwise the export stays where it
+    was written and the error says where."""
+    try:
+        check_output(output_dir, overwrite)  # again: something may have appeared meanwhile
+    except UserError as e:
+        raise UserError(f"{e}; the finished export is in {partial!r}") from None
+    old = f"{partial}.replaced"
+    if os.path.lexists(output_dir):
+        os.rename(output_dir, old)
+    os.rename(partial, output_dir)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old)
+    elif os.path.lexists(old):
+        os.remove(old)
 
 
 def _finish(folder: str, parts: list[str], features, summary: dict[str, Any]) -> None:
@@ -209,7 +229,7 @@ def describe(summary: dict[str, Any]) -> str:
                        f"layer {l['layer']} -> column {l['hook_name']} (TransformerLens {l['transformer_lens']}; "
                        "no Hugging Face hidden_states entry: the last one is after the final norm)"
                        for l in summary["layers"])
-    order = ("rows in stored order (sample id, then position)" if summary["seed"] is None else
+    order = ("rows in storage order (shard by shard, position by position)" if summary["seed"] is None else
              f"tokens shuffled across all samples with seed {summary['seed']}")
     dropped = summary["dropped_tokens"]
     return (f"Residual-stream activations of {summary['model']}: this project's layer L is the output of "
@@ -217,6 +237,6 @@ def describe(summary: dict[str, Any]) -> str:
             f"exported as float32, hidden size {summary['hidden_size']}. {summary['rows']} rows of "
             f"{summary['context_size']} tokens ({summary['tokens']} tokens of {summary['samples']} samples), "
             f"{order}; a row may span two samples, never padded. Left out: {dropped['last_partial_row']} "
-            f"tokens short of a last row, {dropped['first_positions']} first positions, "
-            f"{dropped['token_ids']} excluded token ids. Token ids from the {summary['token_ids_from']}. "
+            f"tokens short of a last row; of the samples read, {dropped['first_positions']} first positions "
+            f"and {dropped['token_ids']} excluded token ids. Token ids from the {summary['token_ids_from']}. "
             f"Index: {summary['index']}.")

@@ -4,7 +4,8 @@ arrival order.
 Each token is one row across several aligned columns (an activation per layer, its token id,
 sample id and position). The storage is allocated once, ``capacity`` rows per column, so the
 buffer cannot hold more than that. Drawing ``k`` random rows costs O(k): the rows left at the
-end of the live region move into the holes the draw leaves.
+end of the live region move into the holes the draw leaves. Taking the oldest ``k`` moves the
+rest to the front (nothing, when a batch empties the buffer, as the loader's does).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ class TokenBuffer:
         # {column: [capacity, *row_shape]}
         self._rows = {name: np.empty((capacity, *shape), dtype) for name, (shape, dtype) in layout.items()}
         self.capacity, self.rng = capacity, rng
-        self._start = 0   # first live row (arrival order only; random draws keep it at 0)
-        self.size = 0
+        self.size = 0     # live rows: the first ``size`` of every column
         self.peak = 0     # the most rows ever held
 
     @property
@@ -39,11 +39,8 @@ class TokenBuffer:
         count = len(next(iter(rows.values())))
         if count > self.free:
             raise ValueError(f"{count} rows do not fit in {self.free} free")
-        if self._start + self.size + count > self.capacity:
-            self._compact()
-        end = self._start + self.size
         for name, column in self._rows.items():
-            column[end:end + count] = rows[name]
+            column[self.size:self.size + count] = rows[name]
         self.size += count
         self.peak = max(self.peak, self.size)
 
@@ -52,9 +49,9 @@ class TokenBuffer:
         if count > self.size:
             raise ValueError(f"cannot take {count} of {self.size} rows")
         if self.rng is None:
-            picked = slice(self._start, self._start + count)
-            out = {name: column[picked].copy() for name, column in self._rows.items()}
-            self._start += count
+            out = {name: column[:count].copy() for name, column in self._rows.items()}
+            for column in self._rows.values():
+                column[:self.size - count] = column[count:self.size]  # numpy copies overlaps safely
             self.size -= count
             return out
         picked = self.rng.choice(self.size, size=count, replace=False)
@@ -67,13 +64,3 @@ class TokenBuffer:
             column[holes] = column[tail]
         self.size = keep
         return out
-
-    def _compact(self) -> None:
-        """Moves the live rows of an arrival-order buffer to the front, ``start`` rows at a time
-        so that no copy overlaps its source (no temporary the size of the buffer)."""
-        step = self._start
-        for done in range(0, self.size, step):
-            n = min(step, self.size - done)
-            for column in self._rows.values():
-                column[done:done + n] = column[step + done:step + done + n]
-        self._start = 0

@@ -31,11 +31,14 @@ class TokenIds:
     lengths: np.ndarray   # [samples] int64
     flat: np.ndarray      # [tokens] int32
 
-    def __getitem__(self, sample_id: int) -> np.ndarray:
+    def _slot(self, sample_id: int) -> slice:
         i = int(np.searchsorted(self.ids, sample_id))
         if i == len(self.ids) or self.ids[i] != sample_id:
             raise KeyError(sample_id)
-        return self.flat[self.starts[i]:self.starts[i] + self.lengths[i]]
+        return slice(int(self.starts[i]), int(self.starts[i] + self.lengths[i]))
+
+    def __getitem__(self, sample_id: int) -> np.ndarray:
+        return self.flat[self._slot(sample_id)]
 
 
 def stream_paths(machine_ids: Sequence[int], machines: Sequence[Mapping[str, Any]],
@@ -52,45 +55,41 @@ def stream_paths(machine_ids: Sequence[int], machines: Sequence[Mapping[str, Any
     return {m: recorded[m] for m in machine_ids}
 
 
-def load_token_ids(wanted: Mapping[int, Mapping[int, int]], paths: Mapping[int, str]) -> TokenIds:
-    """Token ids of the ``wanted`` samples ({machine: {sample id: stored num_tokens}}), read from
-    their machines' streams (``paths``: {machine: stream})."""
-    found: dict[int, np.ndarray] = {}
-    for machine, expected in sorted(wanted.items()):
+def load_token_ids(sample_ids: np.ndarray, machine_ids: np.ndarray, num_tokens: np.ndarray,
+                   paths: Mapping[int, str]) -> TokenIds:
+    """Token ids of the given samples (each stored with ``num_tokens`` tokens by machine
+    ``machine_ids``), read from their machines' streams (``paths``: {machine: stream}) into one
+    array allocated up front."""
+    order = np.argsort(sample_ids)
+    lengths = num_tokens[order].astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    table = TokenIds(sample_ids[order].astype(np.int64), starts, lengths, np.empty(int(lengths.sum()), np.int32))
+    for machine in np.unique(machine_ids).tolist():
+        expected = set(sample_ids[machine_ids == machine].tolist())
         try:
-            found.update(_read_stream(paths[machine], expected))
+            _fill_from_stream(paths[machine], expected, table)
         except UserError as e:
             raise UserError(f"token ids of machine {machine}: {e} (--streams_dir names the streams)") from None
-    ids = np.array(sorted(found), dtype=np.int64)
-    arrays = [found[i] for i in ids.tolist()]
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    flat = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)
-    return TokenIds(ids, starts, lengths, flat)
+    return table
 
 
-def _read_stream(path: str, expected: Mapping[int, int]) -> dict[int, np.ndarray]:
-    """{sample id: token ids} of the ``expected`` samples ({sample id: stored num_tokens}) in a stream."""
-    found, remaining = {}, len(expected)
+def _fill_from_stream(path: str, expected: set[int], table: TokenIds) -> None:
+    """Copies the ``expected`` samples' stored token ids from a stream into ``table``."""
     for number, line in stream_lines(path, None):
-        if not remaining:
+        if not expected:
             break  # the rest of the stream was not stored (a run with --max_samples)
         if not line.strip():
             continue
         record = parse_stream_line(line, f"{path}:{number + 1}")  # a bad line: StreamFormatError
         if record["sample_id"] in expected:
-            found[record["sample_id"]] = _stored_ids(record, expected[record["sample_id"]], f"{path}:{number + 1}")
-            remaining -= 1
-    missing = expected.keys() - found.keys()
-    if missing:
-        raise UserError(f"{path} lacks {len(missing)} stored sample(s) (e.g. sample {min(missing)}): "
+            slot = table._slot(record["sample_id"])
+            stored = slot.stop - slot.start
+            if len(record["input_ids"]) < stored:
+                raise UserError(f"{path}:{number + 1}: sample {record['sample_id']} has "
+                                f"{len(record['input_ids'])} tokens in the stream but {stored} stored: "
+                                "not the stream that run read")
+            table.flat[slot] = record["input_ids"][:stored]
+            expected.discard(record["sample_id"])
+    if expected:
+        raise UserError(f"{path} lacks {len(expected)} stored sample(s) (e.g. sample {min(expected)}): "
                         "not the stream that run read")
-    return found
-
-
-def _stored_ids(record: dict, num_tokens: int, where: str) -> np.ndarray:
-    ids = record["input_ids"]
-    if len(ids) < num_tokens:
-        raise UserError(f"{where}: sample {record['sample_id']} has {len(ids)} tokens in the stream "
-                        f"but {num_tokens} stored: not the stream that run read")
-    return np.asarray(ids[:num_tokens], dtype=np.int32)

@@ -11,12 +11,13 @@ How: the epoch's blocks (runs of neighbouring arrays, one ranged read per layer:
 the consumer, each array's gzip member decompressed alone and CRC-checked. Their tokens pass
 the filters and enter a shuffle buffer of ``buffer_tokens`` rows; whenever it is full, a batch of
 random rows leaves it. The result depends only on the seed and the epoch, never on thread
-timing. With ``seed=None`` nothing is shuffled: tokens come in sample-id order, then position.
+timing. With ``seed=None`` nothing is shuffled: tokens come in storage order (shard by shard,
+position by position; see ``token_plan``).
 
-Memory: the buffer (``buffer_tokens`` x hidden x layers x 4 bytes, allocated once) plus up to
-``read_ahead`` blocks being read (each at most ``block_bytes`` of shard, or one array if larger,
-held compressed and decoded), plus the plan (~50 bytes a sample and 16 a layer) and, when token
-ids are used, 4 bytes a token.
+Memory: the buffer (``buffer_tokens`` x (hidden x layers x 4 + 20) bytes, allocated once) plus
+``read_ahead + 1`` blocks (each at most ``block_bytes`` of shard, or one array if larger, held
+compressed, decoded and, from float16 / bfloat16, converted), plus the plan (~50 bytes a sample
+and 16 a layer) and, when token ids are used, 4 bytes a token.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class LoaderConfig:
     index: str                     # merged index.parquet (local or gs://); index_arrays.parquet beside it
     layers: tuple[int, ...]        # stored layers to read; a batch holds the same tokens of each
     batch_tokens: int = 4096       # tokens per batch (the last of an epoch may be short, see drop_last)
-    seed: int | None = 0           # shuffle seed; None: no shuffle (sample-id order, then position)
+    seed: int | None = 0           # shuffle seed (>= 0); None: no shuffle (storage order)
     buffer_tokens: int = 1 << 18   # shuffle buffer rows: a batch is drawn from this many tokens
     exclude_first_positions: int = 0           # drop each sample's first k tokens (attention sinks)
     exclude_token_ids: tuple[int, ...] = ()    # drop tokens with these ids (e.g. special tokens)
@@ -64,6 +65,8 @@ class LoaderConfig:
             raise UserError("name at least one layer to load")
         if len(set(self.layers)) != len(self.layers):
             raise UserError(f"a layer is named twice in {list(self.layers)}")
+        if self.seed is not None and self.seed < 0:
+            raise UserError(f"the seed must be >= 0, got {self.seed}")
         for name in ("batch_tokens", "buffer_tokens", "read_threads", "read_ahead", "block_bytes"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -126,7 +129,7 @@ class TokenLoader:
 
     def __init__(self, config: LoaderConfig, stored: StoredArrays | None = None):
         """``stored``: ``stored_arrays(config.index, config.layers)``, if already read."""
-        config.validate()
+        config.validate()  # before reading anything
         self.config = config
         self.stored = stored if stored is not None else stored_arrays(config.index, config.layers)
         self.token_ids = self._token_ids(self.stored) if config.needs_token_ids else None
@@ -199,14 +202,10 @@ class TokenLoader:
             for batch in self.batches(epoch):
                 yield convert(batch.activations[layer])
 
-    def _token_ids(self, arrays: StoredArrays) -> TokenIds:
-        paths = stream_paths(sorted(set(arrays.machine_id.tolist())), arrays.metadata.get("machines", []),
-                             self.config.streams_dir)
-        wanted: dict[int, dict[int, int]] = collections.defaultdict(dict)
-        for sample, machine, n in zip(arrays.sample_id.tolist(), arrays.machine_id.tolist(),
-                                      arrays.num_tokens.tolist()):
-            wanted[machine][sample] = n
-        return load_token_ids(wanted, paths)
+    def _token_ids(self, stored: StoredArrays) -> TokenIds:
+        machines = sorted(set(stored.machine_id.tolist()))
+        paths = stream_paths(machines, stored.metadata.get("machines", []), self.config.streams_dir)
+        return load_token_ids(stored.sample_id, stored.machine_id, stored.num_tokens, paths)
 
     def _kept_tokens(self, arrays: StoredArrays) -> np.ndarray:
         if not self.config.exclude_token_ids:
@@ -240,7 +239,11 @@ class TokenLoader:
         for layer in c.layers:
             offsets, lengths = a.offset[layer], a.length[layer]
             first, span = int(offsets[start]), int(offsets[stop - 1] + lengths[stop - 1] - offsets[start])
-            data = memoryview(read_range(path, first, span))
+            try:
+                data = memoryview(read_range(path, first, span))
+            except Exception as e:  # a missing shard, GCS out of reach after its retries
+                raise UserError(f"cannot read {path} (bytes {first}..{first + span - 1}): "
+                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             fetched += len(data)
             if len(data) != span:
                 raise CorruptShardError(f"shard truncated: {path}: got {len(data)} of {span} bytes "
@@ -282,8 +285,14 @@ class TokenLoader:
 
 
 def _torch_from_numpy() -> Callable[[np.ndarray], Any]:
+    """numpy -> torch without a copy; bfloat16 (ml_dtypes, which torch does not know) by its bits."""
     import torch
-    return torch.from_numpy
+
+    def convert(array: np.ndarray):
+        if array.dtype == storage_dtype("bfloat16"):
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+    return convert
 
 
 def _split(piece: dict[Any, np.ndarray], buffer: TokenBuffer) -> Iterator[dict[Any, np.ndarray]]:
@@ -310,6 +319,4 @@ def in_order(fn: Callable[[T], Any], items: Sequence[T], threads: int, ahead: in
                 pending.append(pool.submit(fn, item))
             yield result
     finally:
-        for future in pending:
-            future.cancel()
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,11 +1,11 @@
 """What a token loader reads: the stored arrays of the chosen layers, looked up in the merged
 index, and the contiguous byte ranges (blocks) that an epoch reads them in.
 
-Rows are kept in storage order (shard, then position). One layer's arrays of one shard are
-consecutive in the file (a shard holds each layer's list whole), so a run of neighbouring
-samples is one ranged read per layer: a *block*. A shuffled epoch reads every block once, in a
-random order; an unshuffled one reads samples in sample-id order, each run of them that lies
-side by side in a shard as one block.
+Rows are kept in storage order: shard by shard (sorted by path: machine, process, shard number),
+position by position; within a machine's shard that is sample-id order. One layer's arrays of one
+shard are consecutive in the file (a shard holds each layer's list whole), so a run of
+neighbouring samples is one ranged read per layer: a *block*. An epoch reads every block once:
+in storage order, or, shuffled, in a random order.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow.compute as pc
 
-from activations.index import arrays_path, read_parquet
+from activations.index import arrays_path, merged_metadata_path, read_parquet
+from activations.reader import coalesced_reads
 from common.cli import UserError
 from common.files import read_optional
+
+ARRAY_COLUMNS = ["sample_id", "layer", "shard_path", "position", "byte_offset", "byte_length", "dtype", "shape"]
 
 
 @dataclasses.dataclass
@@ -43,7 +46,7 @@ class StoredArrays:
         return len(self.sample_id)
 
 
-def _read_parquet(path: str, what: str, **kwargs):
+def _read_index(path: str, what: str, **kwargs):
     try:
         return read_parquet(path, **kwargs)
     except FileNotFoundError:
@@ -55,23 +58,26 @@ def _read_parquet(path: str, what: str, **kwargs):
 def stored_arrays(index: str, layers: Sequence[int]) -> StoredArrays:
     """The arrays of ``layers`` of every sample of the merged ``index`` (``index.parquet`` with
     its ``index_arrays.parquet`` beside it, as ``pipeline.index`` writes them)."""
-    samples = _read_parquet(index, "merged index", columns=["sample_id", "machine_id", "num_tokens"])
-    arrays = _read_parquet(arrays_path(index), "per-array index (pipeline.index writes it beside "
-                           "the index)", columns=["sample_id", "layer", "shard_path", "position",
-                                                  "byte_offset", "byte_length", "dtype", "shape"])
-    stored = sorted(pc.unique(arrays["layer"]).to_pylist())
-    missing = [l for l in layers if l not in stored]
+    if not layers:
+        raise UserError("name at least one layer to read")
+    samples = _read_index(index, "merged index", columns=["sample_id", "machine_id", "num_tokens"])
+    what = "per-array index (pipeline.index writes it beside the index)"
+    arrays = _read_index(arrays_path(index), what, columns=ARRAY_COLUMNS,
+                         filters=[("layer", "in", list(layers))])
+    missing = sorted(set(layers) - set(pc.unique(arrays["layer"]).to_pylist()))
     if missing:
+        stored = sorted(pc.unique(_read_index(arrays_path(index), what, columns=["layer"])["layer"]).to_pylist())
         raise UserError(f"layer(s) {missing} not stored under this index (it has layers {stored})")
     samples = samples.to_pandas().set_index("sample_id")
     frames = {l: arrays.filter(pc.equal(arrays["layer"], l)).to_pandas()
               .sort_values(["shard_path", "position"], ignore_index=True) for l in layers}
+    del arrays
     first = frames[layers[0]]
     for layer, frame in frames.items():
         _check_layer(layer, frame, first, samples)
     shard_paths, shard = np.unique(first["shard_path"].to_numpy(), return_inverse=True)
-    shapes = np.stack(first["shape"].to_numpy())  # [rows, 2]
-    hidden = np.unique(np.concatenate([np.stack(f["shape"].to_numpy())[:, 1] for f in frames.values()]))
+    shapes = {l: np.stack(f["shape"].to_numpy()) for l, f in frames.items()}  # [rows, 2] each
+    hidden = np.unique(np.concatenate([s[:, 1] for s in shapes.values()]))
     if len(hidden) != 1:
         raise UserError(f"the stored arrays have several hidden sizes ({hidden.tolist()})")
     dtypes = {l: frame["dtype"].unique().tolist() for l, frame in frames.items()}
@@ -82,7 +88,7 @@ def stored_arrays(index: str, layers: Sequence[int]) -> StoredArrays:
         layers=tuple(layers), shard_paths=list(shard_paths), shard=shard.astype(np.int32),
         position=first["position"].to_numpy(np.int64), sample_id=first["sample_id"].to_numpy(np.int64),
         machine_id=samples.loc[first["sample_id"], "machine_id"].to_numpy(np.int64),
-        num_tokens=shapes[:, 0].astype(np.int64),
+        num_tokens=shapes[layers[0]][:, 0].astype(np.int64),
         offset={l: f["byte_offset"].to_numpy(np.int64) for l, f in frames.items()},
         length={l: f["byte_length"].to_numpy(np.int64) for l, f in frames.items()},
         dtype={l: d[0] for l, d in dtypes.items()}, hidden_size=int(hidden[0]),
@@ -106,31 +112,21 @@ def _check_layer(layer: int, frame, first, samples) -> None:
 
 
 def _merged_metadata(index: str) -> dict[str, Any]:
-    folder = index.rsplit("/", 1)[0] if "/" in index else "."
-    data = read_optional(f"{folder}/merged_metadata.json")
+    data = read_optional(merged_metadata_path(index))
     return json.loads(data) if data else {}
 
 
-def blocks(arrays: StoredArrays, rng: np.random.Generator | None, block_bytes: int) -> list[tuple[int, int]]:
-    """One epoch's reads, as ``(start, stop)`` row ranges of ``arrays``, in reading order.
-
-    With ``rng``: runs of neighbouring rows of at most ``block_bytes`` (over all layers; a larger
-    array is a block alone), in a random order. Without: rows in sample-id order, each run of
-    them that is contiguous in its shard one block (same size cap)."""
-    if not len(arrays):
-        return []
-    order = np.arange(len(arrays)) if rng is not None else np.argsort(arrays.sample_id, kind="stable")
-    size = sum(arrays.length.values())  # [rows] bytes over all layers
-    out, start, held = [], int(order[0]), int(size[order[0]])
-    for prev, row in zip(order[:-1].tolist(), order[1:].tolist()):
-        adjacent = (row == prev + 1 and arrays.shard[row] == arrays.shard[prev]
-                    and arrays.position[row] == arrays.position[prev] + 1)
-        if adjacent and held + size[row] <= block_bytes:
-            held += int(size[row])
-            continue
-        out.append((start, prev + 1))
-        start, held = row, int(size[row])
-    out.append((start, int(order[-1]) + 1))
+def blocks(stored: StoredArrays, rng: np.random.Generator | None, block_bytes: int) -> list[tuple[int, int]]:
+    """One epoch's reads, as ``(start, stop)`` row ranges of ``stored``, in reading order: runs of
+    neighbouring rows of one shard of at most ``block_bytes`` over all layers (a larger array is
+    a block alone), in storage order, or with ``rng`` in a random order."""
+    first = stored.layers[0]
+    offsets, lengths = stored.offset[first].tolist(), stored.length[first].tolist()
+    per_layer = max(1, block_bytes // len(stored.layers))
+    out = []
+    edges = [0, *(np.flatnonzero(np.diff(stored.shard)) + 1).tolist(), len(stored)]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        out += [(lo + a, lo + b) for a, b in coalesced_reads(offsets[lo:hi], lengths[lo:hi], max_bytes=per_layer)]
     if rng is not None:
         out = [out[i] for i in rng.permutation(len(out))]
     return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import sys
 
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.reader import CorruptShardError
@@ -20,13 +22,16 @@ BATCH_BYTES = 64 << 20  # tokens are written in batches of about this many bytes
 
 
 def seed_flag(text: str) -> int | None:
-    """``--seed``: an integer, or ``none`` for the stored order."""
+    """``--seed``: an integer >= 0, or ``none`` for storage order."""
     if text.lower() == "none":
         return None
     try:
-        return int(text)
+        seed = int(text)
     except ValueError:
-        raise UserError(f"--seed takes an integer or none, got {text!r}") from None
+        seed = -1
+    if seed < 0:
+        raise UserError(f"--seed takes an integer >= 0 or none, got {text!r}")
+    return seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +44,9 @@ class ExportConfig:
     layers: tuple[int, ...] = flag(help="stored layers to export, one column each (e.g. 12 or 6,12)",
                                    parse=int_list)
     context_size: int = flag(128, "tokens per row (SAELens's context_size)")
-    seed: int | None = flag(0, "shuffle the tokens across all samples with this seed; none: stored order "
-                            "(sample id, then position). SAELens reads rows in order", parse=seed_flag)
+    seed: int | None = flag(0, "shuffle the tokens across all samples with this seed; none: storage order "
+                            "(shard by shard, position by position). SAELens reads rows in order",
+                            parse=seed_flag)
     hook_name: str = flag(SAELENS_HOOK_TEMPLATE, "column name; {layer} is replaced (a literal name for "
                           "one layer)")
     max_tokens: int | None = flag(None, "export at most this many tokens (a random subset when shuffled)")
@@ -56,6 +62,8 @@ class ExportConfig:
     progress: bool = flag(True, "a progress bar on stderr")
 
     def validate(self) -> None:
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise UserError(f"--layers must name distinct layers, got {list(self.layers)}")
         if self.context_size < 1:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
         if not (self.buffer_gb > 0 and self.max_file_gb > 0):
@@ -66,10 +74,13 @@ def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
     """The loader behind an export: batches of whole rows (no larger than the buffer or an Arrow
     file), a buffer of ``buffer_gb``."""
     buffer_tokens = int(config.buffer_gb * 1e9 // token_bytes)
+    if buffer_tokens < config.context_size:
+        raise UserError(f"--buffer_gb {config.buffer_gb} holds {buffer_tokens} tokens: less than one row of "
+                        f"--context_size {config.context_size}")
     batch_bytes = min(BATCH_BYTES, buffer_tokens * token_bytes, int(config.max_file_gb * 1e9))
     rows = max(1, batch_bytes // (token_bytes * config.context_size))
     return LoaderConfig(index=config.index, layers=config.layers, batch_tokens=rows * config.context_size,
-                        seed=config.seed, buffer_tokens=max(buffer_tokens, rows * config.context_size),
+                        seed=config.seed, buffer_tokens=buffer_tokens,
                         exclude_first_positions=config.exclude_first_positions,
                         exclude_token_ids=config.exclude_token_ids, with_token_ids=True,
                         streams_dir=config.streams_dir, max_tokens=config.max_tokens,
@@ -81,6 +92,8 @@ def main(argv: list[str]) -> int:
     add_config_flags(parser, ExportConfig)
     config = config_from_namespace(ExportConfig, parser.parse_args(argv))
     config.validate()
+    # A SIGTERM unwinds like an error, so the partial directory is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     check_output(config.output_dir, config.overwrite)
     names = hook_names(config.layers, config.hook_name)
     stored = stored_arrays(config.index, config.layers)  # its hidden size decides the batch
@@ -93,6 +106,8 @@ def main(argv: list[str]) -> int:
                                  export_info(loader, layout, config.hook_name), config.overwrite, config.progress)
     except CorruptShardError as e:  # nothing was written: the output appears only when complete
         raise UserError(str(e)) from None
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted; nothing written to {config.output_dir!r}") from None
     print(f"exported {summary['rows']} rows of {config.context_size} tokens ({summary['tokens']} tokens, "
           f"layers {list(config.layers)}, columns {list(names.values())}) -> {config.output_dir}; "
           f"left out: {summary['dropped_tokens']}")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from activations.index import arrays_path
-from fixtures.stored_activations import StoredSpec, stored_tokens, stream_token_ids, write_stored
+from fixtures.stored_activations import StoredSpec, storage_order, stored_tokens, stream_token_ids, write_stored
 from pipeline.export import main as export_main
 from tests.conftest import run_cli
 
@@ -34,12 +34,12 @@ def column(ds, name):
     return ds.with_format("numpy")[:][name]
 
 
-def in_stored_order(arrays, layer):
-    """[tokens, hidden] float32: every stored token in sample-id order, then position."""
-    return np.concatenate([arrays[(s, l)] for s, l in sorted(arrays) if l == layer]).astype(np.float32)
+def in_storage_order(index, arrays, layer):
+    """[tokens, hidden] float32: every stored token, shard by shard, position by position."""
+    return np.concatenate([arrays[(s, layer)] for s in storage_order(index)]).astype(np.float32)
 
 
-def test_unshuffled_rows_are_the_stored_tokens_in_order(stored, tmp_path):
+def test_unshuffled_rows_are_the_stored_tokens_in_storage_order(stored, tmp_path):
     index, arrays = stored
     ds = export(index, tmp_path / "out", "--layers", "0,2", "--seed", "none", "--context_size", "16")
     from datasets import Array2D, Sequence, Value
@@ -51,9 +51,9 @@ def test_unshuffled_rows_are_the_stored_tokens_in_order(stored, tmp_path):
     for layer in SPEC.layers:
         exported = column(ds, f"blocks.{layer}.hook_resid_post").reshape(-1, 12)
         assert exported.dtype == np.float32
-        assert np.array_equal(exported, in_stored_order(arrays, layer)[:len(ds) * 16])  # float16 -> 32 is exact
+        assert np.array_equal(exported, in_storage_order(index, arrays, layer)[:len(ds) * 16])  # f16 -> f32: exact
     ids = stream_token_ids(os.path.dirname(index))
-    flat_ids = [t for s in sorted(ids) for t in ids[s]]
+    flat_ids = [t for s in storage_order(index) for t in ids[s]]
     assert column(ds, "token_ids").reshape(-1).tolist() == flat_ids[:len(ds) * 16]
     info = json.loads((tmp_path / "out" / "activation_export.json").read_text())
     assert info["rows"] == len(ds) and info["dropped_tokens"]["last_partial_row"] == total % 16
@@ -62,22 +62,26 @@ def test_unshuffled_rows_are_the_stored_tokens_in_order(stored, tmp_path):
                                  "meaning": "output of decoder block 0 (0-based), before the final norm"}
     assert info["layers"][1]["hf_hidden_states_index"] is None  # layer 2 is the last block here
     description = ds.info.description
-    for words in ("random", "float16", "blocks.2.hook_resid_post", index, "hidden_states[1]", "stored order"):
+    for words in ("random", "float16", "blocks.2.hook_resid_post", index, "hidden_states[1]", "storage order"):
         assert words in description
 
 
-def test_shuffled_rows_hold_each_token_once(stored, tmp_path):
+def test_shuffled_rows_hold_each_token_once_the_same_token_in_every_column(stored, tmp_path):
     index, arrays = stored
-    ds = export(index, tmp_path / "out", "--layers", "2", "--seed", "5", "--context_size", "8",
-                "--exclude_first_positions", "1", "--hook_name", "resid_{layer}")
-    rows = column(ds, "resid_2").reshape(-1, 12)
-    stored_rows = {a[p].astype(np.float32).tobytes() for (s, l), a in arrays.items() if l == 2
-                   for p in range(1, len(a))}
-    exported = [r.tobytes() for r in rows]
-    assert len(set(exported)) == len(exported) and set(exported) <= stored_rows
-    assert len(exported) == len(stored_rows) // 8 * 8
-    unshuffled = in_stored_order(arrays, 2)
-    assert not np.array_equal(rows, unshuffled[:len(rows)])
+    ds = export(index, tmp_path / "out", "--layers", "0,2", "--seed", "5", "--context_size", "8",
+                "--exclude_first_positions", "1", "--hook_name", "resid_{layer:02d}")
+    rows = {layer: column(ds, f"resid_{layer:02d}").reshape(-1, 12) for layer in (0, 2)}
+    token_ids = column(ds, "token_ids").reshape(-1)
+    # Each stored token (after the first position) by its layer-0 bytes.
+    where = {a[p].astype(np.float32).tobytes(): (s, p) for (s, l), a in arrays.items() if l == 0
+             for p in range(1, len(a))}
+    found = [where[r.tobytes()] for r in rows[0]]  # a KeyError: a token that was never stored
+    assert len(set(found)) == len(found) == len(where) // 8 * 8
+    ids = stream_token_ids(os.path.dirname(index))
+    for row, (s, p) in enumerate(found):
+        assert np.array_equal(rows[2][row], arrays[(s, 2)][p].astype(np.float32))
+        assert token_ids[row] == ids[s][p]
+    assert found != sorted(found, key=lambda sp: (storage_order(index).index(sp[0]), sp[1]))
 
 
 def test_max_tokens_and_several_arrow_files(stored, tmp_path):
@@ -98,9 +102,14 @@ def test_cli_errors_are_one_line_and_write_nothing(stored, tmp_path):
         (["--layers", "0", "--output_dir", str(out)], "exists and is not empty"),
         (["--layers", "0,2", "--hook_name", "acts", "--output_dir", str(tmp_path / "a")], "put {layer} in it"),
         (["--layers", "7", "--output_dir", str(tmp_path / "b")], r"layer\(s\) \[7\] not stored"),
-        (["--layers", "0", "--seed", "x", "--output_dir", str(tmp_path / "c")], "--seed takes an integer or none"),
+        (["--layers", "0", "--seed", "x", "--output_dir", str(tmp_path / "c")], "--seed takes an integer >= 0 or none"),
         (["--layers", "0", "--context_size", "100000", "--output_dir", str(tmp_path / "d")],
          "fewer than one row of --context_size 100000"),
+        (["--layers", "0", "--seed", "-1", "--output_dir", str(tmp_path / "e")], "--seed takes an integer >= 0"),
+        (["--layers", ",", "--output_dir", str(tmp_path / "f")], "--layers must name distinct layers"),
+        (["--layers", "0", "--output_dir", "gs://acts/cache"], "--output_dir must be a local directory"),
+        (["--layers", "0", "--buffer_gb", "1e-7", "--output_dir", str(tmp_path / "g")],
+         "less than one row of --context_size 128"),
     ]
     for flags, message in cases:
         result = run_cli("pipeline.export", "--format", "saelens", "--index", index, *flags)
@@ -124,3 +133,28 @@ def test_a_corrupt_shard_stops_the_export_and_leaves_nothing(tmp_path):
                      "--output_dir", str(tmp_path / "out"), "--seed", "none")
     assert result.returncode == 2 and "corrupt gzip member in" in result.stderr.splitlines()[-1]
     assert sorted(os.listdir(tmp_path)) == ["stored"]
+
+
+def test_overwrite_replaces_only_a_finished_export(stored, tmp_path):
+    index, _ = stored
+    out = tmp_path / "out"
+    out.write_text("a file where the export goes")
+    export(index, out, "--layers", "0", "--context_size", "16", "--overwrite")
+    assert out.is_dir() and (out / "state.json").exists()
+    export(index, out, "--layers", "2", "--context_size", "8", "--overwrite")
+    import datasets
+    assert datasets.load_from_disk(str(out)).column_names == ["blocks.2.hook_resid_post", "token_ids"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_an_index_on_gcs(gcs, tmp_path):
+    from activations.index import merged_metadata_path
+    from common.files import write_bytes
+    index = write_stored(str(tmp_path / "stored"), SPEC, gcs_bucket="acts")
+    for path in (index, arrays_path(index), merged_metadata_path(index)):
+        write_bytes(f"gs://acts/run/{os.path.basename(path)}", open(path, "rb").read())
+    ds = export("gs://acts/run/index.parquet", tmp_path / "out", "--layers", "2", "--seed", "none",
+                "--context_size", "16")
+    arrays = stored_tokens(index, (2,))
+    exported = column(ds, "blocks.2.hook_resid_post").reshape(-1, 12)
+    assert np.array_equal(exported, in_storage_order(index, arrays, 2)[:len(exported)])

@@ -12,6 +12,7 @@ import pytest
 
 from activations.reader import iter_activations
 from activations.token_loader import LoaderConfig, TokenLoader
+from fixtures.stored_activations import storage_order
 from tests.conftest import REPO, read_streams, run_cli
 
 pytestmark = pytest.mark.slow
@@ -55,17 +56,17 @@ def activations_store(path, layer, **kw):
 
 
 def stored_in_order(index, layer):
-    """Every stored token of ``layer`` in sample-id order, then position, read from whole shards."""
-    import pyarrow.parquet as pq
-    ids = sorted(pq.read_table(index, columns=["sample_id"])["sample_id"].to_pylist())
-    arrays = dict(iter_activations(index, ids, layer))  # yields shard by shard
+    """Every stored token of ``layer`` in storage order (shard by shard, position by position),
+    read from whole shards."""
+    ids = storage_order(index)
+    arrays = dict(iter_activations(index, ids, layer))
     return np.concatenate([arrays[i] for i in ids])
 
 
 def test_activations_store_reads_the_unshuffled_export_as_stored(run_output, arc_streams, tmp_path):
     path = export(run_output, tmp_path / "ordered", "--seed", "none")
-    streams = sorted((r for s in read_streams(arc_streams, 2) for r in s), key=lambda r: r["sample_id"])
-    stored_ids = np.concatenate([r["input_ids"] for r in streams])
+    streams = {r["sample_id"]: r for s in read_streams(arc_streams, 2) for r in s}
+    stored_ids = np.concatenate([streams[i]["input_ids"] for i in storage_order(run_output)])
     for layer in LAYERS:
         store = activations_store(path, layer)
         acts, ids = [], []
@@ -158,9 +159,6 @@ def test_stored_layers_are_transformer_lens_resid_post(run_output, arc_streams, 
             hidden = hf(tokens, output_hidden_states=True).hidden_states[layer + 1][0].detach().numpy()
             last = layer == cfg.n_layers - 1
             assert np.allclose(ours, hidden, atol=1e-5 * np.abs(hidden).max()) != last
-
-
-
 
 
 def readme_snippets() -> list[str]:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from activations.token_buffer import TokenBuffer
-from activations.token_loader import LoaderConfig, TokenLoader
+from activations.token_loader import LoaderConfig, TokenLoader, row_bytes
 from common.cli import UserError
-from fixtures.stored_activations import StoredSpec, stored_tokens, stream_token_ids, write_stored
+from fixtures.stored_activations import StoredSpec, storage_order, stored_tokens, stream_token_ids, write_stored
 
 SPEC = StoredSpec(num_machines=3, samples_per_machine=10, lengths=(1, 40), hidden_size=16, layers=(1, 3),
                   shard_size_bytes=12_000, vocab_size=50)
@@ -66,39 +66,37 @@ def test_shuffles_across_shards_and_reproducibly(stored):
     assert len({s for s, _ in head}) >= 8 and {s % 3 for s, _ in head} == {0, 1, 2}
 
 
-def test_no_seed_is_the_stored_order(stored):
+def test_no_seed_is_storage_order_with_one_read_per_shard(stored):
     index, arrays = stored
     loader = TokenLoader(LoaderConfig(index=index, layers=(1,), batch_tokens=50, seed=None))
     batches, order = read_epoch(loader)
-    assert order == all_tokens(arrays)
+    assert order == [(s, p) for s in storage_order(index) for p in range(len(arrays[(s, 1)]))]
     assert all(len(b) == 50 for b in batches[:-1]) and 0 < len(batches[-1]) <= 50
+    assert loader.stats.blocks_read == len(loader.stored.shard_paths)  # neighbours read together
 
 
-def test_the_buffer_never_holds_more_than_its_size(stored):
-    index, _ = stored
-    loader = TokenLoader(LoaderConfig(index=index, layers=SPEC.layers, batch_tokens=16, buffer_tokens=48, seed=0))
-    read_epoch(loader)
-    assert loader.stats.peak_buffered_tokens == 48  # filled, never past it
-
-
-def test_memory_is_bounded_by_the_buffer_not_the_data(tmp_path):
-    spec = StoredSpec(num_machines=2, samples_per_machine=40, lengths=(100, 400), hidden_size=256,
+def test_a_buffer_of_b_tokens_fills_to_b_and_memory_follows_the_buffer_not_the_data(tmp_path):
+    spec = StoredSpec(num_machines=2, samples_per_machine=80, lengths=(100, 400), hidden_size=256,
                       layers=(0, 1), shard_size_bytes=1_000_000)
     index = write_stored(str(tmp_path), spec)
-    buffer_tokens, row_bytes = 1000, 256 * 4 * 2
-    config = LoaderConfig(index=index, layers=(0, 1), batch_tokens=100, buffer_tokens=buffer_tokens, seed=0,
-                          read_threads=2, read_ahead=2, block_bytes=64 << 10)
-    loader = TokenLoader(config)
-    data_bytes = loader.total_tokens * row_bytes
-    tracemalloc.start()
-    tokens = sum(len(b) for b in loader)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert tokens == loader.total_tokens and data_bytes > 15e6
-    # The buffer, two blocks in flight (each at most one array of 400 x 256 x 4 per layer past the
-    # 64 kB cap, compressed and decoded) and a batch: far below the data.
-    bound = buffer_tokens * row_bytes + 4 * (2 * 400 * 256 * 4) * 2 + 2 * 100 * row_bytes
-    assert peak < bound < data_bytes / 4
+    token_bytes = row_bytes(256, 2, with_token_ids=False)
+    peaks = {}
+    for buffer_tokens in (1000, 4000):
+        loader = TokenLoader(LoaderConfig(index=index, layers=(0, 1), batch_tokens=100, buffer_tokens=buffer_tokens,
+                                          seed=0, read_threads=2, read_ahead=2, block_bytes=64 << 10))
+        tracemalloc.start()
+        tokens = sum(len(b) for b in loader)
+        peaks[buffer_tokens] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert tokens == loader.total_tokens and loader.stats.peak_buffered_tokens == buffer_tokens
+    data_bytes = loader.total_tokens * token_bytes
+    # Besides the buffer: 4 blocks (2 read ahead, the one consumed, the one before it until its name
+    # is rebound), each one array per layer past the 64 kB cap (at most 400 x 256 x 4 bytes), held
+    # compressed and decoded; a few batches (drawn, and the rows moved into the holes).
+    others = 4 * 2 * (2 * 400 * 256 * 4) + 4 * 100 * token_bytes
+    assert peaks[1000] < 1000 * token_bytes + others < data_bytes / 8
+    # Three thousand more buffered tokens cost their bytes, give or take the blocks in flight.
+    assert abs(peaks[4000] - peaks[1000] - 3000 * token_bytes) < others
 
 
 def test_filters_drop_first_positions_and_token_ids_and_count_them(stored):
@@ -165,6 +163,8 @@ def test_over_gcs(gcs, tmp_path):
     (dict(layers=(1,), index="/nonexistent/index.parquet"), "no merged index at"),
     (dict(layers=(1,), with_token_ids=True, streams_dir="/nonexistent"), "cannot open stream"),
     (dict(layers=(1, 1)), "named twice"),
+    (dict(layers=(1,), seed=-1), "seed must be >= 0"),
+    (dict(layers=()), "at least one layer"),
 ])
 def test_bad_configurations_are_one_line_errors(stored, kwargs, message):
     with pytest.raises(UserError, match=message):
@@ -217,3 +217,21 @@ def test_token_ids_must_come_from_the_streams_that_run_read(stored, tmp_path):
             (streams / file).write_text("".join(json.dumps(r) + "\n" for r in lines))
         with pytest.raises(UserError, match="not the stream that run read"):
             TokenLoader(LoaderConfig(index=index, layers=(1,), with_token_ids=True, streams_dir=str(streams)))
+
+
+def test_bfloat16_batches_become_torch_bfloat16_tensors(stored):
+    import torch
+    index, arrays = stored
+    loader = TokenLoader(LoaderConfig(index=index, layers=(3,), batch_tokens=40, seed=None, dtype="bfloat16"))
+    tensor = next(loader.arrays(as_torch=True))
+    first = storage_order(index)[0]
+    expected = torch.from_numpy(arrays[(first, 3)][:40].astype(np.float32)).to(torch.bfloat16)
+    assert tensor.dtype == torch.bfloat16 and torch.equal(tensor[:len(expected)], expected)
+
+
+def test_a_missing_shard_is_a_one_line_error(tmp_path):
+    index = write_stored(str(tmp_path), SPEC)
+    loader = TokenLoader(LoaderConfig(index=index, layers=(1,), batch_tokens=32, buffer_tokens=64, seed=0))
+    os.remove(loader.stored.shard_paths[1])
+    with pytest.raises(UserError, match=r"cannot read .*shard_\d{4}\.pkl\.gz \(bytes \d+\.\.\d+\)"):
+        list(loader)
