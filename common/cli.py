@@ -83,11 +83,11 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
         default = None if required else (f.default if f.default is not dataclasses.MISSING
                                          else f.default_factory())
         help_text = meta.get("help", "") + ("" if required else f" (default: {default})")
-        if kind is bool:  # --name / --no_name, in the project's underscore style
-            group = parser.add_mutually_exclusive_group()
-            group.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
-            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
-                               help=f"turn off --{f.name}")
+        if kind is bool:  # --name / --no_name, in the project's underscore style; the last one wins
+            # (a settings file's value comes first, as a flag, and the command line may turn it over)
+            parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
+            parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
+                                help=f"turn off --{f.name}")
             continue
         list_flag = {"nargs": "+", "action": _Concatenate} if _is_list(kind) else {}
         parser.add_argument(*names, dest=f.name, type=meta.get("parse") or kind,

@@ -24,8 +24,9 @@ import re
 import shlex
 from typing import Any
 
-from common.cli import OneLineArgumentParser, UserError, add_config_flags, config_from_namespace, flag
-from common.files import join, read_optional
+from common.cli import UserError, add_config_flags, config_from_namespace, flag
+from common.files import join
+from common.settings_file import config_path, read_required, read_settings, setting_words
 
 BACKENDS = ("local", "tpu-vm", "gke")
 PROVISIONING = ("spot", "reserved", "on-demand")
@@ -132,56 +133,12 @@ def _runner_words(runner: Any) -> tuple[str, ...]:
     return tuple(words)
 
 
-def _read_required(path: str, what: str, missing: str) -> bytes:
-    """The bytes of a file the command needs: one-line errors if it is missing or unreadable."""
-    try:
-        data = read_optional(path)
-    except Exception as e:  # a directory, no permission, an unreachable bucket
-        raise UserError(f"{what} cannot be read: {str(e).splitlines()[0]}") from None
-    if data is None:
-        raise UserError(missing)
-    return data
-
-
 def read_config_file(path: str) -> dict[str, Any]:
     """The fields a YAML or JSON fleet file sets, flattened (sections merged), by flag name."""
-    data = _read_required(path, f"--config {path!r}", f"--config {path!r} does not exist")
-    try:
-        import yaml
-        raw = yaml.safe_load(data) if not path.endswith(".json") else json.loads(data)
-    except Exception as e:
-        raise UserError(f"--config {path!r} is not valid YAML/JSON: {str(e).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"--config {path!r} must be a mapping of settings")
-    fields = {f.name for f in dataclasses.fields(FleetConfig)}
-    flat: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in SECTIONS and isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
-    unknown = sorted(set(flat) - fields)
-    if unknown:
-        raise UserError(f"--config {path!r}: unknown setting(s) {', '.join(unknown)}")
+    flat = read_settings(path, FleetConfig, SECTIONS)
     if "runner" in flat:
         flat["runner"] = _runner_words(flat["runner"])
     return flat
-
-
-def setting_words(settings: dict[str, Any], path: str) -> list[str]:
-    """Settings of a config file as flags: ``{max_parallel: 2}`` -> ``--max_parallel 2``."""
-    kinds = {f.name: f.type for f in dataclasses.fields(FleetConfig)}
-    words: list[str] = []
-    for key, value in settings.items():
-        if kinds[key] == "bool":
-            if not isinstance(value, bool):
-                raise UserError(f"--config {path!r}: {key} must be true or false, got {value!r}")
-            words.append(f"--{key}" if value else f"--no_{key}")
-        elif value is not None:
-            if isinstance(value, (list, dict)):
-                raise UserError(f"--config {path!r}: {key} must be a single value, got {value!r}")
-            words += [f"--{key}", str(value)]
-    return words
 
 
 def add_fleet_flags(parser) -> None:
@@ -197,15 +154,13 @@ def fleet_config(parser, argv: list[str]):
         argv, extra = argv[:cut], tuple(argv[cut + 1:])
     else:
         extra = ()
-    pre = OneLineArgumentParser(prog=parser.prog, add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    if known.config:
-        settings = read_config_file(known.config)
+    path = config_path(parser, argv)
+    if path:
+        settings = read_config_file(path)
         parser.set_defaults(runner=settings.pop("runner", ()))
         # The file's settings go through the parser as flags (so choices and types are checked),
         # before the command line's, which therefore win.
-        argv = setting_words(settings, known.config) + argv
+        argv = setting_words(settings, FleetConfig, path) + argv
     namespace = parser.parse_args(argv)
     config = config_from_namespace(FleetConfig, namespace)
     return dataclasses.replace(config, runner=config.runner + extra), namespace
@@ -214,7 +169,7 @@ def fleet_config(parser, argv: list[str]):
 def read_manifest(streams_dir: str) -> dict[str, Any]:
     """The prepare pipeline's ``manifest.json``."""
     path = join(streams_dir, "manifest.json")
-    data = _read_required(path, path, f"no manifest.json in --streams_dir {streams_dir!r}: run "
+    data = read_required(path, path, f"no manifest.json in --streams_dir {streams_dir!r}: run "
                           "pipeline.prepare first")
     try:
         return json.loads(data)

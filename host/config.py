@@ -75,6 +75,11 @@ class HostConfig:
     process_id: int | None = flag(None, "this process's index, 0..num_processes-1 (default: detected)")
     distributed_timeout_s: int = flag(100, "a process of the machine that stops answering for this "
                                       "long ends the others, failed (JAX's heartbeat timeout)")
+    ablate: str | None = flag(None, "extract under one intervention, e.g. head:3.7, layer:5 or "
+                              "mlp:2:mode=mean (spec: model/interventions.py); recorded in metadata.json "
+                              "and the index's ablation column")
+    ablation_means: str | None = flag(None, "means.npz written by runners.ablate (local or gs://), for an "
+                                      "--ablate with mode=mean")
 
     def validate(self) -> None:
         if self.machine_id != "auto" and self.machine_id < 0:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from apache_beam.pvalue import TaggedOutput
 
 from common.cli import UserError
+from common.files import read_optional
 from host import distributed
 from host.checkpoint import COMPLETED, IN_PROGRESS, Checkpoint, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
@@ -55,7 +56,7 @@ from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
 from model.checkpoint import resolve_model_dir
 from model.config import Qwen2Config, load_config
-from model.extract import ForwardObserver, resolve_dtype, validate_layers
+from model.extract import ForwardObserver, intervention_for, resolve_dtype, validate_layers
 from model.sharding import make_mesh
 from transforms.extract import ELSEWHERE, REJECTED, ExtractActivations, ExtractConfig
 
@@ -254,13 +255,15 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     threading.Thread(target=count_records, args=(progress, stream_path, config.max_samples),
                      daemon=True, name="count-records").start()
     model_config = load_config(resolve_model_dir(config.model_path))
-    checkpoint.check_settings(output_settings(config, model_config))
+    settings = output_settings(config, model_config)  # checks --ablate, before the model loads
+    checkpoint.check_settings(settings)
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
     dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
                                             config.batch_size, config.max_seq_length, config.mesh_type,
                                             config.dtype, config.activation_dtype, config.window,
-                                            config.long_samples, config.attention, config.batches_in_flight))
+                                            config.long_samples, config.attention, config.batches_in_flight,
+                                            config.ablate, config.ablation_means))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
@@ -278,7 +281,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     extractor.observer = RunObserver(health, profiler)
     health.devices = [d for d in extractor.mesh.devices.flat if d.process_index == jax.process_index()]
     health.set_state(RUNNING)
-    writer = ShardWriter(_shard_settings(config, extractor), checkpoint, store, rejected,
+    writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"]), checkpoint, store, rejected,
                          on_stored=progress.shard_stored)
     stop.graceful = True  # from here a signal stores what was computed, then stops
     if stop.signal is not None:  # (one may have come just before)
@@ -370,20 +373,33 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress,
 def output_settings(config: HostConfig, model: Qwen2Config) -> dict[str, Any]:
     """The flags that decide what a run stores, resolved (``auto``, all layers); a resumed run
     must keep them."""
-    layers = config.layers_to_extract or range(model.num_hidden_layers)
-    return {"layers_to_extract": list(validate_layers(layers, model)),
+    layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
+    intervention = intervention_for(config.ablate, config.ablation_means, model, max(layers) + 1)
+    # A checkpoint from before --ablate has neither key: each reads as None, the same as unset.
+    return {"layers_to_extract": list(layers),
             "dtype": jnp.dtype(resolve_dtype(config.dtype)).name, "activation_dtype": config.activation_dtype,
-            "max_seq_length": config.max_seq_length, "long_samples": config.long_samples}
+            "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
+            "ablate": intervention.name if intervention else None,
+            "ablation_means": _digest(config.ablation_means) if intervention and intervention.needs_means else None}
 
 
-def _shard_settings(config: HostConfig, extractor) -> ShardSettings:
+def _digest(path: str) -> str:
+    """A short hash of a means file: a resume must use the same means, wherever the file is."""
+    import hashlib
+    data = read_optional(path)
+    if data is None:
+        raise UserError(f"no means file at {path!r} (runners.ablate writes means.npz)")
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _shard_settings(config: HostConfig, extractor, ablation: str | None) -> ShardSettings:
     return ShardSettings(config.machine_id, os.path.abspath(config.process_dir), int(config.shard_size_gb * 1e9),
                          config.compress_shards, extractor.layers, extractor.config.hidden_size,
                          config.activation_dtype, config.delete_local_after_upload,
-                         config.compression_level, _metadata(config, extractor))
+                         config.compression_level, _metadata(config, extractor, ablation), ablation)
 
 
-def _metadata(config: HostConfig, extractor) -> dict[str, Any]:
+def _metadata(config: HostConfig, extractor, ablation: str | None) -> dict[str, Any]:
     return {"machine_id": config.machine_id, "shard_size_gb": config.shard_size_gb,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
@@ -394,4 +410,5 @@ def _metadata(config: HostConfig, extractor) -> dict[str, Any]:
             "num_hidden_layers": extractor.config.num_hidden_layers, "compressed": config.compress_shards,
             "stream": config.stream_path, "attention": extractor.attention_kind,
             "process_id": config.process_id if config.multi_process else None,
-            "num_processes": config.num_processes or 1}
+            "num_processes": config.num_processes or 1,
+            "ablation": ablation, "ablation_means": config.ablation_means if ablation else None}

@@ -40,6 +40,7 @@ class ShardSettings:
     delete_local_after_upload: bool
     compression_level: int
     metadata: dict[str, Any]  # run settings copied into metadata.json
+    ablation: str | None = None  # the intervention extracted under (--ablate), into the index
 
 
 class ShardWriter:
@@ -139,7 +140,7 @@ class ShardWriter:
         local_path = os.path.join(s.machine_dir, name)
         shard_path = self.store.url(name) if self.store else local_path
         sample_index = shard_index(samples, s.machine_id, shard_id, shard_path, s.layers, s.hidden_size,
-                                   s.activation_dtype)
+                                   s.activation_dtype, s.ablation)
         first_id, last_id, count = samples[0]["sample_id"], samples[-1]["sample_id"], len(samples)
         tokens = sum(x["num_tokens"] for x in samples)
         document = shard_dict(samples, s.layers)

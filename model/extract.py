@@ -51,6 +51,37 @@ def validate_layers(layers: Sequence[int], config: Qwen2Config) -> tuple[int, ..
     return tuple(sorted(set(layers)))
 
 
+def intervention_for(spec: str | None, means_path: str | None, config: Qwen2Config, num_layers: int):
+    """The intervention ``spec`` (``--ablate``) on a model computing ``num_layers`` blocks (None
+    for none); ``UserError`` for a bad spec, one acting past the last block computed, means
+    missing or means without a spec."""
+    if spec is None:
+        if means_path:
+            raise UserError("--ablation_means is for --ablate (an intervention with mode=mean)")
+        return None
+    from model.interventions import parse_one
+    intervention = parse_one(spec, config)
+    late = [a for a in intervention.atoms if a.layer >= num_layers]
+    if late:
+        raise UserError(f"--ablate {spec!r} acts on block {late[0].layer}, after the last layer extracted "
+                        f"({num_layers - 1}): it would change nothing stored")
+    if intervention.needs_means and not means_path:
+        raise UserError(f"--ablate {spec!r} replaces by means: pass --ablation_means (runners.ablate "
+                        "writes means.npz)")
+    return intervention
+
+
+def ablation_for(spec: str | None, means_path: str | None, config: Qwen2Config,
+                 num_layers: int) -> dict[str, np.ndarray] | None:
+    """The arrays of the intervention ``spec`` over the blocks computed (None for none)."""
+    intervention = intervention_for(spec, means_path, config, num_layers)
+    if intervention is None:
+        return None
+    from model.interventions import Means, ablation_arrays
+    means = Means.load(means_path) if intervention.needs_means else None
+    return ablation_arrays(intervention, config, num_layers, means)
+
+
 def resolve_dtype(name: str) -> Any:
     """``auto`` is bfloat16 on TPU/GPU and float32 on CPU."""
     if name == "auto":
@@ -85,18 +116,19 @@ class ForwardObserver:
 
 def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto"):
-    """jit(params, input_ids [B, S], lengths [B]) -> activations [len(layers), B, S, H].
+    """jit(params, input_ids [B, S], lengths [B], ablation) -> activations [len(layers), B, S, H].
 
     ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer.
-    ``attention``: auto | tiled | fused (``model.qwen2.attention_for``)."""
+    ``attention``: auto | tiled | fused (``model.qwen2.attention_for``). ``ablation``: None, or the
+    arrays of an intervention (``model.interventions.ablation_arrays``)."""
     model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention))
     num_layers = max(layers) + 1
 
-    def forward(params, input_ids, lengths):
+    def forward(params, input_ids, lengths, ablation):
         seq = input_ids.shape[1]
         positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
         outputs, _ = model.apply({"params": params}, input_ids, positions,
-                                 causal_mask(lengths, seq), num_layers)
+                                 causal_mask(lengths, seq), num_layers, ablation=ablation)
         stacked = jnp.stack([outputs[layer] for layer in layers])  # [len(layers), B, S, H]
         return stacked if out_dtype is None else stacked.astype(out_dtype)
 
@@ -141,6 +173,7 @@ class Extractor:
     activation_dtype: Any = None  # dtype of the returned arrays (default: the compute dtype)
     attention: str = "auto"       # auto | tiled | fused (model.qwen2.attention_for)
     batches_in_flight: int = 2    # dispatched and not yet copied back (1: synchronous)
+    ablation: dict[str, np.ndarray] | None = None  # an intervention's arrays (model.interventions)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                  repr=False)
@@ -150,15 +183,20 @@ class Extractor:
              dtype: str = "auto", batch_size_per_device: int = 1, max_seq_length: int = 2048,
              model_axis_size: int | None = None, min_bucket: int = 32,
              devices: list | None = None, activation_dtype: str | None = None,
-             attention: str = "auto", batches_in_flight: int = 2) -> "Extractor":
-        """Loads only the blocks up to the last requested layer, straight onto the mesh."""
+             attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
+             ablation_means: str | None = None) -> "Extractor":
+        """Loads only the blocks up to the last requested layer, straight onto the mesh.
+        ``ablation``: an intervention spec to extract under (``ablation_means``: its means file)."""
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
+        arrays = ablation_for(ablation, ablation_means, config, max(layers) + 1)
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=max(layers) + 1, devices=devices)
-        return cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
-                               activation_dtype, attention, batches_in_flight)
+        extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
+                                    activation_dtype, attention, batches_in_flight)
+        extractor.ablation = arrays
+        return extractor
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, layers: Sequence[int], batch_size_per_device: int = 1,
@@ -191,22 +229,29 @@ class Extractor:
             ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
             lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
             with self.observer.compiling(rows, length):
-                self._executables[key] = self._forward.lower(self.params, ids, lengths).compile()
+                self._executables[key] = self._forward.lower(self.params, ids, lengths, self.ablation).compile()
         return self._executables[key]
 
-    def dispatch(self, sequences: Sequence[Sequence[int]], length: int) -> InFlight:
-        """Places up to ``batch_size`` sequences, padded to ``length``, on the devices and starts
-        their forward, without waiting for it."""
+    def padded(self, sequences: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids [rows, length] and lengths [rows] of a batch: each sequence padded to
+        ``length``, rows padded (``padded_rows``) with empty ones."""
         rows = padded_rows(len(sequences), self.batch_size, self.mesh.shape["data"])
         ids = np.zeros((rows, length), np.int32)  # [B, S]; padding rows stay 0
         lengths = np.zeros((rows,), np.int32)
         for row, seq in enumerate(sequences):
             ids[row, :len(seq)] = seq
             lengths[row] = len(seq)
+        return ids, lengths
+
+    def dispatch(self, sequences: Sequence[Sequence[int]], length: int) -> InFlight:
+        """Places up to ``batch_size`` sequences, padded to ``length``, on the devices and starts
+        their forward, without waiting for it."""
+        ids, lengths = self.padded(sequences, length)
+        rows = ids.shape[0]
         forward = self.executable(rows, length)
         sharding = batch_sharding(self.mesh)
         with self.observer.batch(rows, length):
-            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding))
+            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), self.ablation)
         for _, data in local_blocks(out):
             data.copy_to_host_async()  # starts the transfer as soon as the forward ends
         return InFlight(out, lengths, len(sequences))

@@ -11,6 +11,12 @@ Attention takes an explicit boolean mask ``[B, S, T]``: a key that is masked (pa
 future) never influences a query. Without a cache, attention is causal: the mask must allow no
 future key, and the masked upper triangle is skipped (``causal_attention``). Softmax and
 normalisation statistics are computed in float32, as Hugging Face does.
+
+Interventions (``model.interventions``) enter as arrays, per block: which heads, sublayers or
+blocks to keep, and what replaces the others (zero or a mean), so that one compiled forward
+serves every intervention of a grid. Without them the graph is the plain model's. Each block
+also ``sow``s its heads' outputs, sublayer outputs and contribution into the ``stats``
+collection, which only a caller that asks for it (the mean pass) receives.
 """
 
 from __future__ import annotations
@@ -179,8 +185,13 @@ class RMSNorm(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., H]
+    def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """x: [..., H]. ``ablation`` (keep, fill), scalars: unless kept, the weights become ones,
+        or with ``fill`` their mean."""
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if ablation is not None:
+            keep, fill = ablation
+            weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), jnp.ones_like(weight)))
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return weight * normed.astype(self.dtype)
@@ -193,7 +204,9 @@ class Attention(nn.Module):
     attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused (fused_attention)
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None):
+    def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None, heads=None):
+        """``heads`` (keep [N] bool, fill [N] bool, mean [N, D]): a head not kept has its output
+        (its slice of the o_proj input) replaced by zero, or with ``fill`` by its mean."""
         c = self.config
         b, s, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype,  # noqa: E731
@@ -216,6 +229,12 @@ class Attention(nn.Module):
             out = causal_attention(q, k, v, mask, precision_for(self.dtype), self.mesh)
         else:
             out = dense_attention(q, k, v, mask, precision_for(self.dtype))  # [B, S, K, G, D]
+        out = out.reshape(b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
+        self.sow("stats", "heads", out)
+        if heads is not None:
+            keep, fill, mean = heads
+            replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
+            out = jnp.where(keep[:, None], out, replaced)
         out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
         return dense(c.hidden_size, False, "o_proj")(out), (k, v)
 
@@ -275,6 +294,14 @@ def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
     return out.transpose(1, 0, 2, 3).reshape(b, s, h)
 
 
+def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
+    """A sublayer's output [B, S, H], unless ablated: then zero, or with fill its mean [H]."""
+    if not ablation:
+        return out
+    fill = jnp.where(ablation[f"{kind}_fill"], ablation[f"{kind}_mean"].astype(out.dtype), 0)  # [H]
+    return jnp.where(ablation[f"{kind}_keep"], out, jnp.broadcast_to(fill, out.shape))
+
+
 class DecoderLayer(nn.Module):
     config: Qwen2Config
     dtype: jnp.dtype = jnp.float32
@@ -283,15 +310,30 @@ class DecoderLayer(nn.Module):
     attention: str = "tiled"
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None):
+    def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None, ablation=None):
+        """``ablation``: this block's slice of ``model.interventions.ablation_arrays`` (None: none)."""
         eps = self.config.rms_norm_eps
+        a = ablation or {}
+        norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
+        heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
+        block_in = x
         attn_out, new_cache = Attention(self.config, self.dtype, self.mesh, self.attention, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x), cos, sin, mask, cache, cache_index)
+            RMSNorm(eps, self.dtype, name="input_layernorm")(x, norm), cos, sin, mask, cache, cache_index,
+            heads)
+        attn_out = _replaced(attn_out, a, "attn")
+        self.sow("stats", "attn_output", attn_out)
         x = x + attn_out
         mlp = MLP(self.config, self.dtype, name="mlp")
-        x = x + map_over_token_chunks(
-            mlp, RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x), self.mesh,
+        mlp_out = map_over_token_chunks(
+            mlp, RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x, norm), self.mesh,
             self.chunk_tokens)
+        mlp_out = _replaced(mlp_out, a, "mlp")
+        self.sow("stats", "mlp_output", mlp_out)
+        x = x + mlp_out
+        self.sow("stats", "contribution", x - block_in)
+        if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
+            x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
+                                                                   jnp.zeros_like(x)))
         return x, new_cache
 
 
@@ -316,29 +358,38 @@ class Qwen2(nn.Module):
                                     param_dtype=self.dtype, precision=precision_for(self.dtype))
 
     def __call__(self, input_ids, positions, mask, num_layers: int,
-                 caches: Sequence[KVCache] | None = None, cache_index=None):
+                 caches: Sequence[KVCache] | None = None, cache_index=None, ablation=None):
         """Runs blocks ``0..num_layers-1`` only.
 
         input_ids, positions: [B, S]; mask: [B, S, T] (True = may attend; without caches it must
-        be causal, e.g. ``causal_mask``).
+        be causal, e.g. ``causal_mask``); ``ablation``: ``model.interventions.ablation_arrays``
+        (each array's first axis the block), or None.
         Returns (outputs of each block computed: list of [B, S, H], new caches).
         """
         x = self.embed_tokens(input_ids)  # [B, S, H]
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         outputs, new_caches = [], []
         for i in range(num_layers):
+            block = None if ablation is None else {name: array[i] for name, array in ablation.items()}
             x, cache = self.layers[i](x, cos, sin, mask, None if caches is None else caches[i],
-                                      cache_index)
+                                      cache_index, block)
             outputs.append(x)
             new_caches.append(cache)
         return outputs, new_caches
 
     def logits(self, x):
         """Next-token logits [..., V] from the last block's output [..., H]."""
-        x = self.norm(x)
+        return self.unembed(self.norm(x))
+
+    def final_norm(self, x):
+        """The last block's output [..., H] through the final norm."""
+        return self.norm(x)
+
+    def unembed(self, h):
+        """Logits [..., V] of a final-normed hidden state [..., H] (linear in it: no bias)."""
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(x)
-        return self.lm_head(x)
+            return self.embed_tokens.attend(h)
+        return self.lm_head(h)
 
 
 def causal_mask(lengths: jax.Array, seq_len: int) -> jax.Array:

@@ -56,3 +56,21 @@ def test_messages_show_train_pairs_and_the_chosen_test_input():
     assert "Example 1\nInput:\n```grid\n01\n23\n```\nOutput:\n```grid\n32\n10\n```" in user["content"]
     assert "Test input:\n```grid\n9\n```" in user["content"]
     assert "45\n67" not in user["content"]
+
+
+def test_test_outputs_are_kept_when_given():
+    from transforms.arc import arc_answer
+    task = parse_arc_task({"train": TASK["train"], "test": [{"input": [[1]], "output": [[2, 3]]}, {"input": [[4]]}]},
+                          default_id="x", with_outputs=True)
+    assert task.test_outputs == (((2, 3),), None)
+    assert arc_answer(task, 0) == "```grid\n23\n```" and arc_answer(task, 1) is None
+    barc = parse_arc_task({"examples": [[[[1]], [[2]]], [[[5]], [[6]]]]}, default_id="y", with_outputs=True)
+    assert arc_answer(barc, 0) == "```grid\n6\n```"
+
+
+def test_test_outputs_are_read_only_when_answers_are_asked_for():
+    record = {"train": TASK["train"], "test": [{"input": [[1]], "output": []}]}  # a malformed output
+    assert parse_arc_task(record, default_id="x").test_outputs == (None,)  # not read: as before the flag
+    with pytest.raises(RejectedRecord) as e:
+        parse_arc_task(record, default_id="x", with_outputs=True)
+    assert e.value.reason == "empty_grid"

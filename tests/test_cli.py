@@ -36,3 +36,22 @@ def test_machine_id_is_a_number_or_auto():
     assert parse(HostConfig, "--machine_id", "7").machine_id == 7
     with pytest.raises(UserError, match="expected a machine number or 'auto', got 'seven'"):
         parse(HostConfig, "--machine_id", "seven")
+
+
+def test_the_last_of_a_boolean_flag_pair_wins():
+    # A settings file's value comes first, as a flag; the command line may turn it over.
+    assert parse(HostConfig, "--machine_id", "0", "--no_compress_shards", "--compress_shards").compress_shards
+    assert not parse(HostConfig, "--machine_id", "0", "--compress_shards", "--no_compress_shards").compress_shards
+
+
+def test_a_settings_file_then_flags(tmp_path):
+    from ablation.config import AblationConfig
+    from common.settings_file import read_settings, setting_words
+    path = tmp_path / "experiments.yaml"
+    path.write_text("model_path: m\ninterventions: [head:0-3.*, mlp:*]\ntensorboard: false\nbatch_size: 2\n")
+    words = setting_words(read_settings(str(path), AblationConfig), AblationConfig, str(path))
+    config = parse(AblationConfig, *words, "--tensorboard", "--batch_size", "8")
+    assert config.interventions == ("head:0-3.*", "mlp:*") and config.tensorboard and config.batch_size == 8
+    path.write_text("model_path: m\nlayers: 3\n")
+    with pytest.raises(UserError, match="unknown setting\\(s\\) layers"):
+        read_settings(str(path), AblationConfig)

@@ -114,7 +114,7 @@ def test_fused_attention_is_one_kernel_call_and_tiled_a_loop(tiny_checkpoints):
     def program(attention):
         forward = make_forward(extractor.config, jnp.float32, extractor.layers, extractor.mesh,
                                attention=attention)
-        return forward.lower(extractor.params, ids, lengths).as_text()
+        return forward.lower(extractor.params, ids, lengths, None).as_text()
 
     assert "while" not in program("fused") and "while" in program("tiled")
     assert program("auto") == program("tiled")  # auto on CPU

