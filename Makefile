@@ -44,6 +44,7 @@ bench: install
 	$(PY) benchmarks/shard_access.py
 	$(PY) benchmarks/restart_compile_cache.py
 	$(PY) benchmarks/token_loader.py
+	$(PY) benchmarks/residual_dtype.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

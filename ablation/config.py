@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from common.cli import UserError, flag
-from model.config import ATTENTION_KINDS
+from model.config import ATTENTION_KINDS, RESIDUAL_DTYPES
 
 
 def spec_list(text: str) -> tuple[str, ...]:
@@ -37,6 +37,8 @@ class AblationConfig:
     mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=("1d", "2d"))
     dtype: str = flag("auto", "compute dtype: auto | float32 | bfloat16 (auto: bfloat16 on TPU/GPU, "
                       "float32 on CPU)", choices=("auto", "float32", "bfloat16"))
+    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 | compute (see "
+                               "runners.tpu_host --residual_dtype)", choices=RESIDUAL_DTYPES)
     attention: str = flag("auto", "attention kernel: auto | tiled | fused", choices=ATTENTION_KINDS)
     window: int = flag(32, "records scored together: results are written after each window")
     bootstrap: int = flag(1000, "bootstrap resamples for summary.csv's 95%% intervals")

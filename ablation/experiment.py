@@ -24,6 +24,7 @@ from ablation.records import Record, read_records
 from ablation.results import (RESULTS_FILE, SUMMARY_FILE, describe, load_results, summarize,
                               write_results)
 from common.cli import UserError
+from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
 from model.checkpoint import resolve_model_dir
 from model.config import load_config
@@ -53,9 +54,11 @@ class RunReport:
 def settings(config: AblationConfig) -> dict[str, Any]:
     """What decides the numbers: a re-run into the same output must keep it."""
     import jax.numpy as jnp
-    from model.extract import resolve_dtype
+    from model.extract import resolve_dtype, resolve_residual_dtype, residual_dtype_name
+    dtype = resolve_dtype(config.dtype)
     return {"model_path": config.model_path, "stream": config.stream, "max_samples": config.max_samples,
-            "max_seq_length": config.max_seq_length, "dtype": jnp.dtype(resolve_dtype(config.dtype)).name,
+            "max_seq_length": config.max_seq_length, "dtype": jnp.dtype(dtype).name,
+            "residual_dtype": residual_dtype_name(dtype, resolve_residual_dtype(config.residual_dtype)),
             "attention": config.attention}
 
 
@@ -65,7 +68,7 @@ def check_settings(output_dir: str, current: dict[str, Any]) -> None:
     if os.path.exists(path):
         with open(path) as f:
             stored = json.load(f)
-        changed = [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in current.items() if stored.get(k) != v]
+        changed = changed_settings(stored, current)
         if changed:
             raise UserError(f"{output_dir!r} holds results made with other settings ({'; '.join(changed)}): "
                             "use another --output_dir")
@@ -130,7 +133,8 @@ def _load_model(config: AblationConfig) -> InterventionModel:
     from model.extract import resolve_dtype
     from model.loading import load_model
     loaded = load_model(config.model_path, resolve_dtype(config.dtype), config.mesh_type, with_head=True)
-    return InterventionModel(loaded, config.batch_size, config.max_seq_length, config.attention)
+    return InterventionModel(loaded, config.batch_size, config.max_seq_length, config.attention,
+                             config.residual_dtype)
 
 
 def _means(config: AblationConfig, model: InterventionModel, records: list[Record], report: RunReport) -> Means:

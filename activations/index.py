@@ -128,7 +128,8 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "total_skipped": sum(m.get("total_skipped", 0) for m in machines),
             "completed_machines": completed,
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
-                                                 "layers", "dtype", "hidden_size", "num_hidden_layers", "model",
+                                                 "layers", "dtype", "compute_dtype", "residual_dtype",
+                                                 "hidden_size", "num_hidden_layers", "model",
                                                  "stream", "ablation", "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from common.cli import UserError
+from common.run_settings import changed_settings
 
 IN_PROGRESS, COMPLETED = "in_progress", "completed"
 
@@ -37,8 +38,7 @@ class Checkpoint:
         if self.settings is None or not (self.total_samples_processed or self.total_shards):
             self.settings = settings
             return
-        changed = [f"--{k} {self.settings.get(k)!r} -> {v!r}" for k, v in settings.items()
-                   if self.settings.get(k) != v]
+        changed = changed_settings(self.settings, settings)
         if changed:
             raise UserError(f"this machine's stored output was made with other settings ({'; '.join(changed)}): "
                             "resume with the same flags, or write to a new --output_dir")

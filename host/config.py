@@ -8,7 +8,7 @@ import os
 
 from common.cli import UserError, flag, int_list
 from host.machine_id import machine_id_flag
-from model.config import ATTENTION_KINDS
+from model.config import ATTENTION_KINDS, RESIDUAL_DTYPES
 from transforms.long_samples import POLICIES
 
 # JAX's own variable, where a user has set it; else a per-user directory.
@@ -36,6 +36,11 @@ class HostConfig:
     dtype: str = flag("auto", "compute and weight dtype: auto | float32 | bfloat16 "
                       "(auto: bfloat16 on TPU/GPU, float32 on CPU)",
                       choices=("auto", "float32", "bfloat16"))
+    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 (with bfloat16 compute, "
+                               "the stream, the norms and every residual add stay float32 while matmuls "
+                               "take bfloat16 operands and accumulate in float32) | compute (the compute "
+                               "dtype, every sum rounded to it, as transformers' bfloat16 forward does)",
+                               choices=RESIDUAL_DTYPES)
     activation_dtype: str = flag("float32", "dtype of the stored arrays",
                                  choices=("float32", "float16", "bfloat16"))
     output_dir: str = flag("activations_output", "local output root; this machine writes machine_{N:03d}/")

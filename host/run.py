@@ -56,7 +56,8 @@ from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
 from model.checkpoint import resolve_model_dir
 from model.config import Qwen2Config, load_config
-from model.extract import ForwardObserver, intervention_for, resolve_dtype, validate_layers
+from model.extract import (ForwardObserver, intervention_for, resolve_dtype, resolve_residual_dtype,
+                           residual_dtype_name, validate_layers)
 from model.sharding import make_mesh
 from transforms.extract import ELSEWHERE, REJECTED, ExtractActivations, ExtractConfig
 
@@ -263,7 +264,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
                                             config.batch_size, config.max_seq_length, config.mesh_type,
                                             config.dtype, config.activation_dtype, config.window,
                                             config.long_samples, config.attention, config.batches_in_flight,
-                                            config.ablate, config.ablation_means))
+                                            config.ablate, config.ablation_means, config.residual_dtype))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
@@ -376,8 +377,10 @@ def output_settings(config: HostConfig, model: Qwen2Config) -> dict[str, Any]:
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     intervention = intervention_for(config.ablate, config.ablation_means, model, max(layers) + 1)
     # A checkpoint from before --ablate has neither key: each reads as None, the same as unset.
-    return {"layers_to_extract": list(layers),
-            "dtype": jnp.dtype(resolve_dtype(config.dtype)).name, "activation_dtype": config.activation_dtype,
+    dtype = resolve_dtype(config.dtype)
+    return {"layers_to_extract": list(layers), "dtype": jnp.dtype(dtype).name,
+            "residual_dtype": residual_dtype_name(dtype, resolve_residual_dtype(config.residual_dtype)),
+            "activation_dtype": config.activation_dtype,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "ablate": intervention.name if intervention else None,
             "ablation_means": _digest(config.ablation_means) if intervention and intervention.needs_means else None}
@@ -406,6 +409,7 @@ def _metadata(config: HostConfig, extractor, ablation: str | None) -> dict[str, 
             "gcs_prefix": config.process_prefix if config.upload_to_gcs else None,
             "model": config.model_path, "layers": list(extractor.layers),
             "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
+            "residual_dtype": extractor.residual_dtype_name,
             "hidden_size": extractor.config.hidden_size,
             "num_hidden_layers": extractor.config.num_hidden_layers, "compressed": config.compress_shards,
             "stream": config.stream_path, "attention": extractor.attention_kind,

@@ -16,6 +16,7 @@ from common.cli import UserError
 # The attention kernels of a forward without a cache (``model.qwen2.attention_for``); here, where
 # the flag parsers can read them without importing JAX.
 ATTENTION_KINDS = ("auto", "tiled", "fused")
+RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2Model")
 

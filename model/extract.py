@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
 from model.checkpoint import resolve_model_dir
-from model.config import Qwen2Config, load_config
+from model.config import RESIDUAL_DTYPES, Qwen2Config, load_config
 from model.loading import LoadedModel, load_model
 from model.qwen2 import Qwen2, attention_for, causal_mask, chunk_tokens_for
 from model.sharding import batch_sharding
@@ -91,6 +91,20 @@ def resolve_dtype(name: str) -> Any:
     return DTYPES[name]
 
 
+def resolve_residual_dtype(name: str) -> Any:
+    """The residual stream's dtype for ``Qwen2``: ``float32`` (with bfloat16 compute, matmul
+    operands stay bfloat16 and accumulate in float32), or None for ``compute`` (the compute dtype,
+    every sum rounded to it, as Hugging Face's bfloat16 forward does)."""
+    if name not in RESIDUAL_DTYPES:
+        raise UserError(f"unknown residual dtype {name!r} (choose from {', '.join(RESIDUAL_DTYPES)})")
+    return jnp.float32 if name == "float32" else None
+
+
+def residual_dtype_name(dtype: Any, residual_dtype: Any) -> str:
+    """The dtype the residual stream is actually kept in, by name (``bfloat16``, ``float32``)."""
+    return jnp.dtype(residual_dtype if residual_dtype is not None else dtype).name
+
+
 def padded_rows(num_sequences: int, batch_size: int, data_axis: int) -> int:
     """Rows of a batch: the next power of two (at least the data axis, at most ``batch_size``).
 
@@ -115,13 +129,15 @@ class ForwardObserver:
 
 
 def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
-                 out_dtype: Any = None, attention: str = "auto"):
+                 out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
     """jit(params, input_ids [B, S], lengths [B], ablation) -> activations [len(layers), B, S, H].
 
     ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer.
     ``attention``: auto | tiled | fused (``model.qwen2.attention_for``). ``ablation``: None, or the
-    arrays of an intervention (``model.interventions.ablation_arrays``)."""
-    model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention))
+    arrays of an intervention (``model.interventions.ablation_arrays``). ``residual_dtype``: see
+    ``resolve_residual_dtype`` (None: the compute dtype)."""
+    model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention),
+                  residual_dtype)
     num_layers = max(layers) + 1
 
     def forward(params, input_ids, lengths, ablation):
@@ -170,10 +186,11 @@ class Extractor:
     dtype: Any
     batch_size: int               # global: per-device batch size x data axis
     buckets: tuple[int, ...]
-    activation_dtype: Any = None  # dtype of the returned arrays (default: the compute dtype)
+    activation_dtype: Any = None  # dtype of the returned arrays (default: the residual dtype)
     attention: str = "auto"       # auto | tiled | fused (model.qwen2.attention_for)
     batches_in_flight: int = 2    # dispatched and not yet copied back (1: synchronous)
     ablation: dict[str, np.ndarray] | None = None  # an intervention's arrays (model.interventions)
+    residual_dtype: Any = None    # resolve_residual_dtype: float32, or None for the compute dtype
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                  repr=False)
@@ -184,9 +201,11 @@ class Extractor:
              model_axis_size: int | None = None, min_bucket: int = 32,
              devices: list | None = None, activation_dtype: str | None = None,
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
-             ablation_means: str | None = None) -> "Extractor":
+             ablation_means: str | None = None, residual_dtype: str = "float32") -> "Extractor":
         """Loads only the blocks up to the last requested layer, straight onto the mesh.
-        ``ablation``: an intervention spec to extract under (``ablation_means``: its means file)."""
+        ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
+        ``residual_dtype``: float32 | compute (``resolve_residual_dtype``)."""
+        resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
@@ -194,7 +213,7 @@ class Extractor:
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=max(layers) + 1, devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
-                                    activation_dtype, attention, batches_in_flight)
+                                    activation_dtype, attention, batches_in_flight, residual_dtype)
         extractor.ablation = arrays
         return extractor
 
@@ -202,14 +221,20 @@ class Extractor:
     def from_loaded(cls, loaded: LoadedModel, layers: Sequence[int], batch_size_per_device: int = 1,
                     max_seq_length: int = 2048, min_bucket: int = 32,
                     activation_dtype: str | None = None, attention: str = "auto",
-                    batches_in_flight: int = 2) -> "Extractor":
+                    batches_in_flight: int = 2, residual_dtype: str = "float32") -> "Extractor":
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
-                   ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight)
+                   ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight,
+                   residual_dtype=resolve_residual_dtype(residual_dtype))
+
+    @property
+    def residual_dtype_name(self) -> str:
+        """The dtype the residual stream is kept in (``float32``, ``bfloat16``)."""
+        return residual_dtype_name(self.dtype, self.residual_dtype)
 
     @property
     def attention_kind(self) -> str:
@@ -219,7 +244,7 @@ class Extractor:
     @functools.cached_property
     def _forward(self):
         return make_forward(self.config, self.dtype, self.layers, self.mesh, self.activation_dtype,
-                            self.attention)
+                            self.attention, self.residual_dtype)
 
     def executable(self, rows: int, length: int):
         """The forward compiled for inputs [rows, length] (compiled on first use)."""

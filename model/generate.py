@@ -22,12 +22,15 @@ from model.qwen2 import Qwen2, causal_mask
 class Generator:
     """Greedy generation for one prompt at a time (batch 1), compiled once per prompt bucket."""
 
-    def __init__(self, config: Qwen2Config, params: dict, dtype: Any, cache_length: int = 1024):
+    def __init__(self, config: Qwen2Config, params: dict, dtype: Any, cache_length: int = 1024,
+                 residual_dtype: Any = None):
+        """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
+        None: the compute dtype). The cache holds keys and values in the compute dtype."""
         self.config = config
         self.params = params
         self.dtype = dtype
         self.cache_length = cache_length
-        self.model = Qwen2(config, dtype)
+        self.model = Qwen2(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
 
     def _empty_cache(self):

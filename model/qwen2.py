@@ -12,6 +12,14 @@ future) never influences a query. Without a cache, attention is causal: the mask
 future key, and the masked upper triangle is skipped (``causal_attention``). Softmax and
 normalisation statistics are computed in float32, as Hugging Face does.
 
+Numerics: ``dtype`` is the compute dtype (weights and matmul operands). ``residual_dtype`` is the
+residual stream's: by default (None) the compute dtype, every sum rounded to it as Hugging Face's
+bfloat16 forward does. float32 with bfloat16 compute keeps the stream in float32 (the embedding
+output, every residual add, the norms, the block outputs) while matmul operands stay bfloat16 and
+accumulate in float32 (``preferred_element_type``): the sum of a sublayer's output and the
+residual is never rounded, and error no longer grows with depth. A float32 compute dtype gives
+the same graph either way.
+
 Interventions (``model.interventions``) enter as arrays, per block: which heads, sublayers or
 blocks to keep, and what replaces the others (zero or a mean), so that one compiled forward
 serves every intervention of a grid. Without them the graph is the plain model's. Each block
@@ -21,8 +29,9 @@ collection, which only a caller that asks for it (the mean pass) receives.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -38,6 +47,23 @@ MASKED = -1e30  # finite, so a fully masked row (a padding row) gives no NaN
 def precision_for(dtype) -> jax.lax.Precision:
     """float32 asks for full-precision matmuls (TPUs default to bfloat16 passes otherwise)."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def accumulation(dtype, residual_dtype) -> Any:
+    """The dtype matmuls of ``dtype`` operands return: None (their own dtype: the plain graph)
+    unless the residual stream is wider, then the residual dtype."""
+    if residual_dtype is None or jnp.dtype(residual_dtype) == jnp.dtype(dtype):
+        return None
+    return jnp.dtype(residual_dtype)
+
+
+def dense(features: int, use_bias: bool, name: str, dtype, accumulate=None) -> nn.Dense:
+    """A linear layer of ``dtype`` weights and operands; ``accumulate``: the dtype it accumulates
+    in and returns (a bias is then added in it too), None for ``dtype``."""
+    dot = None if accumulate is None else functools.partial(jax.lax.dot_general,
+                                                             preferred_element_type=accumulate)
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name,
+                    precision=precision_for(dtype), dot_general=dot)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -65,27 +91,29 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, dtype) -> jax.Array:
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                    precision: jax.lax.Precision) -> jax.Array:
+                    precision: jax.lax.Precision, accumulate=None) -> jax.Array:
     """Attention over every key at once: q [B, S, K, G, D], k, v [B, T, K, D], mask [B, S, T]
     -> [B, S, K, G, D]. Materialises all [B, K, G, S, T] scores; used with a cache, where S or T
-    is small."""
+    is small. ``accumulate``: the dtype the matmuls accumulate in (None: q's)."""
     q = q / math.sqrt(q.shape[-1])  # a Python scale keeps q's dtype
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision)  # [B, K, G, S, T]
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision,
+                        preferred_element_type=accumulate)  # [B, K, G, S, T]
     probs = masked_softmax(scores, mask, q.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision, preferred_element_type=accumulate)
 
 
 ATTENTION_BLOCK = 128  # queries and keys per tile: a tile's [K, G*128, 128] scores fit in L2
 
 
 def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                         precision: jax.lax.Precision) -> jax.Array:
+                         precision: jax.lax.Precision, accumulate=None) -> jax.Array:
     """Causal self-attention of one sequence in tiles (flash-style online softmax):
     q [S, K, G, D], k, v [S, K, D], mask [S, S] (which must allow no future key) -> [S, K, G, D].
 
     Each block of queries walks the key blocks up to its own (the upper triangle is never
     computed) and up to the last key the mask allows (none of the padding past the sequence),
-    keeping a running max and sum in float32 so the scores never exist whole.
+    keeping a running max and sum in float32 so the scores never exist whole. ``accumulate``: the
+    dtype the matmuls accumulate in (None: q's).
     """
     s, kv_heads, groups, d = q.shape
     block = min(s, ATTENTION_BLOCK)
@@ -108,14 +136,16 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
             k_block = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=1)  # [K, bk, D]
             v_block = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=1)
             allowed = jax.lax.dynamic_slice(mask, (i * block, j * block), (block, block))
-            scores = jnp.einsum("kmd,ktd->kmt", q_block, k_block, precision=precision)
+            scores = jnp.einsum("kmd,ktd->kmt", q_block, k_block, precision=precision,
+                                preferred_element_type=accumulate)
             scores = scores.reshape(kv_heads, groups, block, block).astype(jnp.float32)
             scores = jnp.where(allowed[None, None], scores, MASKED)  # [K, G, bq, bk]
             new_max = jnp.maximum(running_max, scores.max(axis=-1))
             probs = jnp.exp(scores - new_max[..., None])
             rescale = jnp.exp(running_max - new_max)
             values = jnp.einsum("kmt,ktd->kmd", probs.reshape(kv_heads, groups * block, block)
-                                .astype(v.dtype), v_block, precision=precision)  # [K, G*bq, D]
+                                .astype(v.dtype), v_block, precision=precision,
+                                preferred_element_type=accumulate)  # [K, G*bq, D]
             acc = acc * rescale[..., None] + values.reshape(acc.shape).astype(jnp.float32)
             return new_max, running_sum * rescale + probs.sum(axis=-1), acc
 
@@ -130,7 +160,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     precision: jax.lax.Precision, mesh: Mesh | None = None) -> jax.Array:
+                     precision: jax.lax.Precision, mesh: Mesh | None = None, accumulate=None) -> jax.Array:
     """Causal self-attention: q [B, S, K, G, D], k, v [B, S, K, D], mask [B, S, S] (which must
     allow no future key) -> [B, S, K, G, D].
 
@@ -142,7 +172,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     the loop never crosses a sharded axis.
     """
     def local(q, k, v, mask):
-        return jax.lax.map(lambda row: row_causal_attention(*row, precision), (q, k, v, mask))
+        return jax.lax.map(lambda row: row_causal_attention(*row, precision, accumulate), (q, k, v, mask))
 
     if mesh is None:
         return local(q, k, v, mask)
@@ -183,17 +213,21 @@ def attention_for(mesh: Mesh | None, choice: str = "auto") -> str:
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None  # wider than dtype: the weight applies in float32, one rounding
 
     @nn.compact
     def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-        """x: [..., H]. ``ablation`` (keep, fill), scalars: unless kept, the weights become ones,
-        or with ``fill`` their mean."""
+        """x: [..., H] -> [..., H] in ``dtype`` (a matmul operand). ``ablation`` (keep, fill),
+        scalars: unless kept, the weights become ones, or with ``fill`` their mean."""
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if ablation is not None:
             keep, fill = ablation
             weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), jnp.ones_like(weight)))
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if accumulation(self.dtype, self.residual_dtype) is not None:
+            return (weight.astype(jnp.float32) * normed).astype(self.dtype)
+        # Hugging Face's order: the normalised values rounded to dtype, then scaled in it.
         return weight * normed.astype(self.dtype)
 
 
@@ -202,23 +236,26 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # where the batch lives; causal attention then runs per device
     attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused (fused_attention)
+    residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, o_proj returns it
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None, heads=None):
-        """``heads`` (keep [N] bool, fill [N] bool, mean [N, D]): a head not kept has its output
-        (its slice of the o_proj input) replaced by zero, or with ``fill`` by its mean."""
+        """x: [B, S, H] in ``dtype``. ``heads`` (keep [N] bool, fill [N] bool, mean [N, D]): a head
+        not kept has its output (its slice of the o_proj input) replaced by zero, or with
+        ``fill`` by its mean."""
         c = self.config
         b, s, _ = x.shape
-        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype,  # noqa: E731
-                                               param_dtype=self.dtype, name=name,
-                                               precision=precision_for(self.dtype))
-        q = dense(c.num_attention_heads * c.head_dim, True, "q_proj")(x).reshape(
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda n, bias, name: dense(n, bias, name, self.dtype, accumulate)  # noqa: E731
+        q = project(c.num_attention_heads * c.head_dim, True, "q_proj")(x).reshape(
             b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
-        k = dense(c.num_key_value_heads * c.head_dim, True, "k_proj")(x).reshape(
+        k = project(c.num_key_value_heads * c.head_dim, True, "k_proj")(x).reshape(
             b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
-        v = dense(c.num_key_value_heads * c.head_dim, True, "v_proj")(x).reshape(
+        v = project(c.num_key_value_heads * c.head_dim, True, "v_proj")(x).reshape(
             b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if accumulate is not None:  # rotated in float32, rounded once to matmul operands
+            q, k, v = q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype)
         if cache is not None:  # write this step's keys/values, attend over the whole cache
             k = jax.lax.dynamic_update_slice(cache[0], k, (0, cache_index, 0, 0))  # [B, T, K, D]
             v = jax.lax.dynamic_update_slice(cache[1], v, (0, cache_index, 0, 0))
@@ -226,31 +263,31 @@ class Attention(nn.Module):
         if cache is None and self.attention == "fused":
             out = fused_attention(q, k, v, mask, precision_for(self.dtype))
         elif cache is None:
-            out = causal_attention(q, k, v, mask, precision_for(self.dtype), self.mesh)
+            out = causal_attention(q, k, v, mask, precision_for(self.dtype), self.mesh, accumulate)
         else:
-            out = dense_attention(q, k, v, mask, precision_for(self.dtype))  # [B, S, K, G, D]
-        out = out.reshape(b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
+            out = dense_attention(q, k, v, mask, precision_for(self.dtype), accumulate)  # [B, S, K, G, D]
+        out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
         self.sow("stats", "heads", out)
         if heads is not None:
             keep, fill, mean = heads
             replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
             out = jnp.where(keep[:, None], out, replaced)
         out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
-        return dense(c.hidden_size, False, "o_proj")(out), (k, v)
+        return project(c.hidden_size, False, "o_proj")(out), (k, v)
 
 
 class MLP(nn.Module):
     config: Qwen2Config
     dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, the gating is in it
 
     @nn.compact
-    def __call__(self, x):  # [B, S, H]
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,  # noqa: E731
-                                         param_dtype=self.dtype, name=name,
-                                         precision=precision_for(self.dtype))
+    def __call__(self, x):  # [B, S, H] in dtype
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda n, name: dense(n, False, name, self.dtype, accumulate)  # noqa: E731
         f = self.config.intermediate_size
-        hidden = nn.silu(dense(f, "gate_proj")(x)) * dense(f, "up_proj")(x)  # [B, S, F]
-        return dense(self.config.hidden_size, "down_proj")(hidden)
+        hidden = nn.silu(project(f, "gate_proj")(x)) * project(f, "up_proj")(x)  # [B, S, F]
+        return project(self.config.hidden_size, "down_proj")(hidden.astype(self.dtype))
 
 
 CHUNK_TOKENS = 512  # per device; a chunk's [tokens, F] intermediates then stay in cache
@@ -308,6 +345,7 @@ class DecoderLayer(nn.Module):
     mesh: Mesh | None = None
     chunk_tokens: int | None = None
     attention: str = "tiled"
+    residual_dtype: Any = None  # the dtype of x and of the sums (None: dtype)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, cache_index=None, ablation=None):
@@ -317,15 +355,16 @@ class DecoderLayer(nn.Module):
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
         heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
         block_in = x
-        attn_out, new_cache = Attention(self.config, self.dtype, self.mesh, self.attention, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x, norm), cos, sin, mask, cache, cache_index,
+        wide = self.residual_dtype
+        attn_out, new_cache = Attention(self.config, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
+            RMSNorm(eps, self.dtype, wide, name="input_layernorm")(x, norm), cos, sin, mask, cache, cache_index,
             heads)
         attn_out = _replaced(attn_out, a, "attn")
         self.sow("stats", "attn_output", attn_out)
         x = x + attn_out
-        mlp = MLP(self.config, self.dtype, name="mlp")
+        mlp = MLP(self.config, self.dtype, wide, name="mlp")
         mlp_out = map_over_token_chunks(
-            mlp, RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x, norm), self.mesh,
+            mlp, RMSNorm(eps, self.dtype, wide, name="post_attention_layernorm")(x, norm), self.mesh,
             self.chunk_tokens)
         mlp_out = _replaced(mlp_out, a, "mlp")
         self.sow("stats", "mlp_output", mlp_out)
@@ -344,18 +383,19 @@ class Qwen2(nn.Module):
     mesh: Mesh | None = None  # the mesh the batch is sharded over, if any (see causal_attention)
     chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
     attention: str = "tiled"         # tiled | fused: see attention_for
+    residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
-                                    name=f"layers_{i}")
+                                    self.residual_dtype, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype,
-                                    param_dtype=self.dtype, precision=precision_for(self.dtype))
+            self.lm_head = dense(c.vocab_size, False, "lm_head", self.dtype,
+                                 accumulation(self.dtype, self.residual_dtype))
 
     def __call__(self, input_ids, positions, mask, num_layers: int,
                  caches: Sequence[KVCache] | None = None, cache_index=None, ablation=None):
@@ -364,9 +404,11 @@ class Qwen2(nn.Module):
         input_ids, positions: [B, S]; mask: [B, S, T] (True = may attend; without caches it must
         be causal, e.g. ``causal_mask``); ``ablation``: ``model.interventions.ablation_arrays``
         (each array's first axis the block), or None.
-        Returns (outputs of each block computed: list of [B, S, H], new caches).
+        Returns (outputs of each block computed: list of [B, S, H] in the residual dtype, new caches).
         """
         x = self.embed_tokens(input_ids)  # [B, S, H]
+        if self.residual_dtype is not None:
+            x = x.astype(self.residual_dtype)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         outputs, new_caches = [], []
         for i in range(num_layers):
@@ -387,6 +429,10 @@ class Qwen2(nn.Module):
 
     def unembed(self, h):
         """Logits [..., V] of a final-normed hidden state [..., H] (linear in it: no bias)."""
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        if self.config.tie_word_embeddings and accumulate is not None:
+            return jnp.einsum("...h,vh->...v", h.astype(self.dtype), self.embed_tokens.embedding,
+                              precision=precision_for(self.dtype), preferred_element_type=accumulate)
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(h)
         return self.lm_head(h)

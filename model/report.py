@@ -32,12 +32,31 @@ def layer_statistics(results: Sequence[PromptResult]) -> dict[int, dict[str, flo
     return stats
 
 
-def report_text(model_path: str, dtype: str, results: Sequence[PromptResult]) -> str:
+def numerics(dtype: str, residual_dtype: str) -> list[tuple[str, str]]:
+    """Which dtype each part of the forward uses, for a compute dtype and a residual stream dtype
+    (names such as ``bfloat16``), as ``model.qwen2`` computes it."""
+    wide = residual_dtype != dtype
+    return [("weights, matmul operands", dtype),
+            ("matmul accumulation and outputs", residual_dtype if wide else f"{dtype} (rounded to it)"),
+            ("residual stream: embedding output, every residual add, block outputs", residual_dtype),
+            ("RMSNorm statistics", "float32"),
+            ("RMSNorm weight applied", "float32, then one rounding to the operand" if wide
+             else f"{dtype} (normalised values rounded first)"),
+            ("rotary embedding", "float32, then one rounding to the operand" if wide else dtype),
+            ("softmax statistics (max, sum)", "float32")]
+
+
+def report_text(model_path: str, dtype: str, results: Sequence[PromptResult],
+                residual_dtype: str | None = None) -> str:
     stats = layer_statistics(results)
     bad = {layer: s["non_finite"] for layer, s in stats.items() if s["non_finite"]}
+    residual_dtype = residual_dtype or dtype
     lines = ["Model generation verification: review before deployment.",
-             f"Model: {model_path}   dtype: {dtype}   prompts: {len(results)}",
-             "NaN/Inf in activations: " + (f"YES {bad}" if bad else "none"), ""]
+             f"Model: {model_path}   dtype: {dtype}   residual stream: {residual_dtype}   prompts: {len(results)}",
+             "NaN/Inf in activations: " + (f"YES {bad}" if bad else "none"), "",
+             "--- dtypes used where ---"]
+    lines += [f"{part:<70} {used}" for part, used in numerics(dtype, residual_dtype)]
+    lines.append("")
     for r in results:
         lines += [f"=== {r.source}  prompt tokens {len(r.prompt_ids)}",
                   "--- prompt (last 300 characters) ---", r.prompt_text[-300:],

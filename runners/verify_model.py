@@ -13,6 +13,7 @@ import logging
 import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+from model.config import RESIDUAL_DTYPES
 from model.extract import Extractor, resolve_dtype, validate_layers
 from model.generate import Generator
 from model.loading import load_model
@@ -34,6 +35,8 @@ class VerifyConfig:
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers for the statistics, e.g. 6,12,18 "
                                                      "(default: all)", parse=int_list)
     dtype: str = flag("auto", "auto | float32 | bfloat16 (auto: bfloat16 on TPU/GPU, float32 on CPU)")
+    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 | compute (see "
+                               "runners.tpu_host --residual_dtype)", choices=RESIDUAL_DTYPES)
     mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)")
     output: str = flag("model_generation_verification.txt", "report path")
 
@@ -58,8 +61,10 @@ def main(argv: list[str]) -> int:
                              loaded.config)
     tokenizer = load_tokenizer(config.tokenizer or config.model_path)
     prompts = arc_prompts(config, tokenizer)
-    extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length)
-    generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length)
+    extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length,
+                                      residual_dtype=config.residual_dtype)
+    generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
+                          residual_dtype=extractor.residual_dtype)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
     stop_ids = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
                 if t is not None]
@@ -71,7 +76,7 @@ def main(argv: list[str]) -> int:
                                     tokenizer.decode(generated), bool(generated) and generated[-1] in stop_ids,
                                     activations[sample.sample_id]))
     with open(config.output, "w") as f:
-        f.write(report_text(config.model_path, jnp.dtype(dtype).name, results))
+        f.write(report_text(config.model_path, jnp.dtype(dtype).name, results, extractor.residual_dtype_name))
     print(f"wrote {config.output}")
     return 0
 

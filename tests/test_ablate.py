@@ -15,7 +15,7 @@ import pytest
 from activations.reader import load_shard
 from common.cli import UserError
 from tests.conftest import read_streams, run_cli, run_prepare
-from tests.hf_reference import intervention_hooks, load_reference, remove_hooks, relative_error
+from fixtures.hf_reference import intervention_hooks, load_reference, remove_hooks, relative_error
 from transforms.prepare import PrepareConfig
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_a_grid_over_real_arc_answers_writes_everything_and_resumes(answered_str
     # Other settings into the same output would mix two kinds of rows: refused.
     changed = ablate("--config", str(config), "--output_dir", str(out), "--max_seq_length", "1024")
     assert changed.returncode == 2
-    assert "holds results made with other settings (max_seq_length: 2048 -> 1024)" in changed.stderr
+    assert "holds results made with other settings (--max_seq_length 2048 -> 1024)" in changed.stderr
 
 
 @pytest.mark.parametrize("spec, message", [

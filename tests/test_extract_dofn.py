@@ -11,7 +11,7 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import read_streams
-from tests.hf_reference import load_reference, reference_activations, relative_error
+from fixtures.hf_reference import load_reference, reference_activations, relative_error
 from transforms.extract import REJECTED, ExtractActivations, ExtractConfig, StreamFormatError, parse_stream_line
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 from fixtures.tiny_qwen2 import write_checkpoint
 from model.generate import Generator
 from model.loading import load_model
-from tests.hf_reference import load_reference, random_sequences
+from fixtures.hf_reference import load_reference, random_sequences
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 
 from activations.reader import iter_activations, load_shard, read_activations
 from tests.conftest import REPO, read_streams, run_cli
-from tests.hf_reference import load_reference, reference_activations, relative_error
+from fixtures.hf_reference import load_reference, reference_activations, relative_error
 
 pytestmark = pytest.mark.slow
 SHARD_GB = "0.0002"  # ~200 kB: a few samples per shard with the tiny model

@@ -10,7 +10,7 @@ from common.cli import UserError
 from model.interventions import KINDS, MODES, Intervention, ablation_arrays, parse_interventions
 from model.loading import load_model
 from model.scoring import InterventionModel, scored_tokens
-from tests.hf_reference import (intervention_hooks, load_reference, random_sequences, reference_means,
+from fixtures.hf_reference import (intervention_hooks, load_reference, random_sequences, reference_means,
                                 relative_error, remove_hooks)
 
 pytestmark = pytest.mark.slow

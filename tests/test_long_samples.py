@@ -8,7 +8,7 @@ import pytest
 
 from activations.reader import iter_activations
 from tests.conftest import run_cli
-from tests.hf_reference import load_reference, random_sequences, reference_activations, relative_error
+from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 from tests.test_host import index_rows, run_with_kills, shard_contents
 from tests.test_host_errors import one_line_error
 from transforms.long_samples import SampleTooLong, fit_record, rejection

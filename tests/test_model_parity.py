@@ -6,7 +6,7 @@ import pytest
 
 from model.extract import Extractor
 from model.qwen2 import CHUNK_TOKENS, token_chunks
-from tests.hf_reference import load_reference, random_sequences, reference_activations, relative_error
+from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 
 pytestmark = pytest.mark.slow
 SHAPES = ["gqa_tied", "mha_untied_sharded", "odd"]

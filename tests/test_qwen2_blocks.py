@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from model.qwen2 import (ATTENTION_BLOCK, causal_attention, causal_mask, chunk_tokens_for,
                          dense_attention, token_chunks)
-from tests.hf_reference import relative_error
+from fixtures.hf_reference import relative_error
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, read_streams
-from tests.hf_reference import random_sequences
+from fixtures.hf_reference import random_sequences
 
 pytestmark = pytest.mark.slow
 PHASE = {"starting": 0, "loading": 1, "compiling": 2, "running": 2, "completed": 3, "stopped": 3, "failed": 3}

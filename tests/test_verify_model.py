@@ -19,6 +19,7 @@ def test_report_has_continuations_and_layer_statistics(tiny_checkpoints, qwen_to
     assert result.returncode == 0, result.stderr
     text = out.read_text()
     assert "NaN/Inf in activations: none" in text
+    assert "residual stream: float32" in text and "--- dtypes used where ---" in text
     assert text.count("=== ") == 2 and text.count("--- greedy continuation (5 tokens") == 2
     table = text.split("--- activation statistics per layer")[1].splitlines()[2:]
     assert [row.split()[0] for row in table] == ["1", "3"]

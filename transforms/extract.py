@@ -78,6 +78,7 @@ class ExtractConfig:
     batches_in_flight: int = 2             # dispatched before the oldest is copied back
     ablation: str | None = None            # an intervention to extract under (model.interventions)
     ablation_means: str | None = None      # its means file, for mode=mean
+    residual_dtype: str = "float32"        # float32 | compute (model.extract.resolve_residual_dtype)
 
 
 def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
@@ -120,7 +121,8 @@ class ExtractActivations(beam.DoFn):
         self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
                                         c.max_seq_length, activation_dtype=c.activation_dtype,
                                         attention=c.attention, batches_in_flight=c.batches_in_flight,
-                                        ablation=c.ablation, ablation_means=c.ablation_means)
+                                        ablation=c.ablation, ablation_means=c.ablation_means,
+                                        residual_dtype=c.residual_dtype)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""

@@ -1,0 +1,26 @@
+"""The settings that decide the numbers a run writes, compared when a run goes on into an output.
+
+Each runner keeps its settings with its output (the host's checkpoint, an ablation's
+``experiment.json``) and refuses to go on with other ones: the output would mix two kinds of
+numbers. A setting that the stored ones lack (output older than the setting) reads as what runs
+did before it existed (``BEFORE``), or None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# What output made before a setting existed had, given its other settings.
+BEFORE: dict[str, Callable[[dict[str, Any]], Any]] = {
+    # The residual stream was kept in the compute dtype.
+    "residual_dtype": lambda stored: stored.get("dtype"),
+}
+
+
+def changed_settings(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``--name old -> new`` for each setting of ``current`` that ``stored`` has otherwise."""
+    def before(name: str) -> Any:
+        if name in stored:
+            return stored[name]
+        return BEFORE[name](stored) if name in BEFORE else None
+    return [f"--{name} {before(name)!r} -> {value!r}" for name, value in current.items() if before(name) != value]
