@@ -15,6 +15,8 @@ BEFORE: dict[str, Callable[[dict[str, Any]], Any]] = {
     # The residual stream was kept in the compute dtype.
     "residual_dtype": lambda stored: stored.get("dtype"),
 }
+# Where a setting is stored resolved, how to ask for a value again.
+HINTS = {"residual_dtype": "--residual_dtype compute: a stream in the compute dtype; float32: in float32"}
 
 
 def changed_settings(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -23,4 +25,8 @@ def changed_settings(stored: dict[str, Any], current: dict[str, Any]) -> list[st
         if name in stored:
             return stored[name]
         return BEFORE[name](stored) if name in BEFORE else None
-    return [f"--{name} {before(name)!r} -> {value!r}" for name, value in current.items() if before(name) != value]
+
+    def change(name: str, value: Any) -> str:
+        hint = f" ({HINTS[name]})" if name in HINTS else ""
+        return f"--{name} {before(name)!r} -> {value!r}{hint}"
+    return [change(name, value) for name, value in current.items() if before(name) != value]

@@ -17,7 +17,7 @@ residual stream's: by default (None) the compute dtype, every sum rounded to it 
 bfloat16 forward does. float32 with bfloat16 compute keeps the stream in float32 (the embedding
 output, every residual add, the norms, the block outputs) while matmul operands stay bfloat16 and
 accumulate in float32 (``preferred_element_type``): the sum of a sublayer's output and the
-residual is never rounded, and error no longer grows with depth. A float32 compute dtype gives
+residual is never rounded, and the error grows far less with depth. A float32 compute dtype gives
 the same graph either way.
 
 Interventions (``model.interventions``) enter as arrays, per block: which heads, sublayers or
@@ -91,11 +91,12 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, dtype) -> jax.Array:
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                    precision: jax.lax.Precision, accumulate=None) -> jax.Array:
+                    precision: jax.lax.Precision, accumulate=None, scaled: bool = False) -> jax.Array:
     """Attention over every key at once: q [B, S, K, G, D], k, v [B, T, K, D], mask [B, S, T]
     -> [B, S, K, G, D]. Materialises all [B, K, G, S, T] scores; used with a cache, where S or T
-    is small. ``accumulate``: the dtype the matmuls accumulate in (None: q's)."""
-    q = q / math.sqrt(q.shape[-1])  # a Python scale keeps q's dtype
+    is small. ``accumulate``: the dtype the matmuls accumulate in (None: q's); ``scaled``: q comes
+    divided by sqrt(D) already."""
+    q = q if scaled else q / math.sqrt(q.shape[-1])  # a Python scale keeps q's dtype
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision,
                         preferred_element_type=accumulate)  # [B, K, G, S, T]
     probs = masked_softmax(scores, mask, q.dtype)
@@ -106,19 +107,19 @@ ATTENTION_BLOCK = 128  # queries and keys per tile: a tile's [K, G*128, 128] sco
 
 
 def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                         precision: jax.lax.Precision, accumulate=None) -> jax.Array:
+                         precision: jax.lax.Precision, accumulate=None, scaled: bool = False) -> jax.Array:
     """Causal self-attention of one sequence in tiles (flash-style online softmax):
     q [S, K, G, D], k, v [S, K, D], mask [S, S] (which must allow no future key) -> [S, K, G, D].
 
     Each block of queries walks the key blocks up to its own (the upper triangle is never
     computed) and up to the last key the mask allows (none of the padding past the sequence),
     keeping a running max and sum in float32 so the scores never exist whole. ``accumulate``: the
-    dtype the matmuls accumulate in (None: q's).
+    dtype the matmuls accumulate in (None: q's); ``scaled``: q comes divided by sqrt(D) already.
     """
     s, kv_heads, groups, d = q.shape
     block = min(s, ATTENTION_BLOCK)
     padded = -(-s // block) * block  # tiles are whole: pad, mask the extra keys, drop the queries
-    q = jnp.pad(q / math.sqrt(d), ((0, padded - s), (0, 0), (0, 0), (0, 0)))
+    q = jnp.pad(q if scaled else q / math.sqrt(d), ((0, padded - s), (0, 0), (0, 0), (0, 0)))
     q = q.transpose(1, 2, 0, 3)  # [K, G, S', D]
     k, v = (jnp.pad(x, ((0, padded - s), (0, 0), (0, 0))).transpose(1, 0, 2)
             for x in (k, v))  # [K, S', D]
@@ -160,7 +161,8 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     precision: jax.lax.Precision, mesh: Mesh | None = None, accumulate=None) -> jax.Array:
+                     precision: jax.lax.Precision, mesh: Mesh | None = None, accumulate=None,
+                     scaled: bool = False) -> jax.Array:
     """Causal self-attention: q [B, S, K, G, D], k, v [B, S, K, D], mask [B, S, S] (which must
     allow no future key) -> [B, S, K, G, D].
 
@@ -172,7 +174,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     the loop never crosses a sharded axis.
     """
     def local(q, k, v, mask):
-        return jax.lax.map(lambda row: row_causal_attention(*row, precision, accumulate), (q, k, v, mask))
+        return jax.lax.map(lambda row: row_causal_attention(*row, precision, accumulate, scaled), (q, k, v, mask))
 
     if mesh is None:
         return local(q, k, v, mask)
@@ -183,7 +185,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                    precision: jax.lax.Precision) -> jax.Array:
+                    precision: jax.lax.Precision, scaled: bool = False) -> jax.Array:
     """Causal self-attention through ``jax.nn.dot_product_attention`` (a fused kernel where the
     backend has one: cuDNN on GPU; XLA's fusion elsewhere): q [B, S, K, G, D], k, v [B, S, K, D],
     mask [B, S, S] (causal, padding keys masked) -> [B, S, K, G, D].
@@ -191,12 +193,14 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     The kernel takes the causal structure and each row's length instead of a mask, so it can skip
     masked tiles; the length is read off the mask (the keys some query may attend to). A padding
     row (length 0) gets length 1: its outputs are discarded, and no row is fully masked.
+    ``scaled``: q comes divided by sqrt(D) already.
     """
     b, s, kv_heads, groups, d = q.shape
     lengths = jnp.maximum(mask.any(axis=1).sum(axis=-1), 1).astype(jnp.int32)  # [B]
     with jax.default_matmul_precision("highest" if precision == jax.lax.Precision.HIGHEST else None):
         out = jax.nn.dot_product_attention(q.reshape(b, s, kv_heads * groups, d), k, v, is_causal=True,
-                                           key_value_seq_lengths=lengths)  # [B, S, N, D]
+                                           key_value_seq_lengths=lengths,
+                                           scale=1.0 if scaled else None)  # [B, S, N, D]
     return out.reshape(b, s, kv_heads, groups, d)
 
 
@@ -220,13 +224,16 @@ class RMSNorm(nn.Module):
         """x: [..., H] -> [..., H] in ``dtype`` (a matmul operand). ``ablation`` (keep, fill),
         scalars: unless kept, the weights become ones, or with ``fill`` their mean."""
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        wide = accumulation(self.dtype, self.residual_dtype) is not None
+        if wide:
+            weight = weight.astype(jnp.float32)
         if ablation is not None:
             keep, fill = ablation
             weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), jnp.ones_like(weight)))
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if accumulation(self.dtype, self.residual_dtype) is not None:
-            return (weight.astype(jnp.float32) * normed).astype(self.dtype)
+        if wide:
+            return (weight * normed).astype(self.dtype)
         # Hugging Face's order: the normalised values rounded to dtype, then scaled in it.
         return weight * normed.astype(self.dtype)
 
@@ -254,18 +261,20 @@ class Attention(nn.Module):
         v = project(c.num_key_value_heads * c.head_dim, True, "v_proj")(x).reshape(
             b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if accumulate is not None:  # rotated in float32, rounded once to matmul operands
+        scaled = accumulate is not None
+        if scaled:  # rotated and scaled in float32, rounded once to matmul operands
+            q = q / math.sqrt(c.head_dim)
             q, k, v = q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype)
         if cache is not None:  # write this step's keys/values, attend over the whole cache
             k = jax.lax.dynamic_update_slice(cache[0], k, (0, cache_index, 0, 0))  # [B, T, K, D]
             v = jax.lax.dynamic_update_slice(cache[1], v, (0, cache_index, 0, 0))
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
         if cache is None and self.attention == "fused":
-            out = fused_attention(q, k, v, mask, precision_for(self.dtype))
+            out = fused_attention(q, k, v, mask, precision_for(self.dtype), scaled)
         elif cache is None:
-            out = causal_attention(q, k, v, mask, precision_for(self.dtype), self.mesh, accumulate)
+            out = causal_attention(q, k, v, mask, precision_for(self.dtype), self.mesh, accumulate, scaled)
         else:
-            out = dense_attention(q, k, v, mask, precision_for(self.dtype), accumulate)  # [B, S, K, G, D]
+            out = dense_attention(q, k, v, mask, precision_for(self.dtype), accumulate, scaled)  # [B, S, K, G, D]
         out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
         self.sow("stats", "heads", out)
         if heads is not None:

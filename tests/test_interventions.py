@@ -186,7 +186,7 @@ def test_grids_expand_and_combine():
 
 
 def test_bfloat16_scores_are_float32_after_the_blocks(setup, tmp_path):
-    """In bfloat16 the residuals round, but the final norm, the LM head and the KL run in float32:
+    """In bfloat16 the matmul operands round, but the final norm, the LM head and the KL run in float32:
     the unablated model's KL from itself stays at float32 rounding, and its loss near float32's."""
     model, ref, sequences, means = setup
     path = tmp_path / "ckpt"

@@ -112,21 +112,50 @@ def lowered(extractor, dtype, residual_dtype) -> str:
     return forward.lower(params, ids, lengths, None).as_text()
 
 
-def test_matmuls_take_bfloat16_operands_and_float32_compute_is_unchanged(exact_model):
+def decode_step_lowered(model_dir: str, residual_dtype) -> str:
+    """One cached decoding step and its logits (the generation path: attention over a cache, the
+    LM head), in bfloat16."""
+    loaded = load_model(model_dir, jnp.float32, "1d", with_head=True, devices=jax.devices()[:1])
+    c = loaded.config
+    model = Qwen2(c, jnp.bfloat16, residual_dtype=residual_dtype)
+    cache = jax.ShapeDtypeStruct((1, 64, c.num_key_value_heads, c.head_dim), jnp.bfloat16)  # [B, T, K, D]
+
+    def step(params, token, caches):
+        mask = (jnp.arange(64) <= 3)[None, None, :]  # [1, 1, T]
+        outputs, _ = model.apply({"params": params}, token, jnp.full((1, 1), 3), mask, c.num_hidden_layers,
+                                 caches, 3)
+        return model.apply({"params": params}, outputs[-1], method=Qwen2.logits)  # [1, 1, V]
+
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), loaded.params)
+    caches = [(cache, cache)] * c.num_hidden_layers
+    return jax.jit(step).lower(params, jax.ShapeDtypeStruct((1, 1), jnp.int32), caches).as_text()
+
+
+def dot_dtypes(program: str) -> list[tuple[str, str, str]]:
+    """(operand, operand, result) element types of every dot_general of a lowered program."""
+    return re.findall(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) -> "
+                      r"tensor<[^>]*x(\w+)>", program)
+
+
+def test_matmuls_take_bfloat16_operands_and_float32_compute_is_unchanged(exact_model, tiny_checkpoints):
     extractor = Extractor.load(exact_model, dtype="float32", max_seq_length=64, devices=jax.devices()[:1])
     assert lowered(extractor, jnp.float32, jnp.float32) == lowered(extractor, jnp.float32, None)
-    mixed = lowered(extractor, jnp.bfloat16, jnp.float32)
-    dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) -> tensor<[^>]*x(\w+)>",
-                      mixed)
-    # Per block q, k, v, o, gate, up, down and attention's two: every operand bfloat16, every sum float32.
-    assert len(dots) >= 9 * 4 and {(a, b) for a, b, _ in dots} == {("bf16", "bf16")}
-    assert {result for _, _, result in dots} == {"f32"}
+    # Per block q, k, v, o, gate, up, down and attention's two: every operand bfloat16, every
+    # result float32 with a float32 stream, bfloat16 (rounded, as before) with compute.
+    for residual_dtype, result in ((jnp.float32, "f32"), (None, "bf16")):
+        dots = dot_dtypes(lowered(extractor, jnp.bfloat16, residual_dtype))
+        assert len(dots) >= 9 * 4 and set(dots) == {("bf16", "bf16", result)}, residual_dtype
+    # Generation: a cached step and the LM head, tied (an einsum on the embedding) and untied.
+    for model_dir in (exact_model, tiny_checkpoints["mha_untied_sharded"]):
+        dots = dot_dtypes(decode_step_lowered(model_dir, jnp.float32))
+        assert len(dots) >= 9 * 4 + 1 and set(dots) == {("bf16", "bf16", "f32")}, model_dir
 
 
 def test_changed_settings_read_output_from_before_the_flag_as_the_compute_dtype():
     old_bf16 = {"dtype": "bfloat16", "layers_to_extract": [1]}
     assert changed_settings(old_bf16, {"dtype": "bfloat16", "residual_dtype": "float32"}) == \
-        ["--residual_dtype 'bfloat16' -> 'float32'"]
+        ["--residual_dtype 'bfloat16' -> 'float32' (--residual_dtype compute: a stream in the compute dtype; "
+         "float32: in float32)"]
     assert changed_settings(old_bf16, {"dtype": "bfloat16", "residual_dtype": "bfloat16"}) == []
     assert changed_settings({"dtype": "float32"}, {"dtype": "float32", "residual_dtype": "float32"}) == []
     assert changed_settings({}, {"ablate": None}) == []
@@ -139,7 +168,7 @@ def test_the_runner_records_the_residual_dtype_and_keeps_it_on_resume(arc_stream
     assert (metadata["compute_dtype"], metadata["residual_dtype"], metadata["dtype"]) == \
         ("bfloat16", "float32", "float32")
     one_line_error(run_host_cli(*args, "--residual_dtype", "compute", "--max_samples", "3"),
-                   "other settings (--residual_dtype 'float32' -> 'bfloat16')")
+                   "other settings (--residual_dtype 'float32' -> 'bfloat16' (--residual_dtype compute: ")
     # float32 compute keeps a float32 stream whatever the flag says: the same output, it goes on.
     assert run_host_cli(*host_args(arc_streams, tmp_path / "f32", 0, exact_model), "--max_samples", "2").returncode == 0
     assert run_host_cli(*host_args(arc_streams, tmp_path / "f32", 0, exact_model), "--residual_dtype", "compute",
