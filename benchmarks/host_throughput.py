@@ -44,7 +44,7 @@ def arc_stream_and_model(work: str, num_samples: int, max_seq_length: int, model
     ``model_dir`` unless it is there; returns the stream's path."""
     from common.beam_pipeline import make_pipeline, pipeline_options
     from fixtures.qwen_tokenizer import cached_tokenizer_dir
-    from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
+    from fixtures.tiny_models import QWEN2_5_0_5B, write_checkpoint
     from transforms.prepare import Prepare, PrepareConfig, resolve_plan
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         write_checkpoint(model_dir, seed=0, **QWEN2_5_0_5B)

@@ -25,14 +25,15 @@ import subprocess
 import sys
 import tempfile
 
-from extraction_throughput import LAYERS, arc_prompts, time_ours  # this folder: run as a script
+from extraction_throughput import arc_prompts, quarter_layers, time_ours  # this folder: run as a script
 
 MODES = ("compute", "float32")
+LAYERS = quarter_layers(24)  # of Qwen2.5-0.5B: 6, 12, 18, 23
 
 
 def accuracy(depth: int) -> None:
     import jax
-    from fixtures.tiny_qwen2 import write_checkpoint
+    from fixtures.tiny_models import write_checkpoint
     from model.extract import Extractor
     from fixtures.hf_reference import load_reference, max_relative_error, reference_activations, relative_error
     model_dir = write_checkpoint(tempfile.mkdtemp(prefix="bf16_exact_"), seed=0, bfloat16_exact=True,
@@ -76,7 +77,7 @@ def measure(mode: str, model_dir: str, num_samples: int, max_seq_length: int, ba
 
 
 def cost(args: argparse.Namespace) -> None:
-    from fixtures.tiny_qwen2 import QWEN2_5_0_5B, write_checkpoint
+    from fixtures.tiny_models import QWEN2_5_0_5B, write_checkpoint
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
         write_checkpoint(args.model_dir, seed=0, **QWEN2_5_0_5B)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}

@@ -36,7 +36,7 @@ from common.files import read_range
 def real_activations() -> list[np.ndarray]:
     """Activations of the tiny random Qwen2 (all 4 layers) on the first ARC-AGI-1 prompts."""
     from fixtures.qwen_tokenizer import cached_tokenizer_dir
-    from fixtures.tiny_qwen2 import write_checkpoint
+    from fixtures.tiny_models import write_checkpoint
     from model.extract import Extractor
     from transforms.prepare import tokenized_source
     from transforms.tokenize import load_tokenizer

@@ -65,9 +65,10 @@ class HostConfig:
                                       "'' turns it off")
     profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
     profile_batches: int = flag(3, "batches traced with --profile_dir, after the first (compiling) one")
-    attention: str = flag("auto", "attention kernel: auto (tiled on CPU, fused on TPU/GPU) | tiled "
-                          "(per-row tiles with an online softmax) | fused (jax.nn.dot_product_attention "
-                          "with causal masking and per-row lengths)", choices=ATTENTION_KINDS)
+    attention: str = flag("auto", "attention kernel: auto (tiled on CPU, fused on TPU/GPU; tiled for "
+                          "soft-capped attention, Gemma 2) | tiled (per-row tiles with an online softmax) | "
+                          "fused (jax.nn.dot_product_attention with causal masking, per-row lengths and "
+                          "the sliding window)", choices=ATTENTION_KINDS)
     batches_in_flight: int = flag(2, "batches dispatched before the oldest one's activations are "
                                   "copied back, so transfers overlap compute (1: synchronous)")
     distributed: str = flag("auto", "one machine made of several processes (a multi-host TPU slice: "

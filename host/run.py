@@ -54,8 +54,9 @@ from host.storage import GcsStore
 from host.stream import check_lengths, count_records, stream_records
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
+from model.attention import attention_for
 from model.checkpoint import resolve_model_dir
-from model.config import Qwen2Config, load_config
+from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
 from model.sharding import make_mesh
@@ -156,10 +157,17 @@ def run_host(config: HostConfig) -> int:
     """One machine's run (or this host's process of it), reported in ``status.json`` from the
     moment its directory exists."""
     config.validate()
+    check_model(config)
     config = dataclasses.replace(config, machine_id=resolve_machine_id(config.machine_id))
     if distributed.wants_distributed(config):
         return run_watched(config, run_process, record_death)
     return run_process(config)
+
+
+def check_model(config: HostConfig) -> None:
+    """An unsupported architecture or option, or a kernel the model cannot use, fails as one line
+    before anything is created."""
+    attention_for(None, config.attention, load_config(resolve_model_dir(config.model_path)))
 
 
 def run_process(config: HostConfig, placement: Placement | None = None) -> int:
@@ -371,7 +379,7 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress,
     return True
 
 
-def output_settings(config: HostConfig, model: Qwen2Config) -> dict[str, Any]:
+def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
     """The flags that decide what a run stores, resolved (``auto``, all layers); a resumed run
     must keep them."""
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
@@ -410,7 +418,7 @@ def _metadata(config: HostConfig, extractor, ablation: str | None) -> dict[str, 
             "model": config.model_path, "layers": list(extractor.layers),
             "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
             "residual_dtype": extractor.residual_dtype_name,
-            "hidden_size": extractor.config.hidden_size,
+            "hidden_size": extractor.config.hidden_size, "model_type": extractor.config.model_type,
             "num_hidden_layers": extractor.config.num_hidden_layers, "compressed": config.compress_shards,
             "stream": config.stream_path, "attention": extractor.attention_kind,
             "process_id": config.process_id if config.multi_process else None,

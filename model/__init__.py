@@ -1,1 +1,2 @@
-"""Qwen2 in Flax/JAX: config, safetensors loading, device-mesh sharding and the extraction forward."""
+"""One decoder for every supported family in Flax/JAX: config (``families/`` read Hugging Face configs),
+safetensors loading, device-mesh sharding, the extraction forward, scoring, interventions, generation."""

@@ -1,92 +1,103 @@
-"""The Qwen2 architecture hyper-parameters, read from a Hugging Face ``config.json``.
+"""One decoder configuration for every supported family, read from a Hugging Face ``config.json``.
 
-Options this implementation does not support (sliding-window attention, rope scaling, another
-architecture) raise ``UserError`` instead of being silently ignored.
+``DecoderConfig`` holds the shapes and the switches by which the families differ (biases, q/k
+norms, query scale, soft-capping, sliding windows, RoPE per layer type, the norm's form and
+placement, the MLP's activation, embedding scaling); each switch's default is Llama's. The
+family files in ``model/families/`` map a ``config.json`` onto it, in either layout users have
+(the hub's, written by transformers 4.4x, and transformers 5's), and refuse with one line any
+option that would change the computation and is not implemented. Nothing outside the config
+reading and the weight loading knows which family a model is.
+
+This module imports no JAX: flag parsers read its constants.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from typing import Any
 
 from common.cli import UserError
 
-# The attention kernels of a forward without a cache (``model.qwen2.attention_for``); here, where
-# the flag parsers can read them without importing JAX.
+# The attention kernels of a forward without a cache (``model.attention.attention_for``).
 ATTENTION_KINDS = ("auto", "tiled", "fused")
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
-
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2Model")
+FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
+ROPE_KINDS = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2Config:
-    """Hyper-parameters of a Qwen2-family decoder (names as in Hugging Face's config)."""
+class RoPE:
+    """The rotary embedding of one layer type (transformers' ``rope_parameters``)."""
+    theta: float
+    kind: str = "default"               # default | linear | llama3
+    factor: float = 1.0                 # linear, llama3: frequencies divided by it
+    low_freq_factor: float = 1.0        # llama3: wavelengths past context/low are divided by factor
+    high_freq_factor: float = 4.0       # llama3: wavelengths under context/high are kept
+    original_max_position_embeddings: int = 8192  # llama3: the context the factors refer to
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """A pre-norm decoder: embedding, blocks of attention and a gated MLP, final norm, LM head.
+
+    Names as in Hugging Face's configs where one exists."""
+    model_type: str                      # the family, as config.json names it (for reports)
     vocab_size: int
-    hidden_size: int            # residual stream width
-    intermediate_size: int      # SwiGLU width
+    hidden_size: int                     # residual stream width
+    intermediate_size: int               # gated MLP width
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int    # < num_attention_heads for grouped-query attention
-    head_dim: int               # hidden_size // num_attention_heads unless given
-    rope_theta: float
+    num_key_value_heads: int             # < num_attention_heads for grouped-query attention
+    head_dim: int                        # may differ from hidden_size // num_attention_heads
     rms_norm_eps: float
-    tie_word_embeddings: bool
+    tie_word_embeddings: bool            # LM head = the embedding matrix
     max_position_embeddings: int
+    rope: RoPE                           # RoPE of full-attention layers (of every layer unless sliding_rope)
+    # The switches; each default is Llama's.
+    qkv_bias: bool = False               # q, k, v projections have biases (Qwen2; Llama's attention_bias)
+    o_bias: bool = False                 # the output projection has one (Llama's attention_bias)
+    mlp_bias: bool = False               # gate, up and down projections have biases (Llama's mlp_bias)
+    qk_norm: bool = False                # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt (Gemma); None: head_dim's
+    attn_logit_softcap: float | None = None     # scores -> tanh(scores / c) * c before the mask (Gemma 2)
+    final_logit_softcap: float | None = None    # the same on the LM head's logits (Gemma 2)
+    sliding_window: int | None = None    # keys a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()    # per block, FULL or SLIDING; () is every block FULL
+    sliding_rope: RoPE | None = None     # RoPE of sliding layers when it differs (Gemma 3's local base)
+    norm_unit_offset: bool = False       # RMSNorm scales by (1 + w), in float32 (Gemma)
+    sandwich_norms: bool = False         # norms on the attention and MLP outputs too (Gemma 2, 3)
+    hidden_act: str = "silu"             # the MLP gate's activation: silu | gelu_pytorch_tanh
+    scale_embeddings: bool = False       # embeddings x sqrt(hidden_size), rounded to the dtype (Gemma)
 
     @property
     def kv_groups(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def query_scale_divisor(self) -> float:
+        """What q . k is divided by: sqrt(head_dim), or sqrt(query_pre_attn_scalar)."""
+        return math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
-def _rope(raw: dict[str, Any]) -> float:
-    """rope_theta from either config style (top level, or transformers 5's ``rope_parameters``)."""
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UserError(f"unsupported rope scaling type {rope_type!r} (only default RoPE is implemented)")
-    theta = params.get("rope_theta", raw.get("rope_theta"))
-    if theta is None:
-        raise UserError("config has no rope_theta")
-    return float(theta)
+    def window(self, layer: int) -> int | None:
+        """Block ``layer``'s sliding window (None: it attends to every earlier key)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
 
-
-def config_from_dict(raw: dict[str, Any]) -> Qwen2Config:
-    """A ``Qwen2Config`` from the parsed ``config.json``; unsupported options are errors."""
-    architectures = raw.get("architectures") or []
-    if raw.get("model_type") != "qwen2" or any(a not in SUPPORTED_ARCHITECTURES for a in architectures):
-        raise UserError(f"unsupported architecture {architectures or raw.get('model_type')!r}: "
-                        "only Qwen2 (model_type qwen2) is implemented")
-    if raw.get("use_sliding_window"):
-        raise UserError("sliding-window attention (use_sliding_window: true) is not implemented")
-    try:
-        heads = int(raw["num_attention_heads"])
-        config = Qwen2Config(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            rope_theta=_rope(raw),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        )
-    except KeyError as e:
-        raise UserError(f"config.json has no {e.args[0]!r}") from None
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise UserError(f"num_attention_heads {heads} is not a multiple of "
-                        f"num_key_value_heads {config.num_key_value_heads}")
-    return config
+    def rope_of(self, layer: int) -> RoPE:
+        """Block ``layer``'s rotary embedding."""
+        return self.sliding_rope if self.window(layer) is not None and self.sliding_rope else self.rope
 
 
-def load_config(model_dir: str | os.PathLike) -> Qwen2Config:
+def config_from_dict(raw: dict) -> DecoderConfig:
+    """A ``DecoderConfig`` from a parsed ``config.json``; ``UserError`` names what is not supported."""
+    from model.families import read_family_config
+    return read_family_config(raw)
+
+
+def load_config(model_dir: str | os.PathLike) -> DecoderConfig:
     """The config of a local checkpoint directory."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
@@ -96,4 +107,6 @@ def load_config(model_dir: str | os.PathLike) -> Qwen2Config:
             raw = json.load(f)
         except json.JSONDecodeError as e:
             raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} is not a JSON object")
     return config_from_dict(raw)

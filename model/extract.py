@@ -30,9 +30,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
 from model.checkpoint import resolve_model_dir
-from model.config import RESIDUAL_DTYPES, Qwen2Config, load_config
+from model.attention import attention_for, causal_mask
+from model.config import RESIDUAL_DTYPES, DecoderConfig, load_config
 from model.loading import LoadedModel, load_model
-from model.qwen2 import Qwen2, attention_for, causal_mask, chunk_tokens_for
+from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
 
 T = TypeVar("T")
@@ -40,7 +41,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ACTIVATION_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
-def validate_layers(layers: Sequence[int], config: Qwen2Config) -> tuple[int, ...]:
+def validate_layers(layers: Sequence[int], config: DecoderConfig) -> tuple[int, ...]:
     """Sorted unique layer indices, each a block of this model; ``UserError`` otherwise."""
     n = config.num_hidden_layers
     bad = [layer for layer in layers if not 0 <= layer < n]
@@ -51,7 +52,7 @@ def validate_layers(layers: Sequence[int], config: Qwen2Config) -> tuple[int, ..
     return tuple(sorted(set(layers)))
 
 
-def intervention_for(spec: str | None, means_path: str | None, config: Qwen2Config, num_layers: int):
+def intervention_for(spec: str | None, means_path: str | None, config: DecoderConfig, num_layers: int):
     """The intervention ``spec`` (``--ablate``) on a model computing ``num_layers`` blocks (None
     for none); ``UserError`` for a bad spec, one acting past the last block computed, means
     missing or means without a spec."""
@@ -71,7 +72,7 @@ def intervention_for(spec: str | None, means_path: str | None, config: Qwen2Conf
     return intervention
 
 
-def ablation_for(spec: str | None, means_path: str | None, config: Qwen2Config,
+def ablation_for(spec: str | None, means_path: str | None, config: DecoderConfig,
                  num_layers: int) -> dict[str, np.ndarray] | None:
     """The arrays of the intervention ``spec`` over the blocks computed (None for none)."""
     intervention = intervention_for(spec, means_path, config, num_layers)
@@ -92,7 +93,7 @@ def resolve_dtype(name: str) -> Any:
 
 
 def resolve_residual_dtype(name: str) -> Any:
-    """The residual stream's dtype for ``Qwen2``: ``float32`` (with bfloat16 compute, matmul
+    """The residual stream's dtype for ``Decoder``: ``float32`` (with bfloat16 compute, matmul
     operands stay bfloat16 and accumulate in float32), or None for ``compute`` (the compute dtype,
     every sum rounded to it, as Hugging Face's bfloat16 forward does)."""
     if name not in RESIDUAL_DTYPES:
@@ -128,16 +129,16 @@ class ForwardObserver:
         return contextlib.nullcontext()
 
 
-def make_forward(config: Qwen2Config, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
+def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
     """jit(params, input_ids [B, S], lengths [B], ablation) -> activations [len(layers), B, S, H].
 
     ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer.
-    ``attention``: auto | tiled | fused (``model.qwen2.attention_for``). ``ablation``: None, or the
+    ``attention``: auto | tiled | fused (``model.attention.attention_for``). ``ablation``: None, or the
     arrays of an intervention (``model.interventions.ablation_arrays``). ``residual_dtype``: see
     ``resolve_residual_dtype`` (None: the compute dtype)."""
-    model = Qwen2(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention),
-                  residual_dtype)
+    model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config),
+                    residual_dtype)
     num_layers = max(layers) + 1
 
     def forward(params, input_ids, lengths, ablation):
@@ -179,7 +180,7 @@ class InFlight:
 @dataclasses.dataclass
 class Extractor:
     """A loaded model ready to extract; build it with ``Extractor.load``."""
-    config: Qwen2Config
+    config: DecoderConfig
     params: dict
     mesh: Mesh
     layers: tuple[int, ...]
@@ -187,7 +188,7 @@ class Extractor:
     batch_size: int               # global: per-device batch size x data axis
     buckets: tuple[int, ...]
     activation_dtype: Any = None  # dtype of the returned arrays (default: the residual dtype)
-    attention: str = "auto"       # auto | tiled | fused (model.qwen2.attention_for)
+    attention: str = "auto"       # auto | tiled | fused (model.attention.attention_for)
     batches_in_flight: int = 2    # dispatched and not yet copied back (1: synchronous)
     ablation: dict[str, np.ndarray] | None = None  # an intervention's arrays (model.interventions)
     residual_dtype: Any = None    # resolve_residual_dtype: float32, or None for the compute dtype
@@ -209,6 +210,7 @@ class Extractor:
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
+        attention_for(None, attention, config)  # a kernel the model cannot use fails before it loads
         arrays = ablation_for(ablation, ablation_means, config, max(layers) + 1)
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=max(layers) + 1, devices=devices)
@@ -225,6 +227,7 @@ class Extractor:
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
+        attention_for(loaded.mesh, attention, loaded.config)
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
@@ -239,7 +242,7 @@ class Extractor:
     @property
     def attention_kind(self) -> str:
         """The attention kernel ``attention`` resolves to on this mesh (tiled | fused)."""
-        return attention_for(self.mesh, self.attention)
+        return attention_for(self.mesh, self.attention, self.config)
 
     @functools.cached_property
     def _forward(self):

@@ -2,7 +2,8 @@
 
 The prompt is run once (prefill, padded to its length bucket) writing every block's keys and
 values into a cache of ``cache_length`` positions; each new token then runs one position through
-the blocks, attending to the cache up to its own position.
+the blocks, attending to the cache up to its own position (on a sliding layer, no further back
+than its window: ``model.attention.windowed``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.buckets import bucket_for, bucket_lengths
-from model.config import Qwen2Config
-from model.qwen2 import Qwen2, causal_mask
+from model.attention import causal_mask
+from model.config import DecoderConfig
+from model.decoder import Decoder
 
 
 class Generator:
     """Greedy generation for one prompt at a time (batch 1), compiled once per prompt bucket."""
 
-    def __init__(self, config: Qwen2Config, params: dict, dtype: Any, cache_length: int = 1024,
+    def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
                  residual_dtype: Any = None):
         """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
         None: the compute dtype). The cache holds keys and values in the compute dtype."""
@@ -30,7 +32,7 @@ class Generator:
         self.params = params
         self.dtype = dtype
         self.cache_length = cache_length
-        self.model = Qwen2(config, dtype, residual_dtype=residual_dtype)
+        self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
 
     def _empty_cache(self):
@@ -50,7 +52,7 @@ class Generator:
         outputs, caches = self.model.apply({"params": params}, input_ids, positions, mask,
                                            self.config.num_hidden_layers, caches, 0)
         last = jax.lax.dynamic_index_in_dim(outputs[-1][0], length - 1, keepdims=False)  # [H]
-        return self.model.apply({"params": params}, last, method=Qwen2.logits), caches
+        return self.model.apply({"params": params}, last, method=Decoder.logits), caches
 
     @functools.partial(jax.jit, static_argnums=0)
     def _step(self, params, token, position, caches):
@@ -59,7 +61,7 @@ class Generator:
         outputs, caches = self.model.apply({"params": params}, token.reshape(1, 1),
                                            position.reshape(1, 1), mask,
                                            self.config.num_hidden_layers, caches, position)
-        return self.model.apply({"params": params}, outputs[-1][0, 0], method=Qwen2.logits), caches
+        return self.model.apply({"params": params}, outputs[-1][0, 0], method=Decoder.logits), caches
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int,
                  stop_ids: Sequence[int] = ()) -> list[int]:

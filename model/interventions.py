@@ -3,13 +3,17 @@ compiled forward takes for one intervention.
 
     head:L.H    attention head H of block L: its slice of the o_proj input
     layer:L     block L skipped: the residual passes through it unchanged
-    attn:L      block L's attention output (added to the residual)
-    mlp:L       block L's MLP output
-    norm:L      block L's two RMSNorm weight vectors
+    attn:L      block L's attention output, as added to the residual (after the
+                post-attention norm in a sandwich block: Gemma 2, 3)
+    mlp:L       block L's MLP output, likewise (after the post-feedforward norm)
+    norm:L      every RMSNorm weight vector of block L: the pre-attention and pre-MLP norms,
+                the post-attention and post-feedforward norms of a sandwich block, and the
+                q/k norms (Qwen3, Gemma 3)
 
 Each is followed by ``:mode=zero`` (the default) or ``:mode=mean``, and several joined by ``+``
 form one intervention (``head:3.1+head:3.2``). ``zero`` removes the component: zeros for a head,
-attn or mlp output, the bare residual for a layer, and weights of ones for a norm. ``mean``
+attn or mlp output, the bare residual for a layer, and a neutral weight for a norm (the norm
+then only divides by the RMS: w = 1 for x * w, w = 0 for Gemma's x * (1 + w)). ``mean``
 replaces it by its mean over the stream's real tokens under the unablated model (``Means``,
 computed by a first pass): a head's output, a sublayer's output, a block's contribution
 (output - input); for a norm, each weight vector's own mean.
@@ -35,7 +39,7 @@ import numpy as np
 
 from common.cli import UserError
 from common.files import read_optional, write_bytes
-from model.config import Qwen2Config
+from model.config import DecoderConfig
 
 KINDS = ("head", "layer", "attn", "mlp", "norm")
 MODES = ("zero", "mean")
@@ -133,7 +137,7 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int) -
     return list(out.values())
 
 
-def parse_one(spec: str, config: Qwen2Config) -> Intervention:
+def parse_one(spec: str, config: DecoderConfig) -> Intervention:
     """One intervention (``runners.tpu_host --ablate``): a spec that expands to several is refused."""
     found = parse_interventions([spec], config.num_hidden_layers, config.num_attention_heads)
     if len(found) != 1:
@@ -173,7 +177,7 @@ class Means:
         except Exception as e:  # not an npz, truncated, keys missing
             raise UserError(f"{path!r} is not a means file of runners.ablate: {e}") from None
 
-    def check(self, config: Qwen2Config, num_layers: int) -> None:
+    def check(self, config: DecoderConfig, num_layers: int) -> None:
         """``UserError`` unless these are means of this model's shape."""
         c = config
         expected = {"head": (c.num_attention_heads, c.head_dim), "attn": (c.hidden_size,),
@@ -185,11 +189,11 @@ class Means:
                                 f"({num_layers} blocks, per block {shape})")
 
 
-def ablation_arrays(intervention: Intervention, config: Qwen2Config, num_layers: int,
+def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layers: int,
                     means: Means | None = None) -> dict[str, np.ndarray]:
     """The forward's inputs for one intervention over blocks ``0..num_layers-1``: per block which
     heads / sublayers / the block itself / its norms are kept, what replaces each one that is not
-    (``*_fill``: its mean, else zero or ones), and the means. Shapes depend on the model only."""
+    (``*_fill``: its mean, else zero, or a neutral norm weight), and the means. Shapes depend on the model only."""
     if intervention.needs_means and means is None:
         raise ValueError(f"{intervention.name} replaces by means: they are needed")
     n, d, h = config.num_attention_heads, config.head_dim, config.hidden_size

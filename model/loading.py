@@ -8,14 +8,14 @@ from typing import Any
 from jax.sharding import Mesh
 
 from model.checkpoint import Checkpoint, resolve_model_dir
-from model.config import Qwen2Config, load_config
+from model.config import DecoderConfig, load_config
 from model.params import load_params
 from model.sharding import make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    config: Qwen2Config
+    config: DecoderConfig
     mesh: Mesh
     params: dict
     dtype: Any

@@ -34,7 +34,7 @@ def layer_statistics(results: Sequence[PromptResult]) -> dict[int, dict[str, flo
 
 def numerics(dtype: str, residual_dtype: str) -> list[tuple[str, str]]:
     """Which dtype each part of the forward uses, for a compute dtype and a residual stream dtype
-    (names such as ``bfloat16``), as ``model.qwen2`` computes it."""
+    (names such as ``bfloat16``), as ``model.decoder`` computes it."""
     wide = residual_dtype != dtype
     return [("weights, matmul operands", dtype),
             ("matmul accumulation and outputs", residual_dtype if wide else f"{dtype} (rounded to it)"),

@@ -4,7 +4,8 @@ Four compiled functions, each once per batch shape (rows, length bucket), whatev
 intervention (its arrays are inputs, see ``model.interventions``):
   * ``residuals``: every block's output [L, B, S, H] under an intervention;
   * ``unablated``: once per batch, what the unablated next-token distribution contributes to a
-    KL divergence, so that each intervention needs one pass over the vocabulary, not two;
+    KL divergence, so that each intervention needs one pass over the vocabulary, not two (where
+    the logits are linear in the hidden state; a soft-capped head, Gemma 2's, takes two);
   * ``scores``: from an intervention's residuals and the unablated ones, per sample: next-token
     loss and accuracy on the scored tokens (final norm and LM head applied), the KL divergence
     of the unablated next-token distribution from the ablated one on the same tokens, and per
@@ -32,7 +33,8 @@ from model.buckets import bucket_for, bucket_lengths
 from model.extract import Extractor, make_forward, placed
 from model.interventions import Means
 from model.loading import LoadedModel
-from model.qwen2 import Qwen2, attention_for, causal_mask, chunk_tokens_for
+from model.attention import attention_for, causal_mask
+from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
 
 # Positions whose [rows, chunk, vocabulary] logits exist at once: on CPU few, so that they stay in
@@ -64,7 +66,7 @@ class Unablated:
     targets: tuple[jax.Array, ...]     # predictors, targets, weights [B, P]
     normed: jax.Array                  # [B, P, H] final-normed hidden state at the predicting positions
     lse: jax.Array                     # [B, P] logsumexp of the logits there
-    expected: jax.Array                # [B, P, H] sum_v p0 dl_v/dh
+    expected: jax.Array                # [B, P, H] sum_v p0 dl_v/dh ([B, P, 0] for a soft-capped head)
 
 
 @dataclasses.dataclass
@@ -91,11 +93,12 @@ class InterventionModel:
         # Batching, bucketing, padding and the forward are extraction's, with every block kept.
         self.extractor = Extractor.from_loaded(loaded, range(c.num_hidden_layers), batch_size_per_device,
                                                max_seq_length, attention=attention, residual_dtype=residual_dtype)
-        self.model = Qwen2(c, loaded.dtype, loaded.mesh, chunk_tokens_for(loaded.mesh),
-                           attention_for(loaded.mesh, attention), self.extractor.residual_dtype)
+        self.model = Decoder(c, loaded.dtype, loaded.mesh, chunk_tokens_for(loaded.mesh),
+                             attention_for(loaded.mesh, attention, c), self.extractor.residual_dtype)
         # Scores are float32 whatever the compute dtype: the final norm and LM head run on
         # float32 values of the weights, at full matmul precision (a KL is a small difference).
-        self.head = Qwen2(c, jnp.float32)
+        self.head = Decoder(c, jnp.float32)
+        self.linear_head = c.final_logit_softcap is None  # logits linear in the hidden state
         self._compiled: dict[tuple[str, int, int], Any] = {}
         self.compiles, self.compile_s = 0, 0.0
         self._functions = {"residuals": self._residuals_fn(), "unablated": self._unablated_fn(),
@@ -108,11 +111,11 @@ class InterventionModel:
                             attention=self.extractor.attention, residual_dtype=self.extractor.residual_dtype)
 
     def _final_norm(self, params, x):
-        return self.head.apply({"params": params}, x.astype(jnp.float32), method=Qwen2.final_norm)
+        return self.head.apply({"params": params}, x.astype(jnp.float32), method=Decoder.final_norm)
 
     def _unembed(self, params, h):
         with jax.default_matmul_precision("highest"):
-            return self.head.apply({"params": params}, h, method=Qwen2.unembed)
+            return self.head.apply({"params": params}, h, method=Decoder.unembed)
 
     def _logit_chunks(self, p: int) -> int:
         return _chunk(p, LOGIT_CHUNK_CPU if self.mesh.devices.flat[0].platform == "cpu" else LOGIT_CHUNK_ACCELERATOR)
@@ -124,13 +127,16 @@ class InterventionModel:
             e0 = sum_v p0 dl_v/dh [B, P, H]. The logits are linear in h (l = W h), so
             sum_v p0 (l0 - l1) = e0 . (h0 - h1) and an intervention's KL(p0 || p1) is
             e0 . (h0 - h1) - lse0 + lse1, with no second pass over the vocabulary (and no
-            difference of two large sums but the logsumexps')."""
+            difference of two large sums but the logsumexps'). A soft-capped head's logits are
+            not linear in h: its KL recomputes l0 in ``scores``, and e0 is left empty."""
             p = predictors.shape[1]
             chunk = self._logit_chunks(p)
             normed = self._final_norm(params, _gathered(base[-1], predictors))  # [B, P, H] float32
 
             def chunk_of(i):
                 h = jax.lax.dynamic_slice_in_dim(normed, i * chunk, chunk, axis=1)  # [B, C, H]
+                if not self.linear_head:
+                    return jax.nn.logsumexp(self._unembed(params, h), axis=-1), h[..., :0]
                 logits, pullback = jax.vjp(lambda h: self._unembed(params, h), h)   # [B, C, V]
                 lse = jax.nn.logsumexp(logits, axis=-1)
                 return lse, pullback(jnp.exp(logits - lse[..., None]))[0]
@@ -157,8 +163,14 @@ class InterventionModel:
                 nll = lse - jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
                 hit = (jnp.argmax(logits, axis=-1) == target).astype(jnp.float32)
                 # KL(p0 || p1) = sum p0 (l0 - lse0 - l1 + lse1) = e0 . (h0 - h1) - lse0 + lse1
-                kl = jnp.einsum("bch,bch->bc", window(expected), window(normed0) - h,
-                                precision=jax.lax.Precision.HIGHEST) - window(lse0) + lse
+                if self.linear_head:
+                    shift = jnp.einsum("bch,bch->bc", window(expected), window(normed0) - h,
+                                       precision=jax.lax.Precision.HIGHEST)
+                else:  # sum p0 (l0 - l1), with l0 computed again
+                    logits0 = self._unembed(params, window(normed0))
+                    p0 = jnp.exp(logits0 - window(lse0)[..., None])
+                    shift = (p0 * (logits0 - logits)).sum(-1)
+                kl = shift - window(lse0) + lse
                 return jnp.stack([(nll * weight).sum(1), (hit * weight).sum(1), (kl * weight).sum(1)])
 
             sums = jax.lax.map(chunk_sums, jnp.arange(p // chunk)).sum(0)  # [3, B]

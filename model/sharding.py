@@ -3,7 +3,9 @@
 The mesh always has the axes ``("data", "model")``:
   * ``1d``: ``(devices, 1)``: pure data parallelism, parameters replicated;
   * ``2d``: ``(devices / m, m)``: projections split over ``model`` (q/k/v, gate/up by output
-    column; o/down by input row), the embedding by vocabulary row, batches over ``data``.
+    column; o/down by input row), the embedding by vocabulary row, batches over ``data``. The
+    attention projections split by whole heads only: where ``m`` does not divide the heads (a
+    model with a single key/value head, say) those heads are replicated.
 Over several processes (a multi-host slice) the mesh spans every process's devices, grouped by
 process, and ``m`` divides each process's device count: the ``model`` axis never leaves a host
 (its collectives stay on the chip interconnect) and ``data`` spans the hosts.
@@ -20,14 +22,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from common.cli import UserError
-from model.config import Qwen2Config
+from model.config import DecoderConfig
 
 MESH_TYPES = ("1d", "2d")
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROW_SPLIT = ("o_proj", "down_proj")
 
 
-def make_mesh(mesh_type: str, config: Qwen2Config, model_axis_size: int | None = None,
+def make_mesh(mesh_type: str, config: DecoderConfig, model_axis_size: int | None = None,
               devices: list | None = None) -> Mesh:
     """A ``("data", "model")`` mesh over ``devices`` (default: every process's)."""
     devices = sorted(devices if devices is not None else jax.devices(),
@@ -45,11 +47,17 @@ def make_mesh(mesh_type: str, config: Qwen2Config, model_axis_size: int | None =
     return Mesh(np.array(devices).reshape(len(devices) // model, model), ("data", "model"))
 
 
-def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+# The attention projections whose split axis is made of whole query (or key/value) heads.
+QUERY_HEADS, KV_HEADS = ("q_proj", "o_proj"), ("k_proj", "v_proj")
+
+
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config: DecoderConfig) -> P:
     """The partition spec of the parameter at ``path`` (e.g. ``layers_0/self_attn/q_proj/kernel``)."""
     model = mesh.shape["model"]
-    split = lambda dim: model > 1 and shape[dim] % model == 0  # noqa: E731
     module, leaf = path[-2], path[-1]
+    heads = (config.num_attention_heads if module in QUERY_HEADS else
+             config.num_key_value_heads if module in KV_HEADS else None)
+    split = lambda dim: model > 1 and shape[dim] % model == 0 and (heads is None or heads % model == 0)  # noqa: E731
     if module in COLUMN_SPLIT and leaf == "kernel" and split(1):
         return P(None, "model")
     if module in COLUMN_SPLIT and leaf == "bias" and split(0):
@@ -61,8 +69,9 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     return P()
 
 
-def param_sharding(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, param_spec(path, shape, mesh))
+def param_sharding(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
+                   config: DecoderConfig) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(path, shape, mesh, config))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+import os
 
 import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+from model.checkpoint import resolve_model_dir
 from model.config import RESIDUAL_DTYPES
 from model.extract import Extractor, resolve_dtype, validate_layers
 from model.generate import Generator
@@ -51,6 +54,20 @@ def arc_prompts(config: VerifyConfig, tokenizer) -> list:
     return chosen
 
 
+def stop_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """Where a continuation ends: the end-of-sequence ids of the model's generation_config.json
+    and config.json (an instruct model lists its end-of-turn token there: Qwen's <|im_end|>,
+    Llama 3's <|eot_id|>, Gemma's <end_of_turn>), and the tokenizer's EOS."""
+    ids = [tokenizer.eos_token_id]
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            ids += value if isinstance(value, list) else [value]
+    return sorted({i for i in ids if isinstance(i, int)})
+
+
 def main(argv: list[str]) -> int:
     parser = make_parser("runners.verify_model", __doc__.splitlines()[0])
     add_config_flags(parser, VerifyConfig)
@@ -66,8 +83,7 @@ def main(argv: list[str]) -> int:
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
-    stop_ids = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
-                if t is not None]
+    stop_ids = stop_token_ids(resolve_model_dir(config.model_path), tokenizer)
     results = []
     for sample in prompts:
         generated = generator.generate(sample.input_ids, config.max_new_tokens, stop_ids)

@@ -75,7 +75,7 @@ def with_output(config: PrepareConfig, output_dir: pathlib.Path) -> PrepareConfi
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """Tiny random Qwen2 checkpoints in several shapes, written once per session."""
-    from fixtures.tiny_qwen2 import write_checkpoint
+    from fixtures.tiny_models import write_checkpoint
     root = tmp_path_factory.mktemp("checkpoints")
     shapes = {
         "gqa_tied": dict(),
@@ -85,6 +85,27 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
                     intermediate_size=100, num_hidden_layers=3, rope_theta=50_000.0),
     }
     return {name: write_checkpoint(root / name, seed=i, **kw) for i, (name, kw) in enumerate(shapes.items())}
+
+
+# The families' tiny checkpoints (``fixtures.tiny_models``), and the text model of a multimodal Gemma 3.
+FAMILY_CASES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_multimodal")
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory) -> dict[tuple[str, str], str]:
+    """(case, layout) -> a tiny random checkpoint with bfloat16-exact weights, written once per
+    session in both config.json layouts (transformers 5's and the hub's). Qwen2 gets the small
+    vocabulary of the others here: no tokenizer is involved."""
+    from fixtures.tiny_models import SMALL_VOCAB, write_checkpoint
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for seed, case in enumerate(FAMILY_CASES):
+        family, multimodal = case.removesuffix("_multimodal"), case.endswith("_multimodal")
+        extra = dict(vocab_size=SMALL_VOCAB) if family == "qwen2" else {}
+        for layout in ("transformers5", "hub"):
+            out[case, layout] = write_checkpoint(root / f"{case}_{layout}", family, seed=seed, bfloat16_exact=True,
+                                                 layout=layout, multimodal=multimodal, **extra)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ def answered_stream(qwen_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_with_norms(tmp_path_factory):
-    from fixtures.tiny_qwen2 import write_checkpoint
+    from fixtures.tiny_models import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("model"), seed=1, norm_std=0.3)
 
 
@@ -136,10 +136,10 @@ def test_bad_specs_fail_before_the_model_loads(answered_stream, tmp_path, spec, 
     """A model directory with config.json only: a spec is checked against it, no weight is read."""
     from ablation.config import AblationConfig
     from ablation.experiment import plan
-    from fixtures.tiny_qwen2 import TINY
+    from fixtures.tiny_models import TINY
     config_only = tmp_path / "config-only"
     config_only.mkdir()
-    (config_only / "config.json").write_text(json.dumps({**TINY, "architectures": ["Qwen2ForCausalLM"],
+    (config_only / "config.json").write_text(json.dumps({**TINY["qwen2"], "architectures": ["Qwen2ForCausalLM"],
                                                          "model_type": "qwen2"}))
     args = dict(model_path=str(config_only), stream=answered_stream, output_dir=str(tmp_path / "out"))
     with pytest.raises(UserError, match=re.escape(message)):
@@ -215,9 +215,9 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     (None, "means.npz", "--ablation_means is for --ablate"),
 ])
 def test_runner_ablation_flags_are_checked_before_the_model_loads(spec, means, message):
-    from fixtures.tiny_qwen2 import TINY
+    from fixtures.tiny_models import TINY
     from model.config import config_from_dict
     from model.extract import intervention_for
-    config = config_from_dict({**TINY, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
+    config = config_from_dict({**TINY["qwen2"], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
     with pytest.raises(UserError, match=re.escape(message)):
         intervention_for(spec, means, config, 2)

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from fixtures.tiny_qwen2 import write_checkpoint
+from fixtures.tiny_models import write_checkpoint
 from model.generate import Generator
 from model.loading import load_model
 from fixtures.hf_reference import load_reference, random_sequences

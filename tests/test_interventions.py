@@ -1,5 +1,7 @@
 """Interventions inside the jitted forward against transformers with the same intervention applied
-by PyTorch hooks and weight edits; scoring against the reference's cross-entropy."""
+by PyTorch hooks and weight edits, for several families (Llama's block, Gemma 2's sandwich
+block with x * (1 + w) norms, Gemma 3's q/k norms, Qwen2's biases); scoring against the
+reference's cross-entropy, a soft-capped head's KL too."""
 
 import jax
 import jax.numpy as jnp
@@ -10,23 +12,52 @@ from common.cli import UserError
 from model.interventions import KINDS, MODES, Intervention, ablation_arrays, parse_interventions
 from model.loading import load_model
 from model.scoring import InterventionModel, scored_tokens
-from fixtures.hf_reference import (intervention_hooks, load_reference, random_sequences, reference_means,
-                                relative_error, remove_hooks)
+from fixtures.hf_reference import (decoder_blocks, intervention_hooks, load_reference, random_sequences,
+                                   reference_means, relative_error, remove_hooks)
 
 pytestmark = pytest.mark.slow
 LENGTHS = [3, 64, 17, 40]  # one padded batch of 4
-TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "3"}
+TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "2"}
+
+
+FAMILIES = ["qwen2", "llama", "mistral", "qwen3", "gemma2", "gemma3"]
+
+
+def loaded_case(path: str, seed: int):
+    """(model, reference, sequences, means) of a checkpoint."""
+    loaded = load_model(path, jnp.float32, with_head=True, devices=jax.devices()[:1])
+    model = InterventionModel(loaded, batch_size_per_device=4, max_seq_length=64)
+    sequences = random_sequences(LENGTHS, seed=seed, vocab=loaded.config.vocab_size)
+    return model, load_reference(path), sequences, model.means(sequences)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from fixtures.tiny_qwen2 import write_checkpoint
-    # GQA (4 query heads over 2 kv heads), norm weights away from ones so norm:L does something.
-    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5, norm_std=0.5)
-    loaded = load_model(path, jnp.float32, with_head=True, devices=jax.devices()[:1])
-    model = InterventionModel(loaded, batch_size_per_device=4, max_seq_length=64)
-    sequences = random_sequences(LENGTHS, seed=3)
-    return model, load_reference(path), sequences, model.means(sequences)
+def case_of(tmp_path_factory):
+    """name -> (model, reference, sequences, means), each built once: a family's tiny model with
+    norm weights away from neutral (so norm:L does something); Qwen2 in GQA (4 query heads over 2
+    kv heads) with its own vocabulary, the others with their tiny shapes (windows of 16); and
+    ``qwen2_untied``, an untied LM head in MHA (the other unembedding path)."""
+    from fixtures.tiny_models import write_checkpoint
+    built = {}
+
+    def build(name: str):
+        if name not in built:
+            extra = dict(num_key_value_heads=4, tie_word_embeddings=False) if name == "qwen2_untied" else {}
+            path = write_checkpoint(tmp_path_factory.mktemp(name), name.split("_")[0], seed=5 + bool(extra),
+                                    norm_std=0.5, **extra)
+            built[name] = loaded_case(path, seed=4 if extra else 3)
+        return built[name]
+    return build
+
+
+@pytest.fixture(params=FAMILIES)
+def setup(request, case_of):
+    return case_of(request.param)
+
+
+@pytest.fixture
+def qwen2(case_of):
+    return case_of("qwen2")
 
 
 def ours(model, sequences, intervention, means):
@@ -43,7 +74,7 @@ def reference(ref, sequences, intervention, means):
     caught = {}
     record = [block.register_forward_hook(
         lambda m, a, o, i=i: caught.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].numpy().copy()))
-        for i, block in enumerate(ref.model.layers[:-1])]
+        for i, block in enumerate(decoder_blocks(ref)[:-1])]
     try:
         out = []
         for seq in sequences:
@@ -81,27 +112,18 @@ def test_each_intervention_matches_hooks_on_the_reference(setup, kind, mode):
 
 def test_two_atoms_together(setup):
     model, ref, sequences, means = setup
-    [intervention] = parse_interventions(["head:0.1+mlp:2:mode=mean"], model.num_layers, 4)
+    [intervention] = parse_interventions(["head:0.1+mlp:2:mode=mean"], model.num_layers,
+                                         model.config.num_attention_heads)
     _, logits = ours(model, sequences, intervention, means)
     for row, (seq, (_, ref_logits)) in enumerate(zip(sequences, reference(ref, sequences, intervention, means))):
         assert relative_error(logits[row, :len(seq)], ref_logits) <= 1e-5
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    """An untied LM head (lm_head, not the embedding) in MHA: the other unembedding path."""
-    from fixtures.tiny_qwen2 import write_checkpoint
-    path = write_checkpoint(tmp_path_factory.mktemp("untied"), seed=6, norm_std=0.5, num_key_value_heads=4,
-                            tie_word_embeddings=False)
-    loaded = load_model(path, jnp.float32, with_head=True, devices=jax.devices()[:1])
-    model = InterventionModel(loaded, batch_size_per_device=4, max_seq_length=64)
-    sequences = random_sequences(LENGTHS, seed=4)
-    return model, load_reference(path), sequences, model.means(sequences)
-
-
-@pytest.fixture(params=["tied", "untied"])
-def either(request, setup, untied):
-    return setup if request.param == "tied" else untied
+@pytest.fixture(params=["qwen2", "qwen2_untied", "gemma2"])
+def either(request, case_of):
+    """Each way to unembed: tied (the embedding), untied (lm_head), soft-capped (Gemma 2's
+    final cap: logits not linear in the hidden state, so the KL takes its two-pass path)."""
+    return case_of(request.param)
 
 
 def test_unablated_loss_and_accuracy_equal_the_reference_cross_entropy(either):
@@ -185,10 +207,10 @@ def test_grids_expand_and_combine():
     assert names[12:] == ["layer:2+norm:0", "layer:2+norm:1"]  # head:0.0 came already
 
 
-def test_bfloat16_scores_are_float32_after_the_blocks(setup, tmp_path):
+def test_bfloat16_scores_are_float32_after_the_blocks(qwen2, tmp_path):
     """In bfloat16 the matmul operands round, but the final norm, the LM head and the KL run in float32:
     the unablated model's KL from itself stays at float32 rounding, and its loss near float32's."""
-    model, ref, sequences, means = setup
+    model, ref, sequences, means = qwen2
     path = tmp_path / "ckpt"
     ref.save_pretrained(path)
     bf16 = InterventionModel(load_model(str(path), jnp.bfloat16, with_head=True, devices=jax.devices()[:1]),
@@ -204,9 +226,9 @@ def test_bfloat16_scores_are_float32_after_the_blocks(setup, tmp_path):
     assert np.nanmax(np.abs(half.loss - f32.loss) / f32.loss) < 2e-2
 
 
-def test_means_files_must_fit_the_model(setup, tmp_path):
+def test_means_files_must_fit_the_model(qwen2, tmp_path):
     from model.interventions import Means
-    model, _, sequences, means = setup
+    model, _, sequences, means = qwen2
     [intervention] = parse_interventions(["mlp:1:mode=mean"], model.num_layers, 4)
     (tmp_path / "broken.npz").write_bytes(b"PK\x03\x04 not a zip")
     with pytest.raises(UserError, match="is not a means file of runners.ablate"):
@@ -217,3 +239,28 @@ def test_means_files_must_fit_the_model(setup, tmp_path):
     means.save(str(tmp_path / "means.npz"))
     loaded = Means.load(str(tmp_path / "means.npz"))
     assert np.array_equal(loaded.head, means.head) and loaded.tokens == means.tokens
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_gemma_norm_ablation_sets_w_to_zero_not_one(case_of, family):
+    """Gemma's norms scale by (1 + w): norm:L makes w = 0 in each of block L's norms (four in the
+    sandwich, and q/k norms in Gemma 3), the same forward as weights of zeros; w = 1 would double."""
+    model, _, sequences, means = case_of(family)
+    [intervention] = parse_interventions(["norm:1"], model.num_layers, model.config.num_attention_heads)
+    ablated, _ = ours(model, sequences, intervention, means)
+    block = model.params["layers_1"]
+    norms = [name for name in block if name.endswith("norm")] + [name for name in block["self_attn"]
+                                                                  if name.endswith("norm")]
+    assert len(norms) == (6 if model.config.qk_norm else 4)
+
+    def with_norm_weights(value):
+        params = jax.tree.map(lambda x: x, model.params)
+        for name in norms:
+            holder = params["layers_1"] if name in block else params["layers_1"]["self_attn"]
+            holder[name] = {"weight": jnp.full_like(holder[name]["weight"], value)}
+        edited = InterventionModel.__new__(InterventionModel)
+        edited.__dict__.update(model.__dict__, params=params, _compiled={})
+        return ours(edited, sequences, Intervention(), means)[0]
+
+    np.testing.assert_allclose(ablated, with_norm_weights(0.0), rtol=0, atol=1e-6)
+    assert not np.allclose(ablated, with_norm_weights(1.0), atol=1e-3)

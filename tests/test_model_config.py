@@ -1,11 +1,15 @@
+"""Reading config.json: the published configs of each family in the hub's layout, the same
+configs as transformers 5 writes them (``config_class.from_dict(...).to_dict()``: what
+transformers itself derives from the hub's file), defaults, and one-line refusals."""
+
 import json
 
 import pytest
 
 from common.cli import UserError
-from model.config import config_from_dict, load_config
+from model.config import FULL, SLIDING, RoPE, config_from_dict, load_config
 
-# The published config.json of the Qwen2.5 base models (fields that matter here).
+# Published config.json files (the fields that matter here), as the hub serves them.
 QWEN2_5 = {
     "0.5B": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
              "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -26,6 +30,66 @@ QWEN2_5 = {
            "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28,
            "rope_scaling": None, "torch_dtype": "bfloat16"},
 }
+LLAMA_3_2_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+                "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+                "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+                "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256}
+MISTRAL_7B_V0_1 = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+                   "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+                   "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                   "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+                   "tie_word_embeddings": False, "vocab_size": 32000}
+MISTRAL_7B_V0_3 = {**MISTRAL_7B_V0_1, "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32768}
+QWEN3_0_6B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+              "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 40960,
+              "max_window_layers": 28, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+              "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936}
+GEMMA_2_2B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+              "attn_logit_softcapping": 50.0, "cache_implementation": "hybrid", "final_logit_softcapping": 30.0,
+              "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+              "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192,
+              "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+              "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+              "vocab_size": 256000}
+# Written by transformers 4.55: layer_types beside the old RoPE keys.
+GEMMA_3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+                "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+                "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 640, "intermediate_size": 2048,
+                "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(18)],
+                "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 18,
+                "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+                "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": 512,
+                "use_bidirectional_attention": False, "vocab_size": 262144}
+# The multimodal wrapper: its text_config leaves most settings to Gemma3TextConfig's defaults.
+GEMMA_3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+              "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                              "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                              "sliding_window": 1024},
+              "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+PUBLISHED = {"qwen2.5-0.5b": QWEN2_5["0.5B"], "qwen2.5-7b": QWEN2_5["7B"], "llama-3.2-1b": LLAMA_3_2_1B,
+             "mistral-7b-v0.1": MISTRAL_7B_V0_1, "mistral-7b-v0.3": MISTRAL_7B_V0_3, "qwen3-0.6b": QWEN3_0_6B,
+             "gemma-2-2b": GEMMA_2_2B, "gemma-3-270m": GEMMA_3_270M, "gemma-3-4b": GEMMA_3_4B}
+
+
+def transformers_5_layout(raw: dict) -> dict:
+    """The config as transformers 5 writes it after reading ``raw`` (layer_types, rope_parameters)."""
+    from transformers import AutoConfig
+    raw = json.loads(json.dumps(raw))  # transformers may edit nested dicts in place
+    return AutoConfig.for_model(raw.pop("model_type"), **raw).to_dict()
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_both_layouts_give_the_same_model(name):
+    hub = PUBLISHED[name]
+    written = transformers_5_layout(hub)
+    assert "rope_parameters" in (written.get("text_config") or written)
+    assert config_from_dict(written) == config_from_dict(hub)
 
 
 @pytest.mark.parametrize("size, head_dim, groups", [("0.5B", 64, 7), ("1.5B", 128, 6), ("7B", 128, 7)])
@@ -33,33 +97,90 @@ def test_qwen2_5_configs_load(tmp_path, size, head_dim, groups):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2_5[size]))
     config = load_config(tmp_path)
     assert (config.head_dim, config.kv_groups) == (head_dim, groups)
-    assert config.hidden_size == QWEN2_5[size]["hidden_size"]
+    assert config.hidden_size == QWEN2_5[size]["hidden_size"] and config.qkv_bias and not config.o_bias
     assert config.tie_word_embeddings == QWEN2_5[size]["tie_word_embeddings"]
+    assert config.layer_types == () and config.rope == RoPE(1_000_000.0)
 
 
-def test_transformers_5_rope_parameters_and_explicit_head_dim():
-    raw = {**QWEN2_5["0.5B"], "rope_parameters": {"rope_theta": 5.0, "rope_type": "default"},
-           "head_dim": 32}
-    del raw["rope_theta"]
-    config = config_from_dict(raw)
-    assert (config.rope_theta, config.head_dim) == (5.0, 32)
+def test_what_each_family_switches_on():
+    llama = config_from_dict(LLAMA_3_2_1B)
+    assert llama.rope == RoPE(500_000.0, "llama3", 32.0, 1.0, 4.0, 8192) and llama.tie_word_embeddings
+    assert not (llama.qkv_bias or llama.qk_norm or llama.sandwich_norms or llama.norm_unit_offset)
+    mistral, newer = config_from_dict(MISTRAL_7B_V0_1), config_from_dict(MISTRAL_7B_V0_3)
+    assert mistral.layer_types == (SLIDING,) * 32 and mistral.sliding_window == 4096 and mistral.window(31) == 4096
+    assert newer.layer_types == () and newer.sliding_window is None and newer.window(0) is None
+    qwen3 = config_from_dict(QWEN3_0_6B)
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 128 != 1024 // 16
+    gemma2 = config_from_dict(GEMMA_2_2B)
+    assert gemma2.layer_types[:4] == (SLIDING, FULL, SLIDING, FULL) and gemma2.sliding_window == 4096
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.query_pre_attn_scalar) == (50.0, 30.0, 256)
+    assert gemma2.norm_unit_offset and gemma2.sandwich_norms and gemma2.scale_embeddings and not gemma2.qk_norm
+    assert gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.tie_word_embeddings
+    gemma3 = config_from_dict(GEMMA_3_270M)
+    assert gemma3.qk_norm and gemma3.attn_logit_softcap is None and gemma3.num_key_value_heads == 1
+    assert [i for i, t in enumerate(gemma3.layer_types) if t == FULL] == [5, 11, 17]
+    assert gemma3.rope_of(5) == RoPE(1_000_000.0) and gemma3.rope_of(0) == RoPE(10_000.0)
+    assert gemma3.window(0) == 512 and gemma3.window(5) is None
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"use_sliding_window": True}, "sliding-window attention"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
-    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "unsupported architecture"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
+    config = config_from_dict(GEMMA_3_4B)
+    assert config.model_type == "gemma3" and config.num_hidden_layers == 34 and config.hidden_size == 2560
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert config.vocab_size == 262_208 and config.tie_word_embeddings and config.sliding_window == 1024
+    assert config.rope == RoPE(1_000_000.0, "linear", 8.0) and config.sliding_rope == RoPE(10_000.0)
+    assert [i for i, t in enumerate(config.layer_types) if t == FULL] == [5, 11, 17, 23, 29]
+
+
+@pytest.mark.parametrize("model_type, architecture", [
+    ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM")])
+def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
+    """A config.json that gives almost nothing: every default is transformers' own."""
+    minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}
+    assert config_from_dict(transformers_5_layout(minimal)) == config_from_dict(minimal)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "llama config.json: rope_scaling.rope_type = 'yarn' is not supported: the implemented RoPE types are "
+     "default, linear, llama3"),
+    ({**LLAMA_3_2_1B, "rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_parameters.rope_type = 'dynamic' is not supported"),
+    ({**GEMMA_3_270M, "rope_scaling": None, "rope_parameters": {
+        FULL: {"rope_type": "longrope", "rope_theta": 1e6}, SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
+     "gemma3 config.json: rope_parameters.full_attention.rope_type = 'longrope' is not supported"),
+    ({**LLAMA_3_2_1B, "partial_rotary_factor": 0.5}, "rope_scaling.partial_rotary_factor = 0.5 is not supported"),
+    ({**QWEN2_5["0.5B"], "use_sliding_window": True}, "qwen2 config.json: use_sliding_window = True is not supported"),
+    ({**QWEN3_0_6B, "layer_types": [SLIDING] * 28}, "qwen3 config.json: layer_types = 'sliding_attention' is not"),
+    ({**MISTRAL_7B_V0_1, "layer_types": [SLIDING] * 32}, "mistral config.json: layer_types = "),
+    ({**GEMMA_2_2B, "use_bidirectional_attention": True}, "gemma2 config.json: use_bidirectional_attention = True"),
+    ({**GEMMA_2_2B, "sliding_window": None}, "sliding_window = None is not supported: layer_types has"),
+    ({**GEMMA_3_270M, "layer_types": ["chunked_attention"] * 18}, "layer_types = 'chunked_attention'"),
+    ({**LLAMA_3_2_1B, "hidden_act": "relu"}, "llama config.json: hidden_act = 'relu' is not supported"),
+    ({**LLAMA_3_2_1B, "quantization_config": {"quant_method": "gptq"}}, "quantization_config \\(gptq\\)"),
+    ({**QWEN2_5["0.5B"], "num_key_value_heads": 3}, "num_key_value_heads = 3 is not supported: "
+                                                    "num_attention_heads 14 must be a positive multiple"),
+    ({**QWEN2_5["0.5B"], "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
+     "unsupported architecture 'Phi3ForCausalLM' in config.json: supported are LlamaForCausalLM, "),
+    ({**LLAMA_3_2_1B, "architectures": ["LlamaForSequenceClassification"]},
+     "unsupported architecture 'LlamaForSequenceClassification'"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "has no 'text_config'"),
 ])
-def test_unsupported_options_are_errors(change, message):
+def test_unsupported_options_are_one_line_errors_naming_the_key(raw, message):
     with pytest.raises(UserError, match=message):
-        config_from_dict({**QWEN2_5["0.5B"], **change})
-
-
-def test_missing_field_and_missing_file(tmp_path):
-    raw = dict(QWEN2_5["0.5B"])
-    del raw["hidden_size"]
-    with pytest.raises(UserError, match="config.json has no 'hidden_size'"):
         config_from_dict(raw)
+
+
+def test_options_that_do_not_change_the_computation_are_ignored():
+    noisy = {**GEMMA_2_2B, "use_cache": False, "torch_dtype": "float32", "cache_implementation": "static",
+             "transformers_version": "4.42.0", "pretraining_tp": 4, "attention_dropout": 0.1}
+    assert config_from_dict(noisy) == config_from_dict(GEMMA_2_2B)
+
+
+def test_missing_file_and_bad_json(tmp_path):
     with pytest.raises(UserError, match="no config.json in"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
         load_config(tmp_path)

@@ -5,7 +5,7 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 from model.extract import Extractor
-from model.qwen2 import CHUNK_TOKENS, token_chunks
+from model.decoder import CHUNK_TOKENS, token_chunks
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 
 pytestmark = pytest.mark.slow

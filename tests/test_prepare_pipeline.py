@@ -84,6 +84,12 @@ def test_manifest_counts(arc1_runs):
     assert manifest["total_samples"] == 835 and manifest["rejected"] == 0
 
 
+def test_manifest_records_how_the_prompts_were_built(arc1_runs):
+    manifest = json.loads((arc1_runs[0] / "manifest.json").read_text())
+    assert manifest["prompts"] == {"chat_template": True, "system_folded": False, "bos_token": None,
+                                   "bos_token_id": None, "bos_source": None}
+
+
 def test_verification_report_shows_prompts_and_tokens(arc1_runs):
     report = (arc1_runs[0] / "tokenization_verification.txt").read_text()
     assert report.count("=== sample_id") == 3

@@ -13,7 +13,8 @@ import pytest
 from common.run_settings import changed_settings
 from model.extract import Extractor, make_forward
 from model.loading import load_model
-from model.qwen2 import Qwen2, causal_mask
+from model.attention import causal_mask
+from model.decoder import Decoder
 from model.sharding import batch_sharding
 from fixtures.hf_reference import load_reference, max_relative_error, reference_activations, relative_error
 from tests.test_host import host_args, run_host_cli
@@ -26,7 +27,7 @@ MAX_SEQ = 512
 @pytest.fixture(scope="module")
 def exact_model(tmp_path_factory) -> str:
     """TINY: 4 layers, 4 query heads over 2 key/value heads, weights rounded to bfloat16."""
-    from fixtures.tiny_qwen2 import write_checkpoint
+    from fixtures.tiny_models import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("bf16_exact"), seed=0, bfloat16_exact=True)
 
 
@@ -91,7 +92,7 @@ def bfloat16_exact(x) -> bool:
 
 def test_sublayer_outputs_are_added_to_the_stream_in_float32_unrounded(exact_model):
     loaded = load_model(exact_model, jnp.bfloat16, "1d", devices=jax.devices()[:1])
-    model = Qwen2(loaded.config, jnp.bfloat16, residual_dtype=jnp.float32)
+    model = Decoder(loaded.config, jnp.bfloat16, residual_dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 151643, (2, 32)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(32), ids.shape)
     (outputs, _), state = model.apply({"params": loaded.params}, ids, positions, causal_mask(jnp.array([32, 20]), 32),
@@ -117,14 +118,14 @@ def decode_step_lowered(model_dir: str, residual_dtype) -> str:
     LM head), in bfloat16."""
     loaded = load_model(model_dir, jnp.float32, "1d", with_head=True, devices=jax.devices()[:1])
     c = loaded.config
-    model = Qwen2(c, jnp.bfloat16, residual_dtype=residual_dtype)
+    model = Decoder(c, jnp.bfloat16, residual_dtype=residual_dtype)
     cache = jax.ShapeDtypeStruct((1, 64, c.num_key_value_heads, c.head_dim), jnp.bfloat16)  # [B, T, K, D]
 
     def step(params, token, caches):
         mask = (jnp.arange(64) <= 3)[None, None, :]  # [1, 1, T]
         outputs, _ = model.apply({"params": params}, token, jnp.full((1, 1), 3), mask, c.num_hidden_layers,
                                  caches, 3)
-        return model.apply({"params": params}, outputs[-1], method=Qwen2.logits)  # [1, 1, V]
+        return model.apply({"params": params}, outputs[-1], method=Decoder.logits)  # [1, 1, V]
 
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), loaded.params)
     caches = [(cache, cache)] * c.num_hidden_layers

@@ -40,9 +40,9 @@ def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path
         expected = "checkpoint file 'model.safetensors' is missing"
     elif problem == "architecture":
         config = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"],
-                                                       "model_type": "llama"}))
-        expected = "unsupported architecture ['LlamaForCausalLM']"
+        (model / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"],
+                                                       "model_type": "phi3"}))
+        expected = "unsupported architecture 'Phi3ForCausalLM'"
     else:
         args[1] = str(tmp_path / "nothing_here")
         expected = "is not a checkpoint directory"
@@ -52,3 +52,27 @@ def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path
     assert lines[-1].startswith("runners.verify_model: error:") and expected in lines[-1], lines
     assert not any("Traceback" in line for line in lines)
     assert not (tmp_path / "r.txt").exists()
+
+
+def test_a_gemma_model_with_its_own_chat_conventions(family_checkpoints, tmp_path):
+    """Gemma 3's text model (inside a multimodal checkpoint) and a Gemma-style tokenizer (BOS
+    rendered by the template, no system role): prompts past the window of 16, stopped at the
+    model's end-of-turn token as its config lists it."""
+    from fixtures.family_tokenizers import build_family_tokenizer
+    model = tmp_path / "model"
+    shutil.copytree(family_checkpoints["gemma3_multimodal", "transformers5"], model)
+    tokenizer = build_family_tokenizer("gemma2", tmp_path / "tokenizer")
+    from transformers import AutoTokenizer
+    end_of_turn = AutoTokenizer.from_pretrained(str(tokenizer)).convert_tokens_to_ids("<end_of_turn>")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end_of_turn]}))
+    out = tmp_path / "report.txt"
+    result = run_cli("runners.verify_model", "--model_path", str(model), "--tokenizer", str(tokenizer),
+                     "--num_prompts", "1", "--max_new_tokens", "6", "--max_seq_length", "2048",
+                     "--dtype", "float32", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert "NaN/Inf in activations: none" in text and "--- greedy continuation (" in text
+    prompt_tokens = int(text.split("prompt tokens ")[1].split()[0])
+    assert prompt_tokens > 16
+    from runners.verify_model import stop_token_ids
+    assert end_of_turn in stop_token_ids(str(model), AutoTokenizer.from_pretrained(str(tokenizer)))

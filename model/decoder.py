@@ -1,0 +1,358 @@
+"""The decoder in Flax linen, for every supported family, returning the residual stream after
+chosen blocks.
+
+One module whose family differences are the switches of its ``DecoderConfig`` (see
+``model/config.py``): nothing here knows a family by name. A block is
+
+    x = x + post_attention_norm(attention(pre_attention_norm(x)))
+    x = x + post_mlp_norm(mlp(pre_mlp_norm(x)))
+
+with the post-norms only where ``sandwich_norms`` (Gemma 2, 3), q and k normed over head_dim
+before RoPE where ``qk_norm``, each layer's sliding window and RoPE from its layer type.
+
+Axis names in shape comments:
+    B batch, S query positions, T key positions (T = S without a cache), H hidden_size,
+    N attention heads, K key/value heads, G = N // K query heads per kv head, D head_dim,
+    F intermediate_size, V vocab_size, L decoder blocks computed.
+
+Parameter names: ``layers_3/self_attn/q_proj/kernel`` is ``model.layers.3.self_attn.q_proj.weight``
+transposed; the block's norms are named for their place (``pre_attention_norm``, ...), which
+``model.params`` maps to each family's names. Attention takes an explicit boolean mask
+``[B, S, T]``: a key that is masked (padding, or in the future) never influences a query.
+Without a cache, attention is causal: the mask must allow no future key, and the masked upper
+triangle is skipped (``model.attention``). Softmax and normalisation statistics are computed in
+float32, as Hugging Face does.
+
+Numerics: ``dtype`` is the compute dtype (weights and matmul operands). ``residual_dtype`` is the
+residual stream's: by default (None) the compute dtype, every sum rounded to it as Hugging Face's
+bfloat16 forward does. float32 with bfloat16 compute keeps the stream in float32 (the embedding
+output, every residual add, the norms, the block outputs) while matmul operands stay bfloat16 and
+accumulate in float32 (``preferred_element_type``): the sum of a sublayer's output and the
+residual is never rounded, and the error grows far less with depth. A float32 compute dtype gives
+the same graph either way.
+
+Interventions (``model.interventions``) enter as arrays, per block: which heads, sublayers or
+blocks to keep, and what replaces the others (zero or a mean), so that one compiled forward
+serves every intervention of a grid. Without them the graph is the plain model's. Each block
+also ``sow``s its heads' outputs, sublayer outputs and contribution into the ``stats``
+collection, which only a caller that asks for it (the mean pass) receives.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from model.attention import causal_attention, dense_attention, fused_attention, windowed
+from model.config import DecoderConfig
+from model.rope import apply_rope, rope_cos_sin
+
+KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
+BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def precision_for(dtype) -> jax.lax.Precision:
+    """float32 asks for full-precision matmuls (TPUs default to bfloat16 passes otherwise)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def accumulation(dtype, residual_dtype) -> Any:
+    """The dtype matmuls of ``dtype`` operands return: None (their own dtype: the plain graph)
+    unless the residual stream is wider, then the residual dtype."""
+    if residual_dtype is None or jnp.dtype(residual_dtype) == jnp.dtype(dtype):
+        return None
+    return jnp.dtype(residual_dtype)
+
+
+def dense(features: int, use_bias: bool, name: str, dtype, accumulate=None) -> nn.Dense:
+    """A linear layer of ``dtype`` weights and operands; ``accumulate``: the dtype it accumulates
+    in and returns (a bias is then added in it too), None for ``dtype``."""
+    dot = None if accumulate is None else functools.partial(jax.lax.dot_general,
+                                                             preferred_element_type=accumulate)
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name,
+                    precision=precision_for(dtype), dot_general=dot)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) scaled by its weight: ``x * w`` (``unit_offset`` False) or ``x * (1 + w)``."""
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None  # wider than dtype: the weight applies in float32, one rounding
+    unit_offset: bool = False   # Gemma: (1 + w), in float32 whatever the dtype, as transformers does
+    keep_wide: bool = False     # with a wider stream, return float32 (what is added to it, or roped)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """x: [..., W] -> [..., W] in ``dtype`` (a matmul operand) or, ``keep_wide``, float32.
+        ``ablation`` (keep, fill), scalars: unless kept, the weight becomes neutral (ones, or
+        zeros with ``unit_offset``), or with ``fill`` its mean."""
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        wide = accumulation(self.dtype, self.residual_dtype) is not None
+        if wide:
+            weight = weight.astype(jnp.float32)
+        if ablation is not None:
+            keep, fill = ablation
+            neutral = jnp.zeros_like(weight) if self.unit_offset else jnp.ones_like(weight)
+            weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), neutral))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        out_dtype = jnp.float32 if wide and self.keep_wide else self.dtype
+        if self.unit_offset:
+            return (normed * (1.0 + weight.astype(jnp.float32))).astype(out_dtype)
+        if wide:
+            return (weight * normed).astype(out_dtype)
+        # Hugging Face's order: the normalised values rounded to dtype, then scaled in it.
+        return weight * normed.astype(self.dtype)
+
+
+def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide: bool = False) -> RMSNorm:
+    return RMSNorm(config.rms_norm_eps, dtype, residual_dtype, config.norm_unit_offset, keep_wide, name=name)
+
+
+class Attention(nn.Module):
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None  # where the batch lives; causal attention then runs per device
+    attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused (fused_attention)
+    residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, o_proj returns it
+    window: int | None = None   # this layer's sliding window (None: every earlier key)
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
+                 heads=None, norms=None):
+        """x: [B, S, H] in ``dtype``. ``heads`` (keep [N] bool, fill [N] bool, mean [N, D]): a head
+        not kept has its output (its slice of the o_proj input) replaced by zero, or with
+        ``fill`` by its mean. ``norms``: the block's norm ablation, for the q/k norms."""
+        c = self.config
+        b, s, _ = x.shape
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda n, bias, name: dense(n, bias, name, self.dtype, accumulate)  # noqa: E731
+        q = project(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(x).reshape(
+            b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
+        k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x).reshape(
+            b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
+        v = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x).reshape(
+            b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
+        if c.qk_norm:  # over head_dim, before RoPE; float32 out with a wide stream (RoPE follows)
+            q = norm_for(c, "q_norm", self.dtype, self.residual_dtype, keep_wide=True)(q, norms)
+            k = norm_for(c, "k_norm", self.dtype, self.residual_dtype, keep_wide=True)(k, norms)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        divisor = c.query_scale_divisor
+        prescaled = accumulate is not None
+        if prescaled:  # rotated and scaled in float32, rounded once to matmul operands
+            q = q / divisor
+            q, k, v = q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype)
+        if cache is not None:  # write this step's keys/values, attend over the whole cache
+            k = jax.lax.dynamic_update_slice(cache[0], k, (0, cache_index, 0, 0))  # [B, T, K, D]
+            v = jax.lax.dynamic_update_slice(cache[1], v, (0, cache_index, 0, 0))
+        q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
+        divisor = None if prescaled else divisor
+        precision = precision_for(self.dtype)
+        if cache is None and self.attention == "fused":
+            # The kernel scales by 1/sqrt(D) unless told otherwise.
+            default = c.query_pre_attn_scalar in (None, c.head_dim)
+            scale = 1.0 if prescaled else (None if default else 1 / divisor)
+            out = fused_attention(q, k, v, mask, precision, scale, self.window)
+        elif cache is None:
+            out = causal_attention(q, k, v, mask, precision, self.mesh, accumulate, divisor,
+                                   c.attn_logit_softcap, self.window)
+        else:
+            out = dense_attention(q, k, v, windowed(mask, positions, self.window), precision, accumulate,
+                                  divisor, c.attn_logit_softcap)  # [B, S, K, G, D]
+        out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
+        self.sow("stats", "heads", out)
+        if heads is not None:
+            keep, fill, mean = heads
+            replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
+            out = jnp.where(keep[:, None], out, replaced)
+        out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
+        return project(c.hidden_size, c.o_bias, "o_proj")(out), (k, v)
+
+
+class MLP(nn.Module):
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, the gating is in it
+
+    @nn.compact
+    def __call__(self, x):  # [B, S, H] in dtype
+        c = self.config
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda n, name: dense(n, c.mlp_bias, name, self.dtype, accumulate)  # noqa: E731
+        act = ACTIVATIONS[c.hidden_act]
+        hidden = act(project(c.intermediate_size, "gate_proj")(x)) * project(c.intermediate_size, "up_proj")(x)  # [B, S, F]
+        return project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))
+
+
+CHUNK_TOKENS = 512  # per device; a chunk's [tokens, F] intermediates then stay in cache
+
+
+def chunk_tokens_for(mesh: Mesh) -> int | None:
+    """Per-token chunking for CPU meshes only: TPU and GPU matmul units want the largest operands,
+    and each loop step costs them more than it saves."""
+    return CHUNK_TOKENS if mesh.devices.flat[0].platform == "cpu" else None
+
+
+def token_chunks(seq_len: int, rows: int, target: int = CHUNK_TOKENS) -> int:
+    """How many chunks of whole positions to cut [rows, seq_len] tokens into: the fewest that
+    divide ``seq_len`` with at most ``target`` tokens each; 1 (no chunking) when it is small
+    already, or when such chunks would hold under target/4 tokens (a prime length, say)."""
+    n = max(1, -(-seq_len * rows // target))
+    while seq_len % n:
+        n += 1
+    return n if seq_len // n * rows * 4 >= target else 1
+
+
+def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
+                          chunk_tokens: int | None) -> jax.Array:
+    """``module(x)`` for a per-token module, computed in chunks of positions one after the other.
+
+    On CPU the MLP of 8192 tokens at once reaches ~70% of a plain matmul's FLOP rate, because its
+    [B*S, F] intermediates (160 MB each) go to memory; in chunks of ~512 tokens it reaches ~93%.
+    The loop runs over positions, never over the (possibly sharded) batch axis. ``chunk_tokens``
+    None: one piece.  x: [B, S, H] -> [B, S, H].
+    """
+    b, s, h = x.shape
+    if chunk_tokens is None:
+        return module(x)
+    n = token_chunks(s, b // (mesh.shape["data"] if mesh is not None else 1), chunk_tokens)
+    if n == 1:
+        return module(x)
+    chunks = x.reshape(b, n, s // n, h).transpose(1, 0, 2, 3)  # [n, B, S/n, H]
+    step = nn.scan(lambda mdl, carry, chunk: (carry, mdl(chunk)), variable_broadcast="params",
+                   split_rngs={"params": False})
+    _, out = step(module, None, chunks)  # [n, B, S/n, H]
+    return out.transpose(1, 0, 2, 3).reshape(b, s, h)
+
+
+def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
+    """A sublayer's output [B, S, H], unless ablated: then zero, or with fill its mean [H]."""
+    if not ablation:
+        return out
+    fill = jnp.where(ablation[f"{kind}_fill"], ablation[f"{kind}_mean"].astype(out.dtype), 0)  # [H]
+    return jnp.where(ablation[f"{kind}_keep"], out, jnp.broadcast_to(fill, out.shape))
+
+
+class DecoderLayer(nn.Module):
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    chunk_tokens: int | None = None
+    attention: str = "tiled"
+    residual_dtype: Any = None  # the dtype of x and of the sums (None: dtype)
+    window: int | None = None   # this layer's sliding window
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
+                 ablation=None):
+        """``ablation``: this block's slice of ``model.interventions.ablation_arrays`` (None: none)."""
+        c, wide = self.config, self.residual_dtype
+        a = ablation or {}
+        norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
+        heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
+        block_in = x
+        attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, name="self_attn")(
+            norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm), cos, sin, mask, positions, cache,
+            cache_index, heads, norm)
+        if c.sandwich_norms:  # what is added to the stream keeps its width
+            attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
+        attn_out = _replaced(attn_out, a, "attn")
+        self.sow("stats", "attn_output", attn_out)
+        x = x + attn_out
+        mlp = MLP(c, self.dtype, wide, name="mlp")
+        mlp_out = map_over_token_chunks(mlp, norm_for(c, "pre_mlp_norm", self.dtype, wide)(x, norm), self.mesh,
+                                        self.chunk_tokens)
+        if c.sandwich_norms:
+            mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
+        mlp_out = _replaced(mlp_out, a, "mlp")
+        self.sow("stats", "mlp_output", mlp_out)
+        x = x + mlp_out
+        self.sow("stats", "contribution", x - block_in)
+        if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
+            x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
+                                                                   jnp.zeros_like(x)))
+        return x, new_cache
+
+
+class Decoder(nn.Module):
+    """Embedding + decoder blocks (+ final norm and LM head, used by ``logits`` only)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None  # the mesh the batch is sharded over, if any (see causal_attention)
+    chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
+    attention: str = "tiled"         # tiled | fused: see model.attention.attention_for
+    residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
+                                     param_dtype=self.dtype)
+        self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
+                                    self.residual_dtype, c.window(i), name=f"layers_{i}")
+                       for i in range(c.num_hidden_layers)]
+        self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = dense(c.vocab_size, False, "lm_head", self.dtype,
+                                 accumulation(self.dtype, self.residual_dtype))
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """The residual stream's start [B, S, H]: embeddings (x sqrt(H) where ``scale_embeddings``,
+        the factor rounded to the compute dtype as Hugging Face does), in the residual dtype."""
+        x = self.embed_tokens(input_ids)  # [B, S, H]
+        scale = jnp.asarray(self.config.hidden_size ** 0.5, self.dtype) if self.config.scale_embeddings else None
+        if self.residual_dtype is not None:
+            x = x.astype(self.residual_dtype)
+            return x if scale is None else x * scale.astype(self.residual_dtype)
+        return x if scale is None else x * scale
+
+    def __call__(self, input_ids, positions, mask, num_layers: int,
+                 caches: Sequence[KVCache] | None = None, cache_index=None, ablation=None):
+        """Runs blocks ``0..num_layers-1`` only.
+
+        input_ids, positions: [B, S]; mask: [B, S, T] (True = may attend; without caches it must
+        be causal, e.g. ``model.attention.causal_mask``; sliding windows are applied per layer);
+        ``ablation``: ``model.interventions.ablation_arrays`` (each array's first axis the block),
+        or None. Returns (outputs of each block computed: list of [B, S, H] in the residual
+        dtype, new caches).
+        """
+        c = self.config
+        x = self.embed(input_ids)
+        tables = {rope: rope_cos_sin(positions, c.head_dim, rope)
+                  for rope in dict.fromkeys(c.rope_of(i) for i in range(num_layers))}  # cos, sin [B, S, D]
+        outputs, new_caches = [], []
+        for i in range(num_layers):
+            block = None if ablation is None else {name: array[i] for name, array in ablation.items()}
+            x, cache = self.layers[i](x, *tables[c.rope_of(i)], mask, positions,
+                                      None if caches is None else caches[i], cache_index, block)
+            outputs.append(x)
+            new_caches.append(cache)
+        return outputs, new_caches
+
+    def logits(self, x):
+        """Next-token logits [..., V] from the last block's output [..., H]."""
+        return self.unembed(self.norm(x))
+
+    def final_norm(self, x):
+        """The last block's output [..., H] through the final norm."""
+        return self.norm(x)
+
+    def unembed(self, h):
+        """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), then
+        soft-capped where ``final_logit_softcap`` (Gemma 2)."""
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        if self.config.tie_word_embeddings and accumulate is not None:
+            logits = jnp.einsum("...h,vh->...v", h.astype(self.dtype), self.embed_tokens.embedding,
+                                precision=precision_for(self.dtype), preferred_element_type=accumulate)
+        elif self.config.tie_word_embeddings:
+            logits = self.embed_tokens.attend(h)
+        else:
+            logits = self.lm_head(h)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else jnp.tanh(logits / cap) * cap

@@ -1,0 +1,41 @@
+"""The supported families: each module maps a ``config.json`` onto ``model.config.DecoderConfig``
+and refuses what it does not handle. Adding a family is a module here and a line in ``FAMILIES``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from common.cli import UserError
+from model.config import DecoderConfig
+from model.families import gemma2, gemma3, llama, mistral, qwen2, qwen3
+
+# config.json's model_type -> (its reader, the architectures it accepts).
+FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
+    "llama": (llama, llama.ARCHITECTURES),
+    "mistral": (mistral, mistral.ARCHITECTURES),
+    "qwen2": (qwen2, qwen2.ARCHITECTURES),
+    "qwen3": (qwen3, qwen3.ARCHITECTURES),
+    "gemma2": (gemma2, gemma2.ARCHITECTURES),
+    "gemma3_text": (gemma3, gemma3.ARCHITECTURES),
+    "gemma3": (gemma3, gemma3.WRAPPER_ARCHITECTURES),
+}
+SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
+                                if a.endswith(("ForCausalLM", "ForConditionalGeneration")))
+
+
+def read_family_config(raw: dict) -> DecoderConfig:
+    """The ``DecoderConfig`` of a parsed ``config.json``: its family's reading, or ``UserError``
+    naming the architecture or option that is not supported (before any weight is read)."""
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    family, accepted = FAMILIES.get(model_type, (None, ()))
+    unknown = [a for a in architectures if a not in accepted]
+    if family is None or unknown:
+        name = unknown[0] if unknown else f"model_type {model_type!r}"
+        raise UserError(f"unsupported architecture {name!r} in config.json: supported are "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
+        raise UserError(f"{model_type} config.json: quantization_config ({method}) is not supported: the "
+                        "checkpoint's weights must be float (dequantize it first)")
+    return family.decoder_config(raw)

@@ -1,0 +1,136 @@
+"""What every family's config reading shares: defaults, the two layouts of RoPE and layer types,
+and the one-line refusals.
+
+The two layouts: the hub's ``config.json`` files (written by transformers 4.4x: ``rope_theta``,
+``rope_scaling``, ``sliding_window_pattern``, ``rope_local_base_freq``, no ``layer_types``) and
+what transformers 5 writes (``rope_parameters``, nested per layer type where the types differ,
+``layer_types``; keys it moved are written as null). A key that is absent, or null, reads as
+transformers' default for the family, so a reader gives the same ``DecoderConfig`` from either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from common.cli import UserError
+from model.config import ACTIVATIONS, FULL, ROPE_KINDS, SLIDING, RoPE
+
+
+class Fields:
+    """One family's ``config.json`` (or a ``text_config`` inside one), read with its defaults."""
+
+    def __init__(self, raw: dict[str, Any], defaults: dict[str, Any], family: str):
+        self.raw = raw
+        self.defaults = defaults
+        self.family = family
+
+    def get(self, key: str) -> Any:
+        """The value of ``key``; absent or null: the family's default (None without one)."""
+        value = self.raw.get(key)
+        return self.defaults.get(key) if value is None else value
+
+    def optional(self, key: str) -> Any:
+        """The value of an option that null turns off (``sliding_window``): absent reads as the
+        family's default, null as None."""
+        return self.raw[key] if key in self.raw else self.defaults.get(key)
+
+    def number(self, key: str, kind: Callable = int) -> Any:
+        """A required number; ``UserError`` when it is missing or not a number."""
+        value = self.get(key)
+        if value is None:
+            raise UserError(f"{self.family} config.json has no {key!r}")
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{self.family} config.json: {key} = {value!r} is not a number") from None
+
+    def refuse(self, key: str, value: Any, why: str) -> UserError:
+        """The one-line refusal of an option that would change the computation."""
+        return UserError(f"{self.family} config.json: {key} = {value!r} is not supported: {why}")
+
+
+def shapes(f: Fields) -> dict[str, Any]:
+    """The fields every family reads the same way: widths, heads, norm epsilon, head tying."""
+    heads = f.number("num_attention_heads")
+    kv_heads = int(f.get("num_key_value_heads") or heads)
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise f.refuse("num_key_value_heads", kv_heads,
+                       f"num_attention_heads {heads} must be a positive multiple of it")
+    hidden = f.number("hidden_size")
+    return dict(vocab_size=f.number("vocab_size"), hidden_size=hidden,
+                intermediate_size=f.number("intermediate_size"),
+                num_hidden_layers=f.number("num_hidden_layers"), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=int(f.get("head_dim") or hidden // heads),
+                rms_norm_eps=f.number("rms_norm_eps", float),
+                tie_word_embeddings=bool(f.get("tie_word_embeddings")),
+                max_position_embeddings=f.number("max_position_embeddings"))
+
+
+def activation(f: Fields, key: str) -> str:
+    """The MLP gate's activation, by transformers' name."""
+    name = f.get(key)
+    if name not in ACTIVATIONS:
+        raise f.refuse(key, name, f"the MLP activation must be one of {', '.join(ACTIVATIONS)}")
+    return name
+
+
+def rope_parameters(f: Fields, layer_type: str | None = None) -> tuple[dict[str, Any], str]:
+    """(the RoPE parameters of ``layer_type`` (None: the model's one set), the key they came from).
+
+    transformers 5: ``rope_parameters``, nested per layer type where they differ; the hub's:
+    ``rope_scaling`` (None or a dict without ``rope_theta``)."""
+    params = f.raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        nested = FULL in params or SLIDING in params
+        if nested and layer_type is not None:
+            return dict(params.get(layer_type) or {}), f"rope_parameters.{layer_type}"
+        if nested:
+            return dict(params.get(FULL) or {}), f"rope_parameters.{FULL}"
+        return dict(params), "rope_parameters"
+    scaling = f.raw.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise f.refuse("rope_scaling", scaling, "expected a dict or null")
+    return dict(scaling or {}), "rope_scaling"
+
+
+def rope(f: Fields, params: dict[str, Any], where: str, theta: float) -> RoPE:
+    """A ``RoPE`` from one set of parameters (``where`` names their key for refusals); ``theta``
+    is the base to use where the parameters give none."""
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ROPE_KINDS:
+        raise f.refuse(f"{where}.rope_type", kind, f"the implemented RoPE types are {', '.join(ROPE_KINDS)}")
+    partial = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise f.refuse(f"{where}.partial_rotary_factor", partial, "RoPE is implemented on the whole head")
+    theta = float(params.get("rope_theta") or theta)
+    if kind == "default":
+        return RoPE(theta)
+    try:
+        factor = float(params["factor"])
+        if kind == "linear":
+            return RoPE(theta, kind, factor)
+        return RoPE(theta, kind, factor, float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+                    int(params.get("original_max_position_embeddings") or f.number("max_position_embeddings")))
+    except KeyError as e:
+        raise UserError(f"{f.family} config.json: {where} of type {kind!r} has no {e.args[0]!r}") from None
+
+
+def layer_types(f: Fields, num_layers: int, derived: Sequence[str], window: int | None) -> tuple[str, ...]:
+    """Per block, FULL or SLIDING: transformers 5's ``layer_types`` where given, else ``derived``
+    (the hub layout's rule for the family); checked against the window."""
+    given = f.raw.get("layer_types")
+    types = tuple(given) if given is not None else tuple(derived)
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise f.refuse("layer_types", unknown[0], f"the implemented layer types are {FULL} and {SLIDING}")
+    if len(types) != num_layers:
+        raise f.refuse("layer_types", f"{len(types)} entries", f"the model has {num_layers} layers")
+    if SLIDING in types and not window:
+        raise f.refuse("sliding_window", window, f"layer_types has {SLIDING} layers, which need a window")
+    return types if SLIDING in types else ()
+
+
+def refuse_if_set(f: Fields, key: str, why: str) -> None:
+    """Refuses a boolean option that is on."""
+    if f.raw.get(key):
+        raise f.refuse(key, f.raw[key], why)

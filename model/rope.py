@@ -1,0 +1,42 @@
+"""Rotary position embeddings: the frequencies of each implemented RoPE type, as transformers
+computes them (float32), and their application in the rotate-half form."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from model.config import RoPE
+
+
+def inverse_frequencies(head_dim: int, rope: RoPE) -> jax.Array:
+    """[D/2] float32 rotation frequencies of one head's dimension pairs."""
+    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope.kind == "linear":  # positions stretched by factor
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":  # long wavelengths stretched by factor, short ones kept, smooth between
+        context = rope.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        stretched = jnp.where(wavelength > context / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+        smooth = (context / wavelength - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * stretched / rope.factor + smooth * stretched
+        medium = ~(wavelength < context / rope.high_freq_factor) & ~(wavelength > context / rope.low_freq_factor)
+        return jnp.where(medium, smoothed, stretched)
+    return inv_freq
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, rope: RoPE) -> tuple[jax.Array, jax.Array]:
+    """Rotary tables for ``positions`` [B, S] -> cos, sin [B, S, D] in float32."""
+    freqs = positions.astype(jnp.float32)[..., None] * inverse_frequencies(head_dim, rope)  # [B, S, D/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [B, S, D]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``x`` [B, S, heads, D] by the tables [B, S, D] (Hugging Face's rotate_half form)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin

@@ -1,0 +1,171 @@
+"""``runners.tpu_host`` on every family but Qwen2 (which the other runner tests run), each with
+other flags, so that between them every flag runs on a family beside Qwen2: bfloat16 with the
+float32 stream on a 2d mesh, the fused kernel, a resume, a machine of two processes, the
+multimodal Gemma 3's text model. Layer L stays block L's output: what is stored equals
+transformers' block outputs (float32) or our in-process forward with the same settings."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
+from model.config import load_config
+from model.extract import Extractor
+from tests.conftest import free_port, run_cli
+from tests.test_host_errors import one_line_error
+from tests.test_multihost import start_slice, stored
+
+pytestmark = pytest.mark.slow
+MAX_SEQ = 64
+
+
+def write_stream(path, model_dir: str, count: int = 10) -> list[dict]:
+    """A stream of random token ids of 20 to 64 tokens: past the window (16), several buckets."""
+    lengths = np.random.default_rng(len(model_dir)).integers(20, MAX_SEQ + 1, count).tolist()
+    records = [{"sample_id": 1000 + i, "input_ids": ids, "num_tokens": len(ids), "truncated": False,
+                "source": f"random:{i}", "text_preview": ""}
+               for i, ids in enumerate(random_sequences(lengths, seed=7, vocab=load_config(model_dir).vocab_size))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def runner(stream, out, model_dir: str, *extra: str) -> list[str]:
+    return ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", model_dir, "--output_dir",
+            str(out), "--shard_size_gb", "0.00005", "--batch_size", "2", "--max_seq_length", str(MAX_SEQ),
+            "--dtype", "float32", *extra]
+
+
+def run_ok(*args: str) -> None:
+    result = run_cli("runners.tpu_host", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_equals_transformers(model_dir: str, records: list[dict], got: dict[int, dict[int, np.ndarray]]) -> None:
+    """Every sample once, every layer within 1e-5 of transformers' float64 block outputs."""
+    assert sorted(got) == [r["sample_id"] for r in records]
+    references = reference_activations(load_reference(model_dir, "float64"), [r["input_ids"] for r in records])
+    for record, reference in zip(records, references):
+        assert sorted(got[record["sample_id"]]) == sorted(reference)
+        for layer, expected in reference.items():
+            assert relative_error(got[record["sample_id"]][layer], expected) <= 1e-5, (record["source"], layer)
+
+
+@pytest.mark.parametrize("case, flags", [
+    ("mistral", ["--attention", "fused", "--mesh_type", "2d"]),
+    ("gemma3_multimodal", ["--mesh_type", "1d"]),
+])
+def test_a_float32_run_stores_transformers_block_outputs(family_checkpoints, tmp_path, case, flags):
+    model_dir = family_checkpoints[case, "transformers5"]
+    records = write_stream(tmp_path / "stream.jsonl", model_dir)
+    run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, *flags))
+    metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
+    assert metadata["model_type"] == case.removesuffix("_multimodal")
+    assert metadata["attention"] == ("fused" if "fused" in flags else "tiled")
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"))
+
+
+@pytest.fixture(scope="module")
+def gemma2_run(family_checkpoints, tmp_path_factory):
+    """Gemma 2 (soft-capped attention: ``auto`` takes the tiled kernel), layers 1 and 3, merged."""
+    folder = tmp_path_factory.mktemp("gemma2_run")
+    model_dir = family_checkpoints["gemma2", "transformers5"]
+    records = write_stream(folder / "stream.jsonl", model_dir)
+    run_ok(*runner(folder / "stream.jsonl", folder / "out", model_dir, "--layers_to_extract", "1", "3"))
+    result = run_cli("pipeline.index", "--activations_dir", str(folder / "out"), "--output",
+                     str(folder / "index.parquet"))
+    assert result.returncode == 0, result.stderr
+    return model_dir, records, folder
+
+
+def test_a_soft_capped_run_stores_the_chosen_blocks(gemma2_run):
+    model_dir, records, folder = gemma2_run
+    metadata = json.loads((folder / "out" / "machine_000" / "metadata.json").read_text())
+    assert (metadata["model_type"], metadata["attention"], metadata["layers"]) == ("gemma2", "tiled", [1, 3])
+    got = stored(folder / "out" / "machine_000")
+    reference = reference_activations(load_reference(model_dir, "float64"), [r["input_ids"] for r in records])
+    for record, expected in zip(records, reference):
+        assert sorted(got[record["sample_id"]]) == [1, 3]
+        for layer in (1, 3):
+            assert relative_error(got[record["sample_id"]][layer], expected[layer]) <= 1e-5
+
+
+def test_the_saelens_export_names_block_3_resid_post_and_reads_as_stored(gemma2_run, tmp_path):
+    from tests.test_saelens import activations_store, stored_in_order
+    _, records, folder = gemma2_run
+    index = str(folder / "index.parquet")
+    result = run_cli("pipeline.export", "--format", "saelens", "--index", index, "--output_dir", str(tmp_path / "sae"),
+                     "--layers", "3", "--context_size", "32", "--seed", "none")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "sae" / "activation_export.json").read_text())
+    assert "blocks.3.hook_resid_post" in json.dumps(summary)
+    store = activations_store(str(tmp_path / "sae"), 3)
+    got = store.get_raw_llm_batch(raise_on_epoch_end=True)[0].numpy()
+    assert np.array_equal(got, stored_in_order(index, 3)[:len(got)])
+
+
+def test_bfloat16_with_a_float32_stream_on_a_2d_mesh_equals_the_in_process_forward(family_checkpoints, tmp_path):
+    model_dir = family_checkpoints["llama", "transformers5"]
+    records = write_stream(tmp_path / "stream.jsonl", model_dir)
+    run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--dtype", "bfloat16",
+                   "--mesh_type", "2d", "--attention", "tiled", "--window", "4"))
+    metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
+    assert (metadata["compute_dtype"], metadata["residual_dtype"]) == ("bfloat16", "float32")
+    extractor = Extractor.load(model_dir, dtype="bfloat16", mesh_type="2d", batch_size_per_device=2,
+                               max_seq_length=MAX_SEQ, attention="tiled", activation_dtype="float32")
+    # The runner computes windows of 4 records; the same batches in process.
+    expected = {}
+    for start in range(0, len(records), 4):
+        window = records[start:start + 4]
+        expected.update(extractor.extract((r["sample_id"], r["input_ids"]) for r in window))
+    got = stored(tmp_path / "out" / "machine_000")
+    assert sorted(got) == sorted(expected)
+    for sample_id, layers in expected.items():
+        for layer, values in layers.items():
+            np.testing.assert_array_equal(got[sample_id][layer], values)
+
+
+def test_a_resumed_run_stores_every_sample_once(family_checkpoints, tmp_path):
+    model_dir = family_checkpoints["qwen3", "transformers5"]
+    records = write_stream(tmp_path / "stream.jsonl", model_dir)
+    args = runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--window", "2")
+    run_ok(*args, "--max_samples", "5")
+    checkpoint = json.loads((tmp_path / "out" / "machine_000" / "checkpoint.json").read_text())
+    assert 0 < checkpoint["total_samples_processed"] == 5 < len(records)
+    run_ok(*args)
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"))
+
+
+def test_a_machine_of_two_processes_with_a_single_kv_head(family_checkpoints, tmp_path):
+    model_dir = family_checkpoints["gemma3", "transformers5"]
+    records = write_stream(tmp_path / "stream.jsonl", model_dir)
+    procs = start_slice(runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--mesh_type", "2d",
+                               "--window", "4"), free_port())
+    for p in procs:
+        _, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"))
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("architecture", "unsupported architecture 'Phi3ForCausalLM' in config.json"),
+    ("rope", "llama config.json: rope_parameters.rope_type = 'yarn' is not supported"),
+    ("fused", "--attention fused: jax.nn.dot_product_attention has no attention-logit soft-capping"),
+])
+def test_an_unsupported_model_is_one_line_and_creates_nothing(family_checkpoints, tmp_path, problem, expected):
+    import shutil
+    case = "gemma2" if problem == "fused" else "llama"
+    model_dir = tmp_path / "model"
+    shutil.copytree(family_checkpoints[case, "transformers5"], model_dir)
+    write_stream(tmp_path / "stream.jsonl", str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    if problem == "architecture":
+        config.update(architectures=["Phi3ForCausalLM"], model_type="phi3")
+    elif problem == "rope":
+        config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    flags = ["--attention", "fused"] if problem == "fused" else []
+    result = run_cli("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", str(model_dir), *flags))
+    one_line_error(result, expected)
+    assert not (tmp_path / "out").exists()
+
