@@ -88,7 +88,8 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     k, v = (jnp.pad(x, ((0, padded - s), (0, 0), (0, 0))).transpose(1, 0, 2)
             for x in (k, v))  # [K, S', D]
     mask = jnp.pad(mask, ((0, padded - s), (0, padded - s)))  # [S', S']
-    # Key blocks holding any key some query may attend to (at least one, so no sum is zero).
+    # Key blocks holding any key some query may attend to (at least one: every query block visits
+    # one, so no sum is zero, not even a padding row's past the window).
     last_key = jnp.max(jnp.where(mask.any(axis=0), jnp.arange(padded) + 1, 0))
     key_blocks = jnp.maximum(1, -(-last_key // block))
 
@@ -111,7 +112,8 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
             new_max = jnp.maximum(running_max, scores.max(axis=-1))
             probs = jnp.exp(scores - new_max[..., None])
             # A row with no allowed key yet (before its window starts) accumulates garbage at
-            # MASKED; its first allowed key (its own, at the latest) rescales that by exp(-inf) = 0.
+            # MASKED; its first allowed key (its own, at the latest) rescales that by
+            # exp(MASKED - score) = 0. A padding row keeps its garbage, finite, and is discarded.
             rescale = jnp.exp(running_max - new_max)
             values = jnp.einsum("kmt,ktd->kmd", probs.reshape(kv_heads, groups * block, block)
                                 .astype(v.dtype), v_block, precision=precision,
@@ -122,8 +124,10 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
         # Built from q_block so that, under shard_map, the loop state varies over the same axes.
         acc = jnp.zeros_like(q_block, jnp.float32).reshape(kv_heads, groups, block, d)
         state = (acc[..., 0] + MASKED, acc[..., 0], acc)
-        first = 0 if window is None else jnp.maximum(0, i * block - window + 1) // block
-        _, total, acc = jax.lax.fori_loop(first, jnp.minimum(i + 1, key_blocks), add_key_block, state)
+        last = jnp.minimum(i + 1, key_blocks)
+        # The first key block the window reaches (a padding block past the real keys: the last).
+        first = 0 if window is None else jnp.minimum(jnp.maximum(0, i * block - window + 1) // block, last - 1)
+        _, total, acc = jax.lax.fori_loop(first, last, add_key_block, state)
         return (acc / total[..., None]).astype(q.dtype)  # [K, G, bq, D]
 
     out = jax.lax.map(query_block, jnp.arange(padded // block))  # [S'/bq, K, G, bq, D]
@@ -166,8 +170,10 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
     The kernel takes the causal structure, each row's length and the window instead of a mask,
     so it can skip masked tiles; the length is read off the mask (the keys some query may attend
-    to). A padding row (length 0) gets length 1: its outputs are discarded, and no row is fully
-    masked. ``scale``: what q . k is multiplied by (None: 1/sqrt(D)); it has no soft-capping.
+    to). A padding row (length 0) gets length 1. Padding queries see garbage or, past a window,
+    no key at all: their outputs are discarded (``model.scoring`` excludes them with ``where``,
+    so even a NaN from a kernel that returns one there never reaches a sum). ``scale``: what
+    q . k is multiplied by (None: 1/sqrt(D)); it has no soft-capping.
     """
     b, s, kv_heads, groups, d = q.shape
     lengths = jnp.maximum(mask.any(axis=1).sum(axis=-1), 1).astype(jnp.int32)  # [B]

@@ -177,7 +177,8 @@ class InterventionModel:
             real = (jnp.arange(s)[None, :] < lengths[:, None]).astype(jnp.float32)  # [B, S]
             r, r0 = residuals.astype(jnp.float32), base.astype(jnp.float32)
             change = jnp.linalg.norm(r - r0, axis=-1) / jnp.maximum(jnp.linalg.norm(r0, axis=-1), 1e-30)
-            change = (change * real).sum(-1) / jnp.maximum(real.sum(-1), 1)  # [L, B]
+            # where, not a product: a padding position's values are garbage (0 x NaN is NaN)
+            change = jnp.where(real > 0, change, 0).sum(-1) / jnp.maximum(real.sum(-1), 1)  # [L, B]
             return sums, weights.sum(1), change.T
         return jax.jit(scores)
 
@@ -187,9 +188,13 @@ class InterventionModel:
             positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
             _, state = self.model.apply({"params": params}, input_ids, positions, causal_mask(lengths, seq),
                                         self.num_layers, mutable=["stats"])
-            real = (jnp.arange(seq)[None, :] < lengths[:, None]).astype(jnp.float32)  # [B, S]
+            real = jnp.arange(seq)[None, :] < lengths[:, None]  # [B, S]
             blocks = [state["stats"][f"layers_{i}"] for i in range(self.num_layers)]
-            total = lambda x: jnp.einsum("bs,bs...->...", real, x.astype(jnp.float32))  # noqa: E731
+
+            def total(x):  # over real tokens: where, not a product (padding positions hold garbage)
+                where = real.reshape(real.shape + (1,) * (x.ndim - 2))
+                return jnp.where(where, x.astype(jnp.float32), 0).sum(axis=(0, 1))
+
             return {"head": jnp.stack([total(b["self_attn"]["heads"][0]) for b in blocks]),  # [L, N, D]
                     "attn": jnp.stack([total(b["attn_output"][0]) for b in blocks]),             # [L, H]
                     "mlp": jnp.stack([total(b["mlp_output"][0]) for b in blocks]),

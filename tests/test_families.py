@@ -80,6 +80,29 @@ def test_the_hub_layout_reads_as_the_same_model(family_checkpoints, case):
     assert load_config(family_checkpoints[case, "hub"]) == load_config(family_checkpoints[case, "transformers5"])
 
 
+@pytest.mark.parametrize("case", ["mistral", "gemma3"])
+def test_past_the_first_tiles_the_window_skips_keys_and_padding_stays_out_of_the_means(family_checkpoints, case):
+    """Three sequences of 270 to 300 tokens in a bucket of 384, batches of 4: the third query
+    tile's window (16) starts in the second key tile, and the batch's fourth row is empty, its
+    padding all past every window. Every layer equals transformers' block outputs; the mean pass
+    (over real tokens) equals the means hooks take."""
+    from fixtures.hf_reference import reference_means
+    path = family_checkpoints[case, "transformers5"]
+    sequences = ids_for(path, [300, 290, 270], seed=9)
+    reference = load_reference(path, "float64")
+    extractor = Extractor.load(path, dtype="float32", max_seq_length=384, batch_size_per_device=4,
+                               devices=jax.devices()[:1])
+    assert [(b.length, len(b.items)) for b in extractor.batches(enumerate(sequences))] == [(384, 3)]
+    for mine, ref in zip(extracted(extractor, sequences), reference_activations(reference, sequences)):
+        for layer in ref:
+            assert relative_error(mine[layer], ref[layer]) <= 1e-5, (case, layer)
+    model = InterventionModel(load_model(path, jnp.float32, with_head=True, devices=jax.devices()[:1]),
+                              batch_size_per_device=4, max_seq_length=384)
+    means, expected = model.means(sequences), reference_means(reference, sequences)
+    for name in ("head", "attn", "mlp", "block"):
+        assert relative_error(getattr(means, name), expected[name]) <= 1e-5, (case, name)
+
+
 @pytest.fixture(scope="module")
 def arc_like(qwen_tokenizer_dir) -> list[list[int]]:
     """Six real ARC-AGI-1 prompts cut at 256 tokens, their ids folded into the small vocabulary

@@ -134,10 +134,13 @@ def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
 
 @pytest.mark.parametrize("model_type, architecture", [
     ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-    ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM")])
+    ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
+    ("gemma3", "Gemma3ForConditionalGeneration")])
 def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     """A config.json that gives almost nothing: every default is transformers' own."""
     minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}
+    if model_type == "gemma3":
+        minimal = {**minimal, "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 2}}
     assert config_from_dict(transformers_5_layout(minimal)) == config_from_dict(minimal)
 
 
@@ -157,6 +160,8 @@ def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     ({**GEMMA_2_2B, "use_bidirectional_attention": True}, "gemma2 config.json: use_bidirectional_attention = True"),
     ({**GEMMA_2_2B, "sliding_window": None}, "sliding_window = None is not supported: layer_types has"),
     ({**GEMMA_3_270M, "layer_types": ["chunked_attention"] * 18}, "layer_types = 'chunked_attention'"),
+    ({**GEMMA_3_270M, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     "gemma3 config.json: rope_parameters = .* Gemma 3 gives one per layer type"),
     ({**LLAMA_3_2_1B, "hidden_act": "relu"}, "llama config.json: hidden_act = 'relu' is not supported"),
     ({**LLAMA_3_2_1B, "quantization_config": {"quant_method": "gptq"}}, "quantization_config \\(gptq\\)"),
     ({**QWEN2_5["0.5B"], "num_key_value_heads": 3}, "num_key_value_heads = 3 is not supported: "
@@ -174,8 +179,21 @@ def test_unsupported_options_are_one_line_errors_naming_the_key(raw, message):
 
 def test_options_that_do_not_change_the_computation_are_ignored():
     noisy = {**GEMMA_2_2B, "use_cache": False, "torch_dtype": "float32", "cache_implementation": "static",
-             "transformers_version": "4.42.0", "pretraining_tp": 4, "attention_dropout": 0.1}
+             "transformers_version": "4.42.0", "attention_dropout": 0.1}
     assert config_from_dict(noisy) == config_from_dict(GEMMA_2_2B)
+    # Llama's pretraining_tp splits its matmuls in slices: the same sums (transformers 5 ignores it).
+    assert config_from_dict({**LLAMA_3_2_1B, "pretraining_tp": 4}) == config_from_dict(LLAMA_3_2_1B)
+
+
+def test_the_multimodal_wrapper_decides_the_tying_of_the_head():
+    """As transformers reads it: the wrapper's tie_word_embeddings (default true), not the
+    text_config's."""
+    text = {**GEMMA_3_4B["text_config"], "tie_word_embeddings": False}
+    assert config_from_dict({**GEMMA_3_4B, "text_config": text}).tie_word_embeddings
+    untied = {**GEMMA_3_4B, "tie_word_embeddings": False}
+    assert not config_from_dict(untied).tie_word_embeddings
+    for raw in ({**GEMMA_3_4B, "text_config": text}, untied):
+        assert config_from_dict(transformers_5_layout(raw)) == config_from_dict(raw)
 
 
 def test_missing_file_and_bad_json(tmp_path):

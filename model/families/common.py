@@ -35,7 +35,8 @@ class Fields:
         return self.raw[key] if key in self.raw else self.defaults.get(key)
 
     def number(self, key: str, kind: Callable = int) -> Any:
-        """A required number; ``UserError`` when it is missing or not a number."""
+        """A number (the family's default where absent); ``UserError`` when it is not one, or
+        absent from a family without a default for it."""
         value = self.get(key)
         if value is None:
             raise UserError(f"{self.family} config.json has no {key!r}")
@@ -64,6 +65,12 @@ def shapes(f: Fields) -> dict[str, Any]:
                 rms_norm_eps=f.number("rms_norm_eps", float),
                 tie_word_embeddings=bool(f.get("tie_word_embeddings")),
                 max_position_embeddings=f.number("max_position_embeddings"))
+
+
+def sliding_window(f: Fields) -> int | None:
+    """The sliding layers' window: absent, the family's default; null or 0, none."""
+    window = f.optional("sliding_window")
+    return int(window) if window else None
 
 
 def activation(f: Fields, key: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from model.config import FULL, SLIDING, DecoderConfig
 from model.families.common import (Fields, activation, layer_types, refuse_if_set, rope, rope_parameters,
-                                   shapes)
+                                   shapes, sliding_window)
 
 ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma2Model")
 # transformers' Gemma2Config defaults, for keys a config.json may leave out.
@@ -25,10 +25,10 @@ def decoder_config(raw: dict) -> DecoderConfig:
     f = Fields(raw, DEFAULTS, "gemma2")
     config = shapes(f)
     n = config["num_hidden_layers"]
-    window = f.optional("sliding_window")
+    window = sliding_window(f)
     params, where = rope_parameters(f)
     return DecoderConfig("gemma2", **config, rope=rope(f, params, where, f.get("rope_theta")),
-                         **gemma_switches(f), sliding_window=int(window) if window else None,
+                         **gemma_switches(f), sliding_window=window,
                          layer_types=layer_types(f, n, [SLIDING if i % 2 == 0 else FULL for i in range(n)], window))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from common.cli import UserError
 from model.config import FULL, SLIDING, DecoderConfig
-from model.families.common import Fields, layer_types, rope, rope_parameters, shapes
+from model.families.common import Fields, layer_types, rope, rope_parameters, shapes, sliding_window
 from model.families.gemma2 import gemma_switches
 
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3TextModel")
@@ -31,12 +31,16 @@ def decoder_config(raw: dict) -> DecoderConfig:
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise UserError("gemma3 config.json has no 'text_config' (the language model's settings)")
-        # The wrapper decides the tying of its LM head (default: tied, as every Gemma 3 is).
-        raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+        # The wrapper alone decides the tying of its LM head, as transformers reads it (default
+        # tied, as every Gemma 3 is; the text_config's own key is not read).
+        raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
     f = Fields(raw, DEFAULTS, "gemma3")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params and not (FULL in params or SLIDING in params):
+        raise f.refuse("rope_parameters", params, f"Gemma 3 gives one per layer type ({FULL}, {SLIDING})")
     config = shapes(f)
     n, pattern = config["num_hidden_layers"], int(f.get("sliding_window_pattern"))
-    window = f.optional("sliding_window")
+    window = sliding_window(f)
     types = layer_types(f, n, [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)], window)
     full, where = rope_parameters(f, FULL)
     local, local_where = rope_parameters(f, SLIDING)
@@ -44,5 +48,4 @@ def decoder_config(raw: dict) -> DecoderConfig:
         local, local_where = {}, "rope_local_base_freq"
     return DecoderConfig("gemma3", **config, rope=rope(f, full, where, f.get("rope_theta")),
                          sliding_rope=rope(f, local, local_where, f.get("rope_local_base_freq")),
-                         **gemma_switches(f), qk_norm=True, sliding_window=int(window) if window else None,
-                         layer_types=types)
+                         **gemma_switches(f), qk_norm=True, sliding_window=window, layer_types=types)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from model.config import SLIDING, DecoderConfig
-from model.families.common import Fields, activation, rope, rope_parameters, shapes
+from model.families.common import Fields, activation, rope, rope_parameters, shapes, sliding_window
 
 ARCHITECTURES = ("MistralForCausalLM", "MistralModel")
 # transformers' MistralConfig defaults, for keys a config.json may leave out.
@@ -21,9 +21,8 @@ def decoder_config(raw: dict) -> DecoderConfig:
         raise f.refuse("layer_types", raw["layer_types"][:2] + ["..."], "Mistral has its window on every "
                        "layer; per-layer types are Ministral's (model_type ministral)")
     config = shapes(f)
-    window = f.optional("sliding_window")
+    window = sliding_window(f)
     params, where = rope_parameters(f)
     return DecoderConfig("mistral", **config, rope=rope(f, params, where, f.get("rope_theta")),
-                         sliding_window=int(window) if window else None,
-                         layer_types=(SLIDING,) * config["num_hidden_layers"] if window else (),
+                         sliding_window=window, layer_types=(SLIDING,) * config["num_hidden_layers"] if window else (),
                          hidden_act=activation(f, "hidden_act"))

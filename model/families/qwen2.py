@@ -25,7 +25,8 @@ def qwen_config(f: Fields, **switches: Any) -> DecoderConfig:
     if SLIDING in (f.raw.get("layer_types") or ()):
         raise f.refuse("layer_types", SLIDING, "sliding-window attention is not implemented for Qwen")
     config = shapes(f)
-    # transformers 5 writes every layer's type: all full without use_sliding_window.
+    # transformers 5 writes every layer's type (all full without use_sliding_window): checked
+    # for unknown types and its length; the model has none of them sliding.
     layer_types(f, config["num_hidden_layers"], [FULL] * config["num_hidden_layers"], None)
     params, where = rope_parameters(f)
     return DecoderConfig(f.family, **config, rope=rope(f, params, where, f.get("rope_theta")),
