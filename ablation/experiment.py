@@ -122,7 +122,7 @@ def run_experiment(config: AblationConfig) -> RunReport:
             if profiler is not None:
                 profiler.stop()
         report.compiles, report.compile_s, report.compiled = model.compiles, round(model.compile_s, 2), model.compiled()
-    report.outputs = _write_outputs(config, model_config, done, [iv.name for iv in everything])
+    report.outputs = _write_outputs(config, model_config, done, [iv.name for iv in everything], bool(pending))
     report.wall_s = round(time.perf_counter() - start, 2)
     with open(os.path.join(config.output_dir, RUN_FILE), "w") as f:
         json.dump(dataclasses.asdict(report), f, indent=2)
@@ -181,14 +181,15 @@ def _score_window(model: InterventionModel, window: list[Record], pending: list[
 
 
 def _write_outputs(config: AblationConfig, model_config: Any, results: pd.DataFrame,
-                   order: list[str]) -> list[str]:
-    """summary.csv, and the charts and tracking the config asks for; returns what was written."""
+                   order: list[str], new_results: bool) -> list[str]:
+    """summary.csv, and the charts and tracking the config asks for; returns what was written
+    (results.parquet too when this run added rows to it)."""
     from ablation.charts import write_charts
     from ablation.tracking import write_tensorboard, write_wandb
     summary = summarize(results, order, config.bootstrap, config.seed)
     out = config.output_dir
     summary.to_csv(os.path.join(out, SUMMARY_FILE), index=False)
-    written = [RESULTS_FILE, SUMMARY_FILE]
+    written = [RESULTS_FILE, SUMMARY_FILE] if new_results else [SUMMARY_FILE]
     charts = (write_charts(summary, os.path.join(out, "charts"), model_config.num_hidden_layers,
                            model_config.num_attention_heads) if config.charts else [])
     written += [os.path.relpath(p, out) for p in charts]

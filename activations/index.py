@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from common.cli import UserError
 from common.files import join, open_read, write_bytes
+from host.states import COMPLETED
 
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
@@ -119,7 +120,7 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
     machine made of several) and the merged index."""
     machines = sorted(machine_metadata, key=lambda m: (m["machine_id"], m.get("process_id") or 0))
     ids = sorted({m["machine_id"] for m in machines})
-    completed = [i for i in ids if all(m.get("status") == "completed" for m in machines if m["machine_id"] == i)]
+    completed = [i for i in ids if all(m.get("status") == COMPLETED for m in machines if m["machine_id"] == i)]
     return {"total_machines": len(ids),
             "total_shards": sum(m["total_shards"] for m in machines),
             "total_samples": table.num_rows,

@@ -36,8 +36,8 @@ from activations.token_ids import TokenIds, load_token_ids, stream_paths
 from activations.token_plan import StoredArrays, blocks, stored_arrays
 from common.cli import UserError
 from common.files import read_range
+from model.config import STORED_DTYPES
 
-OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 T = TypeVar("T")
 
 
@@ -77,8 +77,8 @@ class LoaderConfig:
             raise UserError(f"exclude_first_positions must be >= 0, got {self.exclude_first_positions}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.dtype not in OUTPUT_DTYPES:
-            raise UserError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in STORED_DTYPES:
+            raise UserError(f"dtype must be one of {', '.join(STORED_DTYPES)}, got {self.dtype!r}")
 
     @property
     def needs_token_ids(self) -> bool:

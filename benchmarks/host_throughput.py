@@ -25,8 +25,9 @@ LAYERS = "6,12,18,23"
 def forward_only(stream: str, model_dir: str, batch_size: int, max_seq_length: int) -> None:
     """Child process: the same DoFn and order as the runner, results discarded."""
     from transforms.extract import ExtractActivations, ExtractConfig, parse_stream_line
-    dofn = ExtractActivations(ExtractConfig(model_dir, tuple(map(int, LAYERS.split(","))), batch_size,
-                                            max_seq_length, dtype="float32"))
+    dofn = ExtractActivations(ExtractConfig(model_path=model_dir, layers=tuple(map(int, LAYERS.split(","))),
+                                            batch_size=batch_size, max_seq_length=max_seq_length,
+                                            dtype="float32"))
     dofn.setup()
     with open(stream) as f:
         records = [parse_stream_line(line, stream) for line in f]

@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = str(cached_tokenizer_dir())
     root = pathlib.Path(tempfile.mkdtemp(prefix="prepare_bench."))
-    config = lambda name: PrepareConfig(dataset=args.dataset, tokenizer=tokenizer,  # noqa: E731
+    config = lambda name: PrepareConfig(dataset=args.dataset, tokenizer=tokenizer,
                                         num_machines=args.num_machines, output_dir=str(root / name))
     os.makedirs(root / "plain")
     fmt = resolve_plan(config("plain")).format  # outside the baseline's timing: in its favour

@@ -92,7 +92,8 @@ def main() -> None:
         timed("(c) token loader, stored order", lambda: sum(len(b) for b in unshuffled), naive)
         print(f"    (b) held at most {shuffled.stats.peak_buffered_tokens:,} tokens "
               f"({shuffled.stats.peak_buffered_tokens * row_bytes(HIDDEN, 1, with_token_ids=False) / 1e9:.2f} GB); "
-              f"{shuffled.stats.blocks_read} reads of {shuffled.stats.bytes_read / shuffled.stats.blocks_read / 1e6:.1f} MB")
+              f"{shuffled.stats.blocks_read} reads of "
+              f"{shuffled.stats.bytes_read / shuffled.stats.blocks_read / 1e6:.1f} MB")
         from pipeline.export import main as export
         out = os.path.join(work, "saelens")
         timed("(d) pipeline.export --format saelens (shuffled)",

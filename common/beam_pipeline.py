@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from common.cli import UserError
@@ -36,8 +36,26 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return options
 
 
+def is_local(options: PipelineOptions) -> bool:
+    return options.view_as(StandardOptions).runner in LOCAL_RUNNERS
+
+
+def is_dry_run(options: PipelineOptions) -> bool:
+    """``--dry_run=True``: a remote runner (Dataflow) builds the job and does not submit it. Beam
+    keeps the flag's text, so ``--dry_run=False`` must not count."""
+    value = options.view_as(TestOptions).dry_run
+    return str(value).strip().lower() not in ("", "false", "0", "no", "none")
+
+
 def make_pipeline(options: PipelineOptions) -> beam.Pipeline:
-    """A pipeline on the requested runner; local runs go to the FnApiRunner."""
-    if options.view_as(StandardOptions).runner in LOCAL_RUNNERS:
+    """A pipeline on the requested runner; local runs go to the FnApiRunner. A dry run asks for
+    a runner that honours it; invalid remote options are one line."""
+    if is_local(options):
+        if is_dry_run(options):
+            raise UserError("--dry_run builds a job for a remote runner without submitting it (e.g. "
+                            "--runner DataflowRunner); the local runner would run everything")
         return beam.Pipeline(runner=FnApiRunner(), options=options)
-    return beam.Pipeline(options=options)
+    try:
+        return beam.Pipeline(options=options)
+    except ValueError as e:  # Beam's validation of the runner's options (project, region, ...)
+        raise UserError(" ".join(str(e).split())) from None

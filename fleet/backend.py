@@ -31,6 +31,9 @@ class Backend(abc.ABC):
     """Machines of one fleet on one engine."""
 
     self_healing = False  # True: the engine restarts machines itself; supervise only watches
+    # True: ``launch`` writes the user's files and creates machines only when asked (``--apply``),
+    # since the user may submit those files with the engine's own tools instead.
+    creates_on_request = False
 
     def __init__(self, config: FleetConfig):
         self.config = config
@@ -44,7 +47,13 @@ class Backend(abc.ABC):
     def plan(self, machines: Sequence[int]) -> str:
         """Exactly what ``create(machines)`` would create (requests, manifest, commands)."""
 
-    def prepare(self) -> None:
+    def write_for_user(self, path: str | None) -> str | None:
+        """Writes what this backend gives the user to read or submit (e.g. a manifest) to ``path``
+        or its default; returns one line saying what was written and what to do with it, or None
+        when the backend writes nothing."""
+        return None
+
+    def prepare(self) -> None:  # noqa: B027  (a hook: most backends have nothing to prepare)
         """Once per launch, before the first ``create`` (e.g. upload what the hosts install)."""
 
     @abc.abstractmethod
@@ -88,9 +97,13 @@ def _cloud_error_types() -> tuple[type, ...]:
     import urllib3
     from google.api_core.exceptions import GoogleAPIError
     from google.auth.exceptions import GoogleAuthError
-    from kubernetes.client.exceptions import OpenApiException
-    return (GoogleAPIError, GoogleAuthError, OpenApiException, urllib3.exceptions.HTTPError,
-            requests.exceptions.RequestException, concurrent.futures.TimeoutError)
+    errors = (GoogleAPIError, GoogleAuthError, urllib3.exceptions.HTTPError,
+              requests.exceptions.RequestException, concurrent.futures.TimeoutError)
+    try:  # the gke extra
+        from kubernetes.client.exceptions import OpenApiException
+    except ImportError:
+        return errors
+    return (*errors, OpenApiException)
 
 
 @contextlib.contextmanager

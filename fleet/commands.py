@@ -9,6 +9,7 @@ import sys
 import time
 
 from common.cli import UserError
+from common.extras import require
 from common.files import join, read_optional, write_bytes
 from fleet.backend import Backend, make_backend
 from fleet.config import FleetConfig, resolve
@@ -17,6 +18,7 @@ from fleet.merge import merge
 from fleet.report import plain_table, rich_table, write_chart
 from fleet.runner import check_runner_flags
 from fleet.supervise import Supervisor
+from host.states import COMPLETED
 from host.status import utc_now
 
 log = logging.getLogger("runners.fleet")
@@ -45,8 +47,11 @@ def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | 
         print(backend.plan(_to_launch(config, backend, look=False)))
         return 0
     check_output(config)
-    if config.backend == "gke":
-        return _launch_gke(config, backend, apply, manifest_out)
+    written = backend.write_for_user(manifest_out)
+    if written:
+        print(written)
+    if backend.creates_on_request and not apply:
+        return 0
     todo = _to_launch(config, backend)
     if not todo:
         print(f"fleet {config.name}: nothing to launch (every machine exists or completed)")
@@ -62,26 +67,9 @@ def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | 
 
 def _to_launch(config: FleetConfig, backend: Backend, look: bool = True) -> list[int]:
     """Machines that neither completed nor exist (``look=False``: without asking the backend)."""
-    done = {v.machine_id for v in fleet_views(read_fleet(config)) if v.state == "completed"}
+    done = {v.machine_id for v in fleet_views(read_fleet(config)) if v.state == COMPLETED}
     existing = backend.existing() if look else set()
     return [i for i in range(config.num_machines) if i not in existing | done]
-
-
-def _launch_gke(config: FleetConfig, backend, apply: bool, manifest_out: str | None) -> int:
-    """Writes the Job's manifest; with ``apply``, submits it unless the Job exists."""
-    path = manifest_out or f"{config.name}-job.yaml"
-    write_bytes(path, backend.manifest_yaml().encode())
-    if not apply:
-        print(f"wrote the Job manifest to {path}: submit it with kubectl apply -f {path}, or launch --apply")
-        return 0
-    if backend.existing():
-        print(f"fleet {config.name}: Job {config.name} exists already; nothing to launch")
-        return 0
-    _write_record(config)
-    backend.create(range(config.num_machines))
-    print(f"fleet {config.name}: Job {config.namespace}/{config.name} submitted ({config.num_machines} "
-          f"indexes); manifest in {path}")
-    return 0
 
 
 def _write_record(config: FleetConfig) -> None:
@@ -104,6 +92,8 @@ def _resolve_if_possible(config: FleetConfig, teardown: bool = False) -> tuple[F
 
 
 def status(config: FleetConfig, watch: bool, chart: str | None) -> int:
+    if chart:
+        require("matplotlib", "charts", "status --chart")
     config, manifest = _resolve_if_possible(config)
     if not watch:
         return _show_status(config, manifest, chart)

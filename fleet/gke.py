@@ -14,6 +14,8 @@ import logging
 from typing import Any, Sequence
 
 from common.cli import UserError
+from common.extras import require
+from common.files import write_bytes
 from fleet.backend import ABSENT, ALIVE, GONE, Backend, Health
 from fleet.runner import runner_argv
 
@@ -34,6 +36,7 @@ def parse_indexes(text: str | None) -> set[int]:
 
 class GkeBackend(Backend):
     self_healing = True  # Kubernetes restarts pods; supervise only watches and merges
+    creates_on_request = True  # the manifest may go through kubectl instead
 
     def __init__(self, config):
         super().__init__(config)
@@ -83,6 +86,11 @@ class GkeBackend(Backend):
         import yaml
         return yaml.safe_dump(self.job(), sort_keys=False)
 
+    def write_for_user(self, path: str | None) -> str:
+        path = path or f"{self.config.name}-job.yaml"
+        write_bytes(path, self.manifest_yaml().encode())
+        return f"wrote the Job manifest to {path}: submit it with kubectl apply -f {path}, or launch --apply"
+
     @property
     def where(self) -> str:
         return f"Job {self.config.name} in namespace {self.config.namespace}"
@@ -95,7 +103,7 @@ class GkeBackend(Backend):
         """``BatchV1Api`` from the kubeconfig (``KUBECONFIG``, ``~/.kube/config``) or, in a pod,
         the service account."""
         if self._api is None:
-            import kubernetes
+            kubernetes = require("kubernetes", "gke", "--backend gke")
             try:
                 kubernetes.config.load_kube_config()
             except Exception:
@@ -108,9 +116,10 @@ class GkeBackend(Backend):
         return self._api
 
     def _read(self):
+        api = self.api  # first: it says which extra to install when the client is missing
         from kubernetes.client.exceptions import ApiException
         try:
-            return self.api.read_namespaced_job(self.config.name, self.config.namespace)
+            return api.read_namespaced_job(self.config.name, self.config.namespace)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -144,9 +153,10 @@ class GkeBackend(Backend):
         return Health(ALIVE)
 
     def delete(self, machines: Sequence[int]) -> None:
+        api = self.api  # first: it says which extra to install when the client is missing
         from kubernetes.client.exceptions import ApiException
         try:  # Foreground: the pods go first, then the Job
-            self.api.delete_namespaced_job(self.config.name, self.config.namespace,
+            api.delete_namespaced_job(self.config.name, self.config.namespace,
                                            propagation_policy="Foreground")
         except ApiException as e:
             if e.status != 404:

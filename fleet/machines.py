@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from common.files import read_optional
 from fleet.config import FleetConfig
 from host.config import process_folder
-from host.status import COMPLETED, FAILED, STOPPED
+from host.states import COMPLETED, FAILED, IN_PROGRESS, STOPPED
 
 log = logging.getLogger("runners.fleet")
 MISSING, STALLED = "missing", "stalled"
@@ -71,7 +71,7 @@ def combined_checkpoint(checkpoints: Sequence[dict[str, Any] | None]) -> dict[st
     """The processes' checkpoints as the machine's (None until every process has one)."""
     if any(c is None for c in checkpoints):
         return None
-    return {"status": COMPLETED if all(c["status"] == COMPLETED for c in checkpoints) else "in_progress",
+    return {"status": COMPLETED if all(c["status"] == COMPLETED for c in checkpoints) else IN_PROGRESS,
             "total_samples_processed": min(c["total_samples_processed"] for c in checkpoints),
             **{k: sum(c.get(k) or 0 for c in checkpoints)
                for k in ("total_shards", "total_tokens", "total_truncated", "total_skipped")},

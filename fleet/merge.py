@@ -20,7 +20,7 @@ from common.files import binary_lines, join, open_read, read_optional
 from fleet.config import FleetConfig, manifest_samples
 from fleet.machines import MachineFiles, read_fleet
 from host.rejected import REJECTED_FILE
-from host.status import COMPLETED
+from host.states import COMPLETED
 
 SAMPLE_ID = re.compile(rb'"sample_id"\s*:\s*(-?\d+)')
 

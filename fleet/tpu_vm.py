@@ -22,6 +22,7 @@ import time
 from typing import Sequence
 
 from common.cli import UserError
+from common.extras import require
 from fleet.backend import ABSENT, ALIVE, GONE, PENDING, Backend, Health
 from fleet.runner import runner_argv
 
@@ -59,6 +60,11 @@ exit $STATUS
 """
 
 
+def tpu_api():
+    """``google.cloud.tpu_v2`` (the ``tpu-vm`` extra)."""
+    return require("google.cloud.tpu_v2", "tpu-vm", "--backend tpu-vm")
+
+
 def build_wheel(out_dir: str) -> str:
     """A wheel of this project (``setup.py``), without dependencies: the host resolves those."""
     before = set(glob.glob(os.path.join(out_dir, "*.whl")))
@@ -87,7 +93,7 @@ class TpuVmBackend(Backend):
         """The Cloud TPU client (REST): Google's endpoint, or ``--tpu_api_endpoint``."""
         if self._client is None:
             from google.api_core.client_options import ClientOptions
-            from google.cloud import tpu_v2
+            tpu_v2 = tpu_api()
             options = ClientOptions(api_endpoint=self.config.tpu_api_endpoint) if self.config.tpu_api_endpoint else None
             credentials = None
             if self.config.tpu_api_endpoint and self.config.tpu_api_endpoint.startswith("http://"):
@@ -113,7 +119,7 @@ class TpuVmBackend(Backend):
 
     def request(self, machine: int):
         """The ``QueuedResource`` of one machine."""
-        from google.cloud import tpu_v2
+        tpu_v2 = tpu_api()
         c = self.config
         node = tpu_v2.Node(accelerator_type=c.accelerator_type, runtime_version=c.runtime_version,
                            labels={"fleet": c.name},
@@ -130,7 +136,7 @@ class TpuVmBackend(Backend):
         return f"queued resources labelled fleet={self.config.name} in {self.parent}"
 
     def plan(self, machines: Sequence[int]) -> str:
-        from google.cloud import tpu_v2
+        tpu_v2 = tpu_api()
         lines = [f"# upload a wheel of {PROJECT_ROOT} to {self.wheel_url()}",
                  f"# then, {self.config.stagger_s:g} s apart, POST {self.parent}/queuedResources:"]
         for machine in machines:
@@ -177,7 +183,7 @@ class TpuVmBackend(Backend):
 
     def health(self, machine: int) -> Health:
         from google.api_core import exceptions as gexc
-        from google.cloud import tpu_v2
+        tpu_v2 = tpu_api()
         try:
             queued = self.client.get_queued_resource(name=self._qr_name(machine))
         except gexc.NotFound:
@@ -198,7 +204,7 @@ class TpuVmBackend(Backend):
 
     def delete(self, machines: Sequence[int]) -> None:
         from google.api_core import exceptions as gexc
-        from google.cloud import tpu_v2
+        tpu_v2 = tpu_api()
         operations = []
         for machine in machines:
             try:  # force: the node goes with its queued resource

@@ -15,8 +15,8 @@ from typing import Any
 
 from common.cli import UserError
 from common.run_settings import changed_settings
+from host.states import CHECKPOINT_STATES, IN_PROGRESS
 
-IN_PROGRESS, COMPLETED = "in_progress", "completed"
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ class Checkpoint:
                             "lists are untouched; restore the file or move it away to start over)") from None
         counts = (checkpoint.total_samples_processed, checkpoint.total_shards, checkpoint.total_tokens,
                   checkpoint.total_truncated, checkpoint.total_skipped)
-        if (checkpoint.status not in (IN_PROGRESS, COMPLETED) or not isinstance(checkpoint.shards, list)
+        if (checkpoint.status not in CHECKPOINT_STATES or not isinstance(checkpoint.shards, list)
                 or not all(type(n) is int and n >= 0 for n in counts)
                 or checkpoint.total_shards != len(checkpoint.shards)):
             raise UserError(f"corrupted checkpoint {where}: inconsistent fields (the shards it lists "

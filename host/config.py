@@ -8,7 +8,8 @@ import os
 
 from common.cli import UserError, flag, int_list
 from host.machine_id import machine_id_flag
-from model.config import ATTENTION_KINDS, RESIDUAL_DTYPES
+from model.config import STORED_DTYPES
+from model.settings import ModelRunSettings, ProfileSettings
 from transforms.long_samples import POLICIES
 
 # JAX's own variable, where a user has set it; else a per-user directory.
@@ -16,33 +17,22 @@ DEFAULT_COMPILATION_CACHE_DIR = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
                                  or "~/.cache/activation-extraction/xla")
 
 
-@dataclasses.dataclass(frozen=True)
-class HostConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostConfig(ModelRunSettings, ProfileSettings):
     machine_id: int | str = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl), or "
                                  "auto: from JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
                                  "VM metadata attribute machine-id", parse=machine_id_flag)
     streams_dir: str | None = flag(None, "directory (local or gs://) of the prepare pipeline's streams")
     dataset_stream: str | None = flag(None, "an explicit stream file (instead of --streams_dir)")
     max_samples: int | None = flag(None, "process at most the first N records of the stream")
-    model_path: str | None = flag(None, "Hugging Face checkpoint directory or hub id")
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers to store, e.g. 6,12,18 or 6 12 18 "
                                                      "(default: all)", parse=int_list)
-    batch_size: int = flag(8, "sequences per device per forward (global batch = this x data axis)")
     max_seq_length: int = flag(2048, "longest sequence (the largest length bucket)")
     long_samples: str = flag("truncate", "a record longer than --max_seq_length: truncate (keep its first "
                              "tokens, flagged in the index) | skip (listed in rejected.jsonl) | error "
                              "(checked before the model loads)", choices=POLICIES)
-    mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=("1d", "2d"))
-    dtype: str = flag("auto", "compute and weight dtype: auto | float32 | bfloat16 "
-                      "(auto: bfloat16 on TPU/GPU, float32 on CPU)",
-                      choices=("auto", "float32", "bfloat16"))
-    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 (with bfloat16 compute, "
-                               "the stream, the norms and every residual add stay float32 while matmuls "
-                               "take bfloat16 operands and accumulate in float32) | compute (the compute "
-                               "dtype, every sum rounded to it, as transformers' bfloat16 forward does)",
-                               choices=RESIDUAL_DTYPES)
     activation_dtype: str = flag("float32", "dtype of the stored arrays",
-                                 choices=("float32", "float16", "bfloat16"))
+                                 choices=STORED_DTYPES)
     output_dir: str = flag("activations_output", "local output root; this machine writes machine_{N:03d}/")
     shard_size_gb: float = flag(1.0, "finalize a shard when its activations reach this size (GB)")
     compress_shards: bool = flag(True, "gzip the shards (shard_NNNN.pkl.gz; --no_compress_shards: .pkl)")
@@ -63,12 +53,6 @@ class HostConfig:
     compilation_cache_dir: str = flag(DEFAULT_COMPILATION_CACHE_DIR, "persistent XLA compilation cache "
                                       "(local or gs://): a restarted host loads its compiled buckets; "
                                       "'' turns it off")
-    profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
-    profile_batches: int = flag(3, "batches traced with --profile_dir, after the first (compiling) one")
-    attention: str = flag("auto", "attention kernel: auto (tiled on CPU, fused on TPU/GPU; tiled for "
-                          "soft-capped attention, Gemma 2) | tiled (per-row tiles with an online softmax) | "
-                          "fused (jax.nn.dot_product_attention with causal masking, per-row lengths and "
-                          "the sliding window)", choices=ATTENTION_KINDS)
     batches_in_flight: int = flag(2, "batches dispatched before the oldest one's activations are "
                                   "copied back, so transfers overlap compute (1: synchronous)")
     distributed: str = flag("auto", "one machine made of several processes (a multi-host TPU slice: "
@@ -108,8 +92,9 @@ class HostConfig:
                                 f"{{machine_id}} (e.g. {{machine_id:03d}}), got {e}") from None
         if not 0 <= self.compression_level <= 3:
             raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
-        for name in ("batch_size", "max_seq_length", "upload_retries", "profile_batches",
-                     "batches_in_flight", "distributed_timeout_s"):
+        self.validate_batches()
+        self.validate_profiling()
+        for name in ("max_seq_length", "upload_retries", "batches_in_flight", "distributed_timeout_s"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
         if self.num_processes is not None and self.num_processes < 1:

@@ -22,8 +22,8 @@ import os
 from typing import Any, Sequence
 
 from host.checkpoint import write_atomically
-from host.status import (COMPILING, COMPLETED, FAILED, LOADING, RUNNING, STARTING, STATUS_FILE, STOPPED,
-                         utc_now)
+from host.states import COMPILING, COMPLETED, FAILED, LOADING, RUNNING, STARTING, STOPPED
+from host.status import STATUS_FILE, utc_now
 from host.storage import GcsStore
 
 log = logging.getLogger("runners.tpu_host")

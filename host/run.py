@@ -41,7 +41,7 @@ from apache_beam.pvalue import TaggedOutput
 from common.cli import UserError
 from common.files import read_optional
 from host import distributed
-from host.checkpoint import COMPLETED, IN_PROGRESS, Checkpoint, load_checkpoint
+from host.checkpoint import Checkpoint, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
 from host.machine_id import resolve_machine_id
@@ -49,7 +49,8 @@ from host.machine_status import MachineStatus, mark_failed
 from host.profiling import BatchProfiler
 from host.progress import Progress
 from host.rejected import RejectedLog
-from host.status import LOADING, RUNNING, STATUS_FILE, STOPPED, HealthReporter, Stopped
+from host.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
+from host.status import STATUS_FILE, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.stream import check_lengths, count_records, stream_records
 from host.watchdog import Placement, run_watched
@@ -268,11 +269,12 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     checkpoint.check_settings(settings)
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
-    dofn = ExtractActivations(ExtractConfig(config.model_path, config.layers_to_extract,
-                                            config.batch_size, config.max_seq_length, config.mesh_type,
-                                            config.dtype, config.activation_dtype, config.window,
-                                            config.long_samples, config.attention, config.batches_in_flight,
-                                            config.ablate, config.ablation_means, config.residual_dtype))
+    dofn = ExtractActivations(ExtractConfig(
+        model_path=config.model_path, dtype=config.dtype, residual_dtype=config.residual_dtype,
+        mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
+        layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
+        activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
+        batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from common.cli import UserError
 from host.checkpoint import write_atomically
+from host.states import COMPILING, FAILED, RUNNING, STARTING, STOPPED
 
 if TYPE_CHECKING:  # annotations only: this module needs neither JAX nor a GCS client to import
     from host.compilation_cache import CompileStats
@@ -32,9 +33,6 @@ if TYPE_CHECKING:  # annotations only: this module needs neither JAX nor a GCS c
 
 log = logging.getLogger("runners.tpu_host")
 STATUS_FILE = "status.json"
-STARTING, LOADING, COMPILING, RUNNING = "starting", "loading", "compiling", "running"
-COMPLETED, STOPPED, FAILED = "completed", "stopped", "failed"
-STATES = (STARTING, LOADING, COMPILING, RUNNING, COMPLETED, STOPPED, FAILED)
 UPLOAD_GAP_S = 1.0
 
 

@@ -22,6 +22,9 @@ from common.cli import UserError
 
 # The attention kernels of a forward without a cache (``model.attention.attention_for``).
 ATTENTION_KINDS = ("auto", "tiled", "fused")
+MESH_TYPES = ("1d", "2d")  # data parallel | data x model (``model.sharding.make_mesh``)
+COMPUTE_DTYPES = ("float32", "bfloat16")  # weights and matmuls; ``auto`` picks one by backend
+STORED_DTYPES = ("float32", "float16", "bfloat16")  # activations as stored or handed to a trainer
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
 ROPE_KINDS = ("default", "linear", "llama3")

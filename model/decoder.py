@@ -133,7 +133,7 @@ class Attention(nn.Module):
         c = self.config
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
-        project = lambda n, bias, name: dense(n, bias, name, self.dtype, accumulate)  # noqa: E731
+        project = lambda n, bias, name: dense(n, bias, name, self.dtype, accumulate)
         q = project(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(x).reshape(
             b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
         k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x).reshape(
@@ -185,9 +185,10 @@ class MLP(nn.Module):
     def __call__(self, x):  # [B, S, H] in dtype
         c = self.config
         accumulate = accumulation(self.dtype, self.residual_dtype)
-        project = lambda n, name: dense(n, c.mlp_bias, name, self.dtype, accumulate)  # noqa: E731
+        project = lambda n, name: dense(n, c.mlp_bias, name, self.dtype, accumulate)
         act = ACTIVATIONS[c.hidden_act]
-        hidden = act(project(c.intermediate_size, "gate_proj")(x)) * project(c.intermediate_size, "up_proj")(x)  # [B, S, F]
+        gate, up = project(c.intermediate_size, "gate_proj")(x), project(c.intermediate_size, "up_proj")(x)
+        hidden = act(gate) * up  # [B, S, F]
         return project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))
 
 

@@ -31,14 +31,14 @@ from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
 from model.checkpoint import resolve_model_dir
 from model.attention import attention_for, causal_mask
-from model.config import RESIDUAL_DTYPES, DecoderConfig, load_config
+from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig, load_config
 from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
 
 T = TypeVar("T")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-ACTIVATION_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
+ACTIVATION_DTYPES = {name: getattr(jnp, name) for name in STORED_DTYPES}
 
 
 def validate_layers(layers: Sequence[int], config: DecoderConfig) -> tuple[int, ...]:

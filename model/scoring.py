@@ -142,7 +142,7 @@ class InterventionModel:
                 return lse, pullback(jnp.exp(logits - lse[..., None]))[0]
 
             lse, expected = jax.lax.map(chunk_of, jnp.arange(p // chunk))  # [n, B, C], [n, B, C, H]
-            join = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], p, *x.shape[3:])  # noqa: E731
+            join = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], p, *x.shape[3:])
             return normed, join(lse), join(expected)
         return jax.jit(unablated)
 
@@ -155,7 +155,7 @@ class InterventionModel:
             normed = self._final_norm(params, _gathered(residuals[-1], predictors))  # [B, P, H] float32
 
             def chunk_sums(i):
-                window = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)  # noqa: E731
+                window = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)
                 h = window(normed)
                 logits = self._unembed(params, h)                             # [B, C, V]
                 lse = jax.nn.logsumexp(logits, axis=-1)                       # [B, C]

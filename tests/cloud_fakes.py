@@ -149,7 +149,8 @@ class FakeTpuApi(_Server):
                 "queuedResource": name}
         if self.on_create:
             threading.Thread(target=self._boot, args=[s["nodeId"] for s in specs]).start()
-        return 200, self._operation(location, {**queued, "@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"})
+        typed = {**queued, "@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"}
+        return 200, self._operation(location, typed)
 
     def _boot(self, *node_ids: str) -> None:
         for node_id in node_ids:

@@ -12,8 +12,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import dataclasses
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
+
+# One persistent XLA compilation cache for this test run: this process and every runner the tests
+# start (through JAX's variables) compile a shape once, even across processes and new jit
+# closures; every compile is kept, however quick. In a fresh directory, so runs stay independent.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-xla-cache-")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import pytest
 
@@ -22,6 +31,10 @@ from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -54,18 +67,53 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subpr
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
-@pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """The runners started by the tests share one compilation cache (their default, through
-    JAX's variable), not the user's."""
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    previous = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-    yield path
-    if previous is None:
-        del os.environ["JAX_COMPILATION_CACHE_DIR"]
-    else:
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = previous
+def run_in_process(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``run_cli`` without a new interpreter: the entry point's ``main`` under ``common.cli.run_main``
+    (one-line errors, exit codes), its output captured, ``env`` set for the call. For commands that
+    neither need a process of their own (signals, kills) nor leave threads behind."""
+    import contextlib
+    import importlib
+    import io
+    import logging
+    from common.cli import run_main
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    root, log_to_err = logging.getLogger(), logging.StreamHandler(err)  # where a process logs: stderr
+    log_to_err.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level = root.level
+    root.addHandler(log_to_err)
+    root.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                run_main(module, main, list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        root.removeHandler(log_to_err)
+        root.setLevel(level)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
+
+
+def setup_arguments() -> dict:
+    """The keyword arguments setup.py gives ``setuptools.setup``, without building anything."""
+    import runpy
+    import setuptools
+    captured = {}
+    original = setuptools.setup
+    setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    try:
+        runpy.run_path(str(REPO / "setup.py"))
+    finally:
+        setuptools.setup = original
+    return captured
 
 
 def with_output(config: PrepareConfig, output_dir: pathlib.Path) -> PrepareConfig:

@@ -97,13 +97,15 @@ def test_a_grid_over_real_arc_answers_writes_everything_and_resumes(answered_str
     assert len(summary) == GRID_SIZE + 1 and summary.iloc[0]["intervention"] == "baseline"
     skipped = summary[summary.intervention == "layer:3"].iloc[0]
     assert skipped["delta_loss_low"] <= skipped["delta_loss"] <= skipped["delta_loss_high"] and skipped["kl"] > 0
-    per_sample = results[results.intervention == "layer:3"].set_index("sample_id").loss - base.set_index("sample_id").loss
+    skipped_loss = results[results.intervention == "layer:3"].set_index("sample_id").loss
+    per_sample = skipped_loss - base.set_index("sample_id").loss
     assert skipped["delta_loss"] == pytest.approx(per_sample.mean())
     charts = sorted(os.listdir(out / "charts"))
     assert charts == ["delta_loss_attn_mean.png", "delta_loss_head_zero.png", "delta_loss_layer_zero.png",
                       "delta_loss_mlp_zero.png", "delta_loss_norm_mean.png"]
     scalars = event_scalars(out / "tensorboard")
-    assert scalars["mlp_zero/delta_loss"][2] == pytest.approx(summary.set_index("intervention").loc["mlp:2", "delta_loss"])
+    by_name = summary.set_index("intervention")
+    assert scalars["mlp_zero/delta_loss"][2] == pytest.approx(by_name.loc["mlp:2", "delta_loss"])
     assert set(scalars["head_zero/L3/kl"]) == {0, 1, 2, 3}
     assert any(n.startswith("offline-run-") for n in os.listdir(out / "wandb"))
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
@@ -187,7 +189,8 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
         undo = intervention_hooks(reference, intervention, means)
         caught = {}
         hooks = [reference.model.layers[layer].register_forward_hook(
-            lambda m, a, o, layer=layer: caught.__setitem__(layer, (o[0] if isinstance(o, tuple) else o)[0].numpy()))
+            lambda m, a, o, layer=layer, caught=caught: caught.__setitem__(
+                layer, (o[0] if isinstance(o, tuple) else o)[0].numpy()))
             for layer in (1, 3)]
         try:
             for record in records[:6]:

@@ -9,7 +9,7 @@ import pytest
 from activations.index import arrays_path
 from fixtures.stored_activations import StoredSpec, storage_order, stored_tokens, stream_token_ids, write_stored
 from pipeline.export import main as export_main
-from tests.conftest import run_cli
+from tests.conftest import run_in_process
 
 SPEC = StoredSpec(num_machines=2, samples_per_machine=9, lengths=(5, 50), hidden_size=12, layers=(0, 2),
                   dtype="float16", shard_size_bytes=6_000, vocab_size=200)
@@ -25,7 +25,7 @@ def export(index, out, *flags):
     try:
         export_main(["--format", "saelens", "--index", index, "--output_dir", str(out), "--no_progress", *flags])
     except SystemExit as e:  # main returns; only argparse's --help exits
-        raise AssertionError(e)
+        raise AssertionError(e) from None
     import datasets
     return datasets.load_from_disk(str(out))
 
@@ -112,7 +112,7 @@ def test_cli_errors_are_one_line_and_write_nothing(stored, tmp_path):
          "less than one row of --context_size 128"),
     ]
     for flags, message in cases:
-        result = run_cli("pipeline.export", "--format", "saelens", "--index", index, *flags)
+        result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, *flags)
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith("pipeline.export: error:") and "Traceback" not in result.stderr
@@ -129,7 +129,7 @@ def test_a_corrupt_shard_stops_the_export_and_leaves_nothing(tmp_path):
     with open(row["shard_path"], "r+b") as f:
         f.seek(row["byte_offset"] + row["byte_length"] // 2)
         f.write(b"\xff\xff\xff\xff")
-    result = run_cli("pipeline.export", "--format", "saelens", "--index", index, "--layers", "0",
+    result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, "--layers", "0",
                      "--output_dir", str(tmp_path / "out"), "--seed", "none")
     assert result.returncode == 2 and "corrupt gzip member in" in result.stderr.splitlines()[-1]
     assert sorted(os.listdir(tmp_path)) == ["stored"]

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_dofn_in_a_beam_pipeline_matches_the_reference(arc_streams, tiny_checkpoints):
     records = read_streams(arc_streams, 2)[1][:5]
-    config = ExtractConfig(tiny_checkpoints["gqa_tied"], layers=(1, 3), batch_size=2,
+    config = ExtractConfig(model_path=tiny_checkpoints["gqa_tied"], layers=(1, 3), batch_size=2,
                            max_seq_length=160, dtype="float32", window=3)
     refs = reference_activations(load_reference(tiny_checkpoints["gqa_tied"]), [r["input_ids"] for r in records])
     expected = {r["sample_id"]: ref for r, ref in zip(records, refs)}
@@ -41,7 +41,7 @@ def test_long_records_are_truncated_or_go_to_the_rejected_output(arc_streams, ti
     assert any(r["truncated"] for r in records) and "original_num_tokens" in records[0]
     long = {"sample_id": 99, "input_ids": records[1]["input_ids"] * 3, "num_tokens": 480,
             "source": "long", "text_preview": ""}
-    config = ExtractConfig(tiny_checkpoints["gqa_tied"], layers=(1,), batch_size=2, max_seq_length=160,
+    config = ExtractConfig(model_path=tiny_checkpoints["gqa_tied"], layers=(1,), batch_size=2, max_seq_length=160,
                            dtype="float32", window=2)
     with BeamTestPipeline(runner=FnApiRunner()) as p:
         inputs = p | beam.Create([*records, long])

@@ -144,7 +144,8 @@ def test_logits_match_transformers(family_checkpoints, case):
                               batch_size_per_device=4, max_seq_length=MAX_SEQ)
     from model.interventions import Intervention, ablation_arrays
     ids, lengths = model.inputs(sequences, MAX_SEQ)
-    logits = model.logits(model.residuals(ids, lengths, ablation_arrays(Intervention(), model.config, model.num_layers)))
+    unablated = ablation_arrays(Intervention(), model.config, model.num_layers)
+    logits = model.logits(model.residuals(ids, lengths, unablated))
     reference = load_reference(path, "float64")
     for row, seq in enumerate(sequences):
         with torch.no_grad():
@@ -235,7 +236,7 @@ def test_sharded_meshes_equal_one_device(family_checkpoints, float64_references,
                                    max_seq_length=MAX_SEQ, min_bucket=MAX_SEQ)
         attention = extractor.params["layers_0"]["self_attn"]
         model = extractor.mesh.shape["model"]
-        split = lambda heads: P(None, "model") if model > 1 and heads % model == 0 else P()  # noqa: E731
+        split = lambda heads, model=model: P(None, "model") if model > 1 and heads % model == 0 else P()
         assert attention["q_proj"]["kernel"].sharding.spec == split(config.num_attention_heads)
         assert attention["k_proj"]["kernel"].sharding.spec == split(config.num_key_value_heads)
         for a, b in zip(single, extracted(extractor, ids_for(path))):

@@ -12,7 +12,7 @@ import pytest
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 from model.config import load_config
 from model.extract import Extractor
-from tests.conftest import free_port, run_cli
+from tests.conftest import free_port, run_cli, run_in_process
 from tests.test_host_errors import one_line_error
 from tests.test_multihost import start_slice, stored
 
@@ -165,7 +165,8 @@ def test_an_unsupported_model_is_one_line_and_creates_nothing(family_checkpoints
         config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     (model_dir / "config.json").write_text(json.dumps(config))
     flags = ["--attention", "fused"] if problem == "fused" else []
-    result = run_cli("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", str(model_dir), *flags))
+    result = run_in_process("runners.tpu_host",
+                            *runner(tmp_path / "stream.jsonl", tmp_path / "out", str(model_dir), *flags))
     one_line_error(result, expected)
     assert not (tmp_path / "out").exists()
 

@@ -4,12 +4,12 @@ import pathlib
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_in_process
 from tests.test_host_errors import one_line_error
 
 
 def fleet(*args, env=None):
-    return run_cli("runners.fleet", *args, env=env)
+    return run_in_process("runners.fleet", *args, env=env)
 
 
 def fleet_error(result, expected: str) -> None:

@@ -7,7 +7,7 @@ import shlex
 import pytest
 import yaml
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_in_process
 from tests.test_fleet_errors import upload_streams
 
 
@@ -35,7 +35,7 @@ def gke_args(streams, *extra):
 
 def test_the_job_field_by_field(streams_on_gcs, tmp_path):
     path = tmp_path / "job.yaml"
-    result = run_cli("runners.fleet", "launch", *gke_args(streams_on_gcs, "--manifest", str(path)))
+    result = run_in_process("runners.fleet", "launch", *gke_args(streams_on_gcs, "--manifest", str(path)))
     assert result.returncode == 0, result.stderr
     assert f"kubectl apply -f {path}" in result.stdout
     job = as_v1_job(yaml.safe_load(path.read_text()))
@@ -69,13 +69,14 @@ def test_the_job_field_by_field(streams_on_gcs, tmp_path):
 
 def test_dry_run_prints_the_manifest_and_creates_nothing(streams_on_gcs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = run_cli("runners.fleet", "launch", "--dry_run", *gke_args(streams_on_gcs))
+    result = run_in_process("runners.fleet", "launch", "--dry_run", *gke_args(streams_on_gcs))
     assert result.returncode == 0, result.stderr
     job = as_v1_job(yaml.safe_load(result.stdout))
     assert job.spec.completion_mode == "Indexed" and not list(tmp_path.glob("*.yaml"))
 
 
 def test_apply_and_teardown_through_the_kubernetes_client(streams_on_gcs, tmp_path):
+    # Processes of their own: the Kubernetes client reads KUBECONFIG when it is first imported.
     from tests.cloud_fakes import FakeKubernetesApi
     with FakeKubernetesApi() as api:
         env = {"KUBECONFIG": api.kubeconfig(str(tmp_path / "kubeconfig"))}

@@ -6,7 +6,8 @@ import pathlib
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_in_process
+from host.states import COMPLETED
 
 
 def iso(seconds_ago: float) -> str:
@@ -23,7 +24,7 @@ def write_machine(out: pathlib.Path, machine: int, state: str, age_s: float, don
               "tokens_per_s": {"last_minute": 250.0, "since_start": 200.0}, "shards": shards}
     history = [{"shard_id": i + 1, "total_samples_in_shard": 2, "stored_at": iso(600 - 60 * i)}
                for i in range(shards)]
-    checkpoint = {"status": "completed" if completed else "in_progress", "total_shards": shards,
+    checkpoint = {"status": COMPLETED if completed else "in_progress", "total_shards": shards,
                   "total_samples_processed": 2 * shards, "shards": history}
     (folder / "status.json").write_text(json.dumps(status))
     (folder / "checkpoint.json").write_text(json.dumps(checkpoint))
@@ -32,7 +33,7 @@ def write_machine(out: pathlib.Path, machine: int, state: str, age_s: float, don
 @pytest.fixture
 def fleet_dir(tmp_path):
     out = tmp_path / "out"
-    write_machine(out, 0, "completed", 30, 10, 10, 5, completed=True)
+    write_machine(out, 0, COMPLETED, 30, 10, 10, 5, completed=True)
     write_machine(out, 1, "running", 5, 4, 10, 2)
     write_machine(out, 2, "running", 500, 6, 10, 3)            # heartbeat 500 s old > 3 x 60 s
     write_machine(out, 3, "failed", 10, 2, 10, 1, error="SampleTooLong: sample 7 has 3000 tokens")
@@ -40,7 +41,7 @@ def fleet_dir(tmp_path):
 
 
 def status(out, machines, *extra):
-    return run_cli("runners.fleet", "status", "--name", "t", "--output", str(out),
+    return run_in_process("runners.fleet", "status", "--name", "t", "--output", str(out),
                    "--num_machines", str(machines), *extra)
 
 
@@ -74,14 +75,14 @@ def test_every_state_in_the_table_and_exit_code_2(fleet_dir, tmp_path):
 
 def test_exit_code_1_while_running_0_when_all_completed(tmp_path):
     out = tmp_path / "out"
-    write_machine(out, 0, "completed", 30, 10, 10, 5, completed=True)
+    write_machine(out, 0, COMPLETED, 30, 10, 10, 5, completed=True)
     write_machine(out, 1, "compiling", 5, 4, 10, 2)
     result = status(out, 2)
     assert result.returncode == 1, result.stderr
     # ETA: 6 samples left x 100 tokens each at 250 tokens/s
     assert "ETA 2s" in result.stdout and "5/10" not in result.stdout
     (out / "machine_001" / "checkpoint.json").write_text(json.dumps(
-        {"status": "completed", "total_shards": 5, "total_samples_processed": 10, "shards": []}))
+        {"status": COMPLETED, "total_shards": 5, "total_samples_processed": 10, "shards": []}))
     result = status(out, 2)
     assert result.returncode == 0 and "2/2 machines completed, 20/20 samples" in result.stdout
     watched = status(out, 2, "--watch", "--interval", "0.1")  # not a terminal: plain tables

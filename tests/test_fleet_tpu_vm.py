@@ -12,9 +12,10 @@ import shlex
 import pytest
 
 from activations.index import ARRAYS_SCHEMA, arrays_index_filename, index_filename, parquet_bytes, shard_index
-from tests.conftest import read_streams, run_cli
+from tests.conftest import read_streams, run_in_process
 from tests.cloud_fakes import FakeTpuApi
 from tests.test_fleet_errors import upload_streams
+from host.states import COMPLETED
 
 QR_PARENT = "projects/proj/locations/us-central2-b"
 
@@ -23,12 +24,12 @@ def completed_machine_files(records: list[dict], machine: int) -> dict[str, byte
     """What a runner that stored ``records`` in one shard leaves under machine_NNN/ on GCS."""
     shard = f"gs://acts/run/machine_{machine:03d}/shard_0001.pkl.gz"
     samples = [{**r, "text_preview": "", "truncated": False, "original_num_tokens": None} for r in records]
-    checkpoint = {"status": "completed", "total_shards": 1, "total_samples_processed": len(records),
+    checkpoint = {"status": COMPLETED, "total_shards": 1, "total_samples_processed": len(records),
                   "last_processed_sample_idx": records[-1]["sample_id"],
                   "shards": [{"shard_id": 1, "total_samples_in_shard": len(records)}]}
-    metadata = {"machine_id": machine, "status": "completed", "total_shards": 1,
+    metadata = {"machine_id": machine, "status": COMPLETED, "total_shards": 1,
                 "total_samples": len(records), "shards": checkpoint["shards"]}
-    status = {"machine_id": machine, "state": "completed", "updated_at": "2026-11-22T10:00:00+00:00",
+    status = {"machine_id": machine, "state": COMPLETED, "updated_at": "2026-11-22T10:00:00+00:00",
               "heartbeat_s": 60.0, "samples_done": len(records), "samples_total": len(records)}
     return {index_filename(1): parquet_bytes(shard_index(samples, machine, 1, shard, [6], 64, "float32")),
             arrays_index_filename(1): parquet_bytes(ARRAYS_SCHEMA.empty_table()),
@@ -62,7 +63,7 @@ def tpu_fleet(arc_streams, gcs, tmp_path):
 
 
 def fleet(command, args, *extra):
-    return run_cli("runners.fleet", command, *extra, *args)
+    return run_in_process("runners.fleet", command, *extra, *args)
 
 
 def test_launch_one_queued_resource_per_machine(tpu_fleet, gcs):
@@ -114,7 +115,8 @@ def test_dry_run_and_teardown(tpu_fleet):
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.count('"nodeId": "t-') == 2 and not api.created and not boots
     never = fleet("teardown", args)
-    assert never.returncode == 2 and "fleet 't' was never launched: no queued resources labelled fleet=t" in never.stderr
+    assert never.returncode == 2
+    assert "fleet 't' was never launched: no queued resources labelled fleet=t" in never.stderr
     assert fleet("launch", args).returncode == 0
     listed = fleet("teardown", args, "--dry_run")
     assert "would delete 2 machine(s) of fleet t" in listed.stdout and not api.deleted

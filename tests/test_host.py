@@ -16,6 +16,7 @@ import pytest
 from activations.reader import iter_activations, load_shard, read_activations
 from tests.conftest import REPO, read_streams, run_cli
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
+from host.states import COMPLETED
 
 pytestmark = pytest.mark.slow
 SHARD_GB = "0.0002"  # ~200 kB: a few samples per shard with the tiny model
@@ -89,7 +90,7 @@ def test_metadata_and_checkpoint(uninterrupted):
     machine = uninterrupted / "machine_000"
     metadata = json.loads((machine / "metadata.json").read_text())
     checkpoint = json.loads((machine / "checkpoint.json").read_text())
-    assert checkpoint["status"] == "completed" and metadata["total_shards"] == checkpoint["total_shards"] > 1
+    assert checkpoint["status"] == COMPLETED and metadata["total_shards"] == checkpoint["total_shards"] > 1
     shards = metadata["shards"]
     assert [s["filename"] for s in shards] == [f"shard_{i:04d}.pkl.gz" for i in range(1, len(shards) + 1)]
     assert sum(s["total_samples_in_shard"] for s in shards) == metadata["total_samples"]
@@ -125,7 +126,7 @@ def run_with_kills(args, machine_dir: pathlib.Path, num_shards: int, rng: random
     """Runs the runner with ``args`` until it completes, SIGKILLing up to ``max_kills`` of its
     starts at random moments; returns the checkpoint found after each kill (None: none yet)."""
     at_kills = []
-    for attempt in range(12):
+    for _ in range(12):
         proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if len(at_kills) < max_kills and kill_at_a_random_moment(proc, machine_dir, num_shards, rng):
@@ -134,7 +135,7 @@ def run_with_kills(args, machine_dir: pathlib.Path, num_shards: int, rng: random
             continue
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr
-        if "completed" in stdout:
+        if COMPLETED in stdout:
             return at_kills
     raise AssertionError("the run did not complete in 12 starts")
 
@@ -161,7 +162,7 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams
         assert at_kills
         progress_at_kills += [c["total_shards"] if c else 0 for c in at_kills]
         checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
-        assert checkpoint["status"] == "completed"
+        assert checkpoint["status"] == COMPLETED
         assert shard_contents(out / "machine_000") == expected_shards
         assert index_rows(out / "machine_000") == expected_index
         files = sorted(p.name for p in (out / "machine_000").rglob("*") if p.is_file())

@@ -12,6 +12,7 @@ from activations.reader import iter_activations, load_shard, loads_shard, read_a
 from tests.conftest import REPO, read_streams, run_cli
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
+from host.states import COMPLETED
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
         f"gs://acts/activations/machine_000/{shards[0]}"
     status = json.loads(gcs.client().bucket("acts").blob("activations/machine_000/status.json")
                         .download_as_bytes())
-    assert status == json.loads((machine / "status.json").read_text()) and status["state"] == "completed"
+    assert status == json.loads((machine / "status.json").read_text()) and status["state"] == COMPLETED
     # Read back through gs:// only: merge the uploaded indexes, then look samples up.
     index_path = tmp_path / "index.parquet"
     merged = run_cli("pipeline.index", "--activations_dir", "gs://acts/activations", "--output",
@@ -68,7 +69,7 @@ def test_a_lost_local_disk_resumes_from_the_uploaded_checkpoint(arc_streams, tin
                         .download_as_bytes())
     ids = [e["sample_id"] for s in remote["shards"] for e in loads_shard(
         gcs.client().bucket("acts").blob(f"activations/machine_001/{s['filename']}").download_as_bytes())[0]]
-    assert remote["status"] == "completed"
+    assert remote["status"] == COMPLETED
     assert ids == [r["sample_id"] for r in read_streams(arc_streams, 2)[1]]
 
 
@@ -102,7 +103,7 @@ def test_emulator_stopped_mid_run_fails_clearly_then_resumes(arc_streams, tiny_c
     assert result.returncode == 0, result.stderr
     checkpoint = json.loads((tmp_path / "machine_000" / "checkpoint.json").read_text())
     ids = [e[0] for shard in shard_contents(tmp_path / "machine_000").values() for e in shard[0]]
-    assert checkpoint["status"] == "completed"
+    assert checkpoint["status"] == COMPLETED
     assert ids == [r["sample_id"] for r in records]
     remote = bucket_names(gcs)
     assert [n for n in remote if n.startswith("shard_")] == [s["filename"] for s in checkpoint["shards"]]

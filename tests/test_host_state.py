@@ -9,6 +9,7 @@ from common.cli import UserError
 from host.checkpoint import Checkpoint
 from host.rejected import RejectedLog
 from host.status import HealthReporter
+from host.states import COMPLETED
 
 
 @pytest.mark.parametrize("text", ['{"total_samples_processed": "5"}', '{"total_shards": 1, "shards": []}',
@@ -61,9 +62,9 @@ def test_heartbeat_compiles_and_final_state(tmp_path):
         time.sleep(0.02)
     assert len(seen) >= 4
     counters["samples_done"] = 7
-    health.finish("completed")
+    health.finish(COMPLETED)
     final = read_status(tmp_path)
-    assert final["state"] == "completed" and final["samples_done"] == 7 and final["error"] is None
+    assert final["state"] == COMPLETED and final["samples_done"] == 7 and final["error"] is None
     assert final["compiles"] == 1 and final["compile_s"] >= 0.2
     assert [h["state"] for h in final["history"]] == ["starting", "running", "compiling", "running",
                                                        "completed"]

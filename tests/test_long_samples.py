@@ -12,6 +12,7 @@ from fixtures.hf_reference import load_reference, random_sequences, reference_ac
 from tests.test_host import index_rows, run_with_kills, shard_contents
 from tests.test_host_errors import one_line_error
 from transforms.long_samples import SampleTooLong, fit_record, rejection
+from host.states import COMPLETED
 
 LIMIT = 512
 LENGTHS = (3, 400, 600, 2500)  # a 400-token sample fills a test shard by itself
@@ -112,7 +113,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp
         assert [json.loads(line) for line in expected[2]] == [
             rejection(r, LIMIT) for r in records if r["num_tokens"] > LIMIT]
         checkpoint = json.loads((base / "checkpoint.json").read_text())
-        assert checkpoint["status"] == "completed" and checkpoint["total_samples_processed"] == len(records)
+        assert checkpoint["status"] == COMPLETED and checkpoint["total_samples_processed"] == len(records)
         assert checkpoint["total_skipped"] == 10 and checkpoint["last_processed_sample_idx"] == records[-1]["sample_id"]
         merged = run_cli("pipeline.index", "--activations_dir", str(tmp_path / "base"), "--output",
                          str(tmp_path / "index.parquet"))
@@ -129,7 +130,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp
     assert any(0 < n < len(records) for n in covered), covered  # some kills landed mid-run
     machine = out / "machine_000"
     assert (shard_contents(machine), index_rows(machine), rejected_lines(machine)) == expected
-    assert json.loads((machine / "checkpoint.json").read_text())["status"] == "completed"
+    assert json.loads((machine / "checkpoint.json").read_text())["status"] == COMPLETED
 
 
 @pytest.mark.slow

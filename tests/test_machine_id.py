@@ -41,7 +41,8 @@ def test_neither_source_names_both():
     message = str(e.value)
     assert "\n" not in message
     assert "JOB_COMPLETION_INDEX is not set" in message
-    assert f"metadata server http://{closed}/computeMetadata/v1/instance/attributes/machine-id: not reachable" in message
+    url = f"http://{closed}/computeMetadata/v1/instance/attributes/machine-id"
+    assert f"metadata server {url}: not reachable" in message
 
 
 @pytest.mark.parametrize("value", ["-1", "two", ""])

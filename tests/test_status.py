@@ -12,19 +12,21 @@ import pytest
 
 from tests.conftest import REPO, read_streams
 from fixtures.hf_reference import random_sequences
+from host.states import COMPLETED
 
 pytestmark = pytest.mark.slow
-PHASE = {"starting": 0, "loading": 1, "compiling": 2, "running": 2, "completed": 3, "stopped": 3, "failed": 3}
+PHASE = {"starting": 0, "loading": 1, "compiling": 2, "running": 2, COMPLETED: 3, "stopped": 3, "failed": 3}
 TRANSITIONS = {("starting", "loading"), ("loading", "running"), ("running", "compiling"),
-               ("compiling", "running"), ("running", "completed")}
+               ("compiling", "running"), ("running", COMPLETED)}
 
 
-def watch(args, status_path, env=None, poll_s=0.02):
-    """Runs the runner (in ``env``, default this one) while polling its status.json; (exit code,
-    stdout, stderr, the distinct statuses seen, in order)."""
+def watch(args, status_path, env=None, poll_s=0.02, command=None):
+    """Runs the runner (in ``env``, default this one; ``command``: python's arguments instead of
+    ``-m runners.tpu_host args``) while polling its status.json; (exit code, stdout, stderr, the
+    distinct statuses seen, in order)."""
     out, err = (tempfile.TemporaryFile("w+") for _ in range(2))  # a pipe could fill and block it
-    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO, text=True,
-                            stdout=out, stderr=err, env=env)
+    proc = subprocess.Popen([sys.executable, *(command or ["-m", "runners.tpu_host", *args])], cwd=REPO,
+                            text=True, stdout=out, stderr=err, env=env)
     seen = []
     while proc.poll() is None:
         try:
@@ -54,10 +56,10 @@ def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_stream
     assert "machine id 1 from metadata attribute machine-id '1'" in stderr
     states = [s["state"] for s in seen]
     assert [PHASE[s] for s in states] == sorted(PHASE[s] for s in states), states  # never backwards
-    assert {"loading", "compiling", "running"} <= set(states) and states[-1] == "completed", states
+    assert {"loading", "compiling", "running"} <= set(states) and states[-1] == COMPLETED, states
     final = seen[-1]
     history = [h["state"] for h in final["history"]]
-    assert history[0] == "starting" and history[-1] == "completed"
+    assert history[0] == "starting" and history[-1] == COMPLETED
     assert all(pair in TRANSITIONS for pair in zip(history, history[1:])), history
     stream = read_streams(arc_streams, 2)[1]
     checkpoint = json.loads((tmp_path / "machine_001" / "checkpoint.json").read_text())
@@ -98,21 +100,38 @@ def test_sigterm_during_start_up_stops_at_once(tiny_checkpoints, tmp_path):
     assert not list((tmp_path / "out" / "machine_000").glob("shard_*"))
 
 
+# The runner, with every batch's copy back to the host made slow on purpose (as a long batch on a
+# big model is): the test must not depend on how fast this machine computes.
+SLOW_BATCHES = """
+import time
+from model.extract import Extractor
+collect = Extractor.collect
+def slow_collect(self, batch):
+    time.sleep({seconds})
+    return collect(self, batch)
+Extractor.collect = slow_collect
+from common.cli import run_main
+from runners.tpu_host import main
+run_main("runners.tpu_host", main, {args!r})
+"""
+
+
 def test_the_heartbeat_goes_on_during_a_long_batch(tiny_checkpoints, tmp_path):
-    # One global batch of 8 x 4,000 tokens (1 per device x 8 devices): ~4 s of forward, during
-    # which no sample completes.
-    sequences = random_sequences([4000] * 8, seed=5)
+    sequences = random_sequences([40] * 8, seed=5)  # one global batch: 1 per device x 8 devices
     stream = tmp_path / "long.jsonl"
     stream.write_text("".join(json.dumps({"sample_id": i, "input_ids": ids, "num_tokens": len(ids),
                                           "source": f"r{i}", "text_preview": ""}) + "\n"
                               for i, ids in enumerate(sequences)))
     args = ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", tiny_checkpoints["gqa_tied"],
-            "--output_dir", str(tmp_path / "out"), "--batch_size", "1", "--max_seq_length", "4096",
-            "--dtype", "float32", "--heartbeat_s", "0.2"]
-    code, _, stderr, seen = watch(args, tmp_path / "out" / "machine_000" / "status.json")
+            "--output_dir", str(tmp_path / "out"), "--batch_size", "1", "--max_seq_length", "64",
+            "--dtype", "float32", "--heartbeat_s", "0.05"]
+    script = SLOW_BATCHES.format(seconds=2.0, args=args)
+    code, _, stderr, seen = watch(args, tmp_path / "out" / "machine_000" / "status.json",
+                                  command=["-c", script])
     assert code == 0, stderr
     compiled_at = [h["at"] for h in seen[-1]["history"] if h["state"] == "running"][-1]  # then the batch
     during_batch = [s for s in seen if s["state"] == "running" and s["samples_done"] == 0
                     and s["updated_at"] > compiled_at]
+    # 2 s at a beat every 0.05 s is 40 beats; 5 leave room for a busy machine's scheduling.
     assert len(during_batch) >= 5, [(s["state"], s["samples_done"], s["updated_at"]) for s in seen]
-    assert seen[-1]["state"] == "completed" and seen[-1]["samples_done"] == 8
+    assert seen[-1]["state"] == COMPLETED and seen[-1]["samples_done"] == 8

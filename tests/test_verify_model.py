@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path
     else:
         args[1] = str(tmp_path / "nothing_here")
         expected = "is not a checkpoint directory"
-    result = run_cli("runners.verify_model", *args)
+    result = run_in_process("runners.verify_model", *args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2
     assert lines[-1].startswith("runners.verify_model: error:") and expected in lines[-1], lines

@@ -20,6 +20,7 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from common.cli import UserError
+from model.settings import ModelRunSettings
 from transforms.long_samples import fit_record, rejection
 
 STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
@@ -63,22 +64,18 @@ def parse_stream_line(line: str, where: str) -> dict[str, Any]:
     return record
 
 
-@dataclasses.dataclass(frozen=True)
-class ExtractConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtractConfig(ModelRunSettings):
+    """The model settings (``model.settings``; ``batch_size`` is per device) and what to extract."""
     model_path: str
     layers: tuple[int, ...] | None = None  # None: every layer
-    batch_size: int = 8                    # per device
     max_seq_length: int = 2048
-    mesh_type: str = "1d"
-    dtype: str = "auto"
     activation_dtype: str = "float32"
     window: int | None = None              # records reordered at once; default 8 x global batch
     long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
-    attention: str = "auto"                # auto | tiled | fused (model.attention.attention_for)
     batches_in_flight: int = 2             # dispatched before the oldest is copied back
     ablation: str | None = None            # an intervention to extract under (model.interventions)
     ablation_means: str | None = None      # its means file, for mode=mean
-    residual_dtype: str = "float32"        # float32 | compute (model.extract.resolve_residual_dtype)
 
 
 def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:

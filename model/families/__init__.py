@@ -34,8 +34,8 @@ def read_family_config(raw: dict) -> DecoderConfig:
         name = unknown[0] if unknown else f"model_type {model_type!r}"
         raise UserError(f"unsupported architecture {name!r} in config.json: supported are "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
+    if quantization := raw.get("quantization_config"):
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise UserError(f"{model_type} config.json: quantization_config ({method}) is not supported: the "
                         "checkpoint's weights must be float (dequantize it first)")
     return family.decoder_config(raw)

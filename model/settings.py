@@ -1,0 +1,55 @@
+"""The settings of every command that runs the model, declared once with one default each.
+
+``ModelSettings`` says which model and how its numbers are computed (dtype, residual stream,
+mesh); ``ModelRunSettings`` adds how batches are run (batch size, attention kernel);
+``ProfileSettings`` which batches are traced. ``runners.tpu_host``'s ``HostConfig`` and
+``runners.ablate``'s ``AblationConfig`` extend ``ModelRunSettings`` and ``ProfileSettings``;
+``ExtractActivations``' ``ExtractConfig`` extends ``ModelRunSettings``; ``runners.verify_model``
+extends ``ModelSettings``. Each field is a flag (``common.cli.flag``). This module imports no
+JAX: flag parsers read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.cli import UserError, flag
+from model.config import ATTENTION_KINDS, COMPUTE_DTYPES, MESH_TYPES, RESIDUAL_DTYPES
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    model_path: str | None = flag(None, "Hugging Face checkpoint directory or hub id")
+    dtype: str = flag(AUTO, "compute and weight dtype: auto (bfloat16 on TPU/GPU, float32 on CPU) | "
+                      + " | ".join(COMPUTE_DTYPES), choices=(AUTO, *COMPUTE_DTYPES))
+    residual_dtype: str = flag("float32", "the residual stream's dtype: float32 (with bfloat16 compute, the "
+                               "stream, the norms and every residual add stay float32 while matmuls take "
+                               "bfloat16 operands and accumulate in float32) | compute (the compute dtype, "
+                               "every sum rounded to it, as transformers' bfloat16 forward does)",
+                               choices=RESIDUAL_DTYPES)
+    mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=MESH_TYPES)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelRunSettings(ModelSettings):
+    batch_size: int = flag(8, "sequences per device per forward (global batch = this x data axis)")
+    attention: str = flag(AUTO, "attention kernel: auto (tiled on CPU, fused on TPU/GPU; tiled for "
+                          "soft-capped attention, Gemma 2) | tiled (per-row tiles with an online softmax) | "
+                          "fused (jax.nn.dot_product_attention with causal masking, per-row lengths and "
+                          "the sliding window)", choices=ATTENTION_KINDS)
+
+    def validate_batches(self) -> None:
+        if self.batch_size < 1:
+            raise UserError(f"--batch_size must be at least 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+    profile_dir: str | None = flag(None, "write a jax.profiler trace (TensorBoard / Perfetto) here")
+    profile_batches: int = flag(3, "batches traced with --profile_dir, after the first (compiling) one")
+
+    def validate_profiling(self) -> None:
+        if self.profile_batches < 1:
+            raise UserError(f"--profile_batches must be at least 1, got {self.profile_batches}")
