@@ -34,8 +34,11 @@ demo: install
 		--max_tokens 262144 --exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite --no_progress
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
 
+# Two test processes, a test file each at a time (its module fixtures are built once): the
+# suite spends much of its time starting and waiting on runner processes, which overlap.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Rules and why: ruff.toml.
 lint: install

@@ -22,7 +22,8 @@ EXTRAS["all"] = sorted({requirement for group in EXTRAS.values() for requirement
 # The tests (they run every command) and `make lint`; sae-lens (it brings transformer-lens) reads
 # and trains on pipeline.export's output.
 EXTRAS["test"] = [*EXTRAS["all"], "pytest>=8", "safetensors", "gcp-storage-emulator>=2024.0", "zlib-ng",
-                  "sae-lens>=6.54,<7", "ruff==0.17.6"]
+                  "sae-lens>=6.54,<7", "ruff==0.17.6",
+                  "pytest-xdist>=3.6"]
 
 setup(
     name="activation-extraction",

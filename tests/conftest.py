@@ -17,10 +17,12 @@ import subprocess
 import sys
 import tempfile
 
-# One persistent XLA compilation cache for this test run: this process and every runner the tests
-# start (through JAX's variables) compile a shape once, even across processes and new jit
-# closures; every compile is kept, however quick. In a fresh directory, so runs stay independent.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-xla-cache-")
+# One persistent XLA compilation cache for this test run: the test processes (pytest-xdist's
+# workers inherit the first one's) and every runner they start, through JAX's variables, compile a
+# shape once, even across processes and new jit closures; every compile is kept, however quick.
+# In a fresh directory, so runs stay independent.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-xla-cache-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
@@ -34,7 +36,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def pytest_unconfigure(config) -> None:
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that made it, after its workers
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +68,30 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subpr
     """``python -m module args``; ``env`` is added to this process's environment."""
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+# The runner in a process of its own, held on purpose: once a shard of its machine directory is
+# stored, each batch waits for the test's gate file. The test acts (a signal, a lost server) while
+# the run is certainly in progress, however fast this machine is, then opens the gate.
+GATED_RUNNER = """
+import glob, os, sys, time
+from model.extract import Extractor
+collect = Extractor.collect
+def gated_collect(self, batch):
+    while glob.glob(sys.argv[1] + "/shard_*") and not os.path.exists(sys.argv[2]):
+        time.sleep(0.01)
+    return collect(self, batch)
+Extractor.collect = gated_collect
+from common.cli import run_main
+from runners.tpu_host import main
+run_main("runners.tpu_host", main, sys.argv[3:])
+"""
+
+
+def gated_runner(args: list[str], machine_dir: pathlib.Path, gate: pathlib.Path) -> subprocess.Popen:
+    """``runners.tpu_host args``, held at its first stored shard until ``gate`` exists."""
+    return subprocess.Popen([sys.executable, "-c", GATED_RUNNER, str(machine_dir), str(gate), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_in_process(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

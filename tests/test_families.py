@@ -116,7 +116,7 @@ def arc_like(qwen_tokenizer_dir) -> list[list[int]]:
 
 # Gemma's post-norms scale every sublayer output to the stream's size, so on these tiny random
 # models its error is mostly the rounding of matmul operands, which both implementations share:
-# 0.51-0.73 of transformers' (README, Numerics; on the real Gemma 3 270M, 0.01-0.25 past layer 4).
+# 0.51-0.73 of transformers' (docs/model.md, numerics; on the real Gemma 3 270M, 0.01-0.25 past layer 4).
 BFLOAT16_RATIO = {"gemma2": 0.85, "gemma3": 0.85, "gemma3_multimodal": 0.85}
 
 

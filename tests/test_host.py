@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from activations.reader import iter_activations, load_shard, read_activations
-from tests.conftest import REPO, read_streams, run_cli
+from tests.conftest import REPO, gated_runner, read_streams, run_cli
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
 from host.states import COMPLETED
 
@@ -180,14 +180,17 @@ def long_stream(arc_streams, path, copies=80) -> list[dict]:
 
 
 def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tmp_path):
-    records = long_stream(arc_streams, tmp_path / "long.jsonl")
+    records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=4)
     args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
             tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", "0.002",
             "--batch_size", "1", "--window", "1", "--max_seq_length", "160", "--dtype", "float32"]
-    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(10)  # JAX start, model load, first compiles, then some samples
+    gate = tmp_path / "gate"
+    proc = gated_runner(args, tmp_path / "machine_000", gate)
+    while not list((tmp_path / "machine_000").glob("shard_*")):  # held there until the gate opens
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
+    gate.touch()
     start = time.monotonic()
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr

@@ -1,15 +1,13 @@
 """Uploading to a real local GCS API server (gcp-storage-emulator)."""
 
 import json
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from activations.reader import iter_activations, load_shard, loads_shard, read_activations
-from tests.conftest import REPO, read_streams, run_cli
+from tests.conftest import gated_runner, read_streams, run_cli
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
 from host.states import COMPLETED
@@ -81,20 +79,19 @@ def test_missing_bucket_is_one_line(arc_streams, tiny_checkpoints, tmp_path, gcs
 
 
 def test_emulator_stopped_mid_run_fails_clearly_then_resumes(arc_streams, tiny_checkpoints, tmp_path, gcs):
-    records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=40)
+    records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=4)
     args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
             tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", SHARD_GB,
             "--max_seq_length", "160", "--dtype", "float32", "--upload_to_gcs", "--gcs_bucket", "acts",
-            "--upload_retries", "2"]
-    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not bucket_names(gcs) and time.monotonic() < deadline:  # the first shard is up
-        time.sleep(0.2)
+            "--upload_retries", "2", "--batch_size", "1"]
+    gate = tmp_path / "gate"
+    proc = gated_runner(args, tmp_path / "machine_000", gate)
+    while not [n for n in bucket_names(gcs) if n.startswith("shard_")]:  # the first shard is up
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
     gcs.stop()
+    gate.touch()
     stdout, stderr = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("the run finished before the emulator stopped")
     lines = stderr.strip().splitlines()
     assert proc.returncode == 2 and "runners.tpu_host: error: GCS" in lines[-1], lines[-3:]
     assert "failed after 2 attempts" in lines[-1]

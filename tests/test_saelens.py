@@ -1,5 +1,5 @@
 """SAELens as the real client of the runner's output: it reads the export as it is and trains on it,
-and on the token loader directly; TransformerLens names the stored layers as the README says."""
+and on the token loader directly; TransformerLens names the stored layers as docs/training.md says."""
 
 import copy
 import os
@@ -161,18 +161,18 @@ def test_stored_layers_are_transformer_lens_resid_post(run_output, arc_streams, 
             assert np.allclose(ours, hidden, atol=1e-5 * np.abs(hidden).max()) != last
 
 
-def readme_snippets() -> list[str]:
-    text = (REPO / "README.md").read_text()
+def documented_snippets() -> list[str]:
+    text = (REPO / "docs" / "training.md").read_text()
     return re.findall(r"```python\n(# SAELens: .*?)```", text, re.S)
 
 
-def test_the_readme_snippets_train_offline(run_output, tmp_path, monkeypatch):
-    """The README's two SAELens blocks, as written, on the tiny model's output (settings scaled down)."""
+def test_the_documented_snippets_train_offline(run_output, tmp_path, monkeypatch):
+    """docs/training.md's two SAELens blocks, as written, on the tiny model's output (settings scaled down)."""
     export(run_output, tmp_path / "sae_cache", "--seed", "0")
     for name in ("index.parquet", "index_arrays.parquet", "merged_metadata.json"):
         shutil.copy(os.path.join(os.path.dirname(run_output), name), tmp_path / name)
     monkeypatch.chdir(tmp_path)
-    from_export, from_loader = readme_snippets()
+    from_export, from_loader = documented_snippets()
     settings = 'HOOK, D_IN, CONTEXT, BATCH, TOKENS = "blocks.12.hook_resid_post", 896, 128, 4096, 100_000_000'
     assert settings in from_export and "layers=(12,)" in from_loader
     namespace = {}
