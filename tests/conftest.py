@@ -208,20 +208,25 @@ class GcsEmulator:
         self.host = f"http://127.0.0.1:{self.port}"
         self.process = None
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Starts the server and waits until it answers; a server that exits (its port not yet
+        free after a stop) is started again. The deadline is generous: on a busy machine the
+        server's start-up alone takes seconds."""
         import time
         import urllib.request
         exe = pathlib.Path(sys.executable).with_name("gcp-storage-emulator")
-        self.process = subprocess.Popen([str(exe), "--data-dir", str(self.data_dir), "start",
-                                         "--host", "127.0.0.1", "--port", str(self.port), "-q"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
+        command = [str(exe), "--data-dir", str(self.data_dir), "start", "--host", "127.0.0.1",
+                   "--port", str(self.port), "-q"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 urllib.request.urlopen(f"{self.host}/storage/v1/b", timeout=1)
                 return
             except Exception:
                 time.sleep(0.1)
-        raise RuntimeError("gcp-storage-emulator did not start")
+        raise RuntimeError(f"gcp-storage-emulator did not answer within {timeout_s:.0f} s")
 
     def stop(self) -> None:
         if self.process is not None:

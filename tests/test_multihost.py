@@ -134,7 +134,7 @@ def test_kill_9_one_process_fails_the_other_then_both_resume_exactly_once(stream
     killed_at = time.monotonic()
     _, stderr = procs[0].communicate(timeout=120)
     waited = time.monotonic() - killed_at
-    assert procs[0].returncode != 0 and waited < 5 + 25, (procs[0].returncode, waited)
+    assert procs[0].returncode != 0 and waited < 5 + 55, (procs[0].returncode, waited)
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("runners.tpu_host: error: process 0 of machine 0 ended by SIGABRT"), last
     status = json.loads((machine / "status.json").read_text())

@@ -92,7 +92,7 @@ def test_sigterm_during_start_up_stops_at_once(tiny_checkpoints, tmp_path):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert "stopped: received SIGTERM before any sample was computed" in stdout
     status = json.loads(status_path.read_text())
