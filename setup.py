@@ -42,6 +42,7 @@ setup(
         "fsspec",
         "gcsfs",
         "isal>=1.6",  # gzip-compatible, several times faster than zlib; releases the GIL
+        "jinja2>=3.1",  # transformers renders chat templates with it (prepare); not among its own requirements
         "jax>=0.4.35",  # CPU build; on TPU hosts install jax[tpu] as well
         "ml_dtypes",
         "numpy>=1.26",
