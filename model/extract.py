@@ -152,6 +152,17 @@ def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mes
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
+def check_float16_range(activations: dict[int, np.ndarray]) -> None:
+    """``UserError`` if a sequence's float16 activations (padding removed) hold an infinity: a
+    value past float16's range (+-65504) that the cast turned into inf. Gemma's residual stream
+    reaches such values (benchmarks/shard_compression.py); nothing of it may be stored."""
+    overflowed = [layer for layer, values in activations.items() if np.isinf(values).any()]
+    if overflowed:
+        raise UserError(f"--activation_dtype float16: layer {overflowed[0]} holds values past float16's range "
+                        f"(+-65504), which would be stored as inf; store this model's activations as bfloat16 "
+                        f"(float32's range, the same bytes) or float32")
+
+
 def placed(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """``host`` as a global array: each device receives its slice, and a process only ever
     touches the slices of its own devices (on a multi-host slice every process holds the same
@@ -295,6 +306,8 @@ class Extractor:
                 if row < batch.count:
                     n = batch.lengths[row]
                     results[row] = {layer: acts[j, i, :n] for j, layer in enumerate(self.layers)}
+                    if self.activation_dtype == jnp.float16:
+                        check_float16_range(results[row])
         return results
 
     def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:

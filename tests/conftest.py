@@ -35,6 +35,18 @@ from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# The longest test files, longest first. pytest-xdist (``make test``: ``--dist loadfile
+# --no-loadscope-reorder``) hands files to its workers in collection order, so these overlap each
+# other and the many short files fill in at the end, instead of one long file running alone last.
+LONGEST_FIRST = ("test_real_qwen.py", "test_real_gemma.py", "test_ablate.py", "test_multihost.py",
+                 "test_families.py", "test_interventions.py", "test_family_runs.py", "test_host.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
+
+
 def pytest_unconfigure(config) -> None:
     if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that made it, after its workers
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from common.cli import UserError
-from fixtures.hf_reference import (load_reference, max_relative_error, random_sequences, reference_activations,
-                                   relative_error)
+from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, random_sequences,
+                                   reference_activations, relative_error)
 from model.config import load_config
 from model.extract import Extractor
 from model.generate import Generator
@@ -154,16 +154,6 @@ def test_logits_match_transformers(family_checkpoints, case):
     cap = model.config.final_logit_softcap
     if cap is not None:  # the cap acts: logits reach past half of it
         assert 0.5 * cap < np.abs(logits).max() < cap
-
-
-def agreeing_prefix(ours: list[int], theirs: list[int], scores) -> tuple[int, int]:
-    """(tokens compared, tokens equal): the comparison stops after the first step whose top two
-    reference logits are within 1e-4 (either token is right there)."""
-    for step, logits in enumerate(scores):
-        top = np.sort(logits[0].double().numpy())[-2:]
-        if ours[step] != theirs[step] or top[1] - top[0] < 1e-4:
-            return step + 1, step + (ours[step] == theirs[step])
-    return len(theirs), len(theirs)
 
 
 @pytest.fixture(scope="module")

@@ -115,3 +115,22 @@ def test_gcs_prefix_takes_the_machine_id():
     bad = HostConfig(machine_id=7, streams_dir="s", model_path="m", gcs_prefix="run/{machine}")
     with pytest.raises(UserError, match=r"--gcs_prefix 'run/\{machine\}': the only field"):
         bad.validate()
+
+
+def test_float16_storage_of_values_past_its_range_is_refused_before_anything_is_stored(
+        arc_streams, tiny_checkpoints, tmp_path):
+    """Embeddings scaled so that the stream exceeds float16's +-65504 (as Gemma's does)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["gqa_tied"], model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.embed_tokens.weight"] *= 1e7
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = run_host_cli(*host_args(arc_streams, out, 0, str(model), "--activation_dtype", "float16",
+                                     "--layers_to_extract", "0,3"))
+    one_line_error(result, "--activation_dtype float16: layer 0 holds values past float16's range (+-65504), "
+                           "which would be stored as inf; store this model's activations as bfloat16")
+    assert not list((out / "machine_000").glob("shard_*"))

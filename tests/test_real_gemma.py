@@ -1,0 +1,84 @@
+"""The real Gemma 3 270M (``fixtures.real_models``): its conversion's checks (a corrupt chunk, a
+missing package), and this project's forward against transformers on it (``tests/real_models.py``)."""
+
+import dataclasses
+import shutil
+
+import pytest
+
+from common.cli import UserError
+from fixtures.real_models import REAL_MODELS, Chunk, chunk_paths
+from tests import real_models as checks
+from tests.conftest import run_in_process
+
+pytestmark = pytest.mark.slow
+NAME = "gemma-3-270m"
+MIDDLE = 9
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> dict[str, str]:
+    from fixtures.real_models import cached_checkpoints
+    return {dtype: str(path) for dtype, path in cached_checkpoints(NAME, ("float32", "bfloat16")).items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoints):
+    return checks.arc_prompts(checkpoints["float32"])
+
+
+def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(checkpoints, prompts):
+    errors, ours = checks.float32_errors(checkpoints["float32"], prompts)
+    assert len(errors) == 18 and max(errors.values()) <= 1e-5, errors
+    # Gemma 3's first token stands out less than Qwen's (about 15x in the middle blocks): a random
+    # model's is about 1 (tests/test_verify_model.py).
+    ratio = checks.signature(ours, MIDDLE)
+    print(f"first-token norm / median token norm at layer {MIDDLE}: {ratio:.1f}")
+    assert ratio >= 10
+
+
+def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloat16(checkpoints, prompts):
+    ratios = checks.bfloat16_ratios(checkpoints["bfloat16"], prompts)
+    # Block 0's error is mostly the rounding of matmul operands, which both forwards share.
+    assert ratios["frobenius"][0] <= 0.75 and max(r for layer, r in ratios["frobenius"].items() if layer) <= 0.5
+
+
+def test_greedy_generation_equals_transformers(checkpoints, prompts):
+    for compared, equal in checks.greedy_agreement(checkpoints["float32"], prompts):
+        assert equal == compared
+
+
+def test_a_corrupt_chunk_is_named_in_one_line_and_nothing_is_written(tmp_path, monkeypatch):
+    """A copy of the second chunk's package with one byte changed, ahead of the installed one."""
+    model = REAL_MODELS[NAME]
+    chunk = model.chunks[1]
+    package = chunk_paths(model)[1].parents[1]
+    site = tmp_path / "site"
+    shutil.copytree(package, site / package.name)
+    corrupt = site / package.name / chunk.file
+    with open(corrupt, "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 1]))
+    monkeypatch.syspath_prepend(str(site))
+    output = tmp_path / "out"
+    result = run_in_process("fixtures.real_models", "--model", NAME, "--output_dir", str(output))
+    assert result.returncode == 2, result.stderr
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and str(corrupt) in error[0] and f"is not the pinned {chunk.sha256}" in error[0]
+    assert not output.exists() and list(tmp_path.iterdir()) == [site]
+
+
+def test_a_missing_chunk_package_is_named():
+    model = REAL_MODELS[NAME]
+    absent = dataclasses.replace(model, chunks=(*model.chunks[:1], Chunk("gemma3-absent-part9", "gemma3_absent_part9",
+                                                                         "data/x", "0" * 64)))
+    with pytest.raises(UserError, match=r"gemma-3-270m: package gemma3-absent-part9==1.0.0 is not installed "
+                                        r"\(pip install 'activation-extraction\[real-models\]'\)"):
+        chunk_paths(absent)
+
+
+def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(checkpoints, prompts):
+    with pytest.raises(UserError, match=r"--activation_dtype float16: layer \d+ holds values past float16's range"):
+        checks.our_activations(checkpoints["float32"], prompts[:1], activation_dtype="float16")

