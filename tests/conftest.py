@@ -38,7 +38,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # The longest test files, longest first. pytest-xdist (``make test``: ``--dist loadfile
 # --no-loadscope-reorder``) hands files to its workers in collection order, so these overlap each
 # other and the many short files fill in at the end, instead of one long file running alone last.
-LONGEST_FIRST = ("test_real_qwen.py", "test_real_gemma.py", "test_ablate.py", "test_multihost.py",
+# The two real-model files are apart (the first and third go to one worker): both are bound by
+# memory bandwidth, and side by side each takes twice as long.
+LONGEST_FIRST = ("test_real_qwen.py", "test_ablate.py", "test_real_gemma.py", "test_multihost.py",
                  "test_families.py", "test_interventions.py", "test_family_runs.py", "test_host.py")
 
 

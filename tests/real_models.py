@@ -2,8 +2,11 @@
 ``test_real_qwen.py`` and ``test_real_gemma.py`` (one file per model: pytest-xdist runs them side
 by side). Every figure is printed (``pytest -s``) and asserted.
 
-The prompts are real ARC-AGI-1 tasks tokenized by the model's own tokenizer, the shortest first
-ones (a few hundred tokens), so that the float64 reference stays quick.
+The prompts are real ARC-AGI-1 tasks tokenized by the model's own tokenizer, the first ones of a
+few hundred tokens, so that the float64 reference stays quick. Every check runs on the checkpoint
+rounded to bfloat16 (``--dtype bfloat16``), as the hub ships these models: the float32 forward
+computes in float32 from those weights, the bfloat16 one from the same weights, and one float64
+reference serves both.
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ def worst(measure, ours, exact, layer) -> float:
     return max(measure(o[layer], e[layer]) for o, e in zip(ours, exact))
 
 
-def float32_errors(model_dir: str, prompts) -> tuple[dict[int, float], list[dict[int, np.ndarray]]]:
-    """Per layer, the worst prompt's relative error of our float32 forward against transformers'
-    float64 forward on the same (float32) weights; and our activations."""
-    exact = reference_activations(load_reference(model_dir, "float64"), prompts)
+def float64_reference(model_dir: str, prompts) -> list[dict[int, np.ndarray]]:
+    """transformers' float64 block outputs per prompt: the exact values both checks measure against."""
+    return reference_activations(load_reference(model_dir, "float64"), prompts)
+
+
+def float32_errors(model_dir: str, prompts, exact) -> tuple[dict[int, float], list[dict[int, np.ndarray]]]:
+    """Per layer, the worst prompt's relative error of our float32 forward against ``exact``
+    (transformers in float64 on the same weights); and our activations."""
     ours = our_activations(model_dir, prompts)
     errors = {layer: worst(relative_error, ours, exact, layer) for layer in exact[0]}
     print(f"{model_dir}: float32 vs transformers float64, worst relative error per layer:",
@@ -57,11 +64,10 @@ def float32_errors(model_dir: str, prompts) -> tuple[dict[int, float], list[dict
     return errors, ours
 
 
-def bfloat16_ratios(model_dir: str, prompts) -> dict[str, dict[int, float]]:
+def bfloat16_ratios(model_dir: str, prompts, exact) -> dict[str, dict[int, float]]:
     """Per layer, our bfloat16 forward with a float32 residual stream over transformers' bfloat16
-    forward, each one's error measured against transformers in float64 on the same bfloat16
-    weights: Frobenius (over every token of the prompt) and max norm."""
-    exact = reference_activations(load_reference(model_dir, "float64"), prompts)
+    forward, each one's error measured against ``exact`` (transformers in float64 on the same
+    bfloat16 weights): Frobenius (over every token of the prompt) and max norm."""
     theirs = reference_activations(load_reference(model_dir, "bfloat16"), prompts)
     ours = our_activations(model_dir, prompts, dtype="bfloat16", residual_dtype="float32", activation_dtype="float32")
     ratios = {name: {layer: worst(measure, ours, exact, layer) / worst(measure, theirs, exact, layer)
@@ -79,23 +85,26 @@ def signature(activations: list[dict[int, np.ndarray]], layer: int) -> float:
 
 
 def greedy_agreement(model_dir: str, prompts) -> list[tuple[int, int]]:
-    """Per prompt, (tokens compared, tokens equal) of our float32 greedy continuation and
-    transformers', ``NEW_TOKENS`` each; see ``agreeing_prefix`` for where a comparison stops."""
+    """Per prompt, (tokens compared, tokens equal) of our float32 greedy continuation (the KV
+    cache path, ``NEW_TOKENS`` tokens) against transformers' float32 choice at each step.
+
+    transformers runs once per prompt over the prompt and our continuation (teacher forcing): at
+    every step its argmax given the same prefix must be our token, which by induction is its own
+    greedy continuation, 32 decoding steps for the price of one forward. The comparison stops
+    where its top two logits are within 1e-4 (``agreeing_prefix``): either token is right there."""
     import torch
     loaded = load_model(model_dir, jnp.float32, with_head=True, devices=jax.devices()[:1])
     generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=MAX_PROMPT + NEW_TOKENS)
+    continuations = [generator.generate(prompt, NEW_TOKENS) for prompt in prompts]
+    del loaded, generator  # transformers' copy of the model needs the memory
     reference = load_reference(model_dir, "float32")
     results = []
-    for prompt in prompts:
-        ours = generator.generate(prompt, NEW_TOKENS)
-        output = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                    output_logits=True, return_dict_in_generate=True)
-        theirs = output.sequences[0, len(prompt):].tolist()
-        compared, equal = agreeing_prefix(ours, theirs, output.logits)
+    for prompt, ours in zip(prompts, continuations):
+        with torch.no_grad():  # the logits that chose each of our tokens: [NEW_TOKENS, vocab]
+            logits = reference(torch.tensor([prompt + ours[:-1]]), logits_to_keep=NEW_TOKENS).logits[0]
+        compared, equal = agreeing_prefix(ours, logits.argmax(-1).tolist(), [step[None] for step in logits])
         if compared < NEW_TOKENS:
-            print(f"{model_dir}: step {compared}: top two logits within 1e-4 or tokens differ: "
-                  f"ours {ours[compared - 1]}, transformers {theirs[compared - 1]}; comparison stops there")
+            print(f"{model_dir}: step {compared}: top two logits within 1e-4 or tokens differ; comparison stops there")
         results.append((compared, equal))
     print(f"{model_dir}: greedy tokens (compared, equal) per prompt: {results}")
     return results

@@ -17,18 +17,24 @@ MIDDLE = 9
 
 
 @pytest.fixture(scope="module")
-def checkpoints() -> dict[str, str]:
+def model_dir() -> str:
+    """The model rounded to bfloat16, as the hub ships it (tests/real_models.py)."""
     from fixtures.real_models import cached_checkpoints
-    return {dtype: str(path) for dtype, path in cached_checkpoints(NAME, ("float32", "bfloat16")).items()}
+    return str(cached_checkpoints(NAME, ("bfloat16",))["bfloat16"])
 
 
 @pytest.fixture(scope="module")
-def prompts(checkpoints):
-    return checks.arc_prompts(checkpoints["float32"])
+def prompts(model_dir):
+    return checks.arc_prompts(model_dir)
 
 
-def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(checkpoints, prompts):
-    errors, ours = checks.float32_errors(checkpoints["float32"], prompts)
+@pytest.fixture(scope="module")
+def exact(model_dir, prompts):
+    return checks.float64_reference(model_dir, prompts)
+
+
+def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(model_dir, prompts, exact):
+    errors, ours = checks.float32_errors(model_dir, prompts, exact)
     assert len(errors) == 18 and max(errors.values()) <= 1e-5, errors
     # Gemma 3's first token stands out less than Qwen's (about 15x in the middle blocks): a random
     # model's is about 1 (tests/test_verify_model.py).
@@ -37,14 +43,14 @@ def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signa
     assert ratio >= 10
 
 
-def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloat16(checkpoints, prompts):
-    ratios = checks.bfloat16_ratios(checkpoints["bfloat16"], prompts)
+def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloat16(model_dir, prompts, exact):
+    ratios = checks.bfloat16_ratios(model_dir, prompts, exact)
     # Block 0's error is mostly the rounding of matmul operands, which both forwards share.
     assert ratios["frobenius"][0] <= 0.75 and max(r for layer, r in ratios["frobenius"].items() if layer) <= 0.5
 
 
-def test_greedy_generation_equals_transformers(checkpoints, prompts):
-    for compared, equal in checks.greedy_agreement(checkpoints["float32"], prompts):
+def test_greedy_generation_equals_transformers(model_dir, prompts):
+    for compared, equal in checks.greedy_agreement(model_dir, prompts):
         assert equal == compared
 
 
@@ -79,6 +85,6 @@ def test_a_missing_chunk_package_is_named():
         chunk_paths(absent)
 
 
-def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(checkpoints, prompts):
+def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(model_dir, prompts):
     with pytest.raises(UserError, match=r"--activation_dtype float16: layer \d+ holds values past float16's range"):
-        checks.our_activations(checkpoints["float32"], prompts[:1], activation_dtype="float16")
+        checks.our_activations(model_dir, prompts[:1], activation_dtype="float16")
