@@ -15,6 +15,7 @@ import os
 import warnings
 from typing import Any
 
+from activations.saelens_export import EXPORT_INFO_FILE
 from common.cli import UserError, flag
 from common.extras import require
 
@@ -54,13 +55,13 @@ class TrainingLog:
 
 
 def export_info(export_dir: str) -> dict[str, Any]:
-    path = os.path.join(export_dir, "activation_export.json")
+    path = os.path.join(export_dir, EXPORT_INFO_FILE)
     try:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
         raise UserError(f"{export_dir!r} is not a pipeline.export --format saelens directory "
-                        f"(no activation_export.json)") from None
+                        f"(no {EXPORT_INFO_FILE})") from None
 
 
 def chosen_hook(info: dict[str, Any], hook_name: str | None) -> str:

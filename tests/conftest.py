@@ -206,6 +206,26 @@ def arc_streams(qwen_tokenizer_dir, tmp_path_factory) -> pathlib.Path:
                                      output_dir=str(out)))
 
 
+# The real models (tests/real_models.py): a test module names its model in ``REAL_MODEL``.
+@pytest.fixture(scope="module")
+def real_model_dir(request) -> str:
+    """The module's ``REAL_MODEL`` (``fixtures.real_models``) rounded to bfloat16, as the hub ships it."""
+    from fixtures.real_models import cached_checkpoints
+    return str(cached_checkpoints(request.module.REAL_MODEL, ("bfloat16",))["bfloat16"])
+
+
+@pytest.fixture(scope="module")
+def real_prompts(real_model_dir) -> list[list[int]]:
+    from tests.real_models import arc_prompts
+    return arc_prompts(real_model_dir)
+
+
+@pytest.fixture(scope="module")
+def real_exact(real_model_dir, real_prompts):
+    from tests.real_models import float64_reference
+    return float64_reference(real_model_dir, real_prompts)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

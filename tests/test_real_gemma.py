@@ -12,29 +12,13 @@ from tests import real_models as checks
 from tests.conftest import run_in_process
 
 pytestmark = pytest.mark.slow
-NAME = "gemma-3-270m"
+REAL_MODEL = "gemma-3-270m"  # the real_* fixtures of tests/conftest.py build and read this model
 MIDDLE = 9
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    """The model rounded to bfloat16, as the hub ships it (tests/real_models.py)."""
-    from fixtures.real_models import cached_checkpoints
-    return str(cached_checkpoints(NAME, ("bfloat16",))["bfloat16"])
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir):
-    return checks.arc_prompts(model_dir)
-
-
-@pytest.fixture(scope="module")
-def exact(model_dir, prompts):
-    return checks.float64_reference(model_dir, prompts)
-
-
-def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(model_dir, prompts, exact):
-    errors, ours = checks.float32_errors(model_dir, prompts, exact)
+def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(
+        real_model_dir, real_prompts, real_exact):
+    errors, ours = checks.float32_errors(real_model_dir, real_prompts, real_exact)
     assert len(errors) == 18 and max(errors.values()) <= 1e-5, errors
     # Gemma 3's first token stands out less than Qwen's (about 15x in the middle blocks): a random
     # model's is about 1 (tests/test_verify_model.py).
@@ -43,20 +27,21 @@ def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signa
     assert ratio >= 10
 
 
-def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloat16(model_dir, prompts, exact):
-    ratios = checks.bfloat16_ratios(model_dir, prompts, exact)
+def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloat16(
+        real_model_dir, real_prompts, real_exact):
+    ratios = checks.bfloat16_ratios(real_model_dir, real_prompts, real_exact)
     # Block 0's error is mostly the rounding of matmul operands, which both forwards share.
     assert ratios["frobenius"][0] <= 0.75 and max(r for layer, r in ratios["frobenius"].items() if layer) <= 0.5
 
 
-def test_greedy_generation_equals_transformers(model_dir, prompts):
-    for compared, equal in checks.greedy_agreement(model_dir, prompts):
+def test_greedy_generation_equals_transformers(real_model_dir, real_prompts):
+    for compared, equal in checks.greedy_agreement(real_model_dir, real_prompts):
         assert equal == compared
 
 
 def test_a_corrupt_chunk_is_named_in_one_line_and_nothing_is_written(tmp_path, monkeypatch):
     """A copy of the second chunk's package with one byte changed, ahead of the installed one."""
-    model = REAL_MODELS[NAME]
+    model = REAL_MODELS[REAL_MODEL]
     chunk = model.chunks[1]
     package = chunk_paths(model)[1].parents[1]
     site = tmp_path / "site"
@@ -69,7 +54,7 @@ def test_a_corrupt_chunk_is_named_in_one_line_and_nothing_is_written(tmp_path, m
         f.write(bytes([byte[0] ^ 1]))
     monkeypatch.syspath_prepend(str(site))
     output = tmp_path / "out"
-    result = run_in_process("fixtures.real_models", "--model", NAME, "--output_dir", str(output))
+    result = run_in_process("fixtures.real_models", "--model", REAL_MODEL, "--output_dir", str(output))
     assert result.returncode == 2, result.stderr
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and str(corrupt) in error[0] and f"is not the pinned {chunk.sha256}" in error[0]
@@ -77,7 +62,7 @@ def test_a_corrupt_chunk_is_named_in_one_line_and_nothing_is_written(tmp_path, m
 
 
 def test_a_missing_chunk_package_is_named():
-    model = REAL_MODELS[NAME]
+    model = REAL_MODELS[REAL_MODEL]
     absent = dataclasses.replace(model, chunks=(*model.chunks[:1], Chunk("gemma3-absent-part9", "gemma3_absent_part9",
                                                                          "data/x", "0" * 64)))
     with pytest.raises(UserError, match=r"gemma-3-270m: package gemma3-absent-part9==1.0.0 is not installed "
@@ -85,6 +70,6 @@ def test_a_missing_chunk_package_is_named():
         chunk_paths(absent)
 
 
-def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(model_dir, prompts):
+def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(real_model_dir, real_prompts):
     with pytest.raises(UserError, match=r"--activation_dtype float16: layer \d+ holds values past float16's range"):
-        checks.our_activations(model_dir, prompts[:1], activation_dtype="float16")
+        checks.our_activations(real_model_dir, real_prompts[:1], activation_dtype="float16")

