@@ -63,6 +63,8 @@ bench: install
 	$(PY) benchmarks/extraction_throughput.py --family gemma3 --num_samples 8 --max_seq_length 1024 --against_transformers_only
 	$(PY) benchmarks/sliding_window.py
 	$(PY) benchmarks/host_throughput.py
+	$(PY) benchmarks/output_heavy.py
+	$(PY) benchmarks/store_path.py
 	$(PY) benchmarks/shard_access.py
 	$(PY) benchmarks/shard_compression.py
 	$(PY) benchmarks/restart_compile_cache.py

@@ -12,25 +12,35 @@ multi-member gzip file: every array payload is a gzip member of its own, and the
 between payloads are members too. A gzip reader concatenates members, so the standard loader sees
 one ordinary pickle; and the byte range of every array's member, known at write time, goes into
 the index (``ArrayLocation``) so one array can be read and decompressed alone, CRC-checked.
-Members are compressed in parallel threads (the compressor releases the GIL). Bytes are
-deterministic: gzip headers carry no name and time stamp 0.
+Bytes are deterministic: gzip headers carry no name and time stamp 0.
+
+No copy of an activation is made to encode it: the document is pickled with each array's bytes
+replaced by a short marker (``shard_segments``), and the file is that pickle with every marker
+swapped for the array's ``BINBYTES`` header and its memory, exactly the bytes ``pickle.dumps``
+would give. Writers stream the segments to the file (``stored_segments``), compressing members in
+a thread pool (the compressor releases the GIL). A member only depends on its array's bytes, so a
+writer may compress an array as soon as it has it, and put a ``CompressedArray`` (its shape,
+dtype and the future member) in the document in its place.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import io
 import itertools
+import os
 import pickle
-import pickletools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 PICKLE_PROTOCOL = 3  # no frames: array payloads stay contiguous and locatable
 COMPRESSORS = ("isal", "zlib-ng", "zlib")
-DEFAULT_COMPRESSOR, DEFAULT_COMPRESSION_LEVEL = "isal", 1  # chosen by benchmarks/shard_access.py
-_BYTES_OPCODES = {"SHORT_BINBYTES": 1, "BINBYTES": 4, "BINBYTES8": 8}  # opcode -> length bytes
+DEFAULT_COMPRESSOR, DEFAULT_COMPRESSION_LEVEL = "isal", 1  # chosen by benchmarks/shard_compression.py
+_MARKER_TAG = b"\x00activation-bytes\x00"
+Segment = bytes | memoryview  # pickle opcodes, or an array's memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +55,61 @@ class ArrayLocation:
     shape: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompressedArray:
+    """An array in a shard document whose gzip member is made (or being made) already; its memory
+    may be gone. ``dtype`` is the array's own dtype object and ``shape`` a new tuple at each use,
+    as an array's are: the pickle memoises objects by identity, and must meet the same ones."""
+    dims: list[int]
+    dtype: np.dtype
+    nbytes: int
+    member: concurrent.futures.Future  # -> bytes: the gzip member of the array's bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.dims)
+
+    @classmethod
+    def of(cls, array: np.ndarray, compress_member: Callable[[Segment], bytes],
+           pool: concurrent.futures.Executor) -> "CompressedArray":
+        array = np.ascontiguousarray(array)
+        return cls(list(array.shape), array.dtype, array.nbytes, pool.submit(compress_member, _memory(array)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardEntry:
+    """One array of a shard document, in pickling order."""
+    layer: int
+    position: int
+    sample_id: int
+    array: np.ndarray | CompressedArray
+
+
 def shard_filename(shard_id: int, compressed: bool = True) -> str:
     return f"shard_{shard_id:04d}.pkl" + (".gz" if compressed else "")
 
 
 def shard_dict(samples: Sequence[dict[str, Any]], layers: Sequence[int]) -> dict[int, list[dict]]:
     """The shard document for extracted samples (``sample_id``, ``source``, ``text_preview``,
-    ``activations: {layer: array}``), in the given order."""
+    ``activations: {layer: array}``), in the given order. Arrays that are already contiguous (the
+    extractor's are) go in as they are, not copied."""
     return {layer: [{"sample_idx": s["sample_id"], "sample_id": s["sample_id"],
-                     "activation": np.ascontiguousarray(s["activations"][layer]),
+                     "activation": _contiguous(s["activations"][layer]),
                      "shape": tuple(s["activations"][layer].shape),
                      "text_preview": s["text_preview"], "source": s["source"]} for s in samples]
             for layer in layers}
 
 
-def gzip_member_compressor(name: str, level: int) -> Callable[[bytes], bytes]:
+def _contiguous(array: np.ndarray | CompressedArray) -> np.ndarray | CompressedArray:
+    return array if isinstance(array, CompressedArray) else np.ascontiguousarray(array)
+
+
+def _memory(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (any dtype, bfloat16 included)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def gzip_member_compressor(name: str, level: int) -> Callable[[Segment], bytes]:
     """bytes -> one complete gzip member (time stamp 0), with the named gzip-compatible library."""
     if name == "isal":
         from isal import igzip
@@ -73,27 +123,108 @@ def gzip_member_compressor(name: str, level: int) -> Callable[[bytes], bytes]:
     raise ValueError(f"unknown compressor {name!r} (choose from {', '.join(COMPRESSORS)})")
 
 
-def _array_payloads(payload: bytes, arrays: list[np.ndarray]) -> list[int]:
-    """Start offset of each array's raw bytes in the pickle, in pickling order."""
-    starts, i = [], 0
-    for op, arg, pos in pickletools.genops(payload):
-        if i < len(arrays) and op.name in _BYTES_OPCODES and len(arg) == arrays[i].nbytes:
-            start = pos + 1 + _BYTES_OPCODES[op.name]
-            head = min(16, arrays[i].nbytes)  # a spot check that this is the array's payload
-            if payload[start:start + head] != arrays[i].tobytes()[:head]:
-                raise AssertionError("array payload not where the pickle puts it")
-            starts.append(start)
-            i += 1
-    if i != len(arrays):
-        raise AssertionError(f"located {i} of {len(arrays)} array payloads in the pickle")
-    return starts
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles a document with each listed array's bytes replaced by its marker. numpy reduces an
+    array (protocol < 5) to ``_reconstruct`` and the state ``(1, shape, dtype, is_fortran, data)``;
+    only ``data`` differs here, so every other opcode and memo index is the real pickle's."""
+
+    def __init__(self, file, markers: dict[int, bytes]):
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self._markers = markers  # id(array) -> marker
+
+    def reducer_override(self, obj):
+        marker = self._markers.get(id(obj))  # only the document's arrays (or their stand-ins)
+        if marker is None:
+            return NotImplemented
+        function, args, state = np.empty(0, obj.dtype).__reduce_ex__(PICKLE_PROTOCOL)
+        return function, args, (state[0], obj.shape, obj.dtype, False, marker)  # C order: not fortran
+
+
+def _bytes_opcode(size: int) -> bytes:
+    """The opcode and length that precede a bytes payload of ``size`` in a protocol-3 pickle."""
+    if size <= 0xFF:
+        return b"C" + size.to_bytes(1, "little")   # SHORT_BINBYTES
+    if size <= 0xFFFFFFFF:
+        return b"B" + size.to_bytes(4, "little")   # BINBYTES
+    raise ValueError(f"an array of {size} bytes: protocol {PICKLE_PROTOCOL} pickles at most 4 GiB per array")
+
+
+def shard_entries(shard: dict[int, list[dict]]) -> list[ShardEntry]:
+    return [ShardEntry(layer, position, item["sample_id"], item["activation"])
+            for layer, items in shard.items() for position, item in enumerate(items)]
+
+
+def shard_segments(shard: dict[int, list[dict]]) -> tuple[list[Segment | CompressedArray], list[ShardEntry]]:
+    """The pickle of ``shard`` as segments that alternate opcodes, array, opcodes, array, ...,
+    opcodes (arrays as views of their own memory, or the ``CompressedArray`` standing in for one),
+    and the arrays in that order. Joined, the segments are ``pickle.dumps(shard, protocol=3)``."""
+    entries = shard_entries(shard)
+    if len({id(e.array) for e in entries}) != len(entries):
+        raise ValueError("the same array object twice in a shard: each entry needs its own array")
+    nonce = os.urandom(8)  # markers no text of the document can hold
+    markers = {id(e.array): _MARKER_TAG + nonce + k.to_bytes(4, "little") for k, e in enumerate(entries)}
+    out = io.BytesIO()
+    _SkeletonPickler(out, markers).dump(shard)
+    skeleton = out.getvalue()
+    segments: list[Segment | CompressedArray] = []
+    cursor = 0
+    for entry in entries:
+        array = entry.array
+        if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+            raise ValueError("shard arrays must be C-contiguous (shard_dict makes them so)")
+        marker = markers[id(array)]
+        at = skeleton.index(marker, cursor)
+        opcode = at - 2  # SHORT_BINBYTES, the marker's length
+        assert skeleton[opcode:at] == _bytes_opcode(len(marker)), "marker not where the pickle puts it"
+        segments.append(skeleton[cursor:opcode] + _bytes_opcode(array.nbytes))
+        segments.append(array if isinstance(array, CompressedArray) else _memory(array))
+        cursor = at + len(marker)
+    segments.append(skeleton[cursor:])
+    return segments, entries
+
+
+def stored_segments(segments: Iterable[Segment | CompressedArray],
+                    compress_member: Callable[[Segment], bytes] | None,
+                    pool: concurrent.futures.Executor | None = None, ahead: int = 8) -> Iterator[Segment]:
+    """Each segment as the file holds it, in order: as it is, or as one gzip member. Arrays are
+    compressed in ``pool`` (at most ``ahead`` of them beyond the one handed out), the small opcode
+    segments in the calling thread, and a ``CompressedArray`` gives its own member."""
+    if compress_member is None:
+        yield from segments
+        return
+    queue: collections.deque[concurrent.futures.Future] = collections.deque()
+    for segment in segments:
+        if isinstance(segment, CompressedArray):
+            queue.append(segment.member)
+        elif isinstance(segment, bytes) or pool is None:
+            queue.append(_done(compress_member(segment)))
+        else:
+            queue.append(pool.submit(compress_member, segment))
+        if len(queue) > ahead:
+            yield queue.popleft().result()
+    while queue:
+        yield queue.popleft().result()
+
+
+def _done(value: Any) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def array_locations(entries: Sequence[ShardEntry], sizes: Sequence[int]) -> list[ArrayLocation]:
+    """The location of every array, from the stored size of each segment (``shard_segments``'s
+    order: segment ``2k + 1`` is array ``k``)."""
+    offsets = list(itertools.accumulate([0, *sizes]))  # segment j starts at offsets[j]
+    return [ArrayLocation(e.sample_id, e.layer, e.position, offsets[2 * k + 1], sizes[2 * k + 1],
+                          str(e.array.dtype), tuple(e.array.shape)) for k, e in enumerate(entries)]
 
 
 @dataclasses.dataclass
 class EncodedShard:
-    """A shard's file content as consecutive chunks (written one after another, never joined
-    in memory by the writer) and the location of every array in it."""
-    chunks: list[bytes]
+    """A shard's file content as consecutive chunks and the location of every array in it (the
+    in-memory form, for tests and benchmarks; the host writer streams to its file instead)."""
+    chunks: list[Segment]
     locations: list[ArrayLocation]
 
     @property
@@ -108,32 +239,13 @@ class EncodedShard:
 def encode_shard(shard: dict[int, list[dict]], compress: bool, level: int = DEFAULT_COMPRESSION_LEVEL,
                  compressor: str = DEFAULT_COMPRESSOR, threads: int = 4) -> EncodedShard:
     """The file content of a shard and the location of every array in it."""
-    payload = pickle.dumps(shard, protocol=PICKLE_PROTOCOL)
-    entries = [(layer, position, entry["sample_id"], entry["activation"]) for layer, items in shard.items()
-               for position, entry in enumerate(items)]
-    starts = _array_payloads(payload, [array for *_, array in entries])
-    # Segments alternate: opcodes, array, opcodes, array, ..., opcodes.
-    bounds, cursor = [], 0
-    for (*_, array), start in zip(entries, starts):
-        bounds += [(cursor, start), (start, start + array.nbytes)]
-        cursor = start + array.nbytes
-    bounds.append((cursor, len(payload)))
-    if compress:
-        compress_member = gzip_member_compressor(compressor, level)
-        view = memoryview(payload)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-            chunks = list(pool.map(lambda b: compress_member(view[b[0]:b[1]]), bounds))
-        view.release()
-    else:
-        chunks = [payload]
-    sizes = [len(c) for c in chunks] if compress else [b - a for a, b in bounds]
-    offsets = list(itertools.accumulate([0] + sizes))  # segment j starts at offsets[j]
-    locations = [ArrayLocation(sample_id, layer, position, offsets[2 * k + 1], sizes[2 * k + 1],
-                               str(array.dtype), tuple(array.shape))
-                 for k, (layer, position, sample_id, array) in enumerate(entries)]
-    return EncodedShard(chunks, locations)
+    segments, entries = shard_segments(shard)
+    compress_member = gzip_member_compressor(compressor, level) if compress else None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        chunks = list(stored_segments(segments, compress_member, pool, ahead=2 * threads))
+    return EncodedShard(chunks, array_locations(entries, [len(c) for c in chunks]))
 
 
 def activation_bytes(sample: dict[str, Any]) -> int:
     """What a sample adds to a shard (its arrays' bytes), for size-triggered finalisation."""
-    return sum(np.asarray(a).nbytes for a in sample["activations"].values())
+    return sum(a.nbytes for a in sample["activations"].values())

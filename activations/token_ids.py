@@ -19,8 +19,8 @@ import numpy as np
 from common.cli import UserError
 from common.files import join
 from host.stream import stream_lines
-from transforms.extract import parse_stream_line
-from transforms.streams import stream_filename
+from common.stream_format import parse_stream_line
+from common.stream_format import stream_filename
 
 
 @dataclasses.dataclass

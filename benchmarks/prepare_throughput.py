@@ -24,7 +24,8 @@ from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 from transforms.rejections import RejectedRecord
 from transforms.samples import samples_from_record
 from transforms.sources import read_source_file, resolve_source_files
-from transforms.streams import json_line, stream_filename, stream_record
+from common.stream_format import json_line, stream_filename
+from transforms.streams import stream_record
 from transforms.tokenize import TokenizedSample, load_tokenizer, render_prompt
 
 

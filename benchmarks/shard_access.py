@@ -18,8 +18,6 @@ import os
 import pickle
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -29,6 +27,7 @@ from activations.index import arrays_index
 from activations.reader import load_shard, read_activation
 from activations.shards import encode_shard, shard_dict
 from common.files import read_range
+from fixtures.gcs_emulator import GcsEmulator
 
 
 def generated_shard(gb: float, hidden: int = 896) -> tuple[dict, int]:
@@ -86,18 +85,10 @@ def main() -> None:
     print(f"local: one random activation via the index {one_local * 1e3:.1f} ms; "
           f"whole shard (pickle.load(gzip.open)) {whole_local:.1f} s")
 
-    port = 9500 + os.getpid() % 400
-    env = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
-    os.environ.update(STORAGE_EMULATOR_HOST=env["STORAGE_EMULATOR_HOST"])
     # In-memory storage: the emulator answers a ranged GET by slicing the whole object, which
     # from disk would mean reading the full 1 GB file per request (a cost no real GCS has).
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"),
-                               "start", "--host", "127.0.0.1", "--port", str(port), "-q", "--in-memory"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(2)
-        from google.cloud import storage
-        client = storage.Client(project="bench")
+    with GcsEmulator(None) as emulator:
+        client = emulator.client()
         client.create_bucket("bench")
         blob = client.bucket("bench").blob("shard_0001.pkl.gz")
         blob.chunk_size = 64 * 2**20
@@ -109,8 +100,6 @@ def main() -> None:
         print(f"GCS emulator: one random activation via the index {one_gcs * 1e3:.1f} ms "
               f"(a 1-byte ranged GET alone: {request_floor * 1e3:.1f} ms); "
               f"whole shard download + load {whole_gcs:.1f} s")
-    finally:
-        server.terminate()
 
 
 if __name__ == "__main__":

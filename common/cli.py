@@ -35,6 +35,21 @@ def flag(default: Any = dataclasses.MISSING, help: str = "", *, aliases: Sequenc
     return dataclasses.field(default=default, metadata=metadata)
 
 
+AUTO = "auto"  # the value of every flag that can be worked out at run time
+
+
+def int_or_auto(what: str) -> Callable[[str], int | str]:
+    """A flag's parser for a number or ``auto``; ``what`` names the number in its error."""
+    def parse(text: str) -> int | str:
+        if text == AUTO:
+            return AUTO
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} or {AUTO!r}, got {text!r}") from None
+    return parse
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """Parses one word of a list flag, ``"6,12,18"`` or ``"6"``, into ``(6, 12, 18)`` / ``(6,)``."""
     try:

@@ -6,7 +6,8 @@ import dataclasses
 import math
 import os
 
-from common.cli import UserError, flag, int_list
+from activations.shards import DEFAULT_COMPRESSION_LEVEL
+from common.cli import AUTO, UserError, flag, int_list, int_or_auto
 from host.machine_id import machine_id_flag
 from model.config import STORED_DTYPES
 from model.settings import ModelRunSettings, ProfileSettings
@@ -15,6 +16,16 @@ from transforms.long_samples import POLICIES
 # JAX's own variable, where a user has set it; else a per-user directory.
 DEFAULT_COMPILATION_CACHE_DIR = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
                                  or "~/.cache/activation-extraction/xla")
+# Compression threads by default: the cores this process may run on, less one for the thread that
+# drives the forward, at most this many (each holds two members in memory; 16 isal threads
+# compress about 8 GB/s, beyond any TPU host's output: docs/storage.md#the-store-path).
+MAX_AUTO_COMPRESSION_THREADS = 16
+
+
+def spare_cores() -> int:
+    """Cores this process may use (its CPU affinity, which containers and ``taskset`` set) less one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,8 +47,15 @@ class HostConfig(ModelRunSettings, ProfileSettings):
     output_dir: str = flag("activations_output", "local output root; this machine writes machine_{N:03d}/")
     shard_size_gb: float = flag(1.0, "finalize a shard when its activations reach this size (GB)")
     compress_shards: bool = flag(True, "gzip the shards (shard_NNNN.pkl.gz; --no_compress_shards: .pkl)")
-    compression_level: int = flag(1, "gzip level of the shards' members (isal: 0..3); level 1 "
-                                  "measured best (benchmarks/shard_access.py)")
+    compression_level: int = flag(DEFAULT_COMPRESSION_LEVEL, "gzip level of the shards' members (isal: "
+                                  "0..3); level 1 measured best (benchmarks/shard_compression.py)")
+    compression_threads: int | str = flag(AUTO, "threads compressing shard members: auto (the cores this "
+                                          f"process may use less one, at most {MAX_AUTO_COMPRESSION_THREADS}) "
+                                          "or a number", parse=int_or_auto("a number of threads"))
+    store_memory_gb: float = flag(4.0, "activations the store path may hold (GB): the shard filling and "
+                                  "those being written; the forward waits beyond it (under two shards: "
+                                  "one shard is stored while the next fills)")
+    upload_threads: int = flag(4, "shards uploaded to GCS at once (each verified)")
     upload_to_gcs: bool = flag(False, "also store everything under gs://BUCKET/PREFIX/")
     gcs_bucket: str | None = flag(None, "GCS bucket for --upload_to_gcs")
     gcs_prefix: str | None = flag(None, "object prefix (default: activations/machine_{N:03d}); "
@@ -94,7 +112,12 @@ class HostConfig(ModelRunSettings, ProfileSettings):
             raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
         self.validate_batches()
         self.validate_profiling()
-        for name in ("max_seq_length", "upload_retries", "batches_in_flight", "distributed_timeout_s"):
+        if self.compression_threads != AUTO and self.compression_threads < 1:
+            raise UserError(f"--compression_threads must be at least 1 or auto, got {self.compression_threads}")
+        if not (math.isfinite(self.store_memory_gb) and self.store_memory_gb > 0):
+            raise UserError(f"--store_memory_gb must be a positive number of GB, got {self.store_memory_gb}")
+        for name in ("max_seq_length", "upload_retries", "batches_in_flight", "distributed_timeout_s",
+                     "upload_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
         if self.num_processes is not None and self.num_processes < 1:
@@ -103,6 +126,12 @@ class HostConfig(ModelRunSettings, ProfileSettings):
             raise UserError(f"--process_id must be in 0..--num_processes - 1, got {self.process_id}")
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise UserError(f"--heartbeat_s must be a positive number of seconds, got {self.heartbeat_s}")
+
+    @property
+    def resolved_compression_threads(self) -> int:
+        if self.compression_threads == AUTO:
+            return min(spare_cores(), MAX_AUTO_COMPRESSION_THREADS)
+        return self.compression_threads
 
     @property
     def machine_dir(self) -> str:

@@ -17,10 +17,9 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
-from common.cli import UserError
+from common.cli import AUTO, UserError, int_or_auto
 
 log = logging.getLogger("runners.tpu_host")
-AUTO = "auto"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 METADATA_HOST_ENV = "GCE_METADATA_HOST"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
@@ -28,15 +27,7 @@ ATTRIBUTES_PATH = "/computeMetadata/v1/instance/attributes/"
 TIMEOUT_S = 2.0  # off GCE the server does not exist: give up fast
 
 
-def machine_id_flag(text: str) -> int | str:
-    """``--machine_id`` value: a number, or ``auto``."""
-    if text == AUTO:
-        return AUTO
-    try:
-        return int(text)
-    except ValueError:
-        import argparse
-        raise argparse.ArgumentTypeError(f"expected a machine number or 'auto', got {text!r}") from None
+machine_id_flag = int_or_auto("a machine number")  # ``--machine_id``: a number, or auto
 
 
 def resolve_machine_id(value: int | str, environ: Mapping[str, str] = os.environ,

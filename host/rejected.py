@@ -15,7 +15,7 @@ from typing import Any, Iterable
 from common.cli import UserError
 from host.checkpoint import write_atomically
 from host.storage import GcsStore
-from transforms.streams import json_line
+from common.stream_format import json_line
 
 REJECTED_FILE = "rejected.jsonl"
 

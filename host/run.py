@@ -1,4 +1,5 @@
-"""One host's extraction run: resume, drive ``ExtractActivations``, store shards, stop cleanly.
+"""One host's extraction run: resume, drive the ordered extraction (``transforms/extraction.py``),
+store shards, stop cleanly.
 
 Exactly-once: shards hold contiguous runs of the stream in stream order, and the checkpoint
 records how many stream records the stored shards cover. A restarted run removes anything past
@@ -36,7 +37,6 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from apache_beam.pvalue import TaggedOutput
 
 from common.cli import UserError
 from common.files import read_optional
@@ -52,6 +52,7 @@ from host.rejected import RejectedLog
 from host.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
 from host.status import STATUS_FILE, HealthReporter, Stopped
 from host.storage import GcsStore
+from host.store_stats import StoreStats
 from host.stream import check_lengths, count_records, stream_records
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
@@ -61,7 +62,7 @@ from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
 from model.sharding import make_mesh
-from transforms.extract import ELSEWHERE, REJECTED, ExtractActivations, ExtractConfig
+from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
@@ -143,15 +144,19 @@ class RunObserver(ForwardObserver):
     """The forward as the runner watches it: compiles go to ``status.json``, batches to the
     profiler (if one was asked for)."""
 
-    def __init__(self, health: HealthReporter, profiler: BatchProfiler | None):
+    def __init__(self, health: HealthReporter, profiler: BatchProfiler | None, stats: StoreStats):
         self.health = health
         self.profiler = profiler
+        self.stats = stats
 
     def compiling(self, rows: int, length: int):
         return self.health.compiling(rows, length)
 
     def batch(self, rows: int, length: int):
         return self.profiler.batch() if self.profiler else contextlib.nullcontext()
+
+    def host_side(self, stage: str):
+        return self.stats.stage(stage)
 
 
 def run_host(config: HostConfig) -> int:
@@ -269,7 +274,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     checkpoint.check_settings(settings)
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
-    dofn = ExtractActivations(ExtractConfig(
+    dofn = OrderedExtraction(ExtractConfig(
         model_path=config.model_path, dtype=config.dtype, residual_dtype=config.residual_dtype,
         mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
@@ -289,11 +294,13 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     dofn.setup()
     extractor = dofn.extractor
     profiler = BatchProfiler(config.profile_dir, config.profile_batches) if config.profile_dir else None
-    extractor.observer = RunObserver(health, profiler)
+    stats = StoreStats()
+    extractor.observer = RunObserver(health, profiler, stats)
     health.devices = [d for d in extractor.mesh.devices.flat if d.process_index == jax.process_index()]
+    health.store_stats = stats.snapshot
     health.set_state(RUNNING)
     writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"]), checkpoint, store, rejected,
-                         on_stored=progress.shard_stored)
+                         on_stored=progress.shard_stored, stats=stats)
     stop.graceful = True  # from here a signal stores what was computed, then stops
     if stop.signal is not None:  # (one may have come just before)
         raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
@@ -344,10 +351,10 @@ def _stop_check(config: HostConfig, stop: StopFlag) -> Callable[[bool], bool]:
     return lambda at_window_start: at_window_start and distributed.any_process(stop.signal is not None)
 
 
-def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress,
+def _drive(dofn: OrderedExtraction, writer: ShardWriter, progress: Progress,
            should_stop: Callable[[bool], bool], first: dict | None, records: Iterator[dict], skip: int,
            keep_rejections: bool = True) -> bool:
-    """Feeds the stream through the DoFn into the writer, dropping the first ``skip`` outputs
+    """Feeds the stream through the extraction into the writer, dropping the first ``skip`` outputs
     (already stored); False if a signal stopped it. Without ``keep_rejections`` (a process other
     than a machine's first) a skipped record counts as covered elsewhere."""
     def consume(outputs):
@@ -356,10 +363,10 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress,
             if skip:
                 skip -= 1
                 continue
-            if isinstance(out, TaggedOutput) and (out.tag == ELSEWHERE or not keep_rejections):
+            if isinstance(out, Tagged) and (out.tag == ELSEWHERE or not keep_rejections):
                 writer.elsewhere(out.value["sample_id"])
                 progress.sample_elsewhere()
-            elif isinstance(out, TaggedOutput):  # not computed (--long_samples skip)
+            elif isinstance(out, Tagged):  # not computed (--long_samples skip)
                 assert out.tag == REJECTED
                 writer.skip(out.value)
                 progress.sample_skipped()
@@ -367,7 +374,7 @@ def _drive(dofn: ExtractActivations, writer: ShardWriter, progress: Progress,
                 writer.add(out)
                 progress.sample_done(out["num_tokens"], out["truncated"])
 
-    dofn.start_bundle()
+    dofn.start()
     pending = [first] if first is not None else []
     for record in itertools.chain(pending, records):
         if should_stop(dofn.pending == 0):
@@ -409,7 +416,10 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None) -> Shar
     return ShardSettings(config.machine_id, os.path.abspath(config.process_dir), int(config.shard_size_gb * 1e9),
                          config.compress_shards, extractor.layers, extractor.config.hidden_size,
                          config.activation_dtype, config.delete_local_after_upload,
-                         config.compression_level, _metadata(config, extractor, ablation), ablation)
+                         config.compression_level, _metadata(config, extractor, ablation), ablation,
+                         memory_budget_bytes=int(config.store_memory_gb * 1e9),
+                         compression_threads=config.resolved_compression_threads,
+                         upload_threads=config.upload_threads)
 
 
 def _metadata(config: HostConfig, extractor, ablation: str | None) -> dict[str, Any]:

@@ -83,6 +83,7 @@ class HealthReporter:
         # Called with each document written (a process of a multi-host machine publishes it).
         self.on_document: Callable[[dict[str, Any]], None] | None = None
         self.devices: list = []
+        self.store_stats: Callable[[], dict[str, Any]] | None = None  # the store path's (host/store_stats.py)
         self.state = STARTING
         self.error: str | None = None
         self.compile_s = 0.0
@@ -168,6 +169,7 @@ class HealthReporter:
                 "compilation_cache": ({"dir": self.cache_dir, "lookups": stats.lookups, "hits": stats.hits}
                                       if stats is not None and self.cache_dir else None),
                 "host_rss_gb": round(host_rss_gb(), 3),
+                "store": self.store_stats() if self.store_stats is not None else None,
                 **(device_report(self.devices) if self.devices else
                    {"backend": None, "device_kind": None, "device_count": None, "device_memory": []}),
                 "history": list(self._history)}

@@ -1,8 +1,10 @@
 """Uploading a machine's files to GCS, with retries on transient errors and an integrity check.
 
-Every upload is verified by reading the object's metadata back and comparing its size and MD5
-with the local bytes; only then may the caller delete the local copy. Set
-``STORAGE_EMULATOR_HOST`` to point the client at a local GCS API server (the tests do).
+Every upload is verified by reading the object's metadata back and comparing its size and checksum
+with the local bytes (CRC32C for shard files, computed while they are written; MD5 for small
+files); only then may the caller delete the local copy. Several uploads may run at once (one
+``GcsStore`` serves the writer's upload threads). Set ``STORAGE_EMULATOR_HOST`` to point the
+client at a local GCS API server (the tests do).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from common.files import gcs_client
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TIMEOUT_S = 120  # per request; retries are ours (``retries`` attempts), not the library's
+# A resumable upload holds one chunk in memory per upload thread; 32 MiB keeps requests large
+# (GCS wants multiples of 256 KiB, and several MiB for speed) and the memory small.
+UPLOAD_CHUNK_BYTES = 32 * 2**20
+CHECKSUM_SLICE = 8 * 2**20  # google-crc32c takes bytes: a memoryview is checked a slice at a time
 
 
 class StorageError(UserError):
@@ -38,6 +44,33 @@ def _transient(error: Exception) -> bool:
 
 def md5_base64(data: bytes) -> str:
     return base64.b64encode(hashlib.md5(data).digest()).decode()
+
+
+class Crc32c:
+    """A running CRC32C (Castagnoli), the checksum GCS keeps for every object, composite ones too."""
+
+    def __init__(self):
+        import google_crc32c  # a dependency of google-cloud-storage, with its C implementation
+        self._checksum = google_crc32c.Checksum()
+
+    def update(self, data: bytes | memoryview) -> None:
+        if isinstance(data, bytes):
+            self._checksum.update(data)
+            return
+        for start in range(0, len(data), CHECKSUM_SLICE):
+            self._checksum.update(bytes(data[start:start + CHECKSUM_SLICE]))
+
+    def base64(self) -> str:
+        """As GCS reports it (``crc32c`` of the object's metadata)."""
+        return base64.b64encode(self._checksum.digest()).decode()
+
+
+def file_crc32c(path: str) -> str:
+    checksum = Crc32c()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHECKSUM_SLICE), b""):
+            checksum.update(chunk)
+    return checksum.base64()
 
 
 class GcsStore:
@@ -81,25 +114,31 @@ class GcsStore:
         blob = self._bucket.blob(self._key(name))
         self._call(f"upload of {self.url(name)}",
                    lambda: blob.upload_from_string(data, retry=None, timeout=TIMEOUT_S))
-        return self._verify(name, len(data), md5_base64(data))
+        return self.verify(name, len(data), md5=md5_base64(data))
 
-    def upload_file(self, name: str, path: str) -> str:
-        """Uploads a local file (streamed, not read into memory) and verifies it."""
-        blob = self._bucket.blob(self._key(name))
+    def upload_file(self, name: str, path: str, crc32c: str | None = None) -> str:
+        """Uploads a local file and verifies it against ``crc32c`` (base64, as ``Crc32c`` gives
+        it), computed from the file when not given."""
+        self.put_file(name, path)
+        return self.verify(name, os.path.getsize(path), crc32c=crc32c or file_crc32c(path))
+
+    def put_file(self, name: str, path: str) -> None:
+        """Uploads a local file, streamed in ``UPLOAD_CHUNK_BYTES`` requests; not verified."""
+        blob = self._bucket.blob(self._key(name), chunk_size=UPLOAD_CHUNK_BYTES)
         self._call(f"upload of {self.url(name)}",
                    lambda: blob.upload_from_filename(path, retry=None, timeout=TIMEOUT_S))
-        digest = hashlib.md5()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(8 << 20), b""):
-                digest.update(chunk)
-        return self._verify(name, os.path.getsize(path), base64.b64encode(digest.digest()).decode())
 
-    def _verify(self, name: str, size: int, md5: str) -> str:
+    def verify(self, name: str, size: int, md5: str | None = None, crc32c: str | None = None) -> str:
+        """Reads the object's metadata back: its size and checksum must be the local bytes'."""
         remote = self._bucket.blob(self._key(name))
         self._call(f"check of {self.url(name)}", lambda: remote.reload(retry=None, timeout=TIMEOUT_S))
-        if remote.size != size or remote.md5_hash != md5:
+        expected = {"md5": md5, "crc32c": crc32c}
+        found = {"md5": remote.md5_hash, "crc32c": remote.crc32c}
+        kinds = [kind for kind, value in expected.items() if value is not None]
+        if remote.size != size or any(found[kind] != expected[kind] for kind in kinds):
             raise StorageError(f"upload of {self.url(name)} did not verify: {remote.size} bytes, "
-                               f"md5 {remote.md5_hash}; expected {size} bytes, md5 {md5}")
+                               + ", ".join(f"{k} {found[k]}" for k in kinds) + f"; expected {size} bytes, "
+                               + ", ".join(f"{k} {expected[k]}" for k in kinds))
         return self.url(name)
 
     def append(self, name: str, data: bytes, size_after: int) -> str:

@@ -11,7 +11,7 @@ from typing import Iterator
 from common.cli import UserError
 from common.files import binary_lines, count_lines, open_read
 from host.progress import Progress
-from transforms.extract import StreamFormatError, parse_stream_line
+from common.stream_format import StreamFormatError, parse_stream_line
 from transforms.long_samples import SampleTooLong, too_long_message
 
 log = logging.getLogger("runners.tpu_host")

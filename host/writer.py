@@ -1,31 +1,55 @@
-"""Size-triggered shard finalisation, stored in the background while the model computes.
+"""Size-triggered shard finalisation, stored by a pipeline that runs beside the forward.
 
-Samples accumulate in a buffer; when their activations reach the shard size, the buffer becomes
-a shard: encoded (pickle + gzip), written atomically, indexed, uploaded and verified, recorded
-in ``metadata.json`` and finally in the checkpoint, by one background thread. Records skipped
-(``--long_samples skip``) travel with the buffer and are committed with it, to ``rejected.jsonl``.
-At most two shards are in memory: the one being stored and the one filling (``add`` waits for
-the previous store before handing over the next).
+Samples accumulate in a buffer; when their activations reach the shard size, the buffer is handed
+over as the next commit and the forward goes on. The stages run in threads of their own (at a
+lower CPU priority than the forward's), so that several shards are in flight at once:
+
+  compress (``compression_threads``, compressed shards) each array's gzip member, started as the
+          sample arrives, so compression keeps pace with the forward instead of coming in a
+          burst per shard; the array is released once compressed.
+  write   (one thread, shards in order) the shard's pickle streamed to its local file (its
+          arrays' members, or for raw shards the arrays from the extractor's own buffers:
+          ``activations.shards``), then fsync; its two index files.
+  upload  (``upload_threads`` shards at once, when uploading) the shard and its indexes sent to
+          GCS, each verified (size and CRC32C of the bytes written, read back).
+  commit  (one thread, strictly in stream order) ``rejected.jsonl`` lines, ``metadata.json``,
+          then ``checkpoint.json``: a shard is in the checkpoint only once it and every shard
+          before it are stored and verified.
+
+The memory budget bounds the activations held: after a hand-over the forward waits (timed as
+``forward_waited_s``, ``host/store_stats.py``) until the shards not yet written leave room for
+the next one to fill; a budget under two shards stores one shard while the next fills. Records
+skipped (``--long_samples skip``) travel with the buffer and are committed with
+it. A failure in any stage stops later commits and is raised to the forward at its next hand-over.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
+import threading
 from typing import Any, Callable
 
 from activations.index import arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index
-from activations.shards import activation_bytes, encode_shard, shard_dict, shard_filename
+from activations.shards import (DEFAULT_COMPRESSOR, CompressedArray, Segment, activation_bytes,
+                                array_locations, gzip_member_compressor, shard_dict, shard_filename,
+                                shard_segments, stored_segments)
 from host.checkpoint import Checkpoint, write_atomically
 from host.rejected import RejectedLog
 from host.status import utc_now
-from host.storage import GcsStore
+from host.storage import Crc32c, GcsStore
+from host.store_stats import StoreStats
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
+# A shard file's written bytes are sent to the disk every this many, not all at its fsync: the
+# disk then works while later members compress, and the fsync finds little left to write.
+WRITEBACK_BYTES = 32 * 2**20
+STORE_NICENESS = 10  # the store threads' nice value (0..19; measured: benchmarks/output_heavy.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +65,32 @@ class ShardSettings:
     compression_level: int
     metadata: dict[str, Any]  # run settings copied into metadata.json
     ablation: str | None = None  # the intervention extracted under (--ablate), into the index
+    memory_budget_bytes: int = 4 * 10**9  # activations held by the store path (--store_memory_gb)
+    compression_threads: int = 1
+    upload_threads: int = 4
+
+
+@dataclasses.dataclass
+class WrittenShard:
+    """A shard durable in its local file, with its index files."""
+    shard_id: int
+    name: str
+    local_path: str
+    size: int
+    crc32c: str | None      # of the file's bytes, when it is to be uploaded
+    indexes: dict[str, bytes]
+    entry: dict[str, Any]   # its checkpoint entry, less the upload's fields
+
+
+@dataclasses.dataclass
+class _Handover:
+    """A commit's share of the stream: its shard (if it holds samples) and skipped records."""
+    shard_id: int | None
+    written: concurrent.futures.Future | None  # -> Future of the stored WrittenShard
+    skipped: list[dict[str, Any]]
+    truncated: int
+    records_done: int
+    last_id: int
 
 
 class ShardWriter:
@@ -50,25 +100,46 @@ class ShardWriter:
     both count as stream records covered by the next commit."""
 
     def __init__(self, settings: ShardSettings, checkpoint: Checkpoint, store: GcsStore | None,
-                 rejected: RejectedLog, on_stored: Callable[[dict[str, Any]], None] = lambda shard: None):
+                 rejected: RejectedLog, on_stored: Callable[[dict[str, Any]], None] = lambda shard: None,
+                 stats: StoreStats | None = None):
         self.settings = settings
         self.checkpoint = checkpoint
         self.store = store
         self.rejected = rejected
         self.on_stored = on_stored
+        self.stats = stats or StoreStats()
         self._buffer: list[dict[str, Any]] = []
         self._buffer_bytes = 0
         self._skipped: list[dict[str, Any]] = []
         self._records = 0                  # stream records in the buffer (samples and skipped)
         self._last_id: int | None = None   # sample id of the buffer's last record
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
-        self._previous: concurrent.futures.Future | None = None
         self._next_shard_id = checkpoint.total_shards + 1
         self._records_handed_over = checkpoint.total_samples_processed
+        self._writing = _pool(1, "shard-write")
+        self._compressing = _pool(settings.compression_threads, "shard-compress") if settings.compress else None
+        self._compress_member = self._timed_compressor() if settings.compress else None
+        self._uploading = _pool(settings.upload_threads, "shard-upload") if store else None
+        self._committing = _pool(1, "shard-commit")
+        self._commits: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._room = threading.Condition()
+        self._held = 0                     # activation bytes handed over, not yet in their file
+        self._uploads_pending = threading.BoundedSemaphore(settings.upload_threads + 1)
+        self._state_lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._failure_raised = False
+        self.stats.in_flight = lambda: {"shards": sum(not c.done() for c in list(self._commits)),
+                                        "bytes": self._held}
+        self.stats.settings = {"memory_budget_gb": round(settings.memory_budget_bytes / 1e9, 3),
+                               "compression_threads": settings.compression_threads if settings.compress else 0,
+                               "upload_threads": settings.upload_threads if store else 0}
 
     def add(self, sample: dict[str, Any]) -> None:
-        self._buffer.append(sample)
         self._buffer_bytes += activation_bytes(sample)
+        if self._compressing is not None:
+            sample = {**sample, "activations": {
+                layer: CompressedArray.of(array, self._compress_member, self._compressing)
+                for layer, array in sample["activations"].items()}}
+        self._buffer.append(sample)
         self._count(sample["sample_id"])
         if self._buffer_bytes >= self.settings.shard_size_bytes:
             self.finalize()
@@ -86,97 +157,246 @@ class ShardWriter:
         self._last_id = sample_id
 
     def finalize(self) -> None:
-        """Hands the buffer over as the next commit (waits for the previous one): a shard if it
-        holds samples, and the skipped records' lines; a buffer of skipped records alone still
-        advances the checkpoint."""
+        """Hands the buffer over as the next commit: a shard if it holds samples, and the skipped
+        records' lines (a buffer of skipped records alone still advances the checkpoint). Returns
+        once the shards not yet written leave room for the next one within the memory budget."""
+        self._raise_failure()
         if not self._records:
             return
-        self.wait()
-        samples, skipped, last_id = self._buffer, self._skipped, self._last_id
+        samples, skipped, size = self._buffer, self._skipped, self._buffer_bytes
         self._records_handed_over += self._records
+        handover = _Handover(None, None, skipped, sum(bool(s["truncated"]) for s in samples),
+                             self._records_handed_over, self._last_id)
         self._buffer, self._buffer_bytes, self._skipped, self._records = [], 0, [], 0
-        shard_id = None
         if samples:
-            shard_id, self._next_shard_id = self._next_shard_id, self._next_shard_id + 1
-        self._previous = self._pool.submit(self._commit, shard_id, samples, skipped,
-                                           self._records_handed_over, last_id)
+            handover.shard_id, self._next_shard_id = self._next_shard_id, self._next_shard_id + 1
+            with self._room:
+                self._held += size
+            self.stats.count("activations", size)
+            handover.written = self._writing.submit(self._write, handover.shard_id, samples, size)
+        self._commits.append(self._committing.submit(self._commit, handover))
+        self._forget_committed()
+        self._wait_for_room()
+
+    def _wait_for_room(self) -> None:
+        room = self.settings.memory_budget_bytes - self.settings.shard_size_bytes
+        with self._room:
+            if self._held <= room or self._held == 0:
+                return
+            with self.stats.forward_waiting():
+                self._room.wait_for(lambda: self._held <= room or self._held == 0 or self._failure is not None)
+        self._raise_failure()
+
+    def _forget_committed(self) -> None:
+        while self._commits and self._commits[0].done():
+            self._commits.popleft()  # a failure is in self._failure, recorded by its stage
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
 
     def wait(self) -> None:
-        """Blocks until the shard being stored is stored; re-raises its error."""
-        if self._previous is not None:
-            previous, self._previous = self._previous, None
-            previous.result()
+        """Blocks until every commit handed over is done; raises the first failure (once)."""
+        while self._commits:
+            try:
+                self._commits.popleft().result()
+            except BaseException:
+                pass  # recorded in self._failure by the stage that failed
+        self._raise_failure()
 
     def close(self) -> None:
+        """Waits for what was handed over (after an error too: every shard in flight ends stored
+        and committed, or not committed at all), then stops the stages' threads."""
         try:
-            self.wait()
+            with self.stats.final_flush():
+                self.wait()
         finally:
-            self._pool.shutdown(wait=True)
+            for pool in (self._writing, self._compressing, self._uploading, self._committing):
+                if pool is not None:
+                    pool.shutdown(wait=True)
 
-    def _commit(self, shard_id: int | None, samples: list[dict[str, Any]], skipped: list[dict[str, Any]],
-                records_done: int, last_id: int) -> None:
-        """Shard, then ``rejected.jsonl``, then ``metadata.json`` and the checkpoint."""
-        c = self.checkpoint
-        truncated = sum(bool(s["truncated"]) for s in samples)  # before _store empties the list
-        shard = self._store(shard_id, samples) if samples else None
-        if skipped:
-            self.rejected.append(skipped)
-        c.total_tokens += shard["total_tokens_in_shard"] if shard else 0
-        c.total_truncated += truncated
-        c.total_skipped += len(skipped)
-        if shard is not None:
-            c.shards.append(shard)
-            c.total_shards = shard_id
-        c.total_samples_processed = records_done
-        c.last_processed_sample_idx = last_id
-        self.write_state()
-        if shard is not None:
-            self.on_stored(shard)
+    def _fail(self, error: BaseException) -> None:
+        with self._room:
+            if self._failure is None:
+                self._failure = error
+            self._room.notify_all()
 
-    def _store(self, shard_id: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        """Writes (and uploads) one shard and its indexes; returns its checkpoint entry."""
-        s = self.settings
+    # -- write stage (one thread) ---------------------------------------------------------------
+    def _write(self, shard_id: int, samples: list[dict[str, Any]], size: int) -> concurrent.futures.Future:
+        """Writes the shard file and its indexes; returns the future of its upload (or of the
+        written shard itself when not uploading)."""
+        if self.store:
+            self._uploads_pending.acquire()  # a bounded backlog of shards waiting for GCS
+        try:
+            if self._failure is not None:
+                raise self._failure
+            written = self._write_files(shard_id, samples)
+        except BaseException as e:
+            if self.store:
+                self._uploads_pending.release()
+            self._fail(e)
+            raise
+        finally:
+            with self._room:
+                self._held -= size
+                self._room.notify_all()
+        if self.store is None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(written)
+            return done
+        return self._uploading.submit(self._upload, written)
+
+    def _write_files(self, shard_id: int, samples: list[dict[str, Any]]) -> WrittenShard:
+        s, stats = self.settings, self.stats
         name = shard_filename(shard_id, s.compress)
         local_path = os.path.join(s.machine_dir, name)
         shard_path = self.store.url(name) if self.store else local_path
-        sample_index = shard_index(samples, s.machine_id, shard_id, shard_path, s.layers, s.hidden_size,
-                                   s.activation_dtype, s.ablation)
-        first_id, last_id, count = samples[0]["sample_id"], samples[-1]["sample_id"], len(samples)
-        tokens = sum(x["num_tokens"] for x in samples)
-        document = shard_dict(samples, s.layers)
-        samples.clear()  # from here the arrays live in ``document`` only, and go with it
-        encoded = encode_shard(document, s.compress, s.compression_level)
-        del document
-        write_atomically(local_path, encoded.chunks)
-        size = encoded.size
-        indexes = {index_filename(shard_id): parquet_bytes(sample_index),
-                   arrays_index_filename(shard_id): parquet_bytes(arrays_index(encoded.locations, shard_path))}
-        del encoded
-        for index_name, index in indexes.items():
-            write_atomically(os.path.join(s.machine_dir, index_name), index)
-        if self.store:
-            self.store.upload_file(name, local_path)
+        with stats.stage("index"):
+            sample_index = shard_index(samples, s.machine_id, shard_id, shard_path, s.layers, s.hidden_size,
+                                       s.activation_dtype, s.ablation)
+        count, tokens = len(samples), sum(x["num_tokens"] for x in samples)
+        first_id, last_id = samples[0]["sample_id"], samples[-1]["sample_id"]
+        with stats.stage("encode"):
+            document = shard_dict(samples, s.layers)
+            samples.clear()  # from here the arrays live in ``document`` only, and go with it
+            segments, entries = shard_segments(document)
+            del document
+        sizes, crc = self._write_shard_file(local_path, segments)
+        locations = array_locations(entries, sizes)
+        del segments, entries  # the arrays: released
+        size = sum(sizes)
+        stats.count("written", size)
+        with stats.stage("index"):
+            indexes = {index_filename(shard_id): parquet_bytes(sample_index),
+                       arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, shard_path))}
             for index_name, index in indexes.items():
-                self.store.upload(index_name, index)
-            if s.delete_local_after_upload:
-                os.remove(local_path)
-        return {"shard_id": shard_id, "filename": name, "local_path": local_path,
-                "gcs_path": self.store.url(name) if self.store else None,
-                "file_size_mb": round(size / 2**20, 6), "layers": list(s.layers),
-                "samples_per_layer": count, "total_samples_in_shard": count,
-                "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id,
-                "stored_at": utc_now()}  # the fleet's progress over time (runners.fleet status --chart)
+                write_atomically(os.path.join(s.machine_dir, index_name), index)
+        entry = {"shard_id": shard_id, "filename": name, "local_path": local_path, "gcs_path": None,
+                 "file_size_mb": round(size / 2**20, 6), "layers": list(s.layers),
+                 "samples_per_layer": count, "total_samples_in_shard": count,
+                 "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id}
+        return WrittenShard(shard_id, name, local_path, size, crc, indexes, entry)
+
+    def _timed_compressor(self) -> Callable[[Segment], bytes]:
+        member, stats = gzip_member_compressor(DEFAULT_COMPRESSOR, self.settings.compression_level), self.stats
+
+        def compress_member(segment: Segment) -> bytes:
+            with stats.stage("compress"):
+                return member(segment)
+        return compress_member
+
+    def _write_shard_file(self, path: str, segments: list[Segment | CompressedArray]) -> tuple[list[int], str | None]:
+        """Streams the segments (compressed when the shard is) into ``path`` atomically and
+        durably; returns each stored segment's size and, when uploading, the file's CRC32C."""
+        s, stats = self.settings, self.stats
+        checksum = Crc32c() if self.store else None
+        sizes: list[int] = []
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            written = sent = 0  # bytes in the file; bytes whose writeback was started
+            for chunk in stored_segments(segments, self._compress_member, self._compressing,
+                                         ahead=2 * s.compression_threads):
+                with stats.stage("write"):
+                    f.write(chunk)
+                    written += len(chunk)
+                    if written - sent >= WRITEBACK_BYTES:
+                        f.flush()
+                        start_writeback(f.fileno(), sent, written - sent)
+                        sent = written
+                if checksum is not None:
+                    with stats.stage("verify"):
+                        checksum.update(chunk)
+                sizes.append(len(chunk))
+            with stats.stage("fsync"):
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return sizes, checksum.base64() if checksum is not None else None
+
+    # -- upload stage (upload_threads) -----------------------------------------------------------
+    def _upload(self, written: WrittenShard) -> WrittenShard:
+        try:
+            stats = self.stats
+            with stats.stage("upload"):
+                self.store.put_file(written.name, written.local_path)
+            with stats.stage("verify"):
+                self.store.verify(written.name, written.size, crc32c=written.crc32c)
+            with stats.stage("upload"):
+                for index_name, index in written.indexes.items():
+                    self.store.upload(index_name, index)
+            stats.count("uploaded", written.size)
+            if self.settings.delete_local_after_upload:
+                os.remove(written.local_path)
+            written.entry["gcs_path"] = self.store.url(written.name)
+            return written
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            self._uploads_pending.release()
+
+    # -- commit stage (one thread, in order) -----------------------------------------------------
+    def _commit(self, handover: _Handover) -> None:
+        """Once its shard is stored: ``rejected.jsonl``, then ``metadata.json`` and the checkpoint."""
+        try:
+            if self._failure is not None:
+                raise self._failure  # an earlier commit failed: nothing after it may be committed
+            written = handover.written.result().result() if handover.written is not None else None
+            with self.stats.stage("commit"):
+                if handover.skipped:
+                    self.rejected.append(handover.skipped)
+                c = self.checkpoint
+                if written is not None:
+                    shard = {**written.entry, "stored_at": utc_now()}  # the fleet's progress over time
+                    c.shards.append(shard)
+                    c.total_shards = written.shard_id
+                    c.total_tokens += shard["total_tokens_in_shard"]
+                c.total_truncated += handover.truncated
+                c.total_skipped += len(handover.skipped)
+                c.total_samples_processed = handover.records_done
+                c.last_processed_sample_idx = handover.last_id
+                self.write_state()
+        except BaseException as e:
+            self._fail(e)
+            raise
+        if written is not None:
+            self.on_stored(shard)
 
     def write_state(self) -> None:
         """metadata.json, then checkpoint.json (the commit point), locally and on GCS."""
-        s, c = self.settings, self.checkpoint
-        metadata = {**s.metadata, "total_shards": c.total_shards,
-                    "total_samples": sum(x["total_samples_in_shard"] for x in c.shards),
-                    "total_tokens": c.total_tokens, "total_truncated": c.total_truncated,
-                    "total_skipped": c.total_skipped, "status": c.status, "shards": c.shards}
-        files = {METADATA_FILE: (json.dumps(metadata, indent=2) + "\n").encode(),
-                 CHECKPOINT_FILE: c.to_json().encode()}
-        for name, data in files.items():
-            if self.store:
-                self.store.upload(name, data)
-            write_atomically(os.path.join(s.machine_dir, name), data)
+        with self._state_lock:
+            s, c = self.settings, self.checkpoint
+            metadata = {**s.metadata, "total_shards": c.total_shards,
+                        "total_samples": sum(x["total_samples_in_shard"] for x in c.shards),
+                        "total_tokens": c.total_tokens, "total_truncated": c.total_truncated,
+                        "total_skipped": c.total_skipped, "status": c.status, "shards": c.shards}
+            files = {METADATA_FILE: (json.dumps(metadata, indent=2) + "\n").encode(),
+                     CHECKPOINT_FILE: c.to_json().encode()}
+            for name, data in files.items():
+                if self.store:
+                    self.store.upload(name, data)
+                write_atomically(os.path.join(s.machine_dir, name), data)
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Starts writing a range of a file to the disk without waiting for it (Linux: the advice
+    not to keep pages cached starts the writeback of dirty ones); elsewhere, nothing."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _pool(threads: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name,
+                                                 initializer=yield_to_the_forward)
+
+
+def yield_to_the_forward() -> None:
+    """Lowers the calling thread's CPU priority (Linux: a thread's own nice value), so that on a
+    host short of cores the threads that feed the accelerators run first and the store path takes
+    the cycles they leave; the memory budget stops the forward if the store path falls behind."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICENESS)
+        except OSError:
+            pass  # not allowed here: the store path runs at the forward's priority

@@ -128,6 +128,11 @@ class ForwardObserver:
         pipelining its activations come back while the next batch is dispatched)."""
         return contextlib.nullcontext()
 
+    def host_side(self, stage: str) -> ContextManager[None]:
+        """Wraps a host-side step of a computed batch: ``device_to_host`` (its activations copied
+        off the devices, the forward already finished) and ``split`` (cut per sequence)."""
+        return contextlib.nullcontext()
+
 
 def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
@@ -301,13 +306,16 @@ class Extractor:
         whose row lives on another process's devices)."""
         results: list[dict[int, np.ndarray] | None] = [None] * batch.count
         for rows, data in local_blocks(batch.out):
-            acts = np.asarray(data)  # [len(layers), rows here, S, H]
-            for i, row in enumerate(range(*rows.indices(batch.out.shape[1]))):
-                if row < batch.count:
-                    n = batch.lengths[row]
-                    results[row] = {layer: acts[j, i, :n] for j, layer in enumerate(self.layers)}
-                    if self.activation_dtype == jnp.float16:
-                        check_float16_range(results[row])
+            data.block_until_ready()  # the forward's time, not the copy's
+            with self.observer.host_side("device_to_host"):
+                acts = np.asarray(data)  # [len(layers), rows here, S, H]
+            with self.observer.host_side("split"):
+                for i, row in enumerate(range(*rows.indices(batch.out.shape[1]))):
+                    if row < batch.count:  # views of ``acts``: each [num_tokens, H], contiguous
+                        n = batch.lengths[row]
+                        results[row] = {layer: acts[j, i, :n] for j, layer in enumerate(self.layers)}
+                        if self.activation_dtype == jnp.float16:
+                            check_float16_range(results[row])
         return results
 
     def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:

@@ -4,7 +4,7 @@
 mesh); ``ModelRunSettings`` adds how batches are run (batch size, attention kernel);
 ``ProfileSettings`` which batches are traced. ``runners.tpu_host``'s ``HostConfig`` and
 ``runners.ablate``'s ``AblationConfig`` extend ``ModelRunSettings`` and ``ProfileSettings``;
-``ExtractActivations``' ``ExtractConfig`` extends ``ModelRunSettings``; ``runners.verify_model``
+the extraction's ``ExtractConfig`` extends ``ModelRunSettings``; ``runners.verify_model``
 extends ``ModelSettings``. Each field is a flag (``common.cli.flag``). This module imports no
 JAX: flag parsers read it.
 """
@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.cli import UserError, flag
+from common.cli import AUTO, UserError, flag
 from model.config import ATTENTION_KINDS, COMPUTE_DTYPES, MESH_TYPES, RESIDUAL_DTYPES
-
-AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

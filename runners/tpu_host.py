@@ -1,4 +1,4 @@
-"""Drives ``ExtractActivations`` on one host: stream_{N:03d}.jsonl -> activation shards (+ GCS).
+"""Drives the extraction (``transforms/extraction.py``) on one host: stream_{N:03d}.jsonl -> activation shards (+ GCS).
 
     python -m runners.tpu_host --machine_id N --streams_dir streams/ --model_path DIR \
         [--layers_to_extract 6,12,18] [--upload_to_gcs --gcs_bucket B] [--shard_size_gb 1]

@@ -29,6 +29,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 import pytest
 
 from common.beam_pipeline import make_pipeline, pipeline_options
+from fixtures.gcs_emulator import GcsEmulator, client_environment
 from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 
@@ -103,7 +104,9 @@ run_main("runners.tpu_host", main, sys.argv[3:])
 
 
 def gated_runner(args: list[str], machine_dir: pathlib.Path, gate: pathlib.Path) -> subprocess.Popen:
-    """``runners.tpu_host args``, held at its first stored shard until ``gate`` exists."""
+    """``runners.tpu_host args``, held at its first stored shard until ``gate`` exists (with a
+    ``--store_memory_gb`` under two shards: the forward waits for each shard's store, so the gate
+    closes before the stream is done)."""
     return subprocess.Popen([sys.executable, "-c", GATED_RUNNER, str(machine_dir), str(gate), *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -226,66 +229,12 @@ def real_exact(real_model_dir, real_prompts):
     return float64_reference(real_model_dir, real_prompts)
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GcsEmulator:
-    """A local GCS API server (gcp-storage-emulator) on 127.0.0.1, stoppable and restartable."""
-
-    def __init__(self, data_dir: pathlib.Path):
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.host = f"http://127.0.0.1:{self.port}"
-        self.process = None
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        """Starts the server and waits until it answers; a server that exits (its port not yet
-        free after a stop) is started again. The deadline is generous: on a busy machine the
-        server's start-up alone takes seconds."""
-        import time
-        import urllib.request
-        exe = pathlib.Path(sys.executable).with_name("gcp-storage-emulator")
-        command = [str(exe), "--data-dir", str(self.data_dir), "start", "--host", "127.0.0.1",
-                   "--port", str(self.port), "-q"]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                urllib.request.urlopen(f"{self.host}/storage/v1/b", timeout=1)
-                return
-            except Exception:
-                time.sleep(0.1)
-        raise RuntimeError(f"gcp-storage-emulator did not answer within {timeout_s:.0f} s")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def client(self):
-        from google.cloud import storage
-        return storage.Client(project="test")
-
-
 @pytest.fixture
 def gcs(tmp_path, monkeypatch):
     emulator = GcsEmulator(tmp_path / "gcs_data")
     emulator.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.host)
-    # No credential discovery through the GCE metadata server (a non-loopback address): point it
-    # at a closed loopback port and tell google-auth not to look.
-    monkeypatch.setenv("NO_GCE_CHECK", "True")
-    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
-    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
-    # gcsfs (JAX's gs:// cache goes through it) asks the Storage Control API, which the emulator
-    # does not serve, for each bucket's layout: ~3 s per call until it gives up.
-    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    for name, value in client_environment(emulator.host).items():
+        monkeypatch.setenv(name, value)
     emulator.client().create_bucket("acts")
     yield emulator
     emulator.stop()

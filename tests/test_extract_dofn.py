@@ -12,7 +12,9 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import read_streams
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
-from transforms.extract import REJECTED, ExtractActivations, ExtractConfig, StreamFormatError, parse_stream_line
+from common.stream_format import StreamFormatError, parse_stream_line
+from transforms.extract import ExtractActivations
+from transforms.extraction import REJECTED, ExtractConfig
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 from model.config import load_config
 from model.extract import Extractor
-from tests.conftest import free_port, run_cli, run_in_process
+from fixtures.gcs_emulator import free_port
+from tests.conftest import run_cli, run_in_process
 from tests.test_host_errors import one_line_error
 from tests.test_multihost import start_slice, stored
 

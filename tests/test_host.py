@@ -183,7 +183,8 @@ def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tm
     records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=4)
     args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
             tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", "0.002",
-            "--batch_size", "1", "--window", "1", "--max_seq_length", "160", "--dtype", "float32"]
+            "--batch_size", "1", "--window", "1", "--max_seq_length", "160", "--dtype", "float32",
+            "--store_memory_gb", "0.003"]  # under two shards: each stored before the next fills
     gate = tmp_path / "gate"
     proc = gated_runner(args, tmp_path / "machine_000", gate)
     while not list((tmp_path / "machine_000").glob("shard_*")):  # held there until the gate opens

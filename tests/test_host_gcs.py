@@ -83,7 +83,8 @@ def test_emulator_stopped_mid_run_fails_clearly_then_resumes(arc_streams, tiny_c
     args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
             tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", SHARD_GB,
             "--max_seq_length", "160", "--dtype", "float32", "--upload_to_gcs", "--gcs_bucket", "acts",
-            "--upload_retries", "2", "--batch_size", "1"]
+            "--upload_retries", "2", "--batch_size", "1",
+            "--store_memory_gb", str(1.5 * float(SHARD_GB))]  # under two shards: each stored before the next fills
     gate = tmp_path / "gate"
     proc = gated_runner(args, tmp_path / "machine_000", gate)
     while not [n for n in bucket_names(gcs) if n.startswith("shard_")]:  # the first shard is up

@@ -61,7 +61,9 @@ def host_args(stream, out, model, policy, *extra):
     return ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", model,
             "--output_dir", str(out), "--max_seq_length", str(LIMIT), "--long_samples", policy,
             "--batch_size", "1", "--window", "3", "--shard_size_gb", "0.0002", "--dtype", "float32",
-            "--layers_to_extract", "0,3", *extra]
+            "--layers_to_extract", "0,3",
+            # Under two shards: each is stored before the next fills, so kills land between shards.
+            "--store_memory_gb", "0.0003", *extra]
 
 
 @pytest.mark.slow

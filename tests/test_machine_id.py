@@ -7,7 +7,7 @@ import pytest
 
 from common.cli import UserError
 from host.machine_id import metadata_url, resolve_machine_id
-from tests.conftest import free_port
+from fixtures.gcs_emulator import free_port
 
 
 def test_an_explicit_number_is_used_as_it_is():

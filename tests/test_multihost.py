@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from activations.reader import load_shard
-from tests.conftest import REPO, free_port, run_cli
+from fixtures.gcs_emulator import free_port
+from tests.conftest import REPO, run_cli
 from tests.test_host import long_stream
 from host.states import COMPLETED
 from model.config import MESH_TYPES

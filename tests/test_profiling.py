@@ -25,3 +25,5 @@ def test_a_trace_of_k_batches_after_the_first(arc_streams, tiny_checkpoints, tmp
     events = [e.name for line in host.lines for e in line.events]
     assert events.count("batch") == traced  # one step marker per traced batch
     assert any("jit(forward)" in name for name in events)
+    # The store path's host side of each batch (host/store_stats.py) is in the trace too.
+    assert {"store/device_to_host", "store/split"} <= set(events)

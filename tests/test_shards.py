@@ -1,3 +1,4 @@
+import concurrent.futures
 import gzip
 import os
 import pickle
@@ -9,7 +10,9 @@ import pytest
 
 from activations.index import merge_index_files, shard_index, write_index
 from activations.reader import UnsafeShardError, load_shard, loads_shard
-from activations.shards import encode_shard, shard_dict, shard_filename
+from activations.shards import (DEFAULT_COMPRESSION_LEVEL, DEFAULT_COMPRESSOR, CompressedArray, encode_shard,
+                                gzip_member_compressor, shard_dict, shard_filename, shard_segments,
+                                stored_segments)
 
 
 def samples(n=3, hidden=4, dtype=np.float32):
@@ -90,3 +93,42 @@ def test_indexes_written_before_the_truncation_columns_still_merge(tmp_path):
     merged = merge_index_files([str(tmp_path / "old.parquet"), str(tmp_path / "new.parquet")]).to_pylist()
     assert [(r["sample_id"], r["truncated"], r["original_num_tokens"]) for r in merged] == [
         (7, None, None), (100, False, 1)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_segments_are_the_standard_pickle_with_the_arrays_not_copied(dtype):
+    # Arrays of 1 row (SHORT_BINBYTES, under 256 bytes) and larger (BINBYTES); previews that
+    # hold the marker's tag and repeated strings (the pickle memoises them).
+    rng = np.random.default_rng(1)
+    items = [{"sample_id": i, "source": "t:0", "text_preview": "\x00activation-bytes\x00" * i,
+              "activations": {layer: rng.standard_normal((n, 8)).astype(dtype) for layer in (0, 3)}}
+             for i, n in enumerate([1, 40, 2, 300])]
+    shard = shard_dict(items, layers=(0, 3))
+    segments, entries = shard_segments(shard)
+    assert b"".join(segments) == pickle.dumps(shard, protocol=3)
+    expected = [shard[layer][k]["activation"] for layer in (0, 3) for k in range(4)]  # pickling order
+    assert len(entries) == len(expected) and all(e.array is a for e, a in zip(entries, expected))
+    for k, entry in enumerate(entries):  # segment 2k + 1 is array k's own memory
+        assert np.shares_memory(np.frombuffer(segments[2 * k + 1], np.uint8), entry.array)
+    gz = encode_shard(shard, compress=True, threads=3)
+    assert gzip.decompress(gz.data) == pickle.dumps(shard, protocol=3)
+    assert gz.data == encode_shard(shard, compress=True, threads=1).data
+    # Arrays compressed ahead (the host writer's way) give the same file.
+    compress = gzip_member_compressor(DEFAULT_COMPRESSOR, DEFAULT_COMPRESSION_LEVEL)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ahead = [{**item, "activations": {layer: CompressedArray.of(a, compress, pool)
+                                          for layer, a in item["activations"].items()}} for item in items]
+        segments, _ = shard_segments(shard_dict(ahead, layers=(0, 3)))
+        assert b"".join(stored_segments(segments, compress, pool)) == gz.data
+
+
+def test_a_view_of_a_larger_batch_is_stored_without_its_padding():
+    batch = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)  # [layers, rows, S, H]
+    items = [{"sample_id": row, "source": "s", "text_preview": "",
+              "activations": {layer: batch[layer, row, :row + 2] for layer in (0, 1)}} for row in range(3)]
+    shard = shard_dict(items, layers=(0, 1))
+    segments, _ = shard_segments(shard)
+    assert np.shares_memory(np.frombuffer(segments[1], np.uint8), batch)
+    loaded = pickle.loads(b"".join(segments))
+    np.testing.assert_array_equal(loaded[1][2]["activation"], batch[1, 2, :4])
+    assert loaded[1][2]["shape"] == (4, 4)

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import REPO, read_streams
 from fixtures.hf_reference import random_sequences
 from host.states import COMPLETED
+from host.store_stats import STAGES
 
 pytestmark = pytest.mark.slow
 PHASE = {"starting": 0, "loading": 1, "compiling": 2, "running": 2, COMPLETED: 3, "stopped": 3, "failed": 3}
@@ -72,6 +73,13 @@ def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_stream
     assert (final["backend"], final["device_count"]) == ("cpu", 8)
     assert final["tokens_per_s"]["since_start"] > 0
     assert final["started_at"] < final["updated_at"]
+    store = final["store"]  # the store path's figures: every stage, the bytes it moved
+    assert list(store["stage_s"]) == list(STAGES)
+    assert all(store["stage_s"][stage] > 0 for stage in ("encode", "compress", "write", "fsync", "commit"))
+    stored_mb = sum(shard["file_size_mb"] for shard in checkpoint["shards"])
+    assert store["written_gb"] == pytest.approx(stored_mb * 2**20 / 1e9, abs=1e-4)
+    assert store["activations_gb"] > 0 and store["uploaded_gb"] == 0 and store["in_flight_shards"] == 0
+    assert 0 <= store["forward_waited_fraction"] < 1 and store["compression_threads"] >= 1
     # While it ran, samples_total was known and samples_done only grew.
     running = [s for s in seen if s["state"] == "running"]
     assert any(s["samples_total"] == len(stream) for s in running)

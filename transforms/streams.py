@@ -13,16 +13,13 @@ from typing import Any, Iterable, Iterator
 import apache_beam as beam
 
 from common.files import join, write_bytes
+from common.stream_format import json_line, stream_filename
 from transforms.tokenize import TokenizedSample, decoded_pieces, load_tokenizer
 
 PREVIEW_CHARS = 200
 REJECTED_FILE = "rejected/rejected.jsonl"
 MANIFEST_FILE = "manifest.json"
 VERIFICATION_FILE = "tokenization_verification.txt"
-
-
-def stream_filename(machine: int) -> str:
-    return f"stream_{machine:03d}.jsonl"
 
 
 def stream_record(sample: TokenizedSample) -> dict[str, Any]:
@@ -33,10 +30,6 @@ def stream_record(sample: TokenizedSample) -> dict[str, Any]:
     return {"sample_id": sample.sample_id, "input_ids": list(sample.input_ids),
             "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut, **answer,
             "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS]}
-
-
-def json_line(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
 def _stream_entry(sample: TokenizedSample) -> tuple[int, int, bool, str]:

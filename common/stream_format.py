@@ -1,0 +1,55 @@
+"""The stream file format shared by ``pipeline.prepare`` (which writes it) and every reader (the
+runner, the fleet's merge, the SAELens export, ``runners.ablate``): one JSON object per line.
+Needs neither Beam nor JAX, so the commands that only read streams start fast."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.cli import UserError
+
+STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
+
+
+def stream_filename(machine: int) -> str:
+    return f"stream_{machine:03d}.jsonl"
+
+
+def json_line(obj: Any) -> str:
+    """One line of a JSON-lines file (compact, UTF-8 kept: byte-stable output)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+class StreamFormatError(UserError):
+    """A malformed line in a stream file; the message names the file and line number."""
+
+
+def parse_stream_line(line: str, where: str) -> dict[str, Any]:
+    """One stream record, validated; ``where`` is ``path:line`` for the error message."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise StreamFormatError(f"{where}: malformed JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise StreamFormatError(f"{where}: a stream line must be a JSON object")
+    missing = [f for f in STREAM_FIELDS if f not in record]
+    if missing:
+        raise StreamFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    ids = record["input_ids"]
+    if (not isinstance(ids, list) or not ids
+            or not all(type(t) is int and t >= 0 for t in ids)):
+        raise StreamFormatError(f"{where}: input_ids must be a non-empty list of token ids")
+    if record["num_tokens"] != len(ids):
+        raise StreamFormatError(f"{where}: num_tokens {record['num_tokens']} != {len(ids)} input_ids")
+    if type(record["sample_id"]) is not int:
+        raise StreamFormatError(f"{where}: sample_id must be an integer")
+    if type(record.get("truncated", False)) is not bool:
+        raise StreamFormatError(f"{where}: truncated must be true or false")
+    original = record.get("original_num_tokens", len(ids))
+    if type(original) is not int or original < len(ids):
+        raise StreamFormatError(f"{where}: original_num_tokens must be an integer >= num_tokens")
+    answer_start = record.get("answer_start", 0)
+    if type(answer_start) is not int or answer_start < 0:
+        raise StreamFormatError(f"{where}: answer_start must be an integer >= 0")
+    return record

@@ -1,0 +1,122 @@
+"""Stream records in, one record per sample with its activations out, in input order: the
+framework-neutral core of ``ExtractActivations`` (``transforms/extract.py`` wraps it in a Beam DoFn;
+the host runner drives it directly, without importing Beam).
+
+``OrderedExtraction`` loads the model once (``setup``), collects up to ``window`` records, runs them
+through the bucketed, sharded forward and emits the results **in input order**, so that a consumer
+(the host runner) can cut shards that each hold a contiguous run of the stream. Records longer than
+``max_seq_length`` follow ``long_samples`` (``transforms/long_samples.py``); a skipped one is
+emitted in its place as ``Tagged(REJECTED, its rejection)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+from model.settings import ModelRunSettings
+from transforms.long_samples import fit_record, rejection
+
+REJECTED = "rejected"  # the tag of records that were not computed
+# The tag of records another process of a multi-host machine computed and stores:
+# ``{"sample_id": ...}``, so that each process still sees every stream position.
+ELSEWHERE = "elsewhere"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tagged:
+    """An output that is not an activation record: ``tag`` says which (``REJECTED``, ``ELSEWHERE``)."""
+    tag: str
+    value: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtractConfig(ModelRunSettings):
+    """The model settings (``model.settings``; ``batch_size`` is per device) and what to extract."""
+    model_path: str
+    layers: tuple[int, ...] | None = None  # None: every layer
+    max_seq_length: int = 2048
+    activation_dtype: str = "float32"
+    window: int | None = None              # records reordered at once; default 8 x global batch
+    long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
+    batches_in_flight: int = 2             # dispatched before the oldest is copied back
+    ablation: str | None = None            # an intervention to extract under (model.interventions)
+    ablation_means: str | None = None      # its means file, for mode=mean
+
+
+def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
+    """The output of one sample (as computed, see ``fit_record``): its identity, whether it was
+    truncated, and ``{layer: array [num_tokens, hidden]}``."""
+    return {"sample_id": record["sample_id"], "source": record["source"],
+            "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
+            "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
+            "activations": activations}
+
+
+def extract_in_order(extractor, records: Sequence[dict[str, Any]],
+                     long_samples: str = "truncate") -> Iterator[dict[str, Any] | Tagged]:
+    """For each record in input order: its activation record, ``Tagged(REJECTED, ...)`` if
+    ``long_samples`` skips it, or ``Tagged(ELSEWHERE, ...)`` if another process computed it.
+    Computed bucket by bucket."""
+    limit = extractor.buckets[-1]
+    fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
+    results = dict(extractor.extract((i, r["input_ids"]) for i, r in enumerate(fitted) if r is not None))
+    for i, (record, fit) in enumerate(zip(records, fitted)):
+        if fit is None:
+            yield Tagged(REJECTED, rejection(record, limit))
+        elif (activations := results.pop(i)) is None:
+            yield Tagged(ELSEWHERE, {"sample_id": record["sample_id"]})
+        else:
+            yield activation_record(fit, activations)
+
+
+class OrderedExtraction:
+    """Stream records -> activation records (and ``Tagged`` outputs), in input order."""
+
+    def __init__(self, config: ExtractConfig):
+        self.config = config
+        self.extractor = None
+        self._pending: list[dict[str, Any]] = []
+
+    def setup(self) -> None:
+        from model.extract import Extractor
+        c = self.config
+        self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
+                                        c.max_seq_length, activation_dtype=c.activation_dtype,
+                                        attention=c.attention, batches_in_flight=c.batches_in_flight,
+                                        ablation=c.ablation, ablation_means=c.ablation_means,
+                                        residual_dtype=c.residual_dtype)
+
+    def window_for(self, global_batch: int) -> int:
+        """Records computed together: the configured window, else 8 global batches."""
+        return self.config.window or 8 * global_batch
+
+    @property
+    def window(self) -> int:
+        return self.window_for(self.extractor.batch_size)
+
+    @property
+    def pending(self) -> int:
+        """Records waiting for the window to fill (0 at a window's start)."""
+        return len(self._pending)
+
+    def start(self) -> None:
+        self._pending = []
+
+    def process(self, record: dict[str, Any]) -> Iterator[dict[str, Any] | Tagged]:
+        self._pending.append(record)
+        if len(self._pending) >= self.window:
+            yield from self.drain()
+
+    def drain(self) -> Iterator[dict[str, Any] | Tagged]:
+        """Computes and yields every pending record."""
+        records, self._pending = self._pending, []
+        yield from extract_in_order(self.extractor, records, self.config.long_samples)
+
+    def discard_pending(self) -> int:
+        """Drops records not computed yet (on preemption they are redone after resume)."""
+        dropped, self._pending = len(self._pending), []
+        return dropped
+
+    def teardown(self) -> None:
+        self.extractor = None
