@@ -5,8 +5,8 @@ runner's own ``ShardWriter`` (``host/writer.py``): shards encoded, compressed or
 fsync, indexed, committed, and with ``gcs`` uploaded to a local GCS API server and verified. Each
 configuration runs in a process of its own (peak RSS from wait4). Printed, in one run:
 
-1. the disk's durable write speed (8 MiB writes, then fdatasync; with writeback started every
-   32 MiB as the shard writer does, the baseline, and without);
+1. the disk's durable write speed (8 MiB writes, then fdatasync: the baseline; and with writeback
+   started every 32 MiB, as the shard writer does);
 2. per configuration (disk | memory (/dev/shm, the path without the disk's limit) | gcs; raw |
    compressed; compression threads): activation GB/s overall and per stage (a stage's bytes over
    its busy seconds per thread), the share of the time the producer (the forward) waited, and the
@@ -75,6 +75,8 @@ def durable_write_gbps(directory: str, total_gb: float, streamed: bool) -> float
 
 def child(spec: dict) -> None:
     """One configuration through the ShardWriter; prints ``RESULT {json}``."""
+    from host.allocator import one_malloc_arena
+    one_malloc_arena()  # as the runner does
     from host.checkpoint import Checkpoint
     from host.rejected import RejectedLog
     from host.storage import GcsStore
@@ -147,9 +149,10 @@ def main() -> None:
         return child(json.loads(args.child))
     work = tempfile.mkdtemp(prefix="store_path.", dir=args.work_dir)
     threads = [int(t) for t in args.threads.split(",")]
-    plain, durable = (durable_write_gbps(work, args.total_gb, streamed) for streamed in (False, True))
-    print(f"disk under {work}: durable write (8 MiB writes, fdatasync) {durable:.3f} GB/s with writeback started "
-          f"every 32 MiB (the baseline), {plain:.3f} GB/s without; {os.cpu_count()} cores")
+    durable, streamed = (durable_write_gbps(work, args.total_gb, streamed) for streamed in (False, True))
+    print(f"disk under {work}: durable write (8 MiB writes, then fdatasync) {durable:.3f} GB/s (the baseline); "
+          f"{streamed:.3f} GB/s with writeback started every 32 MiB as the shard writer does (on a virtual "
+          f"disk this one varies with the host's cache); {os.cpu_count()} cores")
     base = {"shard_size_gb": args.shard_size_gb, "budget_gb": args.budget_gb, "gcs": False, "prefix": ""}
     runs = [("disk", False, 0, args.total_gb)] + [("disk", True, t, args.total_gb) for t in threads]
     runs += [("memory", False, 0, args.total_gb)] + [("memory", True, t, args.total_gb) for t in threads]

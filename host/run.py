@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from common.cli import UserError
 from common.files import read_optional
 from host import distributed
+from host.allocator import one_malloc_arena
 from host.checkpoint import Checkpoint, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
@@ -162,6 +163,7 @@ class RunObserver(ForwardObserver):
 def run_host(config: HostConfig) -> int:
     """One machine's run (or this host's process of it), reported in ``status.json`` from the
     moment its directory exists."""
+    one_malloc_arena()  # before any thread starts (host/allocator.py)
     config.validate()
     check_model(config)
     config = dataclasses.replace(config, machine_id=resolve_machine_id(config.machine_id))

@@ -110,3 +110,8 @@ def test_uploads_verify_by_crc32c_and_a_mismatch_is_refused(tmp_path, gcs):
     assert store.verify(name, size, crc32c=file_crc32c(str(out / name)))
     with pytest.raises(StorageError, match="did not verify"):
         store.verify(name, size, crc32c=file_crc32c(str(out / "shard_0002.pkl.gz")))
+
+
+def test_the_runner_process_asks_glibc_for_one_malloc_arena():
+    from host.allocator import one_malloc_arena
+    assert one_malloc_arena()  # glibc's mallopt accepted it (this machine runs glibc, as TPU VMs do)
