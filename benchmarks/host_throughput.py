@@ -29,17 +29,17 @@ def forward_only(stream: str, model_dir: str, batch_size: int, max_seq_length: i
     """Child process: the same DoFn and order as the runner, results discarded."""
     from common.stream_format import parse_stream_line
     from transforms.extraction import ExtractConfig, OrderedExtraction
-    dofn = OrderedExtraction(ExtractConfig(model_path=model_dir, layers=tuple(map(int, LAYERS.split(","))),
+    extraction = OrderedExtraction(ExtractConfig(model_path=model_dir, layers=tuple(map(int, LAYERS.split(","))),
                                             batch_size=batch_size, max_seq_length=max_seq_length,
                                             dtype="float32"))
-    dofn.setup()
+    extraction.setup()
     with open(stream) as f:
         records = [parse_stream_line(line, stream) for line in f]
     start, tokens = time.perf_counter(), 0
-    dofn.start()
+    extraction.start()
     for record in records:
-        tokens += sum(o["num_tokens"] for o in dofn.process(record))
-    tokens += sum(o["num_tokens"] for o in dofn.drain())
+        tokens += sum(o["num_tokens"] for o in extraction.process(record))
+    tokens += sum(o["num_tokens"] for o in extraction.drain())
     print(f"FORWARD {tokens} {time.perf_counter() - start}")
 
 

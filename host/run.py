@@ -276,7 +276,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     checkpoint.check_settings(settings)
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
-    dofn = OrderedExtraction(ExtractConfig(
+    extraction = OrderedExtraction(ExtractConfig(
         model_path=config.model_path, dtype=config.dtype, residual_dtype=config.residual_dtype,
         mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
@@ -286,15 +286,15 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
     data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
-    window_start = restart - restart % dofn.window_for(config.batch_size * data_axis)
+    window_start = restart - restart % extraction.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":
         check_lengths(stream_path, window_start, config.max_samples, config.max_seq_length)
     records = stream_records(stream_path, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
     health.set_state(LOADING)
-    dofn.setup()
-    extractor = dofn.extractor
+    extraction.setup()
+    extractor = extraction.extractor
     profiler = BatchProfiler(config.profile_dir, config.profile_batches) if config.profile_dir else None
     stats = StoreStats()
     extractor.observer = RunObserver(health, profiler, stats)
@@ -307,7 +307,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     if stop.signal is not None:  # (one may have come just before)
         raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
     try:
-        finished = _drive(dofn, writer, progress, _stop_check(config, stop), first, records,
+        finished = _drive(extraction, writer, progress, _stop_check(config, stop), first, records,
                           skip=done - window_start, keep_rejections=config.process_id in (None, 0))
         writer.finalize()  # the buffer (a signal's final shard, or the stream's tail)
     finally:
@@ -316,7 +316,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         finally:
             if profiler is not None:
                 profiler.stop()
-            dofn.teardown()
+            extraction.teardown()
     checkpoint.status = COMPLETED if finished else IN_PROGRESS
     writer.write_state()
     if finished:
@@ -353,7 +353,7 @@ def _stop_check(config: HostConfig, stop: StopFlag) -> Callable[[bool], bool]:
     return lambda at_window_start: at_window_start and distributed.any_process(stop.signal is not None)
 
 
-def _drive(dofn: OrderedExtraction, writer: ShardWriter, progress: Progress,
+def _drive(extraction: OrderedExtraction, writer: ShardWriter, progress: Progress,
            should_stop: Callable[[bool], bool], first: dict | None, records: Iterator[dict], skip: int,
            keep_rejections: bool = True) -> bool:
     """Feeds the stream through the extraction into the writer, dropping the first ``skip`` outputs
@@ -376,17 +376,17 @@ def _drive(dofn: OrderedExtraction, writer: ShardWriter, progress: Progress,
                 writer.add(out)
                 progress.sample_done(out["num_tokens"], out["truncated"])
 
-    dofn.start()
+    extraction.start()
     pending = [first] if first is not None else []
     for record in itertools.chain(pending, records):
-        if should_stop(dofn.pending == 0):
-            dofn.discard_pending()
+        if should_stop(extraction.pending == 0):
+            extraction.discard_pending()
             return False
-        consume(dofn.process(record))
+        consume(extraction.process(record))
     if should_stop(True):
-        dofn.discard_pending()
+        extraction.discard_pending()
         return False
-    consume(dofn.drain())
+    consume(extraction.drain())
     return True
 
 
