@@ -231,10 +231,6 @@ class EncodedShard:
     def data(self) -> bytes:
         return b"".join(self.chunks)
 
-    @property
-    def size(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
 
 def encode_shard(shard: dict[int, list[dict]], compress: bool, level: int = DEFAULT_COMPRESSION_LEVEL,
                  compressor: str = DEFAULT_COMPRESSOR, threads: int = 4) -> EncodedShard:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import os
 import re
 import time
 from typing import Callable, TypeVar
@@ -65,13 +64,6 @@ class Crc32c:
         return base64.b64encode(self._checksum.digest()).decode()
 
 
-def file_crc32c(path: str) -> str:
-    checksum = Crc32c()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHECKSUM_SLICE), b""):
-            checksum.update(chunk)
-    return checksum.base64()
-
 
 class GcsStore:
     """Objects under ``gs://bucket/prefix/``; every call retried on transient failures."""
@@ -116,14 +108,8 @@ class GcsStore:
                    lambda: blob.upload_from_string(data, retry=None, timeout=TIMEOUT_S))
         return self.verify(name, len(data), md5=md5_base64(data))
 
-    def upload_file(self, name: str, path: str, crc32c: str | None = None) -> str:
-        """Uploads a local file and verifies it against ``crc32c`` (base64, as ``Crc32c`` gives
-        it), computed from the file when not given."""
-        self.put_file(name, path)
-        return self.verify(name, os.path.getsize(path), crc32c=crc32c or file_crc32c(path))
-
     def put_file(self, name: str, path: str) -> None:
-        """Uploads a local file, streamed in ``UPLOAD_CHUNK_BYTES`` requests; not verified."""
+        """Uploads a local file, streamed in ``UPLOAD_CHUNK_BYTES`` requests (``verify`` checks it)."""
         blob = self._bucket.blob(self._key(name), chunk_size=UPLOAD_CHUNK_BYTES)
         self._call(f"upload of {self.url(name)}",
                    lambda: blob.upload_from_filename(path, retry=None, timeout=TIMEOUT_S))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import jax
 
@@ -39,44 +39,32 @@ class StoreStats:
         self._start = time.monotonic()
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.bytes = dict.fromkeys(COUNTED, 0)
-        self.forward_waited_s = 0.0
-        self.final_flush_s = 0.0  # the stream done: waiting for the last shards to be stored
+        # Waits on the store path: the forward's (its memory budget full), and the run's at its end.
+        self.waits = {"forward_waited_s": 0.0, "final_flush_s": 0.0}
         self.settings: dict[str, Any] = {}  # the writer's threads and budget, for the report
         self.in_flight = lambda: {"shards": 0, "bytes": 0}  # the writer's, once there is one
 
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        with jax.profiler.TraceAnnotation(f"store/{name}"):
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.add(name, time.perf_counter() - start)
+    def stage(self, name: str) -> ContextManager[None]:
+        return self._timed(f"store/{name}", self.seconds, name)
 
-    @contextlib.contextmanager
-    def final_flush(self) -> Iterator[None]:
-        """The end of the run waiting for the shards still in flight."""
-        with jax.profiler.TraceAnnotation("store/final_flush"):
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.final_flush_s += time.perf_counter() - start
-
-    @contextlib.contextmanager
-    def forward_waiting(self) -> Iterator[None]:
+    def forward_waiting(self) -> ContextManager[None]:
         """The main thread blocked on the store: the devices get no new batch meanwhile."""
-        with jax.profiler.TraceAnnotation("store/forward_waited"):
+        return self._timed("store/forward_waited", self.waits, "forward_waited_s")
+
+    def final_flush(self) -> ContextManager[None]:
+        """The end of the run waiting for the shards still in flight."""
+        return self._timed("store/final_flush", self.waits, "final_flush_s")
+
+    @contextlib.contextmanager
+    def _timed(self, span: str, totals: dict[str, float], key: str) -> Iterator[None]:
+        """Adds the body's seconds to ``totals[key]``, and marks it as ``span`` in the trace."""
+        with jax.profiler.TraceAnnotation(span):
             start = time.perf_counter()
             try:
                 yield
             finally:
                 with self._lock:
-                    self.forward_waited_s += time.perf_counter() - start
-
-    def add(self, stage: str, seconds: float) -> None:
-        with self._lock:
-            self.seconds[stage] += seconds
+                    totals[key] += time.perf_counter() - start
 
     def count(self, what: str, size: int) -> None:
         with self._lock:
@@ -86,11 +74,12 @@ class StoreStats:
         """The ``store`` section of ``status.json``."""
         wall = max(time.monotonic() - self._start, 1e-9)
         with self._lock:
-            seconds, counted, waited = dict(self.seconds), dict(self.bytes), self.forward_waited_s
+            seconds, counted, waits = dict(self.seconds), dict(self.bytes), dict(self.waits)
         in_flight = self.in_flight()
         return {"stage_s": {stage: round(s, 3) for stage, s in seconds.items()},
-                "forward_waited_s": round(waited, 3), "forward_waited_fraction": round(waited / wall, 4),
-                "final_flush_s": round(self.final_flush_s, 3),
+                "forward_waited_s": round(waits["forward_waited_s"], 3),
+                "forward_waited_fraction": round(waits["forward_waited_s"] / wall, 4),
+                "final_flush_s": round(waits["final_flush_s"], 3),
                 "wall_s": round(wall, 3), **{f"{what}_gb": round(n / 1e9, 4) for what, n in counted.items()},
                 "in_flight_shards": in_flight["shards"], "in_flight_gb": round(in_flight["bytes"] / 1e9, 4),
                 **self.settings}

@@ -29,7 +29,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import logging
 import os
 import threading
 from typing import Any, Callable
@@ -44,7 +43,6 @@ from host.status import utc_now
 from host.storage import Crc32c, GcsStore
 from host.store_stats import StoreStats
 
-log = logging.getLogger(__name__)
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
 # A shard file's written bytes are sent to the disk every this many, not all at its fsync: the
 # disk then works while later members compress, and the fsync finds little left to write.
