@@ -27,10 +27,23 @@ class Health:
     detail: str = ""    # why, in a few words: "exited with status 1", "node PREEMPTED"
 
 
+@dataclasses.dataclass(frozen=True)
+class Incarnation:
+    """One life of a machine on its engine (a VM, a pod, a process), as the engine records it:
+    what the fleet pays for. ``fleet/usage.py`` keeps them in ``{output}/_fleet/usage.json``."""
+    key: str                        # the engine's own id of it: a node and its creation time, a pod's uid
+    started_at: float               # when it became active, seconds since the epoch
+    ended_at: float | None = None   # when it ended, where the engine says
+    active: bool = True             # False: it ended (at ``ended_at``, or, unknown, when first seen ended)
+
+
 class Backend(abc.ABC):
     """Machines of one fleet on one engine."""
 
     self_healing = False  # True: the engine restarts machines itself; supervise only watches
+    # True: a machine whose runner completed is still up, and billed, until it is deleted:
+    # ``supervise`` deletes it once its completion is stored (unless ``--keep_completed``).
+    release_completed = False
     # True: ``launch`` writes the user's files and creates machines only when asked (``--apply``),
     # since the user may submit those files with the engine's own tools instead.
     creates_on_request = False
@@ -67,6 +80,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def health(self, machine: int) -> Health:
         """Is it alive?"""
+
+    def healths(self, machines: Sequence[int]) -> dict[int, Health]:
+        """``health`` of several machines (a backend that can answer in one call overrides it)."""
+        return {machine: self.health(machine) for machine in machines}
+
+    def incarnations(self) -> dict[int, list[Incarnation]]:
+        """The lives of each machine the engine knows of now (past ones too, where it keeps them).
+        One or two list calls, however many machines: ``supervise`` asks at every look."""
+        return {}
 
     @abc.abstractmethod
     def delete(self, machines: Sequence[int]) -> None:

@@ -1,9 +1,9 @@
 """Local servers of the two cloud APIs the fleet drives, so the tests run the real client
 libraries (``google-cloud-tpu`` over REST, ``kubernetes``) against the far side of the wire.
 
-``FakeTpuApi`` serves the Cloud TPU v2 queued-resource calls with long-running operations;
-``FakeKubernetesApi`` serves batch/v1 Jobs. Both keep what they were sent, for the tests to check,
-and can be scripted (a preemption, a Job's status).
+``FakeTpuApi`` serves the Cloud TPU v2 queued-resource calls with long-running operations
+(``tests/fake_kubernetes.py`` serves Kubernetes on the same ``Server``). Both keep what they were
+sent, for the tests to check, and can be scripted (a preemption, a Job's status).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-class _Server:
+class Server:
     """A threaded HTTP server on a free loopback port; subclasses answer ``handle(method, path,
     query, body) -> (status, document)``."""
 
@@ -76,7 +76,7 @@ def _google_error(code: int, status: str, message: str) -> tuple[int, Any]:
     return code, {"error": {"code": code, "message": message, "status": status}}
 
 
-class FakeTpuApi(_Server):
+class FakeTpuApi(Server):
     """Cloud TPU v2: create / get / list / delete queued resources, get nodes and operations.
 
     A created queued resource is ACTIVE at once with its node READY; ``on_create(node_id)`` then
@@ -158,56 +158,3 @@ class FakeTpuApi(_Server):
                 self.on_create(node_id)
             except Exception:  # a broken test hook must be seen, not swallowed by the thread
                 traceback.print_exc()
-
-
-def _k8s_status(code: int, reason: str, message: str) -> tuple[int, Any]:
-    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                  "message": message, "reason": reason, "code": code}
-
-
-class FakeKubernetesApi(_Server):
-    """batch/v1 Jobs: create, read, list (``labelSelector=k=v``) and delete in a namespace."""
-
-    def __init__(self):
-        super().__init__()
-        self.jobs: dict[tuple[str, str], dict] = {}
-
-    def kubeconfig(self, path: str) -> str:
-        """A kubeconfig whose current context is this server (no authentication)."""
-        config = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
-                  "clusters": [{"name": "fake", "cluster": {"server": self.endpoint}}],
-                  "users": [{"name": "fake", "user": {}}],
-                  "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}
-        with open(path, "w") as f:
-            json.dump(config, f)  # JSON is YAML
-        return path
-
-    def set_job_status(self, namespace: str, name: str, status: dict) -> None:
-        with self.lock:
-            self.jobs[namespace, name]["status"] = status
-
-    def handle(self, method, path, query, body):
-        found = re.fullmatch(r"/apis/batch/v1/namespaces/([^/]+)/jobs(?:/([^/]+))?", path)
-        if not found:
-            return _k8s_status(404, "NotFound", f"{path} is not served here")
-        namespace, name = found.groups()
-        if name is None and method == "POST":
-            key = (namespace, body["metadata"]["name"])
-            if key in self.jobs:
-                return _k8s_status(409, "AlreadyExists", f'jobs.batch "{key[1]}" already exists')
-            body["metadata"].update(namespace=namespace, uid=f"uid-{len(self.jobs) + 1}", creationTimestamp=_now())
-            self.jobs[key] = {**body, "status": {}}
-            return 201, self.jobs[key]
-        if name is None and method == "GET":
-            selector = dict(p.split("=", 1) for p in query.get("labelSelector", "").split(",") if p)
-            items = [j for (ns, _), j in self.jobs.items() if ns == namespace and
-                     all(j["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())]
-            return 200, {"kind": "JobList", "apiVersion": "batch/v1", "metadata": {}, "items": items}
-        if (namespace, name) not in self.jobs:
-            return _k8s_status(404, "NotFound", f'jobs.batch "{name}" not found')
-        if method == "GET":
-            return 200, self.jobs[namespace, name]
-        if method == "DELETE":
-            del self.jobs[namespace, name]
-            return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}
-        return _k8s_status(405, "MethodNotAllowed", f"{method} {path}")

@@ -77,7 +77,7 @@ def test_dry_run_prints_the_manifest_and_creates_nothing(streams_on_gcs, tmp_pat
 
 def test_apply_and_teardown_through_the_kubernetes_client(streams_on_gcs, tmp_path):
     # Processes of their own: the Kubernetes client reads KUBECONFIG when it is first imported.
-    from tests.cloud_fakes import FakeKubernetesApi
+    from tests.fake_kubernetes import FakeKubernetesApi
     with FakeKubernetesApi() as api:
         env = {"KUBECONFIG": api.kubeconfig(str(tmp_path / "kubeconfig"))}
         args = gke_args(streams_on_gcs)
