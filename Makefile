@@ -70,6 +70,7 @@ bench: install
 	$(PY) benchmarks/restart_compile_cache.py
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py
+	$(PY) benchmarks/merge_sidecars.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -58,6 +58,19 @@ def read_optional(path: str) -> bytes | None:
         return None
 
 
+def file_size(path: str) -> int | None:
+    """The size of ``path`` in bytes (local or ``gs://``: one metadata request), or None if it
+    does not exist."""
+    if path.startswith("gs://"):
+        bucket, key = _split_gs(path)
+        blob = gcs_client().bucket(bucket).get_blob(key)
+        return None if blob is None else blob.size
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return None
+
+
 CHUNK_BYTES = 8 << 20  # whole-file reads go in chunks this large
 
 

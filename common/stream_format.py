@@ -1,11 +1,17 @@
 """The stream file format shared by ``pipeline.prepare`` (which writes it) and every reader (the
-runner, the fleet's merge, the SAELens export, ``runners.ablate``): one JSON object per line.
-Needs neither Beam nor JAX, so the commands that only read streams start fast."""
+runner, the fleet's merge, the SAELens export, ``runners.ablate``): one JSON object per line;
+beside each stream, its sample ids (the sidecar ``stream_NNN.ids.npy``), which the fleet's merge
+reads instead of the stream. Needs neither Beam nor JAX, so the commands that only read streams
+start fast."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from common.cli import UserError
 
@@ -14,6 +20,30 @@ STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview
 
 def stream_filename(machine: int) -> str:
     return f"stream_{machine:03d}.jsonl"
+
+
+def ids_filename(machine: int) -> str:
+    return f"stream_{machine:03d}.ids.npy"
+
+
+def ids_sidecar(ids: Sequence[int]) -> bytes:
+    """A stream's sample ids as an int64 ``.npy`` file, in stream order (prepare's streams are
+    sorted by id, so it is sorted too): ``runners.fleet merge`` checks completeness against it
+    without reading the stream."""
+    out = io.BytesIO()
+    np.save(out, np.asarray(ids, dtype=np.int64), allow_pickle=False)
+    return out.getvalue()
+
+
+def sidecar_record(machine: int, sidecar: bytes, count: int) -> dict[str, Any]:
+    """The manifest's description of a stream's id sidecar (under ``ids`` in its machine entry):
+    the digest ties the file to this manifest."""
+    return {"file": ids_filename(machine), "count": count, "sha256": hashlib.sha256(sidecar).hexdigest()}
+
+
+def sidecar_ids(data: bytes) -> np.ndarray:
+    """The int64 ids of an ``ids_sidecar`` file's bytes."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def json_line(obj: Any) -> str:

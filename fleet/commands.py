@@ -13,11 +13,12 @@ from common.extras import require
 from common.files import join, read_optional, write_bytes
 from fleet.backend import Backend, make_backend
 from fleet.config import FleetConfig, resolve
-from fleet.machines import ALL_COMPLETED, exit_code, fleet_views, read_fleet
+from fleet.machines import ALL_COMPLETED, UNDER_LIMIT, exit_code, fleet_views, read_fleet
 from fleet.merge import merge
-from fleet.report import plain_table, rich_table, write_chart
+from fleet.report import FleetReport, fleet_report, plain_table, rich_table, status_document, write_chart
 from fleet.runner import check_runner_flags
 from fleet.supervise import Supervisor
+from fleet.usage import Ledger
 from host.states import COMPLETED
 from host.status import utc_now
 
@@ -41,10 +42,10 @@ def check_output(config: FleetConfig) -> None:
 
 def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | None) -> int:
     config, _ = resolve(config)
-    check_runner_flags(config)
+    limit = check_runner_flags(config).max_samples
     backend = make_backend(config)
     if dry_run:  # asks no cloud API: machines that exist already are skipped by the real launch
-        print(backend.plan(_to_launch(config, backend, look=False)))
+        print(backend.plan(_to_launch(config, backend, limit, look=False)))
         return 0
     check_output(config)
     written = backend.write_for_user(manifest_out)
@@ -52,24 +53,42 @@ def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | 
         print(written)
     if backend.creates_on_request and not apply:
         return 0
-    todo = _to_launch(config, backend)
+    todo = _to_launch(config, backend, limit)
     if not todo:
         print(f"fleet {config.name}: nothing to launch (every machine exists or completed)")
         return 0
     backend.prepare()
     _write_record(config)
     started = backend.create(todo)
+    _record_usage(config, backend)
     waiting = [i for i in todo if i not in started]
     print(f"fleet {config.name}: launched {len(started)} machine(s) on {config.backend}"
           + (f"; {len(waiting)} wait for a free slot (supervise starts them)" if waiting else ""))
     return 0
 
 
-def _to_launch(config: FleetConfig, backend: Backend, look: bool = True) -> list[int]:
-    """Machines that neither completed nor exist (``look=False``: without asking the backend)."""
-    done = {v.machine_id for v in fleet_views(read_fleet(config)) if v.state == COMPLETED}
+def _to_launch(config: FleetConfig, backend: Backend, limit: int | None, look: bool = True) -> list[int]:
+    """Machines that neither completed nor exist (``look=False``: without asking the backend).
+    One that completed under a smaller ``--max_samples`` than ``limit`` and still exists is
+    deleted first: it runs the old flags."""
+    views = fleet_views(read_fleet(config), limit=limit)
+    done = {v.machine_id for v in views if v.state == COMPLETED}
+    more = [v.machine_id for v in views if v.state == UNDER_LIMIT]
     existing = backend.existing() if look else set()
+    if look and more and existing & set(more):
+        if backend.self_healing:
+            raise UserError(f"machine(s) {', '.join(f'{i:03d}' for i in more)} completed under a smaller "
+                            f"--max_samples; run teardown (the output stays), then launch again")
+        backend.delete(sorted(existing & set(more)))
+        existing -= set(more)
     return [i for i in range(config.num_machines) if i not in existing | done]
+
+
+def _record_usage(config: FleetConfig, backend: Backend) -> None:
+    """What the engine reports of the machines' incarnations, into ``_fleet/usage.json``."""
+    ledger = Ledger.read(config)
+    if ledger.observe(backend.incarnations(), time.time()):
+        ledger.write(config)
 
 
 def _write_record(config: FleetConfig) -> None:
@@ -91,38 +110,45 @@ def _resolve_if_possible(config: FleetConfig, teardown: bool = False) -> tuple[F
     return config, None
 
 
-def status(config: FleetConfig, watch: bool, chart: str | None) -> int:
+def status(config: FleetConfig, watch: bool, chart: str | None, as_json: bool = False) -> int:
     if chart:
         require("matplotlib", "charts", "status --chart")
     config, manifest = _resolve_if_possible(config)
+    limit = check_runner_flags(config).max_samples if config.runner else None
     if not watch:
-        return _show_status(config, manifest, chart)
-    if sys.stdout.isatty():
+        return _show_status(config, manifest, limit, chart, as_json)
+    if sys.stdout.isatty() and not as_json:
         from rich.live import Live
         with Live(auto_refresh=False) as live:
             while True:
-                files = read_fleet(config)
-                views = fleet_views(files, manifest)
-                live.update(rich_table(views), refresh=True)
+                report = _report(config, manifest, limit)
+                live.update(rich_table(report), refresh=True)
                 if chart:
-                    write_chart(views, files, chart)
-                if exit_code(views) == ALL_COMPLETED:
+                    write_chart(report, chart)
+                if exit_code(report.views) == ALL_COMPLETED:
                     return ALL_COMPLETED
                 time.sleep(config.interval)
     while True:
-        code = _show_status(config, manifest, chart)
+        code = _show_status(config, manifest, limit, chart, as_json)
         if code == ALL_COMPLETED:
             return code
         time.sleep(config.interval)
 
 
-def _show_status(config: FleetConfig, manifest: dict | None, chart: str | None) -> int:
+def _report(config: FleetConfig, manifest: dict | None, limit: int | None) -> FleetReport:
     files = read_fleet(config)
-    views = fleet_views(files, manifest)
-    print(plain_table(views), flush=True)
+    now = time.time()
+    return fleet_report(fleet_views(files, manifest, now, limit), files, Ledger.read(config), now,
+                        config.price_per_hour)
+
+
+def _show_status(config: FleetConfig, manifest: dict | None, limit: int | None, chart: str | None,
+                 as_json: bool) -> int:
+    report = _report(config, manifest, limit)
+    print(json.dumps(status_document(report), indent=2) if as_json else plain_table(report), flush=True)
     if chart:
-        write_chart(views, files, chart)
-    return exit_code(views)
+        write_chart(report, chart)
+    return exit_code(report.views)
 
 
 def _existing_or_error(config: FleetConfig, backend: Backend) -> set[int]:
@@ -141,7 +167,7 @@ def supervise(config: FleetConfig, index_path: str | None) -> int:
         _existing_or_error(config, backend)
     log.info("supervising fleet %s: %d machines on %s, a look every %g s", config.name,
              config.num_machines, config.backend, config.interval)
-    gave_up = Supervisor(config, backend, manifest).run()
+    gave_up = Supervisor(config, backend, manifest, host.max_samples).run()
     if gave_up:
         raise UserError(f"machine(s) {', '.join(f'{i:03d}' for i in gave_up)} did not complete and are "
                         "no longer restarted (see the log lines above and their logs); fix, then run "
@@ -170,7 +196,11 @@ def teardown(config: FleetConfig, dry_run: bool) -> int:
         print(f"would delete {len(existing)} machine(s) of fleet {config.name}: {backend.where}"
               + (f": {', '.join(f'{i:03d}' for i in existing)}" if existing else ""))
         return 0
+    asked_at = time.time()
     backend.delete(existing)
+    ledger = Ledger.read(config)
+    if any([ledger.close(machine, asked_at) for machine in list(ledger.lives)]):
+        ledger.write(config)
     print(f"fleet {config.name}: deleted {len(existing)} machine(s) ({backend.where}); the output "
           f"under {config.output} is kept")
     return 0

@@ -42,7 +42,8 @@ CLOUD_SCRATCH_DIR = "/tmp/activation-extraction"  # on a cloud host; everything 
 class FleetConfig:
     # What runs, and where its input and output are.
     name: str | None = flag(None, "fleet name (lowercase letters, digits, hyphens): TPU nodes are "
-                            "{name}-NNN labelled fleet={name}; the Kubernetes Job is {name}")
+                            "{name}-NNN labelled fleet={name}; the Kubernetes Job is {name} (multi-host "
+                            "slices: JobSets {name}-NNN)")
     num_machines: int | None = flag(None, "machines; must equal the prepare manifest's num_machines "
                                     "(default: the manifest's)")
     streams_dir: str | None = flag(None, "the prepare pipeline's output: stream_NNN.jsonl + manifest.json")
@@ -64,11 +65,16 @@ class FleetConfig:
     jax_requirement: str = flag("jax[tpu]", "tpu-vm: what the startup script pip-installs for the TPU")
     # gke
     image: str | None = flag(None, "gke: container image with this project installed (jax[tpu] included)")
-    namespace: str = flag("default", "gke: namespace of the Job")
+    namespace: str = flag("default", "gke: namespace of the Job (or JobSets)")
     gke_accelerator: str = flag("tpu-v5-lite-podslice", "gke: node selector "
                                 "cloud.google.com/gke-tpu-accelerator")
-    gke_topology: str = flag("2x4", "gke: node selector cloud.google.com/gke-tpu-topology (one host)")
-    tpu_chips: int = flag(8, "gke: google.com/tpu chips per pod (all chips of the host)")
+    gke_topology: str = flag("2x4", "gke: node selector cloud.google.com/gke-tpu-topology; more than "
+                             "one host's chips (e.g. 4x4) make each machine a multi-host slice, a JobSet")
+    tpu_chips: int | None = flag(None, "gke: google.com/tpu chips per host (pod); default: the "
+                                 "accelerator and topology's (all chips of a single-host topology, 4 on "
+                                 "a multi-host one); 4 on a v5e/v6e 2x4 picks its 2-host machine type")
+    gke_coordinator_port: int = flag(8476, "gke: port of the JAX coordinator on host 0 of a multi-host "
+                                     "slice")
     gke_spot: bool = flag(True, "gke: schedule on spot nodes (cloud.google.com/gke-spot)")
     grace_period_s: int = flag(120, "gke: termination grace period: the runner's SIGTERM flush (one "
                                "shard stored and uploaded) must fit in it")
@@ -76,7 +82,13 @@ class FleetConfig:
     interval: float = flag(30.0, "seconds between two looks at the fleet (status --watch, supervise)")
     stall_timeout: float = flag(900.0, "supervise: restart a machine STALLED for longer than this (s)")
     max_restarts: int = flag(3, "supervise: restarts of a machine in a row without progress "
-                             "before giving up on it (gke: the Job's backoffLimitPerIndex)")
+                             "before giving up on it (gke: the Job's backoffLimitPerIndex, a slice "
+                             "JobSet's maxRestarts; preemptions count for neither)")
+    keep_completed: bool = flag(False, "tpu-vm: keep a machine's queued resource after it completed "
+                                "(default: supervise deletes it once its completion is stored)")
+    # cost
+    price_per_hour: float | None = flag(None, "your price of one machine for one hour (any currency): "
+                                        "status then shows the cost so far and at completion")
 
     @property
     def cloud(self) -> bool:
@@ -104,8 +116,12 @@ class FleetConfig:
         if self.num_machines is not None and self.num_machines < 1:
             raise UserError(f"--num_machines must be at least 1, got {self.num_machines}")
         for field in ("max_parallel", "tpu_chips", "grace_period_s"):
-            if getattr(self, field) < 1:
+            if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise UserError(f"--{field} must be at least 1")
+        if not 1 <= self.gke_coordinator_port <= 65535:
+            raise UserError(f"--gke_coordinator_port must be 1..65535, got {self.gke_coordinator_port}")
+        if self.price_per_hour is not None and self.price_per_hour < 0:
+            raise UserError(f"--price_per_hour must be >= 0, got {self.price_per_hour}")
         if self.max_restarts < 0 or self.interval <= 0 or self.stall_timeout <= 0 or self.stagger_s < 0:
             raise UserError("--max_restarts and --stagger_s must be >= 0, --interval and --stall_timeout > 0")
 

@@ -17,7 +17,8 @@ import subprocess
 import time
 from typing import Sequence
 
-from fleet.backend import ABSENT, ALIVE, GONE, Backend, Health
+from fleet.backend import ABSENT, ALIVE, GONE, Backend, Health, Incarnation
+from fleet.machines import parse_time
 from fleet.runner import local_command
 from host.checkpoint import write_atomically
 from host.status import utc_now
@@ -124,6 +125,18 @@ class LocalBackend(Backend):
         if _running(record["pid"], record.get("proc_start")):
             return Health(ALIVE)
         return Health(GONE, f"process {record['pid']} is gone")
+
+    def incarnations(self) -> dict[int, list[Incarnation]]:
+        """The process each machine's record names, from its start (a process that has exited
+        ended at some time the record does not know)."""
+        found = {}
+        for machine in self.existing():
+            record = self._record(machine)
+            if record is not None:
+                found[machine] = [Incarnation(f"pid {record['pid']} {record.get('proc_start')}",
+                                              parse_time(record["started_at"]),
+                                              active=self.health(machine).kind == ALIVE)]
+        return found
 
     def delete(self, machines: Sequence[int]) -> None:
         for machine in machines:

@@ -8,8 +8,10 @@ A machine made of several processes (a multi-host slice) has its status in the m
 all have passed, the shards of all.
 
 No SSH and no cloud API: a machine is judged by the files it writes. On top of the runner's own
-states (``host/status.py``) the fleet adds two: ``missing`` (no file yet) and ``stalled`` (a
-non-final state whose heartbeat is older than three intervals: the process is dead or frozen).
+states (``host/status.py``) the fleet adds three: ``missing`` (no file yet), ``stalled`` (a
+non-final state whose heartbeat is older than three intervals: the process is dead or frozen) and
+``under_limit`` (completed under a smaller ``--max_samples`` than the runner flags ask for now:
+it has more to do).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from host.config import process_folder
 from host.states import COMPLETED, FAILED, IN_PROGRESS, STOPPED
 
 log = logging.getLogger("runners.fleet")
-MISSING, STALLED = "missing", "stalled"
+MISSING, STALLED, UNDER_LIMIT = "missing", "stalled", "under_limit"
 FINAL = (COMPLETED, FAILED, STOPPED)
 STALE_HEARTBEATS = 3
 # Exit codes of ``status``: scripts wait on them.
 ALL_COMPLETED, STILL_RUNNING, NEEDS_ATTENTION = 0, 1, 2
-NEEDS_ATTENTION_STATES = (FAILED, STALLED, MISSING, STOPPED)
+NEEDS_ATTENTION_STATES = (FAILED, STALLED, MISSING, STOPPED, UNDER_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,16 @@ class MachineFiles:
 
     def checkpoint_status(self) -> str | None:
         return (self.checkpoint or {}).get("status")
+
+    def completed(self, limit: int | None) -> bool:
+        """Its checkpoint says completed, under a ``--max_samples`` that covers ``limit`` (the one
+        the runner flags ask for now; None: the whole stream)."""
+        return self.checkpoint_status() == COMPLETED and covers(self.checkpoint.get("max_samples"), limit)
+
+
+def covers(ran_under: int | None, limit: int | None) -> bool:
+    """A run limited to ``ran_under`` records did all that a run limited to ``limit`` would."""
+    return ran_under is None or (limit is not None and ran_under >= limit)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -73,6 +85,7 @@ def combined_checkpoint(checkpoints: Sequence[dict[str, Any] | None]) -> dict[st
         return None
     return {"status": COMPLETED if all(c["status"] == COMPLETED for c in checkpoints) else IN_PROGRESS,
             "total_samples_processed": min(c["total_samples_processed"] for c in checkpoints),
+            "max_samples": checkpoints[0].get("max_samples"),  # one command: one limit
             **{k: sum(c.get(k) or 0 for c in checkpoints)
                for k in ("total_shards", "total_tokens", "total_truncated", "total_skipped")},
             "shards": [s for c in checkpoints for s in c.get("shards", [])]}
@@ -102,6 +115,7 @@ class MachineView:
     heartbeat_s: float | None
     error: str | None
     eta_s: float | None
+    tokens_done: int = 0          # tokens of the samples done (stored, when completed)
 
     @property
     def fraction(self) -> float | None:
@@ -110,14 +124,23 @@ class MachineView:
         return self.samples_done / self.samples_total if self.samples_total else None
 
 
-def machine_view(files: MachineFiles, now: float, expected_samples: int | None = None) -> MachineView:
+def machine_view(files: MachineFiles, now: float, expected_samples: int | None = None,
+                 limit: int | None = None) -> MachineView:
+    """``limit``: the ``--max_samples`` of the runner flags (a completion under a smaller one is
+    ``under_limit``)."""
     status, checkpoint = files.status or {}, files.checkpoint or {}
     updated = parse_time(status.get("updated_at"))
     age = now - updated if updated is not None else None
     heartbeat = status.get("heartbeat_s")
+    # Completed under a smaller limit, until a runner resumes it with the new one (its status
+    # then runs while the checkpoint still says completed, until the next shard).
+    under_limit = files.checkpoint_status() == COMPLETED and not files.completed(limit)
+    running = files.status is not None and status.get("state") not in FINAL
     if files.status is None and files.checkpoint is None:
         state = MISSING
-    elif files.checkpoint_status() == COMPLETED or status.get("state") == COMPLETED:
+    elif under_limit and not running:
+        state = UNDER_LIMIT
+    elif not under_limit and COMPLETED in (files.checkpoint_status(), status.get("state")):
         state = COMPLETED
     elif files.status is None:
         state = MISSING  # a checkpoint without a health file: nothing says the machine is alive
@@ -126,15 +149,19 @@ def machine_view(files: MachineFiles, now: float, expected_samples: int | None =
     else:
         state = status["state"]
     done = max(status.get("samples_done") or 0, checkpoint.get("total_samples_processed") or 0)
+    tokens = max(status.get("tokens_done") or 0, checkpoint.get("total_tokens") or 0)
     total = expected_samples if expected_samples is not None else status.get("samples_total")
+    if total is not None and limit is not None:
+        total = min(total, limit)
     if state == COMPLETED and files.checkpoint:
-        done = checkpoint["total_samples_processed"]
+        done, tokens = checkpoint["total_samples_processed"], checkpoint.get("total_tokens") or tokens
     rates = status.get("tokens_per_s") or {}
-    rate = (rates.get("last_minute") or rates.get("since_start") or 0.0) if state not in FINAL + (STALLED,) else 0.0
+    idle = state in FINAL + (STALLED, UNDER_LIMIT)
+    rate = 0.0 if idle else rates.get("last_minute") or rates.get("since_start") or 0.0
     return MachineView(files.machine_id, state, done, total,
                        max(status.get("shards") or 0, checkpoint.get("total_shards") or 0), rate, age,
                        updated, heartbeat, status.get("error") if state == FAILED else None,
-                       _eta(done, total, status.get("tokens_done") or 0, rate))
+                       _eta(done, total, status.get("tokens_done") or 0, rate), tokens)
 
 
 def _eta(done: int, total: int | None, tokens_done: int, rate: float) -> float | None:
@@ -145,10 +172,10 @@ def _eta(done: int, total: int | None, tokens_done: int, rate: float) -> float |
 
 
 def fleet_views(files: Sequence[MachineFiles], manifest: dict[str, Any] | None = None,
-                now: float | None = None) -> list[MachineView]:
+                now: float | None = None, limit: int | None = None) -> list[MachineView]:
     now = time.time() if now is None else now
     counts = {m["machine"]: m["samples"] for m in manifest["machines"]} if manifest else {}
-    return [machine_view(f, now, counts.get(f.machine_id, 0) if manifest else None) for f in files]
+    return [machine_view(f, now, counts.get(f.machine_id, 0) if manifest else None, limit) for f in files]
 
 
 def exit_code(views: Sequence[MachineView]) -> int:

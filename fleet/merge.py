@@ -4,30 +4,44 @@ the prepare manifest and the streams, with one verdict line.
 Complete means: every machine completed; each machine stored exactly the records of its stream
 (its first ``--max_samples`` where set) except those its runner skipped, which are listed in its
 ``rejected.jsonl``; no sample id twice; none missing.
+
+A stream's ids come from its sidecar ``stream_NNN.ids.npy`` (written by ``pipeline.prepare``
+beside it, described under ``ids`` in the manifest), so the streams themselves are not read.
+Where the manifest names no sidecar (an older prepare), or the sidecar or the stream is not what
+the manifest describes (its sha256, the stream's size), the stream is read in full instead and a
+log line says so: the stream is the truth, the sidecar only a faster way to its ids, so the
+verdict is the same either way.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import hashlib
 import json
+import logging
 import re
 from typing import Any, Sequence
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from activations.index import CollectedIndex, collect_index, write_merged
-from common.files import binary_lines, join, open_read, read_optional
+from common.files import binary_lines, file_size, join, open_read, read_optional
+from common.stream_format import sidecar_ids, stream_filename
 from fleet.config import FleetConfig, manifest_samples
 from fleet.machines import MachineFiles, read_fleet
 from host.rejected import REJECTED_FILE
 from host.states import COMPLETED
 
+log = logging.getLogger("runners.fleet")
 SAMPLE_ID = re.compile(rb'"sample_id"\s*:\s*(-?\d+)')
 
 
-def stream_ids(path: str, limit: int | None) -> list[int]:
+def stream_ids(path: str, limit: int | None) -> np.ndarray:
     """The sample ids of a stream's first ``limit`` records (all if None), in order."""
-    ids: list[int] = []
+    ids = array.array("q")  # int64: a fifth of a list's memory at millions of ids
     with open_read(path) as f:
         for line in binary_lines(f):
             if limit is not None and len(ids) >= limit:
@@ -35,7 +49,40 @@ def stream_ids(path: str, limit: int | None) -> list[int]:
             if line.strip():
                 found = SAMPLE_ID.search(line)  # the first key: no need to parse the token lists
                 ids.append(int(found.group(1)) if found else json.loads(line)["sample_id"])
-    return ids
+    return np.frombuffer(ids, dtype=np.int64)
+
+
+def ids_from_sidecar(streams_dir: str, entry: dict[str, Any], limit: int | None) -> np.ndarray | None:
+    """The ids of a stream's first ``limit`` records (all if None) from its sidecar, or None (with
+    a warning where the manifest names one) when there is none to trust. Raises
+    ``FileNotFoundError`` without a stream, as reading it would."""
+    sidecar = entry.get("ids")
+    if sidecar is None:
+        return None
+    m, stream = entry["machine"], join(streams_dir, stream_filename(entry["machine"]))
+    size = file_size(stream)
+    if size is None:
+        raise FileNotFoundError(stream)
+    data = read_optional(join(streams_dir, sidecar["file"]))
+    if size != entry["stream_bytes"]:
+        reason = f"{stream} is {size} bytes, the manifest says {entry['stream_bytes']}"
+    elif data is None:
+        reason = f"no {sidecar['file']}"
+    elif hashlib.sha256(data).hexdigest() != sidecar["sha256"]:
+        reason = f"{sidecar['file']} is not the one the manifest describes (sha256)"
+    else:
+        # In stream order, so its first ``limit`` are the records a runner with --max_samples takes.
+        return sidecar_ids(data)[:limit]
+    log.warning("machine %03d: %s; reading its stream in full", m, reason)
+    return None
+
+
+def expected_ids(streams_dir: str, entry: dict[str, Any], limit: int | None) -> np.ndarray:
+    """The ids of a stream's first ``limit`` records (all if None), in order: from the sidecar
+    where it can be trusted, else read from the stream. Raises ``FileNotFoundError`` without a
+    stream."""
+    ids = ids_from_sidecar(streams_dir, entry, limit)
+    return ids if ids is not None else stream_ids(join(streams_dir, stream_filename(entry["machine"])), limit)
 
 
 def rejected_ids(dirs: Sequence[str]) -> list[int]:
@@ -44,8 +91,8 @@ def rejected_ids(dirs: Sequence[str]) -> list[int]:
     return [json.loads(line)["sample_id"] for line in lines if line.strip()]
 
 
-def _ids(values: Sequence[int], most: int = 5) -> str:
-    shown = ", ".join(str(v) for v in sorted(values)[:most])
+def _ids(values: np.ndarray, most: int = 5) -> str:
+    shown = ", ".join(str(v) for v in np.sort(values)[:most])
     return shown + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
@@ -56,45 +103,63 @@ class Verdict:
     skipped: dict[int, int]   # machine -> records its runner skipped
 
 
-def check_machine(config: FleetConfig, files: MachineFiles, expected_count: int, stored: set[int],
-                  limit: int | None) -> tuple[list[str], int]:
-    """(problems, skipped records) of one machine."""
+def check_machine(config: FleetConfig, files: MachineFiles, expected_count: int, entry: dict[str, Any],
+                  stored: np.ndarray, limit: int | None) -> tuple[list[str], int]:
+    """(problems, skipped records) of one machine; ``entry`` is its manifest entry, ``stored`` the
+    unique ids its index holds."""
     m, problems = files.machine_id, []
     state = (files.status or {}).get("state") or "missing"
-    if files.checkpoint_status() != COMPLETED:
+    if files.checkpoint_status() == COMPLETED and not files.completed(limit):
+        problems.append(f"machine {m:03d} completed under a smaller --max_samples than the runner flags ask for")
+    elif files.checkpoint_status() != COMPLETED:
         problems.append(f"machine {m:03d} not completed ({state})")
-    skipped = set(rejected_ids(files.dirs or (config.machine_dir(m),)))
-    stream = join(config.streams_dir, f"stream_{m:03d}.jsonl")
+    skipped = np.unique(np.array(rejected_ids(files.dirs or (config.machine_dir(m),)), dtype=np.int64))
     try:
-        ids = stream_ids(stream, limit)
+        ids = expected_ids(config.streams_dir, entry, limit)
     except FileNotFoundError:
+        stream = join(config.streams_dir, stream_filename(m))
         return problems + [f"machine {m:03d}: no stream {stream}"], len(skipped)
     if limit is None and len(ids) != expected_count:
         problems.append(f"machine {m:03d}: its stream has {len(ids)} records, the manifest says {expected_count}")
-    expected = set(ids) - skipped
-    missing, unexpected = expected - stored, stored - expected
-    if missing:
+    expected = np.setdiff1d(ids, skipped)  # unique and sorted
+    missing = np.setdiff1d(expected, stored, assume_unique=True)
+    unexpected = np.setdiff1d(stored, expected, assume_unique=True)
+    if len(missing):
         problems.append(f"machine {m:03d}: {len(missing)} sample(s) missing: {_ids(missing)}")
-    if unexpected:
+    if len(unexpected):
         problems.append(f"machine {m:03d}: {len(unexpected)} sample(s) not in its stream: {_ids(unexpected)}")
     return problems, len(skipped)
+
+
+def stored_ids(table: pa.Table | None, machines: int) -> list[np.ndarray]:
+    """Per machine, the unique sample ids its rows in the index table hold (sorted)."""
+    if table is None:
+        return [np.empty(0, np.int64) for _ in range(machines)]
+    machine, ids = table["machine_id"].to_numpy(), table["sample_id"].to_numpy()
+    order = np.argsort(machine, kind="stable")
+    bounds = np.searchsorted(machine[order], np.arange(machines + 1))
+    return [np.unique(ids[order[a:b]]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def verdict(config: FleetConfig, manifest: dict[str, Any], collected: CollectedIndex | None,
             files: Sequence[MachineFiles], limit: int | None) -> Verdict:
     problems: list[str] = []
     if collected is not None and collected.duplicates:
-        ids = collected.table["sample_id"]
-        counts = pc.value_counts(ids)
-        twice = [c["values"].as_py() for c in counts if c["counts"].as_py() > 1]
-        problems.append(f"{len(twice)} sample id(s) stored more than once: {_ids(twice)}")
-    table = collected.table if collected is not None else None
-    expected = manifest_samples(manifest)
+        repeats = pc.value_counts(collected.table["sample_id"])
+        twice = pc.filter(repeats.field("values"), pc.greater(repeats.field("counts"), 1))
+        problems.append(f"{len(twice)} sample id(s) stored more than once: {_ids(twice.to_numpy())}")
+    counts = manifest_samples(manifest)
+    entries = {e["machine"]: e for e in manifest["machines"]}
+    without = [m for m in counts if "ids" not in entries.get(m, {})]
+    if without:
+        log.info("%d of %d streams in %s have no id sidecar (an older pipeline.prepare): reading them in full",
+                 len(without), len(counts), config.streams_dir)
+    stored = stored_ids(collected.table if collected is not None else None, len(counts))
     skipped = {}
     for f in files:
-        stored = (set(table.filter(pc.equal(table["machine_id"], f.machine_id))["sample_id"].to_pylist())
-                  if table is not None else set())
-        machine_problems, skipped[f.machine_id] = check_machine(config, f, expected[f.machine_id], stored, limit)
+        m = f.machine_id
+        machine_problems, skipped[m] = check_machine(config, f, counts[m], entries.get(m, {"machine": m}),
+                                                     stored[m], limit)
         problems += machine_problems
     return Verdict(not problems, problems, skipped)
 

@@ -1,24 +1,49 @@
-"""The fleet's status as a table (plain text, or a ``rich`` table on a terminal) and as a chart.
+"""The fleet's status as a table (plain text, or a ``rich`` table on a terminal), a JSON
+document and a chart, with each machine's usage and cost (``fleet/usage.py``).
 
-One function makes the cells; the plain and the rich table only lay them out.
+``fleet_report`` gathers the figures once; one function makes the cells; the plain and the rich
+table only lay them out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 from common.files import write_bytes
-from fleet.machines import (COMPLETED, FAILED, MISSING, STALLED, STOPPED, MachineFiles, MachineView,
-                            parse_time, totals)
+from fleet.machines import (COMPLETED, FAILED, MISSING, STALLED, STOPPED, UNDER_LIMIT, FleetTotals,
+                            MachineFiles, MachineView, parse_time, totals)
+from fleet.usage import FleetUsage, Ledger, MachineUsage, fleet_usage, iso, machine_usage
 
-HEADER = ("machine", "state", "samples", "%", "shards", "tokens/s", "heartbeat")
+HEADER = ("machine", "state", "samples", "%", "shards", "tokens/s", "heartbeat", "hours")
+NUMERIC = {2, 3, 4, 5, 7, 8}  # right-aligned columns
 COLOURS = {COMPLETED: "tab:green", FAILED: "tab:red", STALLED: "tab:orange", MISSING: "tab:gray",
-           STOPPED: "tab:purple"}  # any other (running) state: blue
+           STOPPED: "tab:purple", UNDER_LIMIT: "tab:olive"}  # any other (running) state: blue
 RICH_STYLES = {COMPLETED: "green", FAILED: "bold red", STALLED: "bold yellow", MISSING: "dim",
-               STOPPED: "magenta"}
+               STOPPED: "magenta", UNDER_LIMIT: "yellow"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetReport:
+    """Everything ``status`` shows, at one moment."""
+    at: float
+    views: list[MachineView]
+    files: list[MachineFiles]
+    usage: dict[int, MachineUsage]
+    totals: FleetTotals
+    fleet: FleetUsage
+    price_per_hour: float | None
+
+
+def fleet_report(views: Sequence[MachineView], files: Sequence[MachineFiles], ledger: Ledger, now: float,
+                 price_per_hour: float | None) -> FleetReport:
+    usage = {v.machine_id: machine_usage(ledger, v.machine_id, now, price_per_hour) for v in views}
+    fleet_totals = totals(views)
+    return FleetReport(now, list(views), list(files), usage, fleet_totals,
+                       fleet_usage(views, usage, price_per_hour, fleet_totals.eta_s), price_per_hour)
 
 
 def duration(seconds: float | None) -> str:
@@ -33,39 +58,89 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def cells(view: MachineView) -> tuple[str, ...]:
+def money(amount: float | None) -> str:
+    return "-" if amount is None else f"{amount:,.2f}"
+
+
+def per_hour(tokens_per_hour: float | None) -> str:
+    """Tokens per accelerator-hour, short: ``1.23M``."""
+    if not tokens_per_hour:
+        return "-"
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if tokens_per_hour >= size:
+            return f"{tokens_per_hour / size:.2f}{unit}"
+    return f"{tokens_per_hour:.0f}"
+
+
+def header(report: FleetReport) -> tuple[str, ...]:
+    return HEADER + (("cost",) if report.price_per_hour is not None else ())
+
+
+def state_word(view: MachineView, usage: MachineUsage) -> str:
+    return view.state.upper() + (" (released)" if view.state == COMPLETED and usage.released else "")
+
+
+def cells(view: MachineView, usage: MachineUsage, priced: bool) -> tuple[str, ...]:
     total = "?" if view.samples_total is None else f"{view.samples_total:,}"
     fraction = view.fraction
-    return (f"{view.machine_id:03d}", view.state.upper(), f"{view.samples_done:,}/{total}",
-            "-" if fraction is None else f"{100 * fraction:.1f}", str(view.shards),
-            f"{view.tokens_per_s:,.0f}" if view.tokens_per_s else "-",
-            "-" if view.heartbeat_age_s is None else duration(view.heartbeat_age_s) + " ago")
+    row = (f"{view.machine_id:03d}", state_word(view, usage), f"{view.samples_done:,}/{total}",
+           "-" if fraction is None else f"{100 * fraction:.1f}", str(view.shards),
+           f"{view.tokens_per_s:,.0f}" if view.tokens_per_s else "-",
+           "-" if view.heartbeat_age_s is None else duration(view.heartbeat_age_s) + " ago",
+           f"{usage.hours:.2f}")
+    return row + ((money(usage.cost),) if priced else ())
 
 
-def summary_line(views: Sequence[MachineView]) -> str:
-    t = totals(views)
+def summary_line(report: FleetReport) -> str:
+    t, u = report.totals, report.fleet
     total = "?" if t.samples_total is None else f"{t.samples_total:,}"
     percent = f" ({100 * t.samples_done / t.samples_total:.1f}%)" if t.samples_total else ""
-    return (f"fleet: {t.completed}/{t.machines} machines completed, {t.samples_done:,}/{total} samples"
+    line = (f"fleet: {t.completed}/{t.machines} machines completed, {t.samples_done:,}/{total} samples"
             f"{percent}, {t.shards} shards, {t.tokens_per_s:,.0f} tokens/s, ETA {duration(t.eta_s)}")
+    line += f"\nusage: {u.hours:.2f} accelerator-hours, {per_hour(u.tokens_per_hour)} tokens/accelerator-hour"
+    if report.price_per_hour is not None:
+        line += (f"; cost {money(u.cost)} so far, {money(u.projected_cost)} at completion "
+                 f"(at {report.price_per_hour:g} per machine-hour)")
+    return line
 
 
-def plain_table(views: Sequence[MachineView]) -> str:
-    rows = [HEADER] + [cells(v) for v in views]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(c.rjust(w) if i in (2, 3, 4, 5) else c.ljust(w)
+def plain_table(report: FleetReport) -> str:
+    priced = report.price_per_hour is not None
+    rows = [header(report)] + [cells(v, report.usage[v.machine_id], priced) for v in report.views]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i in NUMERIC else c.ljust(w)
                        for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-    errors = [f"  machine {v.machine_id:03d}: {v.error}" for v in views if v.error]
-    return "\n".join(lines + errors + [summary_line(views)])
+    errors = [f"  machine {v.machine_id:03d}: {v.error}" for v in report.views if v.error]
+    return "\n".join(lines + errors + [summary_line(report)])
 
 
-def rich_table(views: Sequence[MachineView]):
+def rich_table(report: FleetReport):
     from rich.table import Table
-    table = Table(*HEADER, title=f"fleet status at {datetime.datetime.now():%H:%M:%S}",
-                  caption=summary_line(views))
-    for v in views:
-        table.add_row(*cells(v), style=RICH_STYLES.get(v.state))
+    priced = report.price_per_hour is not None
+    table = Table(*header(report), title=f"fleet status at {datetime.datetime.now():%H:%M:%S}",
+                  caption=summary_line(report))
+    for v in report.views:
+        table.add_row(*cells(v, report.usage[v.machine_id], priced), style=RICH_STYLES.get(v.state))
     return table
+
+
+def status_document(report: FleetReport) -> dict[str, Any]:
+    """``status --json``: every figure of the table, unrounded, per machine and for the fleet."""
+    machines = []
+    for v in report.views:
+        u = report.usage[v.machine_id]
+        machines.append({
+            "machine_id": v.machine_id, "state": v.state, "released": u.released,
+            "samples_done": v.samples_done, "samples_total": v.samples_total, "shards": v.shards,
+            "tokens_done": v.tokens_done, "tokens_per_s": v.tokens_per_s, "eta_s": v.eta_s,
+            "heartbeat_age_s": v.heartbeat_age_s, "error": v.error,
+            "accelerator_hours": u.hours, "active": u.active, "cost": u.cost,
+            "tokens_per_accelerator_hour": v.tokens_done / u.hours if u.hours else None})
+    t, f = report.totals, report.fleet
+    fleet = {**dataclasses.asdict(t), "tokens_done": sum(v.tokens_done for v in report.views),
+             "accelerator_hours": f.hours, "tokens_per_accelerator_hour": f.tokens_per_hour,
+             "price_per_hour": report.price_per_hour, "cost": f.cost, "projected_cost": f.projected_cost}
+    return {"at": iso(report.at), "machines": machines, "fleet": fleet}
 
 
 def samples_over_time(files: Sequence[MachineFiles]) -> tuple[list[float], list[int]]:
@@ -82,15 +157,16 @@ def samples_over_time(files: Sequence[MachineFiles]) -> tuple[list[float], list[
     return times, counts
 
 
-def write_chart(views: Sequence[MachineView], files: Sequence[MachineFiles], path: str) -> None:
+def write_chart(report: FleetReport, path: str) -> None:
     """A PNG: one progress bar per machine coloured by state, and the fleet's stored samples
-    over time."""
+    over time; the usage (and cost) in the title."""
     import matplotlib
     matplotlib.use("Agg")  # no display: the chart is a file
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font cache notices
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    views, files = report.views, report.files
     fig, (bars, curve) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.3 * len(views) + 1.5)))
     rows = range(len(views))
     bars.barh(rows, [100 * (v.fraction or 0.0) for v in views],
@@ -110,6 +186,7 @@ def write_chart(views: Sequence[MachineView], files: Sequence[MachineFiles], pat
     curve.set_xlabel("minutes since the first stored shard")
     curve.set_ylabel("samples stored (fleet)")
     curve.set_title("fleet progress")
+    fig.suptitle(summary_line(report).splitlines()[-1].removeprefix("usage: "), fontsize="medium")
     fig.tight_layout()
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=100)

@@ -40,6 +40,18 @@ def runner_argv(config: FleetConfig, machine: int | str) -> list[str]:
     return fleet_flags(config, machine) + list(config.runner)
 
 
+# Kubernetes expands $(VAR) in a container's command from its env, where the Job controller puts
+# JOB_COMPLETION_INDEX: in a slice's Indexed Job, the host's index.
+HOST_INDEX = "$(JOB_COMPLETION_INDEX)"
+
+
+def slice_flags(coordinator_host: str, port: int, hosts: int) -> list[str]:
+    """The flags that make the ``hosts`` pods of one machine one JAX runtime (every pod has the
+    same command): process 0's stable address, the process count, this pod's index."""
+    return ["--coordinator_address", f"{coordinator_host}:{port}", "--num_processes", str(hosts),
+            "--process_id", HOST_INDEX]
+
+
 def local_command(config: FleetConfig, machine: int) -> list[str]:
     return [sys.executable, "-m", "runners.tpu_host", *runner_argv(config, machine)]
 

@@ -11,6 +11,7 @@ the runner resumes from the GCS checkpoint.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import Sequence
 
 from common.cli import UserError
 from common.extras import require
-from fleet.backend import ABSENT, ALIVE, GONE, PENDING, Backend, Health
+from fleet.backend import ABSENT, ALIVE, GONE, PENDING, Backend, Health, Incarnation
 from fleet.runner import runner_argv
 
 log = logging.getLogger("runners.fleet")
@@ -68,9 +69,12 @@ def tpu_api():
 def build_wheel(out_dir: str) -> str:
     """A wheel of this project (``setup.py``), without dependencies: the host resolves those."""
     before = set(glob.glob(os.path.join(out_dir, "*.whl")))
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                             "--quiet", "--wheel-dir", out_dir, PROJECT_ROOT],
-                            capture_output=True, text=True)
+    # setuptools builds in the source tree (build/, *.egg-info): two launches at once must take turns
+    with open(os.path.join(tempfile.gettempdir(), "activation-extraction-wheel.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                                 "--quiet", "--wheel-dir", out_dir, PROJECT_ROOT],
+                                capture_output=True, text=True)
     made = sorted(set(glob.glob(os.path.join(out_dir, "*.whl"))) - before)
     if result.returncode != 0 or not made:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel written"]
@@ -79,6 +83,8 @@ def build_wheel(out_dir: str) -> str:
 
 
 class TpuVmBackend(Backend):
+    release_completed = True  # a VM whose runner completed is billed until its queued resource goes
+
     def __init__(self, config):
         super().__init__(config)
         if not (config.project and config.zone):
@@ -169,17 +175,35 @@ class TpuVmBackend(Backend):
     def _fleet_resources(self) -> dict[int, object]:
         """This fleet's queued resources by machine: those whose node is labelled fleet={name}."""
         found = {}
-        prefix = f"{self.config.name}-"
         for queued in self.client.list_queued_resources(parent=self.parent):
             for spec in queued.tpu.node_spec:
-                if spec.node.labels.get("fleet") == self.config.name and spec.node_id.startswith(prefix):
-                    suffix = spec.node_id[len(prefix):]
-                    if suffix.isdigit():
-                        found[int(suffix)] = queued
+                machine = self._machine(spec.node_id)
+                if spec.node.labels.get("fleet") == self.config.name and machine is not None:
+                    found[machine] = queued
         return found
 
     def existing(self) -> set[int]:
         return set(self._fleet_resources())
+
+    def _machine(self, node_id: str) -> int | None:
+        suffix = node_id.removeprefix(f"{self.config.name}-")
+        return int(suffix) if suffix != node_id and suffix.isdigit() else None
+
+    def incarnations(self) -> dict[int, list[Incarnation]]:
+        """Each node of the fleet is one incarnation, from its creation time (TPU VMs are billed
+        from then); a preempted or terminated one has ended (the API says when it was created,
+        not when it ended: the ledger dates the end when it first sees it)."""
+        tpu_v2 = tpu_api()
+        found: dict[int, list[Incarnation]] = {}
+        for node in self.client.list_nodes(parent=self.parent):
+            machine = self._machine(node.name.rsplit("/", 1)[-1])
+            if machine is None or node.labels.get("fleet") != self.config.name:
+                continue
+            state = tpu_v2.Node.State(node.state).name
+            created = node.create_time.timestamp()
+            found.setdefault(machine, []).append(Incarnation(f"{node.name}@{created:.6f}", created,
+                                                             active=state not in GONE_NODE))
+        return found
 
     def health(self, machine: int) -> Health:
         from google.api_core import exceptions as gexc
@@ -212,6 +236,6 @@ class TpuVmBackend(Backend):
                     name=self._qr_name(machine), force=True)))
             except gexc.NotFound:
                 continue
-            log.info("machine %d: queued resource %s deleted", machine, self.node_id(machine))
+            log.debug("machine %d: queued resource %s deleted", machine, self.node_id(machine))
         for operation in operations:
             operation.result(timeout=OPERATION_TIMEOUT_S)

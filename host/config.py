@@ -73,6 +73,9 @@ class HostConfig(ModelRunSettings, ProfileSettings):
                                       "'' turns it off")
     batches_in_flight: int = flag(2, "batches dispatched before the oldest one's activations are "
                                   "copied back, so transfers overlap compute (1: synchronous)")
+    stopped_exit_code: int = flag(0, "exit status of a run a signal stopped (status stopped: what it "
+                                  "computed is stored, the stream is not done): 0, or e.g. 143 (128 + "
+                                  "SIGTERM) so that Kubernetes runs the pod again; errors keep theirs")
     distributed: str = flag("auto", "one machine made of several processes (a multi-host TPU slice: "
                             "the same command on every host) through jax.distributed: auto (on when "
                             "the TPU environment reports more than one host, or --coordinator_address "
@@ -120,6 +123,8 @@ class HostConfig(ModelRunSettings, ProfileSettings):
                      "upload_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
+        if not 0 <= self.stopped_exit_code <= 255:
+            raise UserError(f"--stopped_exit_code must be 0..255 (an exit status), got {self.stopped_exit_code}")
         if self.num_processes is not None and self.num_processes < 1:
             raise UserError(f"--num_processes must be at least 1, got {self.num_processes}")
         if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1 << 30):

@@ -6,7 +6,7 @@ records how many stream records the stored shards cover. A restarted run removes
 the checkpoint (partial or orphan files, locally and on GCS), skips the covered records and
 recomputes the rest, so shard boundaries, and therefore the shards, are the same as in an
 uninterrupted run. SIGTERM/SIGINT (a preemption notice) stops reading, stores the buffered
-samples as a final shard, checkpoints, and returns 0.
+samples as a final shard, checkpoints, and returns ``--stopped_exit_code`` (0 by default).
 
 A machine made of several processes (a multi-host TPU slice, ``host/distributed.py``): each
 process runs under a watchdog (``host/watchdog.py``), computes every batch with the others and
@@ -211,13 +211,16 @@ def run_process(config: HostConfig, placement: Placement | None = None) -> int:
         if finished:
             progress.samples_total = progress.snapshot()["samples_done"]  # the stream's end was reached
         health.finish(COMPLETED if finished else STOPPED)
+        stopped = not finished
     except Stopped as e:
         print(f"machine {config.machine_id} stopped: {e}; re-run the same command to start it")
+        stopped = True
     finally:
         stop.restore()  # after the final status: a second signal must not cut its write short
         progress.close()
         compile_stats.close()
-    return 0
+    # Not 0 where the engine must run it again (Kubernetes counts an exit 0 as the pod's work done).
+    return config.stopped_exit_code if stopped else 0
 
 
 def check_layout(config: HostConfig) -> None:

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
               f"stream(s) and {MANIFEST_FILE}) without submitting it; nothing ran and nothing was written "
               f"to {config.output_dir}")
         return 0
-    log.info("wrote stream_000.jsonl .. stream_%03d.jsonl and %s to %s",
+    log.info("wrote stream_000.jsonl .. stream_%03d.jsonl (each with its .ids.npy) and %s to %s",
              config.num_machines - 1, MANIFEST_FILE, config.output_dir)
     print(f"streams: {config.output_dir}")
     return 0

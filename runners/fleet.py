@@ -1,7 +1,7 @@
 """Launch, watch, recover and finish N extraction hosts from one command.
 
     python -m runners.fleet launch    --config fleet.yaml [--backend local|tpu-vm|gke] [--dry_run] [--apply]
-    python -m runners.fleet status    --config fleet.yaml [--watch] [--chart fleet.png]
+    python -m runners.fleet status    --config fleet.yaml [--watch] [--json] [--chart fleet.png]
     python -m runners.fleet supervise --config fleet.yaml
     python -m runners.fleet merge     --config fleet.yaml
     python -m runners.fleet teardown  --config fleet.yaml [--dry_run]
@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
                                    help="gke: submit the Job (without: only write its manifest)")
     parsers["launch"].add_argument("--manifest", help="gke: where the Job manifest goes (default {name}-job.yaml)")
     parsers["status"].add_argument("--watch", action="store_true", help="redraw every --interval seconds")
+    parsers["status"].add_argument("--json", action="store_true",
+                                   help="print the status as one JSON document (machines, fleet, usage)")
     parsers["status"].add_argument("--chart", help="also write a PNG: progress per machine, fleet samples over time")
     for name in ("supervise", "merge"):
         parsers[name].add_argument("--index", help="merged index path (default {output}/index.parquet)")
@@ -61,7 +63,7 @@ def run(command: str, config, args) -> int:
     if command == "launch":
         return commands.launch(config, args.dry_run, args.apply, args.manifest)
     if command == "status":
-        return commands.status(config, args.watch, args.chart)
+        return commands.status(config, args.watch, args.chart, args.json)
     if command == "supervise":
         return commands.supervise(config, args.index)
     if command == "merge":

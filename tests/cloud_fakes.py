@@ -19,8 +19,12 @@ import urllib.parse
 from typing import Any, Callable
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+def _now(timespec: str = "seconds") -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+def _seconds(text: str) -> float:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 class Server:
@@ -81,7 +85,8 @@ class FakeTpuApi(Server):
 
     A created queued resource is ACTIVE at once with its node READY; ``on_create(node_id)`` then
     "boots" the VM (called outside the request, on a thread). ``preempt(node_id)`` makes the node
-    PREEMPTED and its queued resource SUSPENDED, as a spot preemption does.
+    PREEMPTED and its queued resource SUSPENDED, as a spot preemption does. ``active`` keeps each
+    node's billed interval: from its creation until it is preempted or deleted.
     """
 
     def __init__(self, on_create: Callable[[str], None] | None = None):
@@ -89,6 +94,7 @@ class FakeTpuApi(Server):
         self.on_create = on_create
         self.created: list[dict] = []       # request bodies, with "queuedResourceId" added
         self.deleted: list[str] = []        # queued-resource names
+        self.active: list[dict] = []        # {"node_id", "start", "end"}: seconds since the epoch
         self._queued: dict[str, dict] = {}
         self._nodes: dict[str, dict] = {}
         self._operations: dict[str, dict] = {}
@@ -107,6 +113,12 @@ class FakeTpuApi(Server):
             node = next(n for name, n in self._nodes.items() if name.endswith(f"/nodes/{node_id}"))
             node["state"] = "PREEMPTED"
             self._queued[node["queuedResource"]]["state"] = {"state": "SUSPENDED"}
+            self._end(node_id)
+
+    def _end(self, node_id: str) -> None:
+        for interval in self.active:
+            if interval["node_id"] == node_id and interval["end"] is None:
+                interval["end"] = datetime.datetime.now(datetime.timezone.utc).timestamp()
 
     def _operation(self, location: str, response: dict) -> dict:
         name = f"{location}/operations/op-{next(self._ids)}"
@@ -121,6 +133,9 @@ class FakeTpuApi(Server):
         if method == "GET" and path.endswith("/queuedResources"):
             prefix = path + "/"
             return 200, {"queuedResources": [q for n, q in self._queued.items() if n.startswith(prefix)]}
+        if method == "GET" and path.endswith("/nodes"):
+            prefix = path + "/"
+            return 200, {"nodes": [n for name, n in self._nodes.items() if name.startswith(prefix)]}
         store = (self._queued if "/queuedResources/" in path else self._nodes if "/nodes/" in path
                  else self._operations if "/operations/" in path else None)
         if store is None or path not in store:
@@ -131,6 +146,7 @@ class FakeTpuApi(Server):
             queued = self._queued.pop(path)
             for spec in queued["tpu"]["nodeSpec"]:
                 self._nodes.pop(f"{spec['parent']}/nodes/{spec['nodeId']}", None)
+                self._end(spec["nodeId"])
             self.deleted.append(path)
             return 200, self._operation(location.group(1), {"@type": "type.googleapis.com/google.protobuf.Empty"})
         return _google_error(400, "INVALID_ARGUMENT", f"{method} {path} is not served here")
@@ -144,9 +160,11 @@ class FakeTpuApi(Server):
         self._queued[name] = queued
         specs = queued["tpu"]["nodeSpec"]
         for spec in specs:
+            created = _now("microseconds")
             self._nodes[f"{spec['parent']}/nodes/{spec['nodeId']}"] = {
                 **spec["node"], "name": f"{spec['parent']}/nodes/{spec['nodeId']}", "state": "READY",
-                "queuedResource": name}
+                "createTime": created, "queuedResource": name}
+            self.active.append({"node_id": spec["nodeId"], "start": _seconds(created), "end": None})
         if self.on_create:
             threading.Thread(target=self._boot, args=[s["nodeId"] for s in specs]).start()
         typed = {**queued, "@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"}

@@ -72,6 +72,10 @@ def test_kill_9_one_machine_supervise_brings_it_back(three_streams, tiny_checkpo
     streams = [s["sample_id"] for stream in read_streams(three_streams, 3) for s in stream]
     assert sorted(index["sample_id"]) == sorted(streams) and index["sample_id"].is_unique
     assert (out / "logs" / "machine_001.log").read_text().count("=== ") == 2  # launched, relaunched
+    usage = json.loads((out / "_fleet" / "usage.json").read_text())["machines"]
+    assert [len(usage[f"{m:03d}"]["incarnations"]) for m in range(3)] == [1, 2, 1]
+    killed = usage["001"]["incarnations"][0]
+    assert killed["key"].startswith(f"pid {pid} ") and killed["ended_at"] is not None
 
     done = fleet("status", config, "--chart", str(tmp_path / "fleet.png"))
     assert done.returncode == 0 and "3/3 machines completed, 60/60 samples" in done.stdout
@@ -107,3 +111,20 @@ def test_teardown_stops_the_processes_and_keeps_the_output(three_streams, tiny_c
     assert verdict.startswith("fleet td INCOMPLETE: ")  # machine 000 may have finished before teardown
     assert "machine 001 not completed (missing); machine 001: 20 sample(s) missing: " in verdict
     assert "machine 002 not completed (missing); machine 002: 20 sample(s) missing: " in verdict
+
+
+def test_a_larger_max_samples_at_the_next_launch_resumes_the_machines(arc_streams, tiny_checkpoints, tmp_path):
+    out = tmp_path / "out"
+    args = ["--name", "grow", "--streams_dir", str(arc_streams), "--output", str(out), "--interval", "0.2",
+            "--", "--model_path", tiny_checkpoints["gqa_tied"], *RUNNER]
+    for limit, launched in ((3, "launched 2 machine(s)"), (3, "nothing to launch"), (8, "launched 2 machine(s)")):
+        result = run_cli("runners.fleet", "launch", *args, "--max_samples", str(limit))
+        assert result.returncode == 0 and launched in result.stdout, result.stdout + result.stderr
+        supervised = run_cli("runners.fleet", "supervise", *args, "--max_samples", str(limit))
+        assert supervised.returncode == 0, supervised.stderr
+        assert f"fleet grow complete: 2 machines, {2 * limit} samples" in supervised.stdout
+    for machine in range(2):
+        checkpoint = json.loads((out / f"machine_{machine:03d}" / "checkpoint.json").read_text())
+        assert (checkpoint["status"], checkpoint["max_samples"], checkpoint["total_samples_processed"]) == \
+            ("completed", 8, 8)
+        assert (out / "logs" / f"machine_{machine:03d}.log").read_text().count("=== ") == 2

@@ -16,7 +16,8 @@ def iso(seconds_ago: float) -> str:
 
 
 def write_machine(out: pathlib.Path, machine: int, state: str, age_s: float, done: int, total: int,
-                  shards: int, completed: bool = False, error: str | None = None) -> None:
+                  shards: int, completed: bool = False, error: str | None = None,
+                  max_samples: int | None = None) -> None:
     folder = out / f"machine_{machine:03d}"
     folder.mkdir(parents=True)
     status = {"machine_id": machine, "state": state, "error": error, "updated_at": iso(age_s),
@@ -25,7 +26,8 @@ def write_machine(out: pathlib.Path, machine: int, state: str, age_s: float, don
     history = [{"shard_id": i + 1, "total_samples_in_shard": 2, "stored_at": iso(600 - 60 * i)}
                for i in range(shards)]
     checkpoint = {"status": COMPLETED if completed else "in_progress", "total_shards": shards,
-                  "total_samples_processed": 2 * shards, "shards": history}
+                  "total_samples_processed": 2 * shards, "shards": history, "max_samples": max_samples,
+                  "total_tokens": 200 * shards}
     (folder / "status.json").write_text(json.dumps(status))
     (folder / "checkpoint.json").write_text(json.dumps(checkpoint))
 
@@ -65,7 +67,7 @@ def test_every_state_in_the_table_and_exit_code_2(fleet_dir, tmp_path):
     assert rows["001"][2:6] == ["4/10", "40.0", "2", "250"]
     assert rows["002"][5] == "-"                    # a stalled machine computes nothing
     assert 5 <= seconds(rows["001"][6]) < 60 and 500 <= seconds(rows["002"][6]) < 560  # + start-up
-    assert rows["004"][2:] == ["0/?", "-", "0", "-", "-"]
+    assert rows["004"][2:] == ["0/?", "-", "0", "-", "-", "0.00"]  # no usage recorded: 0 hours
     assert "machine 003: SampleTooLong: sample 7 has 3000 tokens" in result.stdout
     assert "fleet: 1/5 machines completed, 22/? samples" in result.stdout
     assert "250 tokens/s" in result.stdout
@@ -96,3 +98,52 @@ def test_samples_over_time_from_the_shard_history(fleet_dir):
     files = read_fleet(FleetConfig(name="t", output=str(fleet_dir), num_machines=5))
     times, counts = samples_over_time(files)
     assert counts == list(range(2, 2 * 11 + 1, 2)) and times == sorted(times)
+
+
+def write_usage(out: pathlib.Path, machines: dict[int, list[tuple[float, float | None]]],
+                released: tuple[int, ...] = ()) -> None:
+    """``_fleet/usage.json`` with these incarnations, as (started, ended) seconds ago."""
+    document = {"backend": "tpu-vm", "machines": {f"{m:03d}": {
+        "incarnations": [{"key": f"node-{m}-{i}", "started_at": iso(start),
+                          "ended_at": None if end is None else iso(end)} for i, (start, end) in enumerate(lives)],
+        "released_at": iso(lives[-1][1]) if m in released else None} for m, lives in machines.items()}}
+    (out / "_fleet").mkdir(parents=True, exist_ok=True)
+    (out / "_fleet" / "usage.json").write_text(json.dumps(document))
+
+
+def test_usage_and_cost(tmp_path):
+    out = tmp_path / "out"
+    write_machine(out, 0, COMPLETED, 30, 10, 10, 5, completed=True)
+    write_machine(out, 1, "running", 5, 4, 10, 2)  # ETA: 6 samples x 100 tokens at 250 tokens/s = 2.4 s
+    # machine 0: preempted after 1 h, then 2 h until it completed and was released;
+    # machine 1: up for the last 30 minutes
+    write_usage(out, {0: [(4 * 3600, 3 * 3600), (3 * 3600, 3600)], 1: [(1800, None)]}, released=(0,))
+    result = status(out, 2, "--price_per_hour", "2")
+    rows = table_rows(result.stdout)
+    assert rows["000"][1:3] == ["COMPLETED", "(released)"] and rows["000"][-2:] == ["3.00", "6.00"]
+    assert rows["001"][-2:] == ["0.50", "1.00"]
+    assert "usage: 3.50 accelerator-hours, 400 tokens/accelerator-hour" in result.stdout  # 1,400 tokens
+    assert "cost 7.00 so far, 7.00 at completion (at 2 per machine-hour)" in result.stdout
+
+    document = json.loads(status(out, 2, "--json", "--price_per_hour", "2").stdout)
+    [done, running] = document["machines"]
+    assert (done["released"], done["active"], running["active"]) == (True, False, True)
+    assert done["accelerator_hours"] == pytest.approx(3.0)
+    assert running["accelerator_hours"] == pytest.approx(0.5, abs=1e-3)
+    assert done["tokens_per_accelerator_hour"] == pytest.approx(1000 / 3)
+    fleet = document["fleet"]
+    assert fleet["cost"] == pytest.approx(7.0, abs=0.01) and fleet["price_per_hour"] == 2
+    assert fleet["projected_cost"] == pytest.approx(fleet["cost"] + 2 * 2.4 / 3600)
+    unpriced = json.loads(status(out, 2, "--json").stdout)["fleet"]
+    assert unpriced["cost"] is None and unpriced["projected_cost"] is None
+
+
+def test_a_machine_completed_under_a_smaller_max_samples_has_more_to_do(tmp_path):
+    out = tmp_path / "out"
+    write_machine(out, 0, COMPLETED, 30, 4, 4, 2, completed=True, max_samples=4)
+    runner = ["--", "--model_path", "some/model"]
+    assert status(out, 1, *runner, "--max_samples", "4").returncode == 0
+    assert status(out, 1, *runner, "--max_samples", "3").returncode == 0  # 4 covers 3
+    for bigger in (["--max_samples", "10"], []):  # none: the whole stream
+        result = status(out, 1, *runner, *bigger)
+        assert result.returncode == 2 and table_rows(result.stdout)["000"][1] == "UNDER_LIMIT", result.stdout

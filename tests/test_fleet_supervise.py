@@ -29,6 +29,11 @@ def view(state: str, updated_at: float | None, error: str | None = None) -> Mach
     (view("stalled", NOW - 279), Health(ALIVE), NOW - 3000, None),
     (view("missing", None), Health(ALIVE), NOW - 279, None),       # a new VM still booting
     (view("missing", None), Health(ALIVE), NOW - 400, "stalled: no heartbeat for 400 s"),
+    # completed under a smaller --max_samples: its process is gone (local), or it may be resuming
+    (view("under_limit", NOW - 5), Health(GONE, "process 12 exited with status 0"), 0.0,
+     "completed under a smaller --max_samples than the runner flags ask for (process 12 exited with status 0)"),
+    (view("under_limit", NOW - 900), Health(ALIVE), NOW - 60, None),
+    (view("under_limit", NOW - 900), Health(ALIVE), NOW - 101, "stalled: no heartbeat for 101 s"),
 ])
 def test_reason_to_restart(machine, health, acted_at, expected):
     assert reason_to_restart(machine, health, acted_at, NOW, stall_timeout=100.0) == expected

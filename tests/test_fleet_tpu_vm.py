@@ -15,6 +15,8 @@ from activations.index import ARRAYS_SCHEMA, arrays_index_filename, index_filena
 from tests.conftest import read_streams, run_in_process
 from tests.cloud_fakes import FakeTpuApi
 from tests.test_fleet_errors import upload_streams
+from tests.test_fleet_local import wait_for
+from fleet.machines import parse_time
 from host.states import COMPLETED
 
 QR_PARENT = "projects/proj/locations/us-central2-b"
@@ -25,6 +27,7 @@ def completed_machine_files(records: list[dict], machine: int) -> dict[str, byte
     shard = f"gs://acts/run/machine_{machine:03d}/shard_0001.pkl.gz"
     samples = [{**r, "text_preview": "", "truncated": False, "original_num_tokens": None} for r in records]
     checkpoint = {"status": COMPLETED, "total_shards": 1, "total_samples_processed": len(records),
+                  "total_tokens": sum(len(r["input_ids"]) for r in records),
                   "last_processed_sample_idx": records[-1]["sample_id"],
                   "shards": [{"shard_id": 1, "total_samples_in_shard": len(records)}]}
     metadata = {"machine_id": machine, "status": COMPLETED, "total_shards": 1,
@@ -37,29 +40,50 @@ def completed_machine_files(records: list[dict], machine: int) -> dict[str, byte
             "status.json": json.dumps(status).encode()}
 
 
-@pytest.fixture
-def tpu_fleet(arc_streams, gcs, tmp_path):
-    """(fake TPU API, fleet flags, boots per node): machine 1's first VM is preempted before it
-    stores anything; every other VM completes its stream."""
-    streams = read_streams(arc_streams, 2)
+def store_completion(gcs, streams, machine: int) -> None:
     bucket = gcs.client().bucket("acts")
-    boots: dict[str, int] = {}
+    for name, data in completed_machine_files(streams[machine], machine).items():
+        bucket.blob(f"run/machine_{machine:03d}/{name}").upload_from_string(data)
 
-    def boot(node_id: str) -> None:
-        boots[node_id] = boots.get(node_id, 0) + 1
-        machine = int(node_id.rsplit("-", 1)[1])
-        if node_id == "t-001" and boots[node_id] == 1:
-            return  # preempted (below) before its runner stored anything
-        for name, data in completed_machine_files(streams[machine], machine).items():
-            bucket.blob(f"run/machine_{machine:03d}/{name}").upload_from_string(data)
 
-    with FakeTpuApi(on_create=boot) as api:
+@pytest.fixture
+def fake_tpu(arc_streams, gcs):
+    """``start(boot)``: the fake TPU API, each created VM "booting" by ``boot(node_id, boots,
+    complete)`` on a thread (``complete(machine)`` stores that machine's completed files); returns
+    (API, fleet flags, boots per node)."""
+    streams = read_streams(arc_streams, 2)
+    servers = []
+
+    def start(boot):
+        boots: dict[str, int] = {}
+
+        def on_create(node_id: str) -> None:
+            boots[node_id] = boots.get(node_id, 0) + 1
+            boot(node_id, boots, lambda machine: store_completion(gcs, streams, machine))
+
+        api = FakeTpuApi(on_create=on_create).start()
+        servers.append(api)
         args = ["--name", "t", "--backend", "tpu-vm", "--project", "proj", "--zone", "us-central2-b",
                 "--accelerator_type", "v5litepod-8", "--provisioning", "spot", "--stagger_s", "0",
                 "--tpu_api_endpoint", api.endpoint, "--streams_dir", upload_streams(gcs, arc_streams),
                 "--output", "gs://acts/run", "--interval", "0.2",
                 "--", "--model_path", "Qwen/Qwen2.5-7B", "--layers_to_extract", "6"]
-        yield api, args, boots
+        return api, args, boots
+
+    yield start
+    for api in servers:
+        api.close()
+
+
+@pytest.fixture
+def tpu_fleet(fake_tpu):
+    """Machine 1's first VM is preempted (by the test) before it stores anything; every other VM
+    completes its stream."""
+    def boot(node_id, boots, complete):
+        if node_id == "t-001" and boots[node_id] == 1:
+            return  # preempted (below) before its runner stored anything
+        complete(int(node_id.rsplit("-", 1)[1]))
+    return fake_tpu(boot)
 
 
 def fleet(command, args, *extra):
@@ -103,7 +127,8 @@ def test_supervise_recreates_exactly_the_preempted_machine_then_merges(tpu_fleet
     assert supervised.returncode == 0, supervised.stderr
     actions = [line for line in supervised.stderr.splitlines() if "recreating" in line]
     assert len(actions) == 1 and "machine 001: queued resource SUSPENDED; recreating it (restart 1 of 3)" in actions[0]
-    assert api.deleted == [f"{QR_PARENT}/queuedResources/t-001"]
+    # the preempted one, then each, completed, is released
+    assert sorted(api.deleted) == [f"{QR_PARENT}/queuedResources/t-00{i}" for i in (0, 1, 1)]
     assert [b["queuedResourceId"] for b in api.created] == ["t-000", "t-001", "t-001"]
     assert boots == {"t-000": 1, "t-001": 2}
     assert "fleet t complete: 2 machines, 24 samples" in supervised.stdout
@@ -124,3 +149,75 @@ def test_dry_run_and_teardown(tpu_fleet):
     assert down.returncode == 0 and "deleted 2 machine(s)" in down.stdout, down.stderr
     assert sorted(api.deleted) == [f"{QR_PARENT}/queuedResources/t-00{i}" for i in range(2)]
     assert not api.queued_resources()
+
+
+def hours_by_node(api: FakeTpuApi) -> dict[str, float]:
+    """The fake's billed hours per node (all its incarnations)."""
+    out: dict[str, float] = {}
+    for interval in api.active:
+        out[interval["node_id"]] = out.get(interval["node_id"], 0.0) + (interval["end"] - interval["start"]) / 3600
+    return out
+
+
+def test_each_machine_is_released_as_soon_as_its_completion_is_stored(fake_tpu):
+    """Machine 1 completes only once machine 0's queued resource is gone: so machine 0 was
+    deleted while machine 1 still ran, not at the end."""
+    def boot(node_id, boots, complete):
+        if node_id == "t-001":
+            wait_for(lambda: f"{QR_PARENT}/queuedResources/t-000" in api.deleted)
+        complete(int(node_id.rsplit("-", 1)[1]))
+
+    api, args, boots = fake_tpu(boot)
+    assert fleet("launch", args).returncode == 0
+    supervised = fleet("supervise", args, "--price_per_hour", "1.5")
+    assert supervised.returncode == 0, supervised.stderr
+    released = [line for line in supervised.stderr.splitlines() if "completed and stored; deleted" in line]
+    assert [line.split("machine ")[1][:3] for line in released] == ["000", "001"]
+    assert api.deleted == [f"{QR_PARENT}/queuedResources/t-00{i}" for i in range(2)] and not api.queued_resources()
+    assert boots == {"t-000": 1, "t-001": 1} and "fleet t complete" in supervised.stdout
+
+    status = fleet("status", args, "--json", "--price_per_hour", "1.5")
+    assert status.returncode == 0, status.stderr
+    document = json.loads(status.stdout)
+    billed = hours_by_node(api)
+    for machine in document["machines"]:
+        assert machine["state"] == COMPLETED and machine["released"] and not machine["active"]
+        # the ledger ends an incarnation just before it asks for the deletion
+        assert machine["accelerator_hours"] == pytest.approx(billed[f"t-{machine['machine_id']:03d}"], abs=1 / 3600)
+        assert machine["cost"] == pytest.approx(1.5 * machine["accelerator_hours"])
+    total = document["fleet"]
+    assert total["accelerator_hours"] == pytest.approx(sum(billed.values()), abs=2 / 3600)
+    assert total["cost"] == total["projected_cost"] == pytest.approx(1.5 * total["accelerator_hours"])
+    assert total["tokens_per_accelerator_hour"] == pytest.approx(total["tokens_done"] / total["accelerator_hours"])
+    table = fleet("status", args, "--price_per_hour", "1.5")
+    assert "000      COMPLETED (released)" in table.stdout and "(at 1.5 per machine-hour)" in table.stdout
+
+
+def test_keep_completed_keeps_them_and_a_preemption_is_billed_until_it(tpu_fleet, gcs):
+    api, args, boots = tpu_fleet
+    assert fleet("launch", args).returncode == 0
+    api.preempt("t-001")
+    supervised = fleet("supervise", args, "--keep_completed")
+    assert supervised.returncode == 0, supervised.stderr
+    assert api.deleted == [f"{QR_PARENT}/queuedResources/t-001"]  # the preempted one, recreated
+    assert sorted(api.queued_resources()) == [f"{QR_PARENT}/queuedResources/t-00{i}" for i in range(2)]
+    document = json.loads(fleet("status", args, "--json").stdout)
+    by_machine = {m["machine_id"]: m for m in document["machines"]}
+    assert by_machine[0]["active"] and not by_machine[0]["released"]
+    assert by_machine[1]["active"] and by_machine[1]["cost"] is None
+    assert fleet("teardown", args).returncode == 0 and not api.queued_resources()
+
+    usage = json.loads(gcs.client().bucket("acts").blob("run/_fleet/usage.json").download_as_bytes())
+    fake = {}  # node -> its intervals, in creation order
+    for interval in api.active:
+        fake.setdefault(interval["node_id"], []).append(interval)
+    for machine, incarnations in usage["machines"].items():
+        assert len(incarnations["incarnations"]) == len(fake[f"t-{machine}"])
+        for ours, theirs in zip(incarnations["incarnations"], fake[f"t-{machine}"]):
+            assert parse_time(ours["started_at"]) == pytest.approx(theirs["start"], abs=1)  # the API's time
+            if (machine, theirs) == ("001", fake["t-001"][0]):
+                assert parse_time(ours["ended_at"]) >= theirs["end"] - 1  # preempted: seen at the next look
+            else:  # deleted (by teardown): ended as the deletion was asked for
+                assert parse_time(ours["ended_at"]) == pytest.approx(theirs["end"], abs=2)
+    after = json.loads(fleet("status", args, "--json").stdout)
+    assert not any(m["active"] for m in after["machines"])

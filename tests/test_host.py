@@ -179,12 +179,13 @@ def long_stream(arc_streams, path, copies=80) -> list[dict]:
     return records
 
 
-def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tmp_path):
+def test_sigterm_stores_the_buffer_and_exits_with_the_stopped_code(arc_streams, tiny_checkpoints, tmp_path):
     records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=4)
     args = ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
             tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path), "--shard_size_gb", "0.002",
             "--batch_size", "1", "--window", "1", "--max_seq_length", "160", "--dtype", "float32",
-            "--store_memory_gb", "0.003"]  # under two shards: each stored before the next fills
+            "--store_memory_gb", "0.003",  # under two shards: each stored before the next fills
+            "--stopped_exit_code", "143"]  # as the fleet's gke pods run it
     gate = tmp_path / "gate"
     proc = gated_runner(args, tmp_path / "machine_000", gate)
     while not list((tmp_path / "machine_000").glob("shard_*")):  # held there until the gate opens
@@ -193,7 +194,7 @@ def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tm
     proc.send_signal(signal.SIGTERM)
     gate.touch()
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == 143, stderr
     assert "stopped by signal" in stdout
     machine = tmp_path / "machine_000"
     checkpoint = json.loads((machine / "checkpoint.json").read_text())
@@ -203,7 +204,7 @@ def test_sigterm_stores_the_buffer_and_exits_0(arc_streams, tiny_checkpoints, tm
     status = json.loads((machine / "status.json").read_text())
     assert status["state"] == "stopped" and status["samples_done"] == len(stored) and status["error"] is None
     assert stored == [r["sample_id"] for r in records[:len(stored)]]
-    # Resuming finishes the stream with every sample exactly once, in order.
+    # Resuming finishes the stream with every sample exactly once, in order, and exits 0.
     result = run_host_cli(*args)
     assert result.returncode == 0, result.stderr
     ids = [e["sample_id"] for p in sorted(machine.glob("shard_*.pkl.gz")) for e in load_shard(str(p))[0]]

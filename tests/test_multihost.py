@@ -194,3 +194,45 @@ def test_slice_detection_and_layout_errors(tmp_path, metadata_server):
     (tmp_path / "machine_000" / "process_02").mkdir()
     with pytest.raises(Exception, match="more than 2 processes"):
         check_layout(two)
+
+
+def test_a_gke_slice_runs_with_the_coordinator_its_jobset_derives(stream, two_processes, tiny_checkpoints,
+                                                                  tmp_path):
+    """The 2-host JobSet of a v5e 2x4 on its 4-chip machine type: each pod's distributed flags are
+    its manifest's, as the client reads it, with ``$(JOB_COMPLETION_INDEX)`` expanded for pod p as
+    the kubelet does; the coordinator's DNS name resolves to this computer, as cluster DNS resolves
+    it to pod 0 (the only substitution). Output: the same as ``start_slice``'s."""
+    from fleet.config import FleetConfig
+    from fleet.gke import GkeBackend
+    from tests.fake_kubernetes import expanded_command
+    from tests.test_fleet_gke import deserialize, flag_value
+    port = free_port()
+    config = FleetConfig(name="s", backend="gke", image="i", streams_dir="gs://b/s", output="gs://b/o",
+                         num_machines=1, gke_accelerator="tpu-v5-lite-podslice", gke_topology="2x4", tpu_chips=4,
+                         gke_coordinator_port=port)
+    [jobset] = GkeBackend(config).manifests()
+    job = deserialize(jobset["spec"]["replicatedJobs"][0]["template"], "V1JobTemplateSpec").spec
+    assert job.completions == job.parallelism == 2
+    [container] = job.template.spec.containers
+    coordinator = flag_value(container.command, "--coordinator_address")
+    assert coordinator == f"s-000-slice-0-0.s-000:{port}"
+    procs = []
+    for p in (0, 1):
+        pod = {"metadata": {"name": f"s-000-slice-0-{p}-x"}, "spec": {"containers": [
+            {"command": container.command, "env": [{"name": "JOB_COMPLETION_INDEX", "value": str(p)}]}]}}
+        command = expanded_command(pod)
+        flags = [w for name in ("--machine_id", "--num_processes", "--process_id")
+                 for w in (name, flag_value(command, name))]
+        flags += ["--coordinator_address", coordinator.replace("s-000-slice-0-0.s-000", "localhost")]
+        args = runner_args(stream[0], tmp_path, tiny_checkpoints["gqa_tied"], "--mesh_type", "1d", *flags)
+        procs.append(subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO,
+                                      env={**os.environ, **FOUR_DEVICES}, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-3000:]
+    machine, reference = tmp_path / "machine_000", two_processes["1d"] / "machine_000"
+    status = json.loads((machine / "status.json").read_text())
+    assert status["state"] == COMPLETED and status["num_processes"] == 2
+    for p in ("process_00", "process_01"):
+        assert sorted(stored(machine / p)) == sorted(stored(reference / p))

@@ -1,8 +1,10 @@
 """End to end: the prepare pipeline on the 800 real ARC-AGI-1 tasks, and its error handling."""
 
 import collections
+import hashlib
 import json
 
+import numpy as np
 import pytest
 
 from common.cli import UserError
@@ -56,7 +58,7 @@ def test_output_is_byte_identical_between_runs_and_worker_counts(arc1_runs):
     a, b, c = arc1_runs
     names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
     assert names == sorted(["manifest.json", "rejected/rejected.jsonl", "tokenization_verification.txt"]
-                           + [f"stream_{m:03d}.jsonl" for m in range(MACHINES)])
+                           + [f"stream_{m:03d}{ext}" for m in range(MACHINES) for ext in (".jsonl", ".ids.npy")])
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes() == (c / name).read_bytes(), name
 
@@ -83,6 +85,17 @@ def test_manifest_counts(arc1_runs):
     assert [m["tokens"] for m in manifest["machines"]] == [
         sum(x["num_tokens"] for x in s) for s in streams]
     assert manifest["total_samples"] == 835 and manifest["rejected"] == 0
+
+
+def test_each_stream_has_a_sidecar_of_its_ids(arc1_runs):
+    manifest = json.loads((arc1_runs[0] / "manifest.json").read_text())
+    for m, (stream, entry) in enumerate(zip(read_streams(arc1_runs[0], MACHINES), manifest["machines"])):
+        sidecar = arc1_runs[0] / f"stream_{m:03d}.ids.npy"
+        ids = np.load(sidecar)
+        assert ids.dtype == np.int64 and ids.tolist() == [s["sample_id"] for s in stream]
+        assert entry["ids"] == {"file": sidecar.name, "count": len(stream),
+                                "sha256": hashlib.sha256(sidecar.read_bytes()).hexdigest()}
+        assert entry["stream_bytes"] == (arc1_runs[0] / f"stream_{m:03d}.jsonl").stat().st_size
 
 
 def test_manifest_records_how_the_prompts_were_built(arc1_runs):
@@ -143,6 +156,9 @@ def test_a_machine_without_samples_still_gets_its_file(tmp_path, qwen_tokenizer_
                                     output_dir=str(tmp_path / "out")))
     streams = read_streams(out, 5)
     assert sum(len(s) for s in streams) == 2 and [] in streams
+    empty = streams.index([])
+    assert np.load(out / f"stream_{empty:03d}.ids.npy").tolist() == []
+    assert json.loads((out / "manifest.json").read_text())["machines"][empty]["ids"]["count"] == 0
 
 
 @pytest.mark.parametrize("args, message", [

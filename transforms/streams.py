@@ -1,5 +1,6 @@
-"""Writing the prepare pipeline's outputs: one sorted ``stream_NNN.jsonl`` per machine, the
-dead-letter file, ``manifest.json`` and ``tokenization_verification.txt``.
+"""Writing the prepare pipeline's outputs: one sorted ``stream_NNN.jsonl`` per machine with its
+ids sidecar ``stream_NNN.ids.npy``, the dead-letter file, ``manifest.json`` and
+``tokenization_verification.txt``.
 
 Every file is written whole by one worker from a sorted list, so the output is byte-identical
 between runs whatever the worker count.
@@ -13,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import apache_beam as beam
 
 from common.files import join, write_bytes
-from common.stream_format import json_line, stream_filename
+from common.stream_format import ids_filename, ids_sidecar, json_line, sidecar_record, stream_filename
 from transforms.tokenize import TokenizedSample, decoded_pieces, load_tokenizer
 
 PREVIEW_CHARS = 200
@@ -38,17 +39,24 @@ def _stream_entry(sample: TokenizedSample) -> tuple[int, int, bool, str]:
 
 
 def write_stream(output_dir: str, machine: int,
-                 entries: Iterable[tuple[int, int, bool, str] | None]) -> dict[str, int]:
-    """Writes one machine's stream sorted by sample id; returns its counts."""
+                 entries: Iterable[tuple[int, int, bool, str] | None]) -> dict[str, Any]:
+    """Writes one machine's stream sorted by sample id and its ids sidecar; returns its manifest
+    entry: counts, the stream's size and the sidecar's record."""
     rows = sorted(e for e in entries if e is not None)
-    write_bytes(join(output_dir, stream_filename(machine)),
-                "".join(line for *_, line in rows).encode("utf-8"))
+    stream = "".join(line for *_, line in rows).encode("utf-8")
+    sidecar = ids_sidecar([r[0] for r in rows])
+    write_bytes(join(output_dir, stream_filename(machine)), stream)
+    write_bytes(join(output_dir, ids_filename(machine)), sidecar)
+    # The stream's size lets merge notice, with one metadata request, a stream replaced after
+    # its sidecar was written.
     return {"machine": machine, "samples": len(rows), "tokens": sum(r[1] for r in rows),
-            "truncated": sum(r[2] for r in rows)}
+            "truncated": sum(r[2] for r in rows), "stream_bytes": len(stream),
+            "ids": sidecar_record(machine, sidecar, len(rows))}
 
 
 class WriteStreams(beam.PTransform):
-    """``(machine, TokenizedSample)`` -> per-machine count dicts, one per machine, also when empty."""
+    """``(machine, TokenizedSample)`` -> per-machine manifest entries, one per machine, also when
+    empty."""
 
     def __init__(self, output_dir: str, num_machines: int):
         super().__init__()
@@ -88,7 +96,7 @@ class WriteRejected(beam.PTransform):
                 | "Write" >> beam.MapTuple(lambda _, rs: write_rejected(self._output_dir, rs)))
 
 
-def manifest(settings: dict[str, Any], machine_counts: list[dict[str, int]],
+def manifest(settings: dict[str, Any], machine_counts: list[dict[str, Any]],
              rejected: int) -> dict[str, Any]:
     """The manifest document: run settings, per-machine counts, totals."""
     machines = sorted(machine_counts, key=lambda c: c["machine"])
