@@ -99,6 +99,12 @@ class Backend(abc.ABC):
         self.create([machine])
 
 
+def error_line(e: BaseException) -> str:
+    """An exception as one short line (its message's first line, or its type)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def make_backend(config: FleetConfig) -> Backend:
     if config.backend == "local":
         from fleet.local import LocalBackend
@@ -134,5 +140,5 @@ def cloud_errors(backend: str) -> Iterator[None]:
     try:
         yield
     except _cloud_error_types() as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # (the type comes first here)
         raise UserError(f"{backend}: {type(e).__name__}: {first[:300]}".rstrip(": ")) from None

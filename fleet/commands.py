@@ -3,6 +3,7 @@ launch, status, supervise, merge, teardown. Each returns the process's exit code
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -13,7 +14,8 @@ from common.extras import require
 from common.files import join, read_optional, write_bytes
 from fleet.backend import Backend, make_backend
 from fleet.config import FleetConfig, resolve
-from fleet.machines import ALL_COMPLETED, UNDER_LIMIT, exit_code, fleet_views, read_fleet
+from fleet import usage
+from fleet.machines import ALL_COMPLETED, ANY_LIMIT, UNDER_LIMIT, Limit, exit_code, fleet_views, read_fleet
 from fleet.merge import merge
 from fleet.report import FleetReport, fleet_report, plain_table, rich_table, status_document, write_chart
 from fleet.runner import check_runner_flags
@@ -60,14 +62,14 @@ def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | 
     backend.prepare()
     _write_record(config)
     started = backend.create(todo)
-    _record_usage(config, backend)
+    usage.record(config, backend)
     waiting = [i for i in todo if i not in started]
     print(f"fleet {config.name}: launched {len(started)} machine(s) on {config.backend}"
           + (f"; {len(waiting)} wait for a free slot (supervise starts them)" if waiting else ""))
     return 0
 
 
-def _to_launch(config: FleetConfig, backend: Backend, limit: int | None, look: bool = True) -> list[int]:
+def _to_launch(config: FleetConfig, backend: Backend, limit: Limit, look: bool = True) -> list[int]:
     """Machines that neither completed nor exist (``look=False``: without asking the backend).
     One that completed under a smaller ``--max_samples`` than ``limit`` and still exists is
     deleted first: it runs the old flags."""
@@ -79,16 +81,15 @@ def _to_launch(config: FleetConfig, backend: Backend, limit: int | None, look: b
         if backend.self_healing:
             raise UserError(f"machine(s) {', '.join(f'{i:03d}' for i in more)} completed under a smaller "
                             f"--max_samples; run teardown (the output stays), then launch again")
-        backend.delete(sorted(existing & set(more)))
+        stale = sorted(existing & set(more))
+        asked_at = time.time()
+        backend.delete(stale)
+        usage.deleted(config, Ledger.read(config), stale, asked_at)
+        for machine in stale:
+            log.info("machine %03d: completed under a smaller --max_samples; deleted, to run the new flags",
+                     machine)
         existing -= set(more)
     return [i for i in range(config.num_machines) if i not in existing | done]
-
-
-def _record_usage(config: FleetConfig, backend: Backend) -> None:
-    """What the engine reports of the machines' incarnations, into ``_fleet/usage.json``."""
-    ledger = Ledger.read(config)
-    if ledger.observe(backend.incarnations(), time.time()):
-        ledger.write(config)
 
 
 def _write_record(config: FleetConfig) -> None:
@@ -114,7 +115,7 @@ def status(config: FleetConfig, watch: bool, chart: str | None, as_json: bool = 
     if chart:
         require("matplotlib", "charts", "status --chart")
     config, manifest = _resolve_if_possible(config)
-    limit = check_runner_flags(config).max_samples if config.runner else None
+    limit = _runner_limit(config)
     if not watch:
         return _show_status(config, manifest, limit, chart, as_json)
     if sys.stdout.isatty() and not as_json:
@@ -135,14 +136,26 @@ def status(config: FleetConfig, watch: bool, chart: str | None, as_json: bool = 
         time.sleep(config.interval)
 
 
-def _report(config: FleetConfig, manifest: dict | None, limit: int | None) -> FleetReport:
+def _runner_limit(config: FleetConfig) -> Limit:
+    """The ``--max_samples`` the machines are to run under: from the runner flags given, else
+    from those ``launch`` recorded in ``_fleet/fleet.json``; ``ANY_LIMIT`` when neither says."""
+    runner = config.runner
+    if not runner:
+        record = read_optional(join(config.fleet_dir(), RECORD_FILE))
+        runner = tuple(json.loads(record).get("runner", ())) if record is not None else ()
+    if not runner:
+        return ANY_LIMIT
+    return check_runner_flags(dataclasses.replace(config, runner=runner)).max_samples
+
+
+def _report(config: FleetConfig, manifest: dict | None, limit: Limit) -> FleetReport:
     files = read_fleet(config)
     now = time.time()
     return fleet_report(fleet_views(files, manifest, now, limit), files, Ledger.read(config), now,
                         config.price_per_hour)
 
 
-def _show_status(config: FleetConfig, manifest: dict | None, limit: int | None, chart: str | None,
+def _show_status(config: FleetConfig, manifest: dict | None, limit: Limit, chart: str | None,
                  as_json: bool) -> int:
     report = _report(config, manifest, limit)
     print(json.dumps(status_document(report), indent=2) if as_json else plain_table(report), flush=True)
@@ -199,8 +212,7 @@ def teardown(config: FleetConfig, dry_run: bool) -> int:
     asked_at = time.time()
     backend.delete(existing)
     ledger = Ledger.read(config)
-    if any([ledger.close(machine, asked_at) for machine in list(ledger.lives)]):
-        ledger.write(config)
+    usage.deleted(config, ledger, list(ledger.lives), asked_at)
     print(f"fleet {config.name}: deleted {len(existing)} machine(s) ({backend.where}); the output "
           f"under {config.output} is kept")
     return 0

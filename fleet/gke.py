@@ -47,6 +47,7 @@ REPLICATED_JOB = "slice"
 MACHINE_LABEL = "fleet-machine"  # on a slice's JobSet and pods: the machine number
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on its pods
 JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"        # set by the JobSet controller on its pods
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"      # (where a release sets no uid label)
 RESTART_LABEL = "jobset.sigs.k8s.io/restart-attempt"      # the JobSet's restarts when the pod was made
 JOBSET = {"group": "jobset.x-k8s.io", "version": "v1alpha2", "plural": "jobsets"}
 # The runner flags the fleet sets on each host of a slice (a user's would contradict them).
@@ -356,9 +357,10 @@ class GkeBackend(Backend):
             labels = pod.metadata.labels or {}
             if pod.status is None or pod.status.start_time is None:
                 continue
-            if JOBSET_UID_LABEL in labels:
+            if MACHINE_LABEL in labels:  # a slice's pod: the fleet labels the template itself
                 machine = int(labels[MACHINE_LABEL])
-                key = f"{labels[JOBSET_UID_LABEL]}/restart-{labels.get(RESTART_LABEL, '0')}"
+                jobset = labels.get(JOBSET_UID_LABEL) or labels.get(JOBSET_NAME_LABEL, "")
+                key = f"{jobset}/restart-{labels.get(RESTART_LABEL, '0')}"
             elif INDEX_LABEL in labels:
                 machine, key = int(labels[INDEX_LABEL]), pod.metadata.uid
             else:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from common.files import read_optional
 from fleet.config import FleetConfig
+from host.checkpoint import covers
 from host.config import process_folder
 from host.states import COMPLETED, FAILED, IN_PROGRESS, STOPPED
 
@@ -38,6 +39,18 @@ ALL_COMPLETED, STILL_RUNNING, NEEDS_ATTENTION = 0, 1, 2
 NEEDS_ATTENTION_STATES = (FAILED, STALLED, MISSING, STOPPED, UNDER_LIMIT)
 
 
+class _AnyLimit:
+    """The runner flags are unknown (``status`` of a fleet launched elsewhere): a completion
+    under any ``--max_samples`` counts."""
+
+    def __repr__(self) -> str:
+        return "ANY_LIMIT"
+
+
+ANY_LIMIT = _AnyLimit()
+Limit = int | None | _AnyLimit  # the runner flags' --max_samples (None: the whole stream)
+
+
 @dataclasses.dataclass(frozen=True)
 class MachineFiles:
     machine_id: int
@@ -48,15 +61,13 @@ class MachineFiles:
     def checkpoint_status(self) -> str | None:
         return (self.checkpoint or {}).get("status")
 
-    def completed(self, limit: int | None) -> bool:
+    def completed(self, limit: Limit = ANY_LIMIT) -> bool:
         """Its checkpoint says completed, under a ``--max_samples`` that covers ``limit`` (the one
-        the runner flags ask for now; None: the whole stream)."""
-        return self.checkpoint_status() == COMPLETED and covers(self.checkpoint.get("max_samples"), limit)
-
-
-def covers(ran_under: int | None, limit: int | None) -> bool:
-    """A run limited to ``ran_under`` records did all that a run limited to ``limit`` would."""
-    return ran_under is None or (limit is not None and ran_under >= limit)
+        the runner flags ask for now), as the runner judges it (``host.checkpoint.covers``)."""
+        if self.checkpoint_status() != COMPLETED:
+            return False
+        return limit is ANY_LIMIT or covers(self.checkpoint.get("max_samples"),
+                                            self.checkpoint["total_samples_processed"], limit)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -125,7 +136,7 @@ class MachineView:
 
 
 def machine_view(files: MachineFiles, now: float, expected_samples: int | None = None,
-                 limit: int | None = None) -> MachineView:
+                 limit: Limit = ANY_LIMIT) -> MachineView:
     """``limit``: the ``--max_samples`` of the runner flags (a completion under a smaller one is
     ``under_limit``)."""
     status, checkpoint = files.status or {}, files.checkpoint or {}
@@ -151,7 +162,7 @@ def machine_view(files: MachineFiles, now: float, expected_samples: int | None =
     done = max(status.get("samples_done") or 0, checkpoint.get("total_samples_processed") or 0)
     tokens = max(status.get("tokens_done") or 0, checkpoint.get("total_tokens") or 0)
     total = expected_samples if expected_samples is not None else status.get("samples_total")
-    if total is not None and limit is not None:
+    if total is not None and isinstance(limit, int):
         total = min(total, limit)
     if state == COMPLETED and files.checkpoint:
         done, tokens = checkpoint["total_samples_processed"], checkpoint.get("total_tokens") or tokens
@@ -172,7 +183,7 @@ def _eta(done: int, total: int | None, tokens_done: int, rate: float) -> float |
 
 
 def fleet_views(files: Sequence[MachineFiles], manifest: dict[str, Any] | None = None,
-                now: float | None = None, limit: int | None = None) -> list[MachineView]:
+                now: float | None = None, limit: Limit = ANY_LIMIT) -> list[MachineView]:
     now = time.time() if now is None else now
     counts = {m["machine"]: m["samples"] for m in manifest["machines"]} if manifest else {}
     return [machine_view(f, now, counts.get(f.machine_id, 0) if manifest else None, limit) for f in files]

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from common.files import write_bytes
 from fleet.machines import (COMPLETED, FAILED, MISSING, STALLED, STOPPED, UNDER_LIMIT, FleetTotals,
                             MachineFiles, MachineView, parse_time, totals)
-from fleet.usage import FleetUsage, Ledger, MachineUsage, fleet_usage, iso, machine_usage
+from fleet.usage import FleetUsage, Ledger, MachineUsage, fleet_usage, machine_usage
+from host.status import iso_time
 
 HEADER = ("machine", "state", "samples", "%", "shards", "tokens/s", "heartbeat", "hours")
 NUMERIC = {2, 3, 4, 5, 7, 8}  # right-aligned columns
@@ -140,7 +141,7 @@ def status_document(report: FleetReport) -> dict[str, Any]:
     fleet = {**dataclasses.asdict(t), "tokens_done": sum(v.tokens_done for v in report.views),
              "accelerator_hours": f.hours, "tokens_per_accelerator_hour": f.tokens_per_hour,
              "price_per_hour": report.price_per_hour, "cost": f.cost, "projected_cost": f.projected_cost}
-    return {"at": iso(report.at), "machines": machines, "fleet": fleet}
+    return {"at": iso_time(report.at), "machines": machines, "fleet": fleet}
 
 
 def samples_over_time(files: Sequence[MachineFiles]) -> tuple[list[float], list[int]]:

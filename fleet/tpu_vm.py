@@ -197,8 +197,8 @@ class TpuVmBackend(Backend):
         found: dict[int, list[Incarnation]] = {}
         for node in self.client.list_nodes(parent=self.parent):
             machine = self._machine(node.name.rsplit("/", 1)[-1])
-            if machine is None or node.labels.get("fleet") != self.config.name:
-                continue
+            if machine is None or node.labels.get("fleet") != self.config.name or node.create_time is None:
+                continue  # not ours, or not created yet (no creation time: nothing billed)
             state = tpu_v2.Node.State(node.state).name
             created = node.create_time.timestamp()
             found.setdefault(machine, []).append(Incarnation(f"{node.name}@{created:.6f}", created,

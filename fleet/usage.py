@@ -14,21 +14,20 @@ machine-hour multiplies. Chip-hours are that times the chips per machine.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-from typing import Mapping, Sequence
+import logging
+import time
+from typing import Collection, Mapping, Sequence
 
 from common.files import join, read_optional, write_bytes
-from fleet.backend import Incarnation
+from fleet.backend import Backend, Incarnation, error_line
 from fleet.config import FleetConfig
 from fleet.machines import COMPLETED, MachineView, parse_time
+from host.status import iso_time
 
+log = logging.getLogger("runners.fleet")
 USAGE_FILE = "usage.json"
 SECONDS_PER_HOUR = 3600.0
-
-
-def iso(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclasses.dataclass
@@ -67,10 +66,10 @@ class Ledger:
         machines = {}
         for m in sorted(set(self.lives) | set(self.released_at)):
             machines[f"{m:03d}"] = {
-                "incarnations": [{"key": life.key, "started_at": iso(life.started_at),
-                                  "ended_at": None if life.ended_at is None else iso(life.ended_at)}
+                "incarnations": [{"key": life.key, "started_at": iso_time(life.started_at),
+                                  "ended_at": None if life.ended_at is None else iso_time(life.ended_at)}
                                  for life in self.lives.get(m, [])],
-                "released_at": iso(self.released_at[m]) if m in self.released_at else None}
+                "released_at": iso_time(self.released_at[m]) if m in self.released_at else None}
         document = {"backend": config.backend, "machines": machines}
         write_bytes(join(config.fleet_dir(), USAGE_FILE), (json.dumps(document, indent=2) + "\n").encode())
 
@@ -86,6 +85,8 @@ class Ledger:
                     life = Life(inc.key, inc.started_at)
                     self.lives[machine].append(life)
                     changed = True
+                    if inc.started_at > self.released_at.get(machine, inc.started_at):
+                        del self.released_at[machine]  # up again (resumed to a larger limit)
                 if life.ended_at is None and not inc.active:
                     life.ended_at = inc.ended_at if inc.ended_at is not None else now
                     changed = True
@@ -94,7 +95,7 @@ class Ledger:
             changed |= self.close(machine, now, keep=reported)
         return changed
 
-    def close(self, machine: int, now: float, keep: set[str] = frozenset()) -> bool:
+    def close(self, machine: int, now: float, keep: Collection[str] = ()) -> bool:
         """Ends the machine's open incarnations (but those in ``keep``) at ``now``."""
         changed = False
         for life in self.lives.get(machine, []):
@@ -102,11 +103,38 @@ class Ledger:
                 life.ended_at, changed = now, True
         return changed
 
+    def current_start(self, machine: int) -> float | None:
+        """When the machine's open incarnation started (None when none is open)."""
+        return max((life.started_at for life in self.lives.get(machine, []) if life.ended_at is None),
+                   default=None)
+
     def active(self, machine: int) -> bool:
         return any(life.ended_at is None for life in self.lives.get(machine, []))
 
     def hours(self, machine: int, now: float) -> float:
         return sum(life.hours(now) for life in self.lives.get(machine, []))
+
+
+def record(config: FleetConfig, backend: Backend, ledger: Ledger | None = None) -> Ledger:
+    """What the engine reports of the machines' incarnations, into ``_fleet/usage.json`` (written
+    when it changed); returns the ledger. A refused list call is a warning: usage waits for the
+    next look, the command goes on."""
+    ledger = Ledger.read(config) if ledger is None else ledger
+    try:
+        seen = backend.incarnations()
+    except Exception as e:
+        log.warning("cannot list the incarnations on %s: %s", config.backend, error_line(e))
+        return ledger
+    if ledger.observe(seen, time.time()):
+        ledger.write(config)
+    return ledger
+
+
+def deleted(config: FleetConfig, ledger: Ledger, machines: Sequence[int], asked_at: float) -> None:
+    """The fleet deleted these machines (asked at ``asked_at``): their incarnations end then, not
+    at the next look (a recreated machine's new life would overlap the old one)."""
+    if any([ledger.close(machine, asked_at) for machine in machines]):  # every machine, no short cut
+        ledger.write(config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,6 +64,13 @@ class Checkpoint:
         return checkpoint
 
 
+def covers(ran_under: int | None, processed: int, limit: int | None) -> bool:
+    """A run that completed under ``--max_samples ran_under`` after ``processed`` stream records
+    did everything a run limited to ``limit`` (None: the whole stream) would: it had no limit,
+    its stream ended before the limit, or its limit is at least ``limit``."""
+    return ran_under is None or processed < ran_under or (limit is not None and ran_under >= limit)
+
+
 def write_atomically(path: str, data: bytes | list[bytes]) -> None:
     """Replaces ``path`` with ``data`` (bytes, or chunks written in order) so that readers see
     the old or the new file, never half of one."""

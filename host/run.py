@@ -42,7 +42,7 @@ from common.cli import UserError
 from common.files import read_optional
 from host import distributed
 from host.allocator import one_malloc_arena
-from host.checkpoint import Checkpoint, load_checkpoint
+from host.checkpoint import Checkpoint, covers, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
 from host.machine_id import resolve_machine_id
@@ -263,7 +263,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     checkpoint = initial_checkpoint(config, store)
     progress.resume_from(checkpoint)
     done = checkpoint.total_samples_processed
-    completed = checkpoint.status == COMPLETED and checkpoint.max_samples == config.max_samples
+    completed = checkpoint.status == COMPLETED and covers(checkpoint.max_samples, done, config.max_samples)
     restart = done
     if config.multi_process:  # all compute every batch: from where every process has stored
         restart = distributed.agreed_restart(done)

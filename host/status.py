@@ -42,7 +42,12 @@ class Stopped(Exception):
 
 def utc_now() -> str:
     """ISO 8601 in UTC, e.g. ``2026-11-22T07:23:00.123+00:00``."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+    return iso_time(time.time())
+
+
+def iso_time(seconds: float) -> str:
+    """``seconds`` since the epoch as ``utc_now`` writes times."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def host_rss_gb() -> float:

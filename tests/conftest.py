@@ -111,6 +111,16 @@ def gated_runner(args: list[str], machine_dir: pathlib.Path, gate: pathlib.Path)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def wait_for(condition, timeout_s: float = 240.0, what: str = "") -> None:
+    """Polls ``condition`` until it holds; a generous limit (a loaded machine is slow), never a
+    figure a test asserts."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
+        time.sleep(0.01)
+
+
 def run_in_process(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``run_cli`` without a new interpreter: the entry point's ``main`` under ``common.cli.run_main``
     (one-line errors, exit codes), its output captured, ``env`` set for the call. For commands that

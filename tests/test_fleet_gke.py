@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from common.cli import UserError
-from tests.conftest import read_streams, run_cli, run_in_process
+from tests.conftest import read_streams, run_cli, run_in_process, wait_for
 from tests.fake_kubernetes import FakeKubernetesApi, expanded_command, pod_env
 from tests.test_fleet_errors import upload_streams
 from tests.test_fleet_tpu_vm import completed_machine_files
@@ -202,13 +202,6 @@ def test_a_runner_forced_to_exit_0_when_stopped_is_reported_in_one_line(tmp_path
         [health] = backend.healths([0]).values()
         assert health.kind == "gone" and "the runner flags set --stopped_exit_code 0" in health.detail
 
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    import time
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 # -- multi-host slices --------------------------------------------------------------------------

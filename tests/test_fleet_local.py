@@ -5,12 +5,11 @@ import json
 import os
 import re
 import signal
-import time
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import read_streams, run_cli, run_prepare, with_output
+from tests.conftest import read_streams, run_cli, run_prepare, wait_for, with_output
 from tests.test_host import index_rows, shard_contents
 from transforms.prepare import PrepareConfig
 
@@ -30,12 +29,6 @@ def three_streams(qwen_tokenizer_dir, tmp_path_factory):
 def fleet(command, config_path, *extra):
     return run_cli("runners.fleet", command, "--config", str(config_path), *extra)
 
-
-def wait_for(condition, timeout_s=240, what=""):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_kill_9_one_machine_supervise_brings_it_back(three_streams, tiny_checkpoints, tmp_path):

@@ -147,3 +147,29 @@ def test_a_machine_completed_under_a_smaller_max_samples_has_more_to_do(tmp_path
     for bigger in (["--max_samples", "10"], []):  # none: the whole stream
         result = status(out, 1, *runner, *bigger)
         assert result.returncode == 2 and table_rows(result.stdout)["000"][1] == "UNDER_LIMIT", result.stdout
+    # without runner flags: those launch recorded, else no judgement of the limit
+    assert status(out, 1).returncode == 0
+    (out / "_fleet").mkdir()
+    (out / "_fleet" / "fleet.json").write_text(json.dumps({"runner": ["--model_path", "m", "--max_samples", "10"]}))
+    assert table_rows(status(out, 1).stdout)["000"][1] == "UNDER_LIMIT"
+
+
+def test_a_stream_that_ended_before_the_limit_is_done_under_any_larger_one(tmp_path):
+    out = tmp_path / "out"
+    write_machine(out, 0, COMPLETED, 30, 4, 4, 2, completed=True, max_samples=100)  # 4 records in all
+    assert status(out, 1, "--", "--model_path", "some/model").returncode == 0
+
+
+def test_the_ledger_reopens_a_released_machine_that_runs_again():
+    from fleet.backend import Incarnation
+    from fleet.usage import Ledger
+    ledger = Ledger()
+    assert ledger.observe({3: [Incarnation("node@1", 100.0)]}, now=150.0)
+    ledger.released_at[3] = 200.0
+    assert ledger.observe({}, now=200.0) and not ledger.active(3)  # deleted: ended when first missed
+    assert ledger.hours(3, now=999.0) == (200.0 - 100.0) / 3600
+    assert ledger.observe({3: [Incarnation("node@300", 300.0)]}, now=310.0)
+    assert ledger.active(3) and 3 not in ledger.released_at and ledger.current_start(3) == 300.0
+    assert not ledger.observe({3: [Incarnation("node@300", 300.0)]}, now=320.0)  # nothing new
+    assert ledger.observe({3: [Incarnation("node@300", 300.0, 330.0, active=False)]}, now=400.0)
+    assert ledger.hours(3, now=999.0) == (100.0 + 30.0) / 3600  # the engine's end time, not the look's

@@ -37,3 +37,13 @@ def view(state: str, updated_at: float | None, error: str | None = None) -> Mach
 ])
 def test_reason_to_restart(machine, health, acted_at, expected):
     assert reason_to_restart(machine, health, acted_at, NOW, stall_timeout=100.0) == expected
+
+
+@pytest.mark.parametrize("idle, expected", [
+    # its current VM wrote "completed" under the old limit: it is done with the old flags
+    (True, "completed under a smaller --max_samples than the runner flags ask for (node READY)"),
+    (False, None),  # the state is older than the VM: a runner with the new flags is starting
+])
+def test_an_idle_machine_under_its_limit_is_recreated_at_once(idle, expected):
+    machine = view("under_limit", NOW - 900)
+    assert reason_to_restart(machine, Health(ALIVE, "node READY"), 0.0, NOW, 100.0, idle) == expected

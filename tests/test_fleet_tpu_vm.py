@@ -12,10 +12,9 @@ import shlex
 import pytest
 
 from activations.index import ARRAYS_SCHEMA, arrays_index_filename, index_filename, parquet_bytes, shard_index
-from tests.conftest import read_streams, run_in_process
+from tests.conftest import read_streams, run_in_process, wait_for
 from tests.cloud_fakes import FakeTpuApi
 from tests.test_fleet_errors import upload_streams
-from tests.test_fleet_local import wait_for
 from fleet.machines import parse_time
 from host.states import COMPLETED
 

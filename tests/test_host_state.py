@@ -6,7 +6,7 @@ import time
 import pytest
 
 from common.cli import UserError
-from host.checkpoint import Checkpoint
+from host.checkpoint import Checkpoint, covers
 from host.rejected import RejectedLog
 from host.status import HealthReporter
 from host.states import COMPLETED
@@ -99,3 +99,13 @@ def test_rejected_log_on_gcs_is_appended_and_trimmed_like_the_local_file(tmp_pat
         b'{"sample_id":1}\n{"sample_id":2}\n'
     RejectedLog(str(tmp_path), store).load(0)
     assert not remote.exists() and not (tmp_path / "rejected.jsonl").exists()
+
+
+@pytest.mark.parametrize("ran_under, processed, limit, covered", [
+    (None, 12, None, True), (None, 12, 5, True),   # no limit: the whole stream
+    (5, 5, None, False), (5, 5, 8, False),         # stopped at its limit: more to do
+    (5, 5, 5, True), (8, 8, 5, True),              # as much as asked, or more
+    (100, 12, None, True), (100, 12, 500, True),   # the stream ended before the limit
+])
+def test_covers(ran_under, processed, limit, covered):
+    assert covers(ran_under, processed, limit) is covered
