@@ -57,6 +57,7 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/prepare_throughput.py
+	$(PY) benchmarks/prepare_memory.py
 	$(PY) benchmarks/extraction_throughput.py
 	$(PY) benchmarks/extraction_throughput.py --family llama --num_samples 4 --max_seq_length 512 --against_transformers_only
 	$(PY) benchmarks/extraction_throughput.py --family gemma2 --num_samples 4 --max_seq_length 512 --against_transformers_only

@@ -24,9 +24,9 @@ def spec_list(text: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AblationConfig(ModelRunSettings, ProfileSettings):
-    stream: str | None = flag(None, "a stream file of pipeline.prepare (local or gs://), e.g. "
-                              "streams/stream_000.jsonl; ARC streams made with --include_answers score "
-                              "the expected output grid, others every token")
+    stream: str | None = flag(None, "a stream of pipeline.prepare (local or gs://): a file, e.g. "
+                              "streams/stream_000.jsonl, or a parted one's directory; ARC streams made "
+                              "with --include_answers score the expected output grid, others every token")
     max_samples: int | None = flag(None, "use the first N records of the stream")
     interventions: tuple[str, ...] = flag((), "the grid: specs such as head:0-3.* layer:* mlp:2:mode=mean "
                                           "head:3.1+head:3.2 (see model/interventions.py)", parse=spec_list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from common.stream_reader import open_stream
 from host.stream import stream_records
 
 
@@ -17,8 +18,9 @@ class Record:
 
 
 def read_records(stream: str, max_samples: int | None, max_seq_length: int) -> list[Record]:
-    """The stream's first ``max_samples`` records (all if None), validated, each cut to
-    ``max_seq_length`` tokens (its answer may then be cut too, or lie wholly past the cut)."""
+    """The first ``max_samples`` records (all if None) of a stream (a file, or a directory of its
+    parts), validated, each cut to ``max_seq_length`` tokens (its answer may then be cut too, or lie
+    wholly past the cut)."""
     return [Record(r["sample_id"], r.get("source", ""), tuple(r["input_ids"][:max_seq_length]),
                    r.get("answer_start"), len(r["input_ids"]) > max_seq_length)
-            for r in stream_records(stream, 0, max_samples, None)]
+            for r in stream_records(open_stream(stream), 0, max_samples, None)]

@@ -32,7 +32,7 @@ import numpy as np
 
 from activations.reader import CorruptShardError, decode_array, storage_dtype
 from activations.token_buffer import TokenBuffer
-from activations.token_ids import TokenIds, load_token_ids, stream_paths
+from activations.token_ids import TokenIds, load_token_ids, machine_streams
 from activations.token_plan import StoredArrays, blocks, stored_arrays
 from common.cli import UserError
 from common.files import read_range
@@ -204,8 +204,8 @@ class TokenLoader:
 
     def _token_ids(self, stored: StoredArrays) -> TokenIds:
         machines = sorted(set(stored.machine_id.tolist()))
-        paths = stream_paths(machines, stored.metadata.get("machines", []), self.config.streams_dir)
-        return load_token_ids(stored.sample_id, stored.machine_id, stored.num_tokens, paths)
+        streams = machine_streams(machines, stored.metadata.get("machines", []), self.config.streams_dir)
+        return load_token_ids(stored.sample_id, stored.machine_id, stored.num_tokens, streams)
 
     def _kept_tokens(self, arrays: StoredArrays) -> np.ndarray:
         if not self.config.exclude_token_ids:

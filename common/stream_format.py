@@ -22,6 +22,17 @@ def stream_filename(machine: int) -> str:
     return f"stream_{machine:03d}.jsonl"
 
 
+def stream_dirname(machine: int) -> str:
+    """The directory holding a machine's stream when it is written in several parts."""
+    return f"stream_{machine:03d}"
+
+
+def part_filename(machine: int, part: int) -> str:
+    """One part of a parted stream, relative to the streams dir: parts are numbered in stream
+    order, so sorting their names gives the stream."""
+    return f"{stream_dirname(machine)}/part-{part:05d}.jsonl"
+
+
 def ids_filename(machine: int) -> str:
     return f"stream_{machine:03d}.ids.npy"
 

@@ -8,9 +8,10 @@ Complete means: every machine completed; each machine stored exactly the records
 A stream's ids come from its sidecar ``stream_NNN.ids.npy`` (written by ``pipeline.prepare``
 beside it, described under ``ids`` in the manifest), so the streams themselves are not read.
 Where the manifest names no sidecar (an older prepare), or the sidecar or the stream is not what
-the manifest describes (its sha256, the stream's size), the stream is read in full instead and a
-log line says so: the stream is the truth, the sidecar only a faster way to its ids, so the
-verdict is the same either way.
+the manifest describes (its sha256, the size of each of the stream's parts), the stream is read in
+full instead (``common/stream_reader.py``: one file or its parts) and a log line says so: the
+stream is the truth, the sidecar only a faster way to its ids, so the verdict is the same either
+way.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from activations.index import CollectedIndex, collect_index, write_merged
-from common.files import binary_lines, file_size, join, open_read, read_optional
-from common.stream_format import sidecar_ids, stream_filename
+from common.files import join, read_optional
+from common.stream_format import sidecar_ids
+from common.stream_reader import Stream, StreamNotFound, machine_stream
 from fleet.config import FleetConfig, manifest_samples
 from fleet.machines import MachineFiles, read_fleet
 from host.rejected import REJECTED_FILE
@@ -39,33 +41,41 @@ log = logging.getLogger("runners.fleet")
 SAMPLE_ID = re.compile(rb'"sample_id"\s*:\s*(-?\d+)')
 
 
-def stream_ids(path: str, limit: int | None) -> np.ndarray:
+def stream_ids(stream: Stream, limit: int | None) -> np.ndarray:
     """The sample ids of a stream's first ``limit`` records (all if None), in order."""
     ids = array.array("q")  # int64: a fifth of a list's memory at millions of ids
-    with open_read(path) as f:
-        for line in binary_lines(f):
-            if limit is not None and len(ids) >= limit:
-                break
-            if line.strip():
-                found = SAMPLE_ID.search(line)  # the first key: no need to parse the token lists
-                ids.append(int(found.group(1)) if found else json.loads(line)["sample_id"])
+    for _, line, _, _ in stream.raw_lines():
+        if limit is not None and len(ids) >= limit:
+            break
+        if line.strip():
+            found = SAMPLE_ID.search(line)  # the first key: no need to parse the token lists
+            ids.append(int(found.group(1)) if found else json.loads(line)["sample_id"])
     return np.frombuffer(ids, dtype=np.int64)
 
 
-def ids_from_sidecar(streams_dir: str, entry: dict[str, Any], limit: int | None) -> np.ndarray | None:
+def size_mismatch(stream: Stream, entry: dict[str, Any]) -> str | None:
+    """How the stream's parts differ in size from what the manifest says (None: they do not).
+    One metadata request a part; raises ``StreamNotFound`` for a missing part."""
+    sizes = stream.sizes()
+    for part, size in zip(stream.parts, sizes):
+        if part.bytes is not None and size != part.bytes:
+            return f"{part.path} is {size} bytes, the manifest says {part.bytes}"
+    if sum(sizes) != entry["stream_bytes"]:
+        return f"{stream.name} is {sum(sizes)} bytes, the manifest says {entry['stream_bytes']}"
+    return None
+
+
+def ids_from_sidecar(stream: Stream, streams_dir: str, entry: dict[str, Any], limit: int | None) -> np.ndarray | None:
     """The ids of a stream's first ``limit`` records (all if None) from its sidecar, or None (with
     a warning where the manifest names one) when there is none to trust. Raises
-    ``FileNotFoundError`` without a stream, as reading it would."""
+    ``StreamNotFound`` without a stream, as reading it would."""
     sidecar = entry.get("ids")
     if sidecar is None:
         return None
-    m, stream = entry["machine"], join(streams_dir, stream_filename(entry["machine"]))
-    size = file_size(stream)
-    if size is None:
-        raise FileNotFoundError(stream)
+    m, mismatch = entry["machine"], size_mismatch(stream, entry)
     data = read_optional(join(streams_dir, sidecar["file"]))
-    if size != entry["stream_bytes"]:
-        reason = f"{stream} is {size} bytes, the manifest says {entry['stream_bytes']}"
+    if mismatch is not None:
+        reason = mismatch
     elif data is None:
         reason = f"no {sidecar['file']}"
     elif hashlib.sha256(data).hexdigest() != sidecar["sha256"]:
@@ -79,10 +89,11 @@ def ids_from_sidecar(streams_dir: str, entry: dict[str, Any], limit: int | None)
 
 def expected_ids(streams_dir: str, entry: dict[str, Any], limit: int | None) -> np.ndarray:
     """The ids of a stream's first ``limit`` records (all if None), in order: from the sidecar
-    where it can be trusted, else read from the stream. Raises ``FileNotFoundError`` without a
-    stream."""
-    ids = ids_from_sidecar(streams_dir, entry, limit)
-    return ids if ids is not None else stream_ids(join(streams_dir, stream_filename(entry["machine"])), limit)
+    where it can be trusted, else read from the stream (its parts as the manifest lists them).
+    Raises ``StreamNotFound`` without a stream."""
+    stream = machine_stream(streams_dir, entry["machine"], entry)
+    ids = ids_from_sidecar(stream, streams_dir, entry, limit)
+    return ids if ids is not None else stream_ids(stream, limit)
 
 
 def rejected_ids(dirs: Sequence[str]) -> list[int]:
@@ -116,9 +127,8 @@ def check_machine(config: FleetConfig, files: MachineFiles, expected_count: int,
     skipped = np.unique(np.array(rejected_ids(files.dirs or (config.machine_dir(m),)), dtype=np.int64))
     try:
         ids = expected_ids(config.streams_dir, entry, limit)
-    except FileNotFoundError:
-        stream = join(config.streams_dir, stream_filename(m))
-        return problems + [f"machine {m:03d}: no stream {stream}"], len(skipped)
+    except StreamNotFound as e:
+        return problems + [f"machine {m:03d}: no stream {e.path}"], len(skipped)
     if limit is None and len(ids) != expected_count:
         problems.append(f"machine {m:03d}: its stream has {len(ids)} records, the manifest says {expected_count}")
     expected = np.setdiff1d(ids, skipped)  # unique and sorted

