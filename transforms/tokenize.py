@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import socket
 import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -261,13 +263,24 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample],
     return out
 
 
+def _this_process() -> tuple[str, int]:
+    return socket.gethostname(), os.getpid()
+
+
 class _TokenizeFn(beam.DoFn):
     def __init__(self, tokenizer: str, max_seq_length: int | None):
         self._tokenizer_name = tokenizer
         self._max_seq_length = max_seq_length
         self._tokenizer = None
+        self._launcher = _this_process()  # the process that builds the pipeline
 
     def setup(self):
+        if _this_process() != self._launcher:
+            # A Beam worker process: Beam runs one per core (Dataflow's Python harness, local
+            # --direct_num_workers), so the Rust tokenizer's own threads would only compete with
+            # the other workers' (benchmarks/prepare_throughput.py: 2 workers on 2 cores, 12%
+            # slower). The library reads the variable at every call; a value the user set is kept.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._tokenizer = load_tokenizer(self._tokenizer_name)
 
     def process(self, batch: list[Sample]) -> Iterator[TokenizedSample]:
@@ -275,7 +288,9 @@ class _TokenizeFn(beam.DoFn):
 
 
 class TokenizeSamples(beam.PTransform):
-    """``Sample``s -> ``TokenizedSample``s, in batches so the Rust tokenizer can use every core."""
+    """``Sample``s -> ``TokenizedSample``s, in batches (one encoding call each). Run in the
+    launching process (the local runner's default), a batch is spread over every core by the Rust
+    tokenizer's threads; in Beam's worker processes, one per core, each encodes on one thread."""
 
     def __init__(self, tokenizer: str, max_seq_length: int | None,
                  min_batch_size: int = 64, max_batch_size: int = 512):
