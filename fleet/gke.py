@@ -34,7 +34,7 @@ from common.cli import UserError
 from common.extras import require
 from common.files import write_bytes
 from fleet.backend import ABSENT, ALIVE, GONE, Backend, Health, Incarnation
-from fleet.runner import fleet_flags, slice_flags
+from fleet.runner import flag_names, fleet_flags, slice_flags
 from fleet.tpu_topology import SliceShape, slice_shape
 
 log = logging.getLogger("runners.fleet")
@@ -198,8 +198,7 @@ class GkeBackend(Backend):
         return [self.jobset(m) for m in (range(self.config.num_machines) if machines is None else machines)]
 
     def _check_slice_runner_flags(self) -> None:
-        for word in self.config.runner:
-            name = word[2:].split("=", 1)[0] if word.startswith("--") else None
+        for name in flag_names(self.config.runner):
             if name in SLICE_OWNED:
                 raise UserError(f"runner flag --{name} is set by the fleet on a multi-host slice (from "
                                 "the JobSet's host names and JOB_COMPLETION_INDEX); remove it")

@@ -13,6 +13,11 @@ from fleet.config import CLOUD_SCRATCH_DIR, FLEET_OWNED, FleetConfig
 from host.config import HostConfig
 
 
+def flag_names(words: tuple[str, ...]) -> list[str]:
+    """The flags named in command-line ``words``: ``--a 1 --b=2`` -> ``["a", "b"]``."""
+    return [w[2:].split("=", 1)[0] for w in words if w.startswith("--")]
+
+
 def _gcs_parts(url: str) -> tuple[str, str]:
     bucket, _, prefix = url[len("gs://"):].partition("/")
     return bucket, prefix.strip("/")
@@ -27,8 +32,7 @@ def fleet_flags(config: FleetConfig, machine: int | str) -> list[str]:
     machine_prefix = f"{prefix}/machine_{{machine_id:03d}}" if prefix else "machine_{machine_id:03d}"
     flags += ["--output_dir", CLOUD_SCRATCH_DIR, "--upload_to_gcs", "--gcs_bucket", bucket,
               "--gcs_prefix", machine_prefix, "--delete_local_after_upload"]
-    if not any(w == "--compilation_cache_dir" or w.startswith("--compilation_cache_dir=")
-               for w in config.runner):
+    if "compilation_cache_dir" not in flag_names(config.runner):
         # One cache for the whole fleet: every host compiles the same shapes, and a recreated
         # host finds them there instead of on a disk that went with its VM.
         flags += ["--compilation_cache_dir", f"{config.output.rstrip('/')}/_fleet/xla_cache"]
@@ -59,8 +63,7 @@ def local_command(config: FleetConfig, machine: int) -> list[str]:
 def check_runner_flags(config: FleetConfig) -> HostConfig:
     """The runner's configuration for machine 0, validated as the runner would; one-line errors
     that say they are about the runner flags."""
-    for word in config.runner:
-        name = word[2:].split("=", 1)[0] if word.startswith("--") else None
+    for name in flag_names(config.runner):
         if name in FLEET_OWNED:
             raise UserError(f"runner flag --{name} is set by the fleet (from --streams_dir, --output "
                             "and the machine number); remove it")

@@ -1,6 +1,8 @@
 """Uploading to a real local GCS API server (gcp-storage-emulator)."""
 
 import json
+import os
+import socket
 import time
 
 import numpy as np
@@ -105,3 +107,16 @@ def test_emulator_stopped_mid_run_fails_clearly_then_resumes(arc_streams, tiny_c
     assert ids == [r["sample_id"] for r in records]
     remote = bucket_names(gcs)
     assert [n for n in remote if n.startswith("shard_")] == [s["filename"] for s in checkpoint["shards"]]
+
+
+def test_the_emulator_restarts_on_a_new_port_when_its_own_was_taken(gcs):
+    gcs.client().bucket("acts").blob("kept").upload_from_string(b"kept")
+    gcs.stop()
+    with socket.socket() as taker:  # e.g. another connection given the free port as its source
+        taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taker.bind(("127.0.0.1", gcs.port))
+        taker.listen()
+        old = gcs.port
+        gcs.start()
+    assert gcs.port != old and os.environ["STORAGE_EMULATOR_HOST"] == gcs.host
+    assert gcs.client().bucket("acts").blob("kept").download_as_bytes() == b"kept"
