@@ -4,13 +4,12 @@
    files (``fixtures.fineweb_like``) of a small and a large document count, each in a process of
    its own, its peak RSS (``ru_maxrss``: the local runner runs in that one process) against the
    target of at most 1.5x the small run's; and the large run as one part (``--max_part_mb`` larger
-   than the stream: the writer without parts) as the baseline. The local FnApiRunner keeps every
-   PCollection between stages in its own memory (its stand-in for Dataflow's shuffle), so these
-   grow with the data whatever the writer does.
-2. The writer alone, what a Dataflow worker holds in the WritePart step: ``write_part`` fed the
-   lines of one part of the large run (as a shuffle hands them over, one at a time), then the
-   whole large stream as one part, each in a process of its own: peak RSS over the process's
-   before, per byte written.
+   than the stream: the writer without parts) as the baseline. The lines are spilled to files
+   where they are made (``transforms.spill``), so what the local FnApiRunner keeps between stages
+   (every PCollection, its stand-in for Dataflow's shuffle) is ~100 bytes a sample, not the lines.
+2. The writer alone, what a worker holds in the WritePart step: ``write_spilled_part`` reading the
+   spilled lines of one part of the large run, then of the whole large stream as one part, each
+   in a process of its own: peak RSS over the process's before, per byte written.
 
     python benchmarks/prepare_memory.py [--small 600] [--large 48000] [--max_part_mb 16] [--num_files 8]
 """
@@ -54,22 +53,42 @@ def memory_status(field: str) -> int:
 
 
 def measure_writer(stream_file: str, output_dir: str) -> None:
-    """The child: ``write_part`` over the lines of ``stream_file``, read one at a time; prints the
-    peak RSS it added and the bytes written as JSON."""
-    from transforms.streams import StreamEntry, StreamLayout, write_part
+    """The child: the WritePart step over the lines of ``stream_file``: they are spilled first (as
+    the tokenizing step does, in files of ``spill_bytes``), then ``write_spilled_part`` reads them
+    back and writes the part; prints the peak RSS that added and the bytes written as JSON."""
+    from transforms.spill import StreamEntry, spill_bytes
+    from transforms.streams import StreamLayout, write_spilled_part
 
-    def entries():
-        with open(stream_file, "rb") as f:
-            for line in f:
-                record = json.loads(line)
-                yield StreamEntry(record["sample_id"], record["num_tokens"], record["truncated"], line)
-
-    # The peak so far is the imports'; writing 5 to clear_refs resets it to the present RSS.
+    limit, sections, batch, size = spill_bytes(os.path.getsize(stream_file)), [], [], 0
+    with open(stream_file, "rb") as f:
+        for n, line in enumerate(f):
+            record = json.loads(line)
+            batch.append(StreamEntry(record["sample_id"], record["num_tokens"], record["truncated"], line))
+            size += len(line)
+            if size >= limit:
+                sections += spill(batch, os.path.join(output_dir, f"spill_{n}.bin"))
+                batch, size = [], 0
+    sections += spill(batch, os.path.join(output_dir, "spill_last.bin"))
+    del batch
+    # The peak so far is the spilling's; writing 5 to clear_refs resets it to the present RSS.
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = memory_status("VmRSS")
-    _, part, _ = write_part(output_dir, StreamLayout(0, (), {}), 0, entries())
+    _, part, _ = write_spilled_part(output_dir, StreamLayout(0, (), {}), 0, sections)
     print(json.dumps({"added_bytes": memory_status("VmHWM") - before, "part_bytes": part["bytes"]}))
+
+
+def spill(entries: list, path: str) -> list:
+    """``entries`` written as one spill file (one machine's buckets); its sections."""
+    from transforms.partition import VIRTUAL_BUCKETS_PER_MACHINE
+    from transforms.spill import SpillSection, encode_spill
+    if not entries:
+        return []
+    data, sections = encode_spill(entries, VIRTUAL_BUCKETS_PER_MACHINE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    return [SpillSection(path, *s) for s in sections]
 
 
 def run_child(*args: str) -> dict:
@@ -129,7 +148,7 @@ def report(args: argparse.Namespace, tokenizer: str, root: pathlib.Path) -> None
           f"x{results['large, one part']['peak_rss_bytes'] / results['large']['peak_rss_bytes']:.2f}")
     writes = {"a part of the large run": root / "out_1" / "stream_000" / "part-00000.jsonl",
               "the large stream as one part": root / "out_2" / "stream_000.jsonl"}
-    print("the writer alone (write_part, lines handed over one at a time):")
+    print("the writer alone (write_spilled_part: the part's lines read back from spill files):")
     for name, stream in writes.items():
         w = run_child("--_writer", str(stream), str(root / "writer"))
         print(f"{name:30s} {w['part_bytes'] / 1e6:8.1f} MB written, peak RSS +{w['added_bytes'] / 1e6:7.1f} MB "

@@ -285,6 +285,31 @@ def print_table(best: dict[tuple[int, str], dict], names: list[str], scales: lis
             ratio = _rate(best[(top, name)]) / _rate(best[(top, "plain")])
             print(f"target at {top}x: {CONFIGS[name][0]} >= {target}x the plain loop: {ratio:.2f}x, "
                   f"{'met' if ratio >= target else 'NOT met'}")
+    if len(scales) > 1:
+        print_marginal(best, names, sorted(scales)[-2:])
+
+
+def print_marginal(best: dict[tuple[int, str], dict], names: list[str], scales: list[int]) -> None:
+    """Each configuration's rate on the tokens the larger scale adds (the fixed cost of a run,
+    start-up and shutdown, cancels out: how the work itself scales) and that fixed cost."""
+    low, high = scales
+    print(f"between {low}x and {high}x: marginal tokens/s (the added tokens over the added seconds) "
+          f"and the fixed seconds of a run (its time less its tokens at that rate)")
+    plain = _marginal(best, "plain", low, high) if "plain" in names else None
+    for name in names:
+        rate = _marginal(best, name, low, high)
+        if rate is None:
+            print(f"  {CONFIGS[name][0]:36} the larger run was not slower: no marginal rate")
+            continue
+        fixed = best[(high, name)]["seconds"] - best[(high, name)]["tokens"] / rate
+        ratio = f"{rate / plain:.2f}x the plain loop's" if plain else ""
+        print(f"  {CONFIGS[name][0]:36} {rate:>10,.0f} tokens/s {ratio:>24}; fixed {fixed:5.1f} s")
+
+
+def _marginal(best: dict[tuple[int, str], dict], name: str, low: int, high: int) -> float | None:
+    a, b = best[(low, name)], best[(high, name)]
+    seconds = b["seconds"] - a["seconds"]
+    return (b["tokens"] - a["tokens"]) / seconds if seconds > 0 else None
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import glob
 import os
 import posixpath
 import re
+import shutil
 from typing import IO, Iterator
 
 
@@ -117,6 +118,17 @@ def write_bytes(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "wb") as f:
         f.write(data)
+
+
+def delete_tree(path: str) -> None:
+    """Deletes the directory ``path`` and everything under it (on ``gs://``: every object under
+    the prefix); nothing there is not an error."""
+    if path.startswith("gs://"):
+        bucket, key = _split_gs(path)
+        blobs = list(gcs_client().list_blobs(bucket, prefix=key.rstrip("/") + "/"))
+        gcs_client().bucket(bucket).delete_blobs(blobs, on_error=lambda blob: None)  # gone meanwhile: fine
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def match(pattern: str) -> list[str]:

