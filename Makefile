@@ -20,8 +20,11 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[all,test]'
+	# Bytecode is compiled afterwards on every core (pip compiles file by file, on one); like pip,
+	# this skips the few files written for other Python versions (torch's py312_intrinsics.py).
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[all,test]'
+	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') > /dev/null 2>&1 || true
 	touch $(STAMP)
 
 install: $(STAMP)
