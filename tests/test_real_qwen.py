@@ -33,7 +33,8 @@ def test_bfloat16_with_a_float32_stream_has_at_most_half_the_error_of_transforme
 
 
 def test_greedy_generation_equals_transformers(real_model_dir, real_prompts):
-    for compared, equal in checks.greedy_agreement(real_model_dir, real_prompts):
+    # Two prompts, 64 decoding steps on real weights: a third adds seconds to a tight suite, no new case.
+    for compared, equal in checks.greedy_agreement(real_model_dir, real_prompts[:2]):
         assert equal == compared
 
 
