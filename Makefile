@@ -16,15 +16,17 @@ DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 6,12,18 --activ
 
 .PHONY: install demo test lint bench clean
 
+# Bytecode is written on first import (see the install rule), also where the shell says not to.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
-	# Bytecode is compiled afterwards on every core (pip compiles file by file, on one); like pip,
-	# this skips the few files written for other Python versions (torch's py312_intrinsics.py).
+	# No bytecode up front (--no-compile): pip would compile all ~580 MB of the environment's
+	# sources on one core, most of them never imported; Python writes a module's on first import.
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e '.[all,test]'
-	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') > /dev/null 2>&1 || true
 	touch $(STAMP)
 
 install: $(STAMP)
