@@ -16,6 +16,9 @@ imported before the clock starts); tokens/s counts the tokens written to the str
   worker encoding on one thread; the workers' start-up (imports, the tokenizer's load) and
   shutdown are inside the time.
 
+Between the two largest scales, each configuration's marginal rate (the added tokens over the
+added seconds: a run's fixed start-up and shutdown cancel out) shows how the work itself scales.
+
 For each: tokens/s (the best of ``--rounds``, configurations alternating), CPU seconds of the whole
 process tree, the cores other processes kept busy meanwhile (this machine is shared: such a run
 is repeated, up to ``--retries`` times), and the peak RSS of each process (the launcher's own;

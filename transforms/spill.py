@@ -72,9 +72,9 @@ class SpillSection(NamedTuple):
     last_id: int
 
 
-def spill_bytes(max_part_bytes: int) -> int:
-    """A spill file's size limit for parts of ``max_part_bytes``."""
-    return min(max(max_part_bytes, MIN_SPILL_BYTES), MAX_SPILL_BYTES)
+def spill_bytes(max_part_bytes: int | None) -> int:
+    """A spill file's size limit for parts of ``max_part_bytes`` (None: parts without a limit)."""
+    return MAX_SPILL_BYTES if max_part_bytes is None else min(max(max_part_bytes, MIN_SPILL_BYTES), MAX_SPILL_BYTES)
 
 
 def encode_spill(entries: Iterable[StreamEntry],

@@ -26,7 +26,7 @@ from common.files import join, write_bytes
 from common.stream_format import (ids_filename, ids_sidecar, json_line, part_filename, sidecar_record,
                                   stream_dirname, stream_filename)
 from transforms.partition import VIRTUAL_BUCKETS_PER_MACHINE, PlanMachines, machine_of
-from transforms.spill import (MAX_SPILL_BYTES, SPILL_DIR, SpillLines, SpillSection, StreamEntry, delete_spill,
+from transforms.spill import (SPILL_DIR, SpillLines, SpillSection, StreamEntry, delete_spill,
                               part_entries, spill_bytes)
 from transforms.tokenize import TokenizedSample, decoded_pieces, load_tokenizer
 
@@ -103,9 +103,9 @@ def plan_stream(output_dir: str, max_part_bytes: int | None, machine: int,
 
 
 def write_part(output_dir: str, layout: StreamLayout, part: int,
-               entries: Iterable[StreamEntry | None]) -> tuple[int, dict[str, Any], int]:
+               entries: Iterable[StreamEntry]) -> tuple[int, dict[str, Any], int]:
     """Writes one part sorted by sample id; returns (part, its manifest record, its truncated count)."""
-    rows = sorted((e for e in entries if e is not None), key=lambda e: e.sample_id)
+    rows = sorted(entries, key=lambda e: e.sample_id)
     data = b"".join(e.line for e in rows)
     write_bytes(join(output_dir, layout.file(part)), data)
     record = {"file": layout.file(part), "samples": len(rows), "tokens": sum(e.num_tokens for e in rows),
@@ -125,13 +125,13 @@ def machine_entry(layout: StreamLayout, written: Iterable[tuple[int, dict[str, A
 
 
 def write_stream(output_dir: str, machine: int,
-                 entries: Iterable[tuple[int, int, bool, bytes | str] | None],
+                 entries: Iterable[tuple[int, int, bool, bytes | str]],
                  max_part_bytes: int | None = None) -> dict[str, Any]:
     """One machine's stream written in one process, as ``WriteStreams`` writes it, from its
     (sample_id, num_tokens, truncated, line) entries (the line as ``str`` or UTF-8 bytes);
     returns its manifest entry. For benchmarks and tests that need streams without a pipeline."""
     rows = [StreamEntry(i, n, t, line.encode("utf-8") if isinstance(line, str) else line)
-            for i, n, t, line in (e for e in entries if e is not None)]
+            for i, n, t, line in entries]
     layout = plan_stream(output_dir, max_part_bytes, machine, [(e.sample_id, len(e.line)) for e in rows])
     by_part = collections.defaultdict(list)
     for e in rows:
@@ -156,7 +156,7 @@ class WriteStreams(beam.PTransform):
         output_dir, num_machines, max_part_bytes = self._output_dir, self._num_machines, self._max_part_bytes
         num_buckets = num_machines * VIRTUAL_BUCKETS_PER_MACHINE
         spilled = entries | "Spill" >> beam.ParDo(SpillLines(
-            join(output_dir, SPILL_DIR), num_buckets, spill_bytes(max_part_bytes or MAX_SPILL_BYTES)
+            join(output_dir, SPILL_DIR), num_buckets, spill_bytes(max_part_bytes)
         )).with_outputs(SpillLines.SECTIONS, main="infos")
         infos = spilled.infos
         plan = beam.pvalue.AsSingleton(infos | "Partition" >> PlanMachines(num_machines))
