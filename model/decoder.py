@@ -35,7 +35,9 @@ Interventions (``model.interventions``) enter as arrays, per block: which heads,
 blocks to keep, and what replaces the others (zero or a mean), so that one compiled forward
 serves every intervention of a grid. Without them the graph is the plain model's. Each block
 also ``sow``s its heads' outputs, sublayer outputs and contribution into the ``stats``
-collection, which only a caller that asks for it (the mean pass) receives.
+collection, which only a caller that asks for it (the mean pass) receives, and every activation
+site of ``model.sites`` (by its name) into the ``sites`` collection, which only the extraction
+forward asks for: what it does not return is compiled away.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from jax.sharding import Mesh
 from model.attention import causal_attention, dense_attention, fused_attention, windowed
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
+from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -86,6 +89,7 @@ class RMSNorm(nn.Module):
     residual_dtype: Any = None  # wider than dtype: the weight applies in float32, one rounding
     unit_offset: bool = False   # Gemma: (1 + w), in float32 whatever the dtype, as transformers does
     keep_wide: bool = False     # with a wider stream, return float32 (what is added to it, or roped)
+    normalized_site: str | None = None  # sow x / rms(x), before the weight, as this site
 
     @nn.compact
     def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -103,6 +107,8 @@ class RMSNorm(nn.Module):
             weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), neutral))
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.normalized_site:
+            self.sow("sites", self.normalized_site, normed)
         out_dtype = jnp.float32 if wide and self.keep_wide else self.dtype
         if self.unit_offset:
             return (normed * (1.0 + weight.astype(jnp.float32))).astype(out_dtype)
@@ -112,8 +118,10 @@ class RMSNorm(nn.Module):
         return weight * normed.astype(self.dtype)
 
 
-def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide: bool = False) -> RMSNorm:
-    return RMSNorm(config.rms_norm_eps, dtype, residual_dtype, config.norm_unit_offset, keep_wide, name=name)
+def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide: bool = False,
+             normalized_site: str | None = None) -> RMSNorm:
+    return RMSNorm(config.rms_norm_eps, dtype, residual_dtype, config.norm_unit_offset, keep_wide, normalized_site,
+                   name=name)
 
 
 class Attention(nn.Module):
@@ -173,6 +181,7 @@ class Attention(nn.Module):
             replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
             out = jnp.where(keep[:, None], out, replaced)
         out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
+        self.sow("sites", ATTN_Z, out)
         return project(c.hidden_size, c.o_bias, "o_proj")(out), (k, v)
 
 
@@ -180,6 +189,7 @@ class MLP(nn.Module):
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, the gating is in it
+    with_hidden: bool = False   # also return the hidden activation (mlp.hook_post)
 
     @nn.compact
     def __call__(self, x):  # [B, S, H] in dtype
@@ -189,7 +199,9 @@ class MLP(nn.Module):
         act = ACTIVATIONS[c.hidden_act]
         gate, up = project(c.intermediate_size, "gate_proj")(x), project(c.intermediate_size, "up_proj")(x)
         hidden = act(gate) * up  # [B, S, F]
-        return project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))
+        out = project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))  # [B, S, H]
+        # Returned rather than sown: the MLP may run inside a scan over token chunks.
+        return (out, hidden) if self.with_hidden else out
 
 
 CHUNK_TOKENS = 512  # per device; a chunk's [tokens, F] intermediates then stay in cache
@@ -212,13 +224,14 @@ def token_chunks(seq_len: int, rows: int, target: int = CHUNK_TOKENS) -> int:
 
 
 def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
-                          chunk_tokens: int | None) -> jax.Array:
-    """``module(x)`` for a per-token module, computed in chunks of positions one after the other.
+                          chunk_tokens: int | None) -> Any:
+    """``module(x)`` for a per-token module, computed in chunks of positions one after the other
+    (its output: an array [B, S, W], or a tuple of them).
 
     On CPU the MLP of 8192 tokens at once reaches ~70% of a plain matmul's FLOP rate, because its
     [B*S, F] intermediates (160 MB each) go to memory; in chunks of ~512 tokens it reaches ~93%.
     The loop runs over positions, never over the (possibly sharded) batch axis. ``chunk_tokens``
-    None: one piece.  x: [B, S, H] -> [B, S, H].
+    None: one piece.  x: [B, S, H] -> [B, S, W] each.
     """
     b, s, h = x.shape
     if chunk_tokens is None:
@@ -229,8 +242,8 @@ def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
     chunks = x.reshape(b, n, s // n, h).transpose(1, 0, 2, 3)  # [n, B, S/n, H]
     step = nn.scan(lambda mdl, carry, chunk: (carry, mdl(chunk)), variable_broadcast="params",
                    split_rngs={"params": False})
-    _, out = step(module, None, chunks)  # [n, B, S/n, H]
-    return out.transpose(1, 0, 2, 3).reshape(b, s, h)
+    _, out = step(module, None, chunks)  # [n, B, S/n, W] each
+    return jax.tree.map(lambda y: y.transpose(1, 0, 2, 3).reshape(b, s, y.shape[-1]), out)
 
 
 def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
@@ -249,6 +262,7 @@ class DecoderLayer(nn.Module):
     attention: str = "tiled"
     residual_dtype: Any = None  # the dtype of x and of the sums (None: dtype)
     window: int | None = None   # this layer's sliding window
+    mlp_hidden: bool = False    # sow the MLP's hidden activation (a wider output of its chunked loop)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -266,14 +280,21 @@ class DecoderLayer(nn.Module):
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
         attn_out = _replaced(attn_out, a, "attn")
         self.sow("stats", "attn_output", attn_out)
+        self.sow("sites", ATTN_OUT, attn_out)
         x = x + attn_out
-        mlp = MLP(c, self.dtype, wide, name="mlp")
-        mlp_out = map_over_token_chunks(mlp, norm_for(c, "pre_mlp_norm", self.dtype, wide)(x, norm), self.mesh,
+        self.sow("sites", RESID_MID, x)
+        mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
+        self.sow("sites", MLP_IN, mlp_in)
+        mlp_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
                                         self.chunk_tokens)
+        if self.mlp_hidden:
+            mlp_out, hidden = mlp_out
+            self.sow("sites", MLP_POST, hidden)
         if c.sandwich_norms:
             mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
         mlp_out = _replaced(mlp_out, a, "mlp")
         self.sow("stats", "mlp_output", mlp_out)
+        self.sow("sites", MLP_OUT, mlp_out)
         x = x + mlp_out
         self.sow("stats", "contribution", x - block_in)
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
@@ -290,13 +311,14 @@ class Decoder(nn.Module):
     chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
     attention: str = "tiled"         # tiled | fused: see model.attention.attention_for
     residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
+    mlp_hidden: bool = False         # the blocks sow the MLP's hidden activation too (``sites``)
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
-                                    self.residual_dtype, c.window(i), name=f"layers_{i}")
+                                    self.residual_dtype, c.window(i), self.mlp_hidden, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:
@@ -325,6 +347,7 @@ class Decoder(nn.Module):
         """
         c = self.config
         x = self.embed(input_ids)
+        self.sow("sites", "embeddings", x)  # block 0's input
         tables = {rope: rope_cos_sin(positions, c.head_dim, rope)
                   for rope in dict.fromkeys(c.rope_of(i) for i in range(num_layers))}  # cos, sin [B, S, D]
         outputs, new_caches = [], []

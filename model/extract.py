@@ -35,6 +35,8 @@ from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, Decoder
 from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
+from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ArrayKey, array_key, array_keys,
+                         blocks_needed, describe_key, parse_sites)
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
@@ -136,34 +138,75 @@ class ForwardObserver:
 
 def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
-    """jit(params, input_ids [B, S], lengths [B], ablation) -> activations [len(layers), B, S, H].
+    """jit(params, input_ids [B, S], lengths [B], ablation) -> block outputs [len(layers), B, S, H].
 
     ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer.
     ``attention``: auto | tiled | fused (``model.attention.attention_for``). ``ablation``: None, or the
     arrays of an intervention (``model.interventions.ablation_arrays``). ``residual_dtype``: see
     ``resolve_residual_dtype`` (None: the compute dtype)."""
+    forward = site_forward(config, dtype, layers, (RESID_POST,), mesh, out_dtype, attention, residual_dtype)
+    return jax.jit(lambda *args: forward(*args)[RESID_POST], out_shardings=NamedSharding(mesh, P(None, "data")))
+
+
+def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...],
+                       mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
+    """jit(params, input_ids, lengths, ablation) -> {site: [len(layers), B, S, width]} for each of
+    ``sites`` (``model.sites``); otherwise as ``make_forward``."""
+    forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype)
+    return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
+
+
+def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...], mesh: Mesh,
+                 out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
+    """The un-jitted forward of ``make_sites_forward``. Blocks past the last one a site needs are
+    not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
+    rest), so block outputs alone compile to the graph they always did."""
     model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config),
-                    residual_dtype)
-    num_layers = max(layers) + 1
+                    residual_dtype, mlp_hidden=MLP_POST in sites)
+    num_layers = blocks_needed(sites, layers)
 
     def forward(params, input_ids, lengths, ablation):
         seq = input_ids.shape[1]
         positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
-        outputs, _ = model.apply({"params": params}, input_ids, positions,
-                                 causal_mask(lengths, seq), num_layers, ablation=ablation)
-        stacked = jnp.stack([outputs[layer] for layer in layers])  # [len(layers), B, S, H]
-        return stacked if out_dtype is None else stacked.astype(out_dtype)
+        apply = functools.partial(model.apply, {"params": params}, input_ids, positions,
+                                  causal_mask(lengths, seq), num_layers, ablation=ablation)
+        if sites == (RESID_POST,):
+            (outputs, _), state = apply(), {}
+        else:
+            (outputs, _), state = apply(mutable=["sites"])
+        values = {}
+        for site in sites:
+            if site == RESID_POST:
+                per_layer = [outputs[layer] for layer in layers]
+            elif site == RESID_PRE:
+                per_layer = [outputs[layer - 1] if layer else state["sites"]["embeddings"][0] for layer in layers]
+            else:
+                per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in layers]
+            stacked = jnp.stack(per_layer)  # [len(layers), B, S, width]
+            values[site] = stacked if out_dtype is None else stacked.astype(out_dtype)
+        return values
 
-    return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
+    return forward
 
 
-def check_float16_range(activations: dict[int, np.ndarray]) -> None:
+def sown_value(block_sites: dict, site: str) -> jax.Array:
+    """The value a block sowed as ``site``, wherever in the block (a norm or attention sows its
+    own): [B, S, width]."""
+    for name, value in block_sites.items():
+        if name == site:
+            return value[0]
+        if isinstance(value, dict) and site in value:
+            return value[site][0]
+    raise KeyError(f"the decoder block sowed no {site!r}")
+
+
+def check_float16_range(activations: dict[ArrayKey, np.ndarray]) -> None:
     """``UserError`` if a sequence's float16 activations (padding removed) hold an infinity: a
     value past float16's range (+-65504) that the cast turned into inf. Gemma's residual stream
     reaches such values (benchmarks/shard_compression.py); nothing of it may be stored."""
     overflowed = [layer for layer, values in activations.items() if np.isinf(values).any()]
     if overflowed:
-        raise UserError(f"--activation_dtype float16: layer {overflowed[0]} holds values past float16's range "
+        raise UserError(f"--activation_dtype float16: {describe_key(overflowed[0])} holds values past float16's range "
                         f"(+-65504), which would be stored as inf; store this model's activations as bfloat16 "
                         f"(float32's range, the same bytes) or float32")
 
@@ -188,7 +231,7 @@ def local_blocks(out: jax.Array) -> list[tuple[slice, jax.Array]]:
 @dataclasses.dataclass
 class InFlight:
     """A dispatched batch whose activations are still on the devices."""
-    out: jax.Array          # [len(layers), rows, length, H]
+    out: dict[str, jax.Array]  # site -> [len(layers), rows, length, width]
     lengths: np.ndarray     # [rows]
     count: int              # real sequences (the first rows)
 
@@ -208,6 +251,7 @@ class Extractor:
     batches_in_flight: int = 2    # dispatched and not yet copied back (1: synchronous)
     ablation: dict[str, np.ndarray] | None = None  # an intervention's arrays (model.interventions)
     residual_dtype: Any = None    # resolve_residual_dtype: float32, or None for the compute dtype
+    sites: tuple[str, ...] = DEFAULT_SITES  # model.sites, in block order
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                  repr=False)
@@ -218,20 +262,23 @@ class Extractor:
              model_axis_size: int | None = None, min_bucket: int = 32,
              devices: list | None = None, activation_dtype: str | None = None,
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
-             ablation_means: str | None = None, residual_dtype: str = "float32") -> "Extractor":
-        """Loads only the blocks up to the last requested layer, straight onto the mesh.
+             ablation_means: str | None = None, residual_dtype: str = "float32",
+             sites: Sequence[str] = DEFAULT_SITES) -> "Extractor":
+        """Loads only the blocks the requested sites and layers need, straight onto the mesh.
         ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
-        ``residual_dtype``: float32 | compute (``resolve_residual_dtype``)."""
+        ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
+        from ``model.sites`` (each stored at every layer)."""
+        sites = parse_sites(sites)
         resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
         attention_for(None, attention, config)  # a kernel the model cannot use fails before it loads
-        arrays = ablation_for(ablation, ablation_means, config, max(layers) + 1)
+        arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
-                            num_layers=max(layers) + 1, devices=devices)
+                            num_layers=blocks_needed(sites, layers), devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
-                                    activation_dtype, attention, batches_in_flight, residual_dtype)
+                                    activation_dtype, attention, batches_in_flight, residual_dtype, sites)
         extractor.ablation = arrays
         return extractor
 
@@ -239,7 +286,8 @@ class Extractor:
     def from_loaded(cls, loaded: LoadedModel, layers: Sequence[int], batch_size_per_device: int = 1,
                     max_seq_length: int = 2048, min_bucket: int = 32,
                     activation_dtype: str | None = None, attention: str = "auto",
-                    batches_in_flight: int = 2, residual_dtype: str = "float32") -> "Extractor":
+                    batches_in_flight: int = 2, residual_dtype: str = "float32",
+                    sites: Sequence[str] = DEFAULT_SITES) -> "Extractor":
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
@@ -248,7 +296,12 @@ class Extractor:
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
                    ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight,
-                   residual_dtype=resolve_residual_dtype(residual_dtype))
+                   residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites))
+
+    @property
+    def keys(self) -> list[ArrayKey]:
+        """The keys of each sequence's arrays, in storage order (``model.sites.array_keys``)."""
+        return array_keys(self.sites, self.layers)
 
     @property
     def residual_dtype_name(self) -> str:
@@ -262,8 +315,8 @@ class Extractor:
 
     @functools.cached_property
     def _forward(self):
-        return make_forward(self.config, self.dtype, self.layers, self.mesh, self.activation_dtype,
-                            self.attention, self.residual_dtype)
+        return make_sites_forward(self.config, self.dtype, self.layers, self.sites, self.mesh,
+                                  self.activation_dtype, self.attention, self.residual_dtype)
 
     def executable(self, rows: int, length: int):
         """The forward compiled for inputs [rows, length] (compiled on first use)."""
@@ -296,26 +349,32 @@ class Extractor:
         sharding = batch_sharding(self.mesh)
         with self.observer.batch(rows, length):
             out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), self.ablation)
-        for _, data in local_blocks(out):
+        for _, data in (block for site_out in out.values() for block in local_blocks(site_out)):
             data.copy_to_host_async()  # starts the transfer as soon as the forward ends
         return InFlight(out, lengths, len(sequences))
 
-    def collect(self, batch: InFlight) -> list[dict[int, np.ndarray] | None]:
+    def collect(self, batch: InFlight) -> list[dict[ArrayKey, np.ndarray] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per
-        sequence, ``{layer: array [num_tokens, H]}`` with padding removed (``None`` for a sequence
-        whose row lives on another process's devices)."""
-        results: list[dict[int, np.ndarray] | None] = [None] * batch.count
-        for rows, data in local_blocks(batch.out):
-            data.block_until_ready()  # the forward's time, not the copy's
-            with self.observer.host_side("device_to_host"):
-                acts = np.asarray(data)  # [len(layers), rows here, S, H]
-            with self.observer.host_side("split"):
-                for i, row in enumerate(range(*rows.indices(batch.out.shape[1]))):
-                    if row < batch.count:  # views of ``acts``: each [num_tokens, H], contiguous
-                        n = batch.lengths[row]
-                        results[row] = {layer: acts[j, i, :n] for j, layer in enumerate(self.layers)}
-                        if self.activation_dtype == jnp.float16:
-                            check_float16_range(results[row])
+        sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed (``None``
+        for a sequence whose row lives on another process's devices)."""
+        results: list[dict[ArrayKey, np.ndarray] | None] = [None] * batch.count
+        order = {key: k for k, key in enumerate(self.keys)}
+        for site, out in batch.out.items():
+            for rows, data in local_blocks(out):
+                data.block_until_ready()  # the forward's time, not the copy's
+                with self.observer.host_side("device_to_host"):
+                    acts = np.asarray(data)  # [len(layers), rows here, S, width]
+                with self.observer.host_side("split"):
+                    for i, row in enumerate(range(*rows.indices(out.shape[1]))):
+                        if row < batch.count:  # views of ``acts``: each [num_tokens, width], contiguous
+                            n = batch.lengths[row]
+                            arrays = results[row] = results[row] or {}
+                            arrays.update({array_key(site, layer): acts[j, i, :n] for j, layer in enumerate(self.layers)})
+        for k, arrays in enumerate(results):
+            if arrays is not None:
+                results[k] = arrays = dict(sorted(arrays.items(), key=lambda item: order[item[0]]))
+                if self.activation_dtype == jnp.float16:
+                    check_float16_range(arrays)
         return results
 
     def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:

@@ -36,6 +36,27 @@ NORM_NAMES = {"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_att
 SANDWICH_NORM_NAMES = {"pre_attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                        "pre_mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
+# What each activation site (``model.sites``) equals in transformers' modules of block L
+# (``model.layers.L``): (module below the block, "" for the block itself; which side of it).
+# ``input`` / ``output`` are a forward hook's (the first positional input; the first output);
+# ``normalized input`` is that module's input x as x / sqrt(mean(x^2) + eps), in float32.
+def hf_site(site: str, sandwich_norms: bool) -> tuple[str, str]:
+    """Where ``site`` is seen in a Hugging Face block of a model with (``sandwich_norms``: Gemma
+    2, 3) or without norms on the sublayer outputs."""
+    from model import sites
+    norms = SANDWICH_NORM_NAMES if sandwich_norms else NORM_NAMES
+    return {
+        sites.RESID_PRE: ("", "input"),
+        sites.ATTN_Z: ("self_attn.o_proj", "input"),
+        sites.ATTN_OUT: (norms["post_attention_norm"], "output") if sandwich_norms else ("self_attn", "output"),
+        sites.RESID_MID: (norms["pre_mlp_norm"], "input"),
+        sites.LN2_NORMALIZED: (norms["pre_mlp_norm"], "normalized input"),
+        sites.MLP_IN: ("mlp", "input"),
+        sites.MLP_POST: ("mlp.down_proj", "input"),
+        sites.MLP_OUT: (norms["post_mlp_norm"], "output") if sandwich_norms else ("mlp", "output"),
+        sites.RESID_POST: ("", "output"),
+    }[site]
+
 
 def text_prefix(checkpoint: Checkpoint) -> str:
     """The prefix of the text model's tensors in this checkpoint."""

@@ -1,0 +1,130 @@
+"""Activation sites: the points of a decoder block a run can store, named as TransformerLens names
+its hooks (``blocks.L.<site>``), one name per site wherever it appears (flags, shard keys, index
+rows, statistics, exports).
+
+A stored array is keyed by its site and block: block L's output (``hook_resid_post``, the one
+site runs stored before sites existed) keeps its key ``L`` (an int), every other site its full
+hook name (``blocks.L.hook_mlp_out``). A shard document, an extraction result and a token batch
+are dicts over these keys, so a run that stores only block outputs is what it always was.
+
+This module imports no JAX: flag parsers and readers use it. What each site equals in Hugging
+Face's modules: ``model.params.hf_site``; the table with examples: docs/sites.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable, Sequence
+
+from common.cli import UserError
+
+RESID_PRE, RESID_MID, RESID_POST = "hook_resid_pre", "hook_resid_mid", "hook_resid_post"
+ATTN_OUT, MLP_OUT = "hook_attn_out", "hook_mlp_out"
+LN2_NORMALIZED, MLP_IN, ATTN_Z, MLP_POST = "ln2.hook_normalized", "mlp.hook_in", "attn.hook_z", "mlp.hook_post"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    name: str
+    width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | intermediate
+    meaning: str
+
+
+# In block order (the order of a shard's keys within one layer).
+SITES: dict[str, Site] = {s.name: s for s in (
+    Site(RESID_PRE, "hidden", "block L's input: block L-1's output (the scaled embeddings for L = 0)"),
+    Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
+                          "n_heads * head_dim (head-major)"),
+    Site(ATTN_OUT, "hidden", "what attention adds to the stream (after the post-attention norm where the "
+                             "block has one: Gemma 2, 3)"),
+    Site(RESID_MID, "hidden", "resid_pre + attn_out: the MLP's input before its norm"),
+    Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain: x / rms(x)"),
+    Site(MLP_IN, "hidden", "the MLP's input after its norm with the gain applied (the MLP module's input)"),
+    Site(MLP_POST, "intermediate", "the MLP's hidden activation act(gate) * up (the down projection's input)"),
+    Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
+                            "block has one: Gemma 2, 3)"),
+    Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
+)}
+DEFAULT_SITES = (RESID_POST,)
+ArrayKey = int | str  # L for block L's output, else the full hook name
+_HOOK = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
+    """``--sites`` (comma- or space-separated site names) -> the sites in block order;
+    ``UserError`` names one that does not exist."""
+    names = text.replace(",", " ").split() if isinstance(text, str) else list(text)
+    unknown = [n for n in names if n not in SITES]
+    if unknown:
+        raise UserError(f"unknown site {unknown[0]!r} (choose from {', '.join(SITES)}; names as in "
+                        "TransformerLens, after blocks.L.)")
+    if not names:
+        raise UserError("no sites to extract")
+    return tuple(s for s in SITES if s in names)
+
+
+def hook_name(site: str, layer: int) -> str:
+    """The TransformerLens hook name of ``site`` at block ``layer``: ``blocks.L.<site>``."""
+    return f"blocks.{layer}.{site}"
+
+
+def array_key(site: str, layer: int) -> ArrayKey:
+    """How a stored array is keyed: ``layer`` for block outputs, else the full hook name."""
+    return layer if site == RESID_POST else hook_name(site, layer)
+
+
+def key_parts(key: ArrayKey) -> tuple[str, int]:
+    """(site, layer) of an array key, a full hook name included (``blocks.6.hook_resid_post`` is
+    key 6); ``UserError`` for anything else."""
+    if isinstance(key, (int,)) and not isinstance(key, bool):
+        return RESID_POST, int(key)
+    match = _HOOK.fullmatch(str(key))
+    if match is None or match.group(2) not in SITES:
+        raise UserError(f"{key!r} names no stored array: a layer number, or blocks.L.<site> with a site "
+                        f"from {', '.join(SITES)}")
+    return match.group(2), int(match.group(1))
+
+
+def normalized_key(key: ArrayKey) -> ArrayKey:
+    """The canonical key of a layer number or a hook name (``blocks.6.hook_resid_post`` -> 6)."""
+    return array_key(*key_parts(key))
+
+
+def array_keys(sites: Sequence[str], layers: Sequence[int]) -> list[ArrayKey]:
+    """The keys of ``sites`` x ``layers`` in storage order: by layer, then by site in block order."""
+    return [array_key(site, layer) for layer in layers for site in SITES if site in sites]
+
+
+def blocks_needed(sites: Sequence[str], layers: Sequence[int]) -> int:
+    """Decoder blocks to compute: through the last layer asked for, except that block L's input
+    (``hook_resid_pre``) needs only the blocks before it (at least one block: a model without
+    blocks has no parameters to load)."""
+    return max(1, *(layer + (site != RESID_PRE) for layer in layers for site in sites))
+
+
+def site_width(site: str, config) -> int:
+    """The last dimension of ``site``'s arrays for a ``DecoderConfig``."""
+    kind = SITES[site].width
+    if kind == "heads":
+        return config.num_attention_heads * config.head_dim
+    return config.intermediate_size if kind == "intermediate" else config.hidden_size
+
+
+def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> dict[str, int]:
+    """What each site stores per token over ``layers`` (bytes), in block order."""
+    return {site: site_width(site, config) * len(layers) * itemsize for site in SITES if site in sites}
+
+
+def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> str:
+    """One line saying what a run stores per token, site by site (printed before a run)."""
+    per_site = bytes_per_token(sites, layers, config, itemsize)
+    resid = config.hidden_size * len(layers) * itemsize
+    parts = ", ".join(f"{site} {n / 1024:.1f} KiB ({n / resid:.2g}x resid)" for site, n in per_site.items())
+    return (f"storing {len(per_site)} site(s) at {len(layers)} layer(s): {sum(per_site.values()) / 1024:.1f} KiB "
+            f"per token ({parts})")
+
+
+def describe_key(key: ArrayKey) -> str:
+    """``layer 6`` for a block output, else the hook name (for messages)."""
+    return f"layer {key}" if isinstance(key, int) else str(key)
