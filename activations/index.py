@@ -1,7 +1,9 @@
 """The Parquet index: one row per sample telling which shard holds it and where.
 
-Each shard gets ``index/shard_NNNN.parquet``; ``merge_index_files`` joins every machine's into
-one table sorted by ``sample_id``, to be queried with DuckDB, BigQuery or pandas.
+Each shard gets ``index/shard_NNNN.parquet`` (its samples), ``index/shard_NNNN_arrays.parquet``
+(where each array lies in it) and ``index/shard_NNNN_stats.parquet`` (per-site statistics,
+``activations.site_stats``); ``write_merged`` joins every machine's into one table of each kind,
+the samples sorted by ``sample_id``, to be queried with DuckDB, BigQuery or pandas.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow.parquet as pq
 from common.cli import UserError
 from common.files import join, open_read, write_bytes
 from host.states import COMPLETED
+from model.sites import RESID_POST, key_parts
 
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
@@ -40,6 +43,10 @@ ARRAYS_SCHEMA = pa.schema([
     ("position", pa.int32()), ("byte_offset", pa.int64()), ("byte_length", pa.int64()),
     ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
 ])
+# With activation sites besides block outputs (``model.sites``): one row per (sample, site, layer).
+# A shard's table has the site column only when its run stores other sites (a run of block outputs
+# writes what it always did); the merged table always has it, filled with hook_resid_post.
+SITES_ARRAYS_SCHEMA = ARRAYS_SCHEMA.append(pa.field("site", pa.string()))
 
 
 def index_filename(shard_id: int) -> str:
@@ -50,14 +57,24 @@ def arrays_index_filename(shard_id: int) -> str:
     return f"index/shard_{shard_id:04d}_arrays.parquet"
 
 
+def stats_filename(shard_id: int) -> str:
+    """The shard's per-site statistics (``activations.site_stats``)."""
+    return f"index/shard_{shard_id:04d}_stats.parquet"
+
+
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
-    """The per-(sample, layer) rows of one shard from its ``ArrayLocation``s."""
-    return pa.table({
-        "sample_id": [l.sample_id for l in locations], "layer": [l.layer for l in locations],
+    """The per-(sample, layer) rows of one shard from its ``ArrayLocation``s (with a ``site``
+    column where an array is not a block output)."""
+    parts = [key_parts(l.key) for l in locations]
+    columns = {
+        "sample_id": [l.sample_id for l in locations], "layer": [layer for _, layer in parts],
         "shard_path": [shard_path] * len(locations), "position": [l.position for l in locations],
         "byte_offset": [l.byte_offset for l in locations], "byte_length": [l.byte_length for l in locations],
         "dtype": [l.dtype for l in locations], "shape": [list(l.shape) for l in locations],
-    }, schema=ARRAYS_SCHEMA)
+    }
+    if any(site != RESID_POST for site, _ in parts):
+        return pa.table({**columns, "site": [site for site, _ in parts]}, schema=SITES_ARRAYS_SCHEMA)
+    return pa.table(columns, schema=ARRAYS_SCHEMA)
 
 
 def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: int, shard_path: str,
@@ -95,11 +112,21 @@ def read_index_file(path: str, schema: pa.Schema = SCHEMA) -> pa.Table:
     return read_parquet(path, schema=schema)
 
 
+def read_arrays_file(path: str) -> pa.Table:
+    """A per-array index file with its ``site`` column (hook_resid_post where the file has none)."""
+    table = read_parquet(path)
+    if "site" not in table.column_names:
+        table = table.append_column("site", pa.array([RESID_POST] * table.num_rows, pa.string()))
+    return table.select(SITES_ARRAYS_SCHEMA.names).cast(SITES_ARRAYS_SCHEMA)
+
+
 def merge_index_files(paths: Sequence[str], schema: pa.Schema = SCHEMA) -> pa.Table:
-    """All rows of the given index files, sorted by ``sample_id`` (then ``layer``, if any)."""
-    tables = [read_index_file(p, schema) for p in paths]
+    """All rows of the given index files, sorted by ``sample_id`` (then ``layer`` and ``site``, if
+    any). Per-array files (``SITES_ARRAYS_SCHEMA``) gain their ``site`` column where they lack it."""
+    arrays = schema == SITES_ARRAYS_SCHEMA
+    tables = [read_arrays_file(p) if arrays else read_index_file(p, schema) for p in paths]
     merged = pa.concat_tables(tables) if tables else schema.empty_table()
-    keys = [("sample_id", "ascending")] + ([("layer", "ascending")] if "layer" in schema.names else [])
+    keys = [("sample_id", "ascending")] + [(name, "ascending") for name in ("layer", "site") if name in schema.names]
     return merged.sort_by(keys)
 
 
@@ -129,7 +156,7 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "total_skipped": sum(m.get("total_skipped", 0) for m in machines),
             "completed_machines": completed,
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
-                                                 "layers", "dtype", "compute_dtype", "residual_dtype",
+                                                 "layers", "sites", "dtype", "compute_dtype", "residual_dtype",
                                                  "hidden_size", "num_hidden_layers", "model", "model_type",
                                                  "stream", "ablation", "gcs_bucket", "gcs_prefix")} for m in machines]}
 
@@ -141,9 +168,18 @@ def merged_metadata_path(output: str) -> str:
 
 
 def arrays_path(output: str) -> str:
-    """``index.parquet`` -> ``index_arrays.parquet``: the per-(sample, layer) table beside it."""
+    """``index.parquet`` -> ``index_arrays.parquet``: the per-(sample, site, layer) table beside it."""
+    return _beside(output, "arrays")
+
+
+def stats_path(output: str) -> str:
+    """``index.parquet`` -> ``index_stats.parquet``: the per-(site, layer) statistics beside it."""
+    return _beside(output, "stats")
+
+
+def _beside(output: str, what: str) -> str:
     stem = output[:-len(".parquet")] if output.endswith(".parquet") else output
-    return f"{stem}_arrays.parquet"
+    return f"{stem}_{what}.parquet"
 
 
 @dataclasses.dataclass
@@ -153,6 +189,7 @@ class CollectedIndex:
     index_files: list[str]
     arrays_files: list[str]
     machines: list[dict[str, Any]]      # each machine's metadata.json
+    stats_files: list[str] = dataclasses.field(default_factory=list)  # per shard (activations.site_stats)
 
     @property
     def duplicates(self) -> int:
@@ -166,6 +203,7 @@ def collect_index(activations_dir: str) -> CollectedIndex:
     try:
         index_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}\.parquet")
         arrays_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}_arrays\.parquet")
+        stats_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}_stats\.parquet")
         metadata_files = find_files(activations_dir, r"(.*/)?metadata\.json")
     except Exception as e:
         raise UserError(f"cannot list {activations_dir!r}: {str(e).splitlines()[0]}") from None
@@ -175,14 +213,17 @@ def collect_index(activations_dir: str) -> CollectedIndex:
     for path in metadata_files:
         with open_read(path) as f:
             machines.append(json.load(f))
-    return CollectedIndex(merge_index_files(index_files), index_files, arrays_files, machines)
+    return CollectedIndex(merge_index_files(index_files), index_files, arrays_files, machines, stats_files)
 
 
 def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
-    """Writes the index, its arrays table and ``merged_metadata.json`` beside it; returns the
-    merged metadata."""
+    """Writes the index, its arrays table, its statistics (where the shards have them) and
+    ``merged_metadata.json`` beside it; returns the merged metadata."""
+    from activations.site_stats import merge_stats_files
     write_index(collected.table, output)
-    write_index(merge_index_files(collected.arrays_files, ARRAYS_SCHEMA), arrays_path(output))
+    write_index(merge_index_files(collected.arrays_files, SITES_ARRAYS_SCHEMA), arrays_path(output))
+    if collected.stats_files:
+        write_index(merge_stats_files(collected.stats_files), stats_path(output))
     summary = merged_metadata(collected.machines, collected.table)
     write_bytes(merged_metadata_path(output), (json.dumps(summary, indent=2) + "\n").encode())
     return summary

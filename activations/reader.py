@@ -22,6 +22,7 @@ import numpy as np
 from isal import igzip, isal_zlib
 
 from common.files import open_read, read_range
+from model.sites import ArrayKey, array_key, key_parts, normalized_key
 
 COALESCE_GAP_BYTES = 1 << 20  # nearby arrays of one shard are fetched in one read
 
@@ -72,8 +73,9 @@ def load_shard(path: str) -> dict:
         return _load_from(f)
 
 
-def iter_activations(index: Any, sample_ids: Iterable[int], layer: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(sample_id, activation [num_tokens, hidden]) for each requested id, through the index.
+def iter_activations(index: Any, sample_ids: Iterable[int], layer: ArrayKey) -> Iterator[tuple[int, np.ndarray]]:
+    """(sample_id, activation [num_tokens, width]) for each requested id, through the index;
+    ``layer``: an array key (a layer, or a site's hook name: ``model.sites``).
 
     ``index``: the merged index as a pandas DataFrame, a pyarrow Table or a Parquet path.
     Shards are read once each, in shard order; ids missing from the index raise ``KeyError``.
@@ -85,7 +87,7 @@ def iter_activations(index: Any, sample_ids: Iterable[int], layer: int) -> Itera
     if missing:
         raise KeyError(f"sample ids not in the index: {missing[:10]}")
     for shard_path, group in rows.groupby("shard_path", sort=True):
-        entries = load_shard(shard_path)[layer]
+        entries = load_shard(shard_path)[normalized_key(layer)]
         for sample_id, position in zip(group.index, group["position"]):
             entry = entries[int(position)]
             if entry["sample_id"] != sample_id:
@@ -122,7 +124,8 @@ def decode_array(data: bytes | memoryview, dtype: str, shape: Sequence[int], com
 
 
 def _decode_row(data: bytes, row: dict) -> np.ndarray:
-    where = f"{row['shard_path']} at byte {row['byte_offset']} (sample {row['sample_id']}, layer {row['layer']})"
+    where = (f"{row['shard_path']} at byte {row['byte_offset']} (sample {row['sample_id']}, "
+             f"{row.get('site') or 'layer'} {row['layer']})")
     if len(data) != row["byte_length"]:
         raise CorruptShardError(f"shard truncated: {where}: got {len(data)} of {row['byte_length']} bytes")
     return decode_array(data, row["dtype"], row["shape"], row["shard_path"].endswith(".gz"), where)
@@ -160,12 +163,17 @@ def coalesced_reads(offsets: Sequence[int], lengths: Sequence[int], max_gap: int
 
 
 def read_activations(arrays_index: Any, sample_ids: Iterable[int],
-                     layers: Iterable[int]) -> dict[tuple[int, int], np.ndarray]:
-    """{(sample_id, layer): array} for every requested pair; reads that touch the same shard
-    within ``COALESCE_GAP_BYTES`` of each other are merged into one ranged read."""
+                     layers: Iterable[ArrayKey]) -> dict[tuple[int, ArrayKey], np.ndarray]:
+    """{(sample_id, key): array} for every requested pair; ``layers`` holds array keys: a layer
+    number for block outputs, or a site's hook name (``blocks.12.hook_mlp_out``; ``model.sites``).
+    Reads that touch the same shard within ``COALESCE_GAP_BYTES`` of each other are merged into
+    one ranged read."""
     table = _index_frame(arrays_index)
-    wanted = table[table["sample_id"].isin(set(int(i) for i in sample_ids))
-                   & table["layer"].isin(set(int(l) for l in layers))]
+    keys = {normalized_key(k) for k in layers}
+    table = table[table["sample_id"].isin(set(int(i) for i in sample_ids))
+                  & table["layer"].isin({key_parts(k)[1] for k in keys})]
+    row_keys = frame_keys(table)
+    wanted = table[[key in keys for key in row_keys]].assign(key=[k for k in row_keys if k in keys])
     out = {}
     for shard_path, group in wanted.sort_values("byte_offset").groupby("shard_path", sort=True):
         rows = group.to_dict("records")
@@ -175,5 +183,14 @@ def read_activations(arrays_index: Any, sample_ids: Iterable[int],
             data = read_range(shard_path, int(first), int(span))
             for row in rows[start:end]:
                 lo = row["byte_offset"] - first
-                out[(int(row["sample_id"]), int(row["layer"]))] = _decode_row(data[lo:lo + row["byte_length"]], row)
+                out[(int(row["sample_id"]), row["key"])] = _decode_row(data[lo:lo + row["byte_length"]], row)
     return out
+
+
+def frame_keys(frame) -> list[ArrayKey]:
+    """The array key of each row of a per-array index (a pandas frame): its layer, or with a
+    ``site`` other than the block output, the hook name."""
+    layers = frame["layer"].astype(int).tolist()
+    if "site" not in frame.columns:
+        return layers
+    return [array_key(site, layer) for site, layer in zip(frame["site"].tolist(), layers)]

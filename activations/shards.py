@@ -1,10 +1,12 @@
 """The shard format, readable by plain ``pickle.load(gzip.open(path))``, with random access.
 
-    {layer_idx: [{"sample_idx": id, "sample_id": id, "activation": np.ndarray [num_tokens, hidden],
-                  "shape": (num_tokens, hidden), "text_preview": str, "source": str}, ...], ...}
+    {key: [{"sample_idx": id, "sample_id": id, "activation": np.ndarray [num_tokens, width],
+            "shape": (num_tokens, width), "text_preview": str, "source": str}, ...], ...}
 
-Every layer's list holds the same samples in the same order (a sample's ``position``), with no
-padding rows.
+A key is a layer number ``L`` for block L's output (the residual stream, ``width`` = hidden size),
+or, for another activation site, its full TransformerLens hook name, e.g. ``"blocks.12.hook_mlp_out"``
+or ``"blocks.12.attn.hook_z"`` (``model.sites``). Every key's list holds the same samples in the
+same order (a sample's ``position``), with no padding rows.
 
 Random access by construction: the document is pickled with protocol 3, which has no framing, so
 each array's raw bytes are one contiguous ``BINBYTES`` payload. A compressed shard is a
@@ -36,6 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from model.sites import ArrayKey
+
 PICKLE_PROTOCOL = 3  # no frames: array payloads stay contiguous and locatable
 COMPRESSORS = ("isal", "zlib-ng", "zlib")
 DEFAULT_COMPRESSOR, DEFAULT_COMPRESSION_LEVEL = "isal", 1  # chosen by benchmarks/shard_compression.py
@@ -47,7 +51,7 @@ Segment = bytes | memoryview  # pickle opcodes, or an array's memory
 class ArrayLocation:
     """Where one activation array lives inside its shard file."""
     sample_id: int
-    layer: int
+    key: ArrayKey      # the shard document's key: a layer, or a site's hook name (``model.sites``)
     position: int
     byte_offset: int   # of its gzip member (compressed shard) or raw bytes (.pkl)
     byte_length: int
@@ -79,7 +83,7 @@ class CompressedArray:
 @dataclasses.dataclass(frozen=True)
 class ShardEntry:
     """One array of a shard document, in pickling order."""
-    layer: int
+    key: ArrayKey
     position: int
     sample_id: int
     array: np.ndarray | CompressedArray
@@ -89,15 +93,15 @@ def shard_filename(shard_id: int, compressed: bool = True) -> str:
     return f"shard_{shard_id:04d}.pkl" + (".gz" if compressed else "")
 
 
-def shard_dict(samples: Sequence[dict[str, Any]], layers: Sequence[int]) -> dict[int, list[dict]]:
+def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey]) -> dict[ArrayKey, list[dict]]:
     """The shard document for extracted samples (``sample_id``, ``source``, ``text_preview``,
-    ``activations: {layer: array}``), in the given order. Arrays that are already contiguous (the
-    extractor's are) go in as they are, not copied."""
-    return {layer: [{"sample_idx": s["sample_id"], "sample_id": s["sample_id"],
-                     "activation": _contiguous(s["activations"][layer]),
-                     "shape": tuple(s["activations"][layer].shape),
-                     "text_preview": s["text_preview"], "source": s["source"]} for s in samples]
-            for layer in layers}
+    ``activations: {key: array}``), keyed in the given order. Arrays that are already contiguous
+    (the extractor's are) go in as they are, not copied."""
+    return {key: [{"sample_idx": s["sample_id"], "sample_id": s["sample_id"],
+                   "activation": _contiguous(s["activations"][key]),
+                   "shape": tuple(s["activations"][key].shape),
+                   "text_preview": s["text_preview"], "source": s["source"]} for s in samples]
+            for key in keys}
 
 
 def _contiguous(array: np.ndarray | CompressedArray) -> np.ndarray | CompressedArray:
@@ -150,8 +154,8 @@ def _bytes_opcode(size: int) -> bytes:
 
 
 def shard_entries(shard: dict[int, list[dict]]) -> list[ShardEntry]:
-    return [ShardEntry(layer, position, item["sample_id"], item["activation"])
-            for layer, items in shard.items() for position, item in enumerate(items)]
+    return [ShardEntry(key, position, item["sample_id"], item["activation"])
+            for key, items in shard.items() for position, item in enumerate(items)]
 
 
 def shard_segments(shard: dict[int, list[dict]]) -> tuple[list[Segment | CompressedArray], list[ShardEntry]]:
@@ -216,7 +220,7 @@ def array_locations(entries: Sequence[ShardEntry], sizes: Sequence[int]) -> list
     """The location of every array, from the stored size of each segment (``shard_segments``'s
     order: segment ``2k + 1`` is array ``k``)."""
     offsets = list(itertools.accumulate([0, *sizes]))  # segment j starts at offsets[j]
-    return [ArrayLocation(e.sample_id, e.layer, e.position, offsets[2 * k + 1], sizes[2 * k + 1],
+    return [ArrayLocation(e.sample_id, e.key, e.position, offsets[2 * k + 1], sizes[2 * k + 1],
                           str(e.array.dtype), tuple(e.array.shape)) for k, e in enumerate(entries)]
 
 

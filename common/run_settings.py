@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from model.sites import DEFAULT_SITES
+
 # What output made before a setting existed had, given its other settings.
 BEFORE: dict[str, Callable[[dict[str, Any]], Any]] = {
     # The residual stream was kept in the compute dtype.
     "residual_dtype": lambda stored: stored.get("dtype"),
+    # Only block outputs were stored (model.sites).
+    "sites": lambda stored: list(DEFAULT_SITES),
 }
 # Where a setting is stored resolved, how to ask for a value again.
 HINTS = {"residual_dtype": "--residual_dtype compute: a stream in the compute dtype; float32: in float32"}

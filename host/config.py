@@ -10,7 +10,7 @@ from activations.shards import DEFAULT_COMPRESSION_LEVEL
 from common.cli import AUTO, UserError, flag, int_list, int_or_auto
 from host.machine_id import machine_id_flag
 from model.config import STORED_DTYPES
-from model.settings import ModelRunSettings, ProfileSettings
+from model.settings import ModelRunSettings, ProfileSettings, SiteSettings
 from transforms.long_samples import POLICIES
 
 # JAX's own variable, where a user has set it; else a per-user directory.
@@ -29,7 +29,7 @@ def spare_cores() -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HostConfig(ModelRunSettings, ProfileSettings):
+class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
     machine_id: int | str = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl, or its "
                                  "parts stream_{N:03d}/part-*.jsonl), or "
                                  "auto: from JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
@@ -39,7 +39,7 @@ class HostConfig(ModelRunSettings, ProfileSettings):
                                       "part-*.jsonl files (instead of --streams_dir)")
     max_samples: int | None = flag(None, "process at most the first N records of the stream")
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers to store, e.g. 6,12,18 or 6 12 18 "
-                                                     "(default: all)", parse=int_list)
+                                                     "(default: all); each site of --sites at each", parse=int_list)
     max_seq_length: int = flag(2048, "longest sequence (the largest length bucket)")
     long_samples: str = flag("truncate", "a record longer than --max_seq_length: truncate (keep its first "
                              "tokens, flagged in the index) | skip (listed in rejected.jsonl) | error "

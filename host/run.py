@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
+from activations.reader import storage_dtype
 from common.cli import UserError
 from common.files import read_optional
 from host import distributed
@@ -63,11 +64,12 @@ from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
 from model.sharding import make_mesh
+from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
-INDEX_FILE = re.compile(r"index/shard_(\d{4})(_arrays)?\.parquet")
+INDEX_FILE = re.compile(r"index/shard_(\d{4})(_arrays|_stats)?\.parquet")
 
 
 def prepare_machine_dir(path: str) -> None:
@@ -91,7 +93,7 @@ def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) 
             os.remove(os.path.join(machine_dir, rel))
             removed.append(rel)
     if store:
-        for name in store.names(r"(index/)?shard_\d{4}(_arrays)?\.(pkl(\.gz)?|parquet)"):
+        for name in store.names(r"(index/)?shard_\d{4}(_arrays|_stats)?\.(pkl(\.gz)?|parquet)"):
             if int(re.search(r"\d{4}", name).group()) > total_shards:
                 store.delete(name)
                 removed.append(store.url(name))
@@ -278,6 +280,10 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     model_config = load_config(resolve_model_dir(config.model_path))
     settings = output_settings(config, model_config)  # checks --ablate, before the model loads
     checkpoint.check_settings(settings)
+    if config.process_id in (None, 0):  # what the run will store, before it starts
+        itemsize = storage_dtype(config.activation_dtype).itemsize
+        print(f"machine {config.machine_id}: "
+              f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize)}")
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
     extraction = OrderedExtraction(ExtractConfig(
@@ -285,7 +291,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
-        batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means))
+        batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
+        sites=config.sites))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
@@ -398,10 +405,11 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
     """The flags that decide what a run stores, resolved (``auto``, all layers); a resumed run
     must keep them."""
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
-    intervention = intervention_for(config.ablate, config.ablation_means, model, max(layers) + 1)
+    sites = parse_sites(config.sites)
+    intervention = intervention_for(config.ablate, config.ablation_means, model, blocks_needed(sites, layers))
     # A checkpoint from before --ablate has neither key: each reads as None, the same as unset.
     dtype = resolve_dtype(config.dtype)
-    return {"layers_to_extract": list(layers), "dtype": jnp.dtype(dtype).name,
+    return {"layers_to_extract": list(layers), "sites": list(sites), "dtype": jnp.dtype(dtype).name,
             "residual_dtype": residual_dtype_name(dtype, resolve_residual_dtype(config.residual_dtype)),
             "activation_dtype": config.activation_dtype,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
@@ -425,7 +433,7 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream:
                          config.compression_level, _metadata(config, extractor, ablation, stream), ablation,
                          memory_budget_bytes=int(config.store_memory_gb * 1e9),
                          compression_threads=config.resolved_compression_threads,
-                         upload_threads=config.upload_threads)
+                         upload_threads=config.upload_threads, sites=extractor.sites)
 
 
 def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) -> dict[str, Any]:
@@ -433,7 +441,7 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) 
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
             "gcs_prefix": config.process_prefix if config.upload_to_gcs else None,
-            "model": config.model_path, "layers": list(extractor.layers),
+            "model": config.model_path, "layers": list(extractor.layers), "sites": list(extractor.sites),
             "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
             "residual_dtype": extractor.residual_dtype_name,
             "hidden_size": extractor.config.hidden_size, "model_type": extractor.config.model_type,

@@ -20,11 +20,12 @@ import jax
 # In the order a batch's activations meet them.
 STAGES = ("device_to_host",  # copying the batch's activations off the devices
           "split",           # cutting them per sample (views, no copy)
+          "stats",           # each array's float64 moments (activations.site_stats), in the compression threads
           "encode",          # the shard's pickle around its arrays (shard_segments)
           "compress",        # gzip members, in the compression threads
           "write",           # into the local file
           "fsync",           # until the file is durable
-          "index",           # building and writing the shard's two index files
+          "index",           # building and writing the shard's index and statistics files
           "upload",          # sending the shard and its indexes to GCS
           "verify",          # the checksum of the written bytes and the object's read back
           "commit")          # metadata.json and checkpoint.json

@@ -7,9 +7,11 @@ lower CPU priority than the forward's), so that several shards are in flight at 
   compress (``compression_threads``, compressed shards) each array's gzip member, started as the
           sample arrives, so compression keeps pace with the forward instead of coming in a
           burst per shard; the array is released once compressed.
+  stats   (the compression threads, or one of its own for raw shards) each array's float64
+          moments (``activations.site_stats``), started as the sample arrives.
   write   (one thread, shards in order) the shard's pickle streamed to its local file (its
           arrays' members, or for raw shards the arrays from the extractor's own buffers:
-          ``activations.shards``), then fsync; its two index files.
+          ``activations.shards``), then fsync; its two index files and its statistics.
   upload  (``upload_threads`` shards at once, when uploading) the shard and its indexes sent to
           GCS, each verified (size and CRC32C of the bytes written, read back).
   commit  (one thread, strictly in stream order) ``rejected.jsonl`` lines, ``metadata.json``,
@@ -33,7 +35,9 @@ import os
 import threading
 from typing import Any, Callable
 
-from activations.index import arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index
+from activations.index import (arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index,
+                               stats_filename)
+from activations.site_stats import Moments, merged_moments, stats_table
 from activations.shards import (DEFAULT_COMPRESSOR, CompressedArray, Segment, activation_bytes,
                                 array_locations, gzip_member_compressor, shard_dict, shard_filename,
                                 shard_segments, stored_segments)
@@ -42,6 +46,7 @@ from host.rejected import RejectedLog
 from host.status import utc_now
 from host.storage import Crc32c, GcsStore
 from host.store_stats import StoreStats
+from model.sites import DEFAULT_SITES, ArrayKey, array_keys
 
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
 # A shard file's written bytes are sent to the disk every this many, not all at its fsync: the
@@ -66,6 +71,12 @@ class ShardSettings:
     memory_budget_bytes: int = 4 * 10**9  # activations held by the store path (--store_memory_gb)
     compression_threads: int = 1
     upload_threads: int = 4
+    sites: tuple[str, ...] = DEFAULT_SITES  # stored at every layer (model.sites)
+
+    @property
+    def keys(self) -> list[ArrayKey]:
+        """The shard document's keys, in order."""
+        return array_keys(self.sites, self.layers)
 
 
 @dataclasses.dataclass
@@ -116,6 +127,8 @@ class ShardWriter:
         self._writing = _pool(1, "shard-write")
         self._compressing = _pool(settings.compression_threads, "shard-compress") if settings.compress else None
         self._compress_member = self._timed_compressor() if settings.compress else None
+        # Statistics are computed beside compression (or in a thread of their own for raw shards).
+        self._measuring = self._compressing or _pool(1, "shard-stats")
         self._uploading = _pool(settings.upload_threads, "shard-upload") if store else None
         self._committing = _pool(1, "shard-commit")
         self._commits: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -133,6 +146,8 @@ class ShardWriter:
 
     def add(self, sample: dict[str, Any]) -> None:
         self._buffer_bytes += activation_bytes(sample)
+        sample = {**sample, "moments": {key: self._measuring.submit(self._moments, array)
+                                        for key, array in sample["activations"].items()}}
         if self._compressing is not None:
             sample = {**sample, "activations": {
                 layer: CompressedArray.of(array, self._compress_member, self._compressing)
@@ -210,7 +225,7 @@ class ShardWriter:
             with self.stats.final_flush():
                 self.wait()
         finally:
-            for pool in (self._writing, self._compressing, self._uploading, self._committing):
+            for pool in (self._writing, self._compressing, self._measuring, self._uploading, self._committing):
                 if pool is not None:
                     pool.shutdown(wait=True)
 
@@ -255,8 +270,11 @@ class ShardWriter:
                                        s.activation_dtype, s.ablation)
         count, tokens = len(samples), sum(x["num_tokens"] for x in samples)
         first_id, last_id = samples[0]["sample_id"], samples[-1]["sample_id"]
+        per_sample = [{key: future.result() for key, future in x["moments"].items()} for x in samples]
+        with stats.stage("index"):  # merged in sample order: the same shard gives the same bytes
+            moments = stats_table(merged_moments(per_sample))
         with stats.stage("encode"):
-            document = shard_dict(samples, s.layers)
+            document = shard_dict(samples, s.keys)
             samples.clear()  # from here the arrays live in ``document`` only, and go with it
             segments, entries = shard_segments(document)
             del document
@@ -267,7 +285,8 @@ class ShardWriter:
         stats.count("written", size)
         with stats.stage("index"):
             indexes = {index_filename(shard_id): parquet_bytes(sample_index),
-                       arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, shard_path))}
+                       arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, shard_path)),
+                       stats_filename(shard_id): parquet_bytes(moments)}
             for index_name, index in indexes.items():
                 write_atomically(os.path.join(s.machine_dir, index_name), index)
         entry = {"shard_id": shard_id, "filename": name, "local_path": local_path, "gcs_path": None,
@@ -275,6 +294,10 @@ class ShardWriter:
                  "samples_per_layer": count, "total_samples_in_shard": count,
                  "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id}
         return WrittenShard(shard_id, name, local_path, size, crc, indexes, entry)
+
+    def _moments(self, array) -> Moments:
+        with self.stats.stage("stats"):
+            return Moments.of(array)
 
     def _timed_compressor(self) -> Callable[[Segment], bytes]:
         member, stats = gzip_member_compressor(DEFAULT_COMPRESSOR, self.settings.compression_level), self.stats

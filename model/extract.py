@@ -369,7 +369,8 @@ class Extractor:
                         if row < batch.count:  # views of ``acts``: each [num_tokens, width], contiguous
                             n = batch.lengths[row]
                             arrays = results[row] = results[row] or {}
-                            arrays.update({array_key(site, layer): acts[j, i, :n] for j, layer in enumerate(self.layers)})
+                            arrays.update({array_key(site, layer): acts[j, i, :n]
+                                           for j, layer in enumerate(self.layers)})
         for k, arrays in enumerate(results):
             if arrays is not None:
                 results[k] = arrays = dict(sorted(arrays.items(), key=lambda item: order[item[0]]))

@@ -2,7 +2,8 @@
 
 ``ModelSettings`` says which model and how its numbers are computed (dtype, residual stream,
 mesh); ``ModelRunSettings`` adds how batches are run (batch size, attention kernel);
-``ProfileSettings`` which batches are traced. ``runners.tpu_host``'s ``HostConfig`` and
+``ProfileSettings`` which batches are traced; ``SiteSettings`` which activation sites are stored
+(``model.sites``). ``runners.tpu_host``'s ``HostConfig`` and
 ``runners.ablate``'s ``AblationConfig`` extend ``ModelRunSettings`` and ``ProfileSettings``;
 the extraction's ``ExtractConfig`` extends ``ModelRunSettings``; ``runners.verify_model``
 extends ``ModelSettings``. Each field is a flag (``common.cli.flag``). This module imports no
@@ -15,6 +16,7 @@ import dataclasses
 
 from common.cli import AUTO, UserError, flag
 from model.config import ATTENTION_KINDS, COMPUTE_DTYPES, MESH_TYPES, RESIDUAL_DTYPES
+from model.sites import DEFAULT_SITES, SITES, parse_sites
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,13 @@ class ModelRunSettings(ModelSettings):
     def validate_batches(self) -> None:
         if self.batch_size < 1:
             raise UserError(f"--batch_size must be at least 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SiteSettings:
+    sites: tuple[str, ...] = flag(DEFAULT_SITES, "activation sites to store at each layer, named as TransformerLens "
+                                  f"names them after blocks.L.: {', '.join(SITES)} (default: hook_resid_post, "
+                                  "the block output; docs/sites.md)", parse=parse_sites)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ def samples(n=3, hidden=4, dtype=np.float32):
 
 
 def test_shard_layout_and_plain_pickle_gzip_reading(tmp_path):
-    shard = shard_dict(samples(), layers=(2, 5))
+    shard = shard_dict(samples(), (2, 5))
     path = tmp_path / shard_filename(7)
     path.write_bytes(encode_shard(shard, compress=True).data)
     assert path.name == "shard_0007.pkl.gz"
@@ -38,7 +38,7 @@ def test_shard_layout_and_plain_pickle_gzip_reading(tmp_path):
 
 
 def test_bytes_are_deterministic_and_uncompressed_is_plain_pickle():
-    shard = shard_dict(samples(), layers=(2, 5))
+    shard = shard_dict(samples(), (2, 5))
     assert encode_shard(shard, True).data == encode_shard(shard, True).data
     raw = encode_shard(shard, compress=False).data
     assert pickle.loads(raw)[5][2]["text_preview"] == "prompt 2"
@@ -46,7 +46,7 @@ def test_bytes_are_deterministic_and_uncompressed_is_plain_pickle():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_restricted_loader_reads_every_activation_dtype(tmp_path, dtype):
-    shard = shard_dict(samples(dtype=dtype), layers=(2, 5))
+    shard = shard_dict(samples(dtype=dtype), (2, 5))
     path = tmp_path / "s.pkl.gz"
     path.write_bytes(encode_shard(shard, True).data)
     loaded = load_shard(str(path))
@@ -103,7 +103,7 @@ def test_segments_are_the_standard_pickle_with_the_arrays_not_copied(dtype):
     items = [{"sample_id": i, "source": "t:0", "text_preview": "\x00activation-bytes\x00" * i,
               "activations": {layer: rng.standard_normal((n, 8)).astype(dtype) for layer in (0, 3)}}
              for i, n in enumerate([1, 40, 2, 300])]
-    shard = shard_dict(items, layers=(0, 3))
+    shard = shard_dict(items, (0, 3))
     segments, entries = shard_segments(shard)
     assert b"".join(segments) == pickle.dumps(shard, protocol=3)
     expected = [shard[layer][k]["activation"] for layer in (0, 3) for k in range(4)]  # pickling order
@@ -118,7 +118,7 @@ def test_segments_are_the_standard_pickle_with_the_arrays_not_copied(dtype):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         ahead = [{**item, "activations": {layer: CompressedArray.of(a, compress, pool)
                                           for layer, a in item["activations"].items()}} for item in items]
-        segments, _ = shard_segments(shard_dict(ahead, layers=(0, 3)))
+        segments, _ = shard_segments(shard_dict(ahead, (0, 3)))
         assert b"".join(stored_segments(segments, compress, pool)) == gz.data
 
 
@@ -126,7 +126,7 @@ def test_a_view_of_a_larger_batch_is_stored_without_its_padding():
     batch = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)  # [layers, rows, S, H]
     items = [{"sample_id": row, "source": "s", "text_preview": "",
               "activations": {layer: batch[layer, row, :row + 2] for layer in (0, 1)}} for row in range(3)]
-    shard = shard_dict(items, layers=(0, 1))
+    shard = shard_dict(items, (0, 1))
     segments, _ = shard_segments(shard)
     assert np.shares_memory(np.frombuffer(segments[1], np.uint8), batch)
     loaded = pickle.loads(b"".join(segments))

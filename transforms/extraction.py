@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Sequence
 
-from model.settings import ModelRunSettings
+from model.settings import ModelRunSettings, SiteSettings
 from transforms.long_samples import fit_record, rejection
 
 REJECTED = "rejected"  # the tag of records that were not computed
@@ -31,8 +31,9 @@ class Tagged:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExtractConfig(ModelRunSettings):
-    """The model settings (``model.settings``; ``batch_size`` is per device) and what to extract."""
+class ExtractConfig(ModelRunSettings, SiteSettings):
+    """The model settings (``model.settings``; ``batch_size`` is per device) and what to extract:
+    ``sites`` (``model.sites``) at ``layers``."""
     model_path: str
     layers: tuple[int, ...] | None = None  # None: every layer
     max_seq_length: int = 2048
@@ -44,9 +45,9 @@ class ExtractConfig(ModelRunSettings):
     ablation_means: str | None = None      # its means file, for mode=mean
 
 
-def activation_record(record: dict[str, Any], activations: dict[int, Any]) -> dict[str, Any]:
+def activation_record(record: dict[str, Any], activations: dict[Any, Any]) -> dict[str, Any]:
     """The output of one sample (as computed, see ``fit_record``): its identity, whether it was
-    truncated, and ``{layer: array [num_tokens, hidden]}``."""
+    truncated, and ``{key: array [num_tokens, width]}`` (keys: ``model.sites.array_keys``)."""
     return {"sample_id": record["sample_id"], "source": record["source"],
             "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
             "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
@@ -85,7 +86,7 @@ class OrderedExtraction:
                                         c.max_seq_length, activation_dtype=c.activation_dtype,
                                         attention=c.attention, batches_in_flight=c.batches_in_flight,
                                         ablation=c.ablation, ablation_means=c.ablation_means,
-                                        residual_dtype=c.residual_dtype)
+                                        residual_dtype=c.residual_dtype, sites=c.sites)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""

@@ -1,0 +1,97 @@
+"""Per-site statistics of stored activations: for each (site, layer), the count of tokens, the mean
+vector, the per-dimension variance and the mean L2 norm, in float64.
+
+What normalising trainers need (CLT and crosscoder training scale each site by ``sqrt(d) /
+mean_norm``, or by mean and std). Each shard's statistics are computed from its arrays as they
+are stored (``index/shard_NNNN_stats.parquet``, beside its two index files) and merged with
+Chan et al.'s parallel formula, which is exact up to float64 rounding whatever the grouping: a
+machine's, or the fleet's (``index_stats.parquet`` beside the merged index), is the merge of its
+shards' in path order. A resumed run stores the same shards as an uninterrupted one, and so the
+same statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from model.sites import ArrayKey, array_key, key_parts
+
+STATS_SCHEMA = pa.schema([
+    ("site", pa.string()), ("layer", pa.int32()), ("count", pa.int64()),
+    ("mean", pa.list_(pa.float64())), ("variance", pa.list_(pa.float64())),  # per dimension (population)
+    ("mean_norm", pa.float64()),  # mean over tokens of each token's L2 norm
+])
+
+
+@dataclasses.dataclass
+class Moments:
+    """The statistics of a set of token vectors: count, mean, sum of squared deviations ``m2``
+    (variance = m2 / count) and mean L2 norm."""
+    count: int
+    mean: np.ndarray   # [width] float64
+    m2: np.ndarray     # [width] float64
+    mean_norm: float
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> "Moments":
+        """The moments of ``array`` [tokens, width] (any float dtype, bfloat16 included)."""
+        x = array.astype(np.float64)  # a copy: centred in place below
+        if not len(x):
+            return cls(0, np.zeros(x.shape[-1]), np.zeros(x.shape[-1]), 0.0)
+        mean = x.mean(axis=0)
+        norms = np.sqrt(np.einsum("td,td->t", x, x))
+        x -= mean  # x is a fresh float64 copy unless the array was float64 already
+        return cls(len(x), mean, np.einsum("td,td->d", x, x), float(norms.mean()))
+
+    def merged(self, other: "Moments") -> "Moments":
+        """The moments of both sets together (Chan, Golub and LeVeque's pairwise update)."""
+        n = self.count + other.count
+        if not other.count or not self.count:
+            return other if not self.count else self
+        share = other.count / n
+        delta = other.mean - self.mean
+        return Moments(n, self.mean + delta * share, self.m2 + other.m2 + delta * delta * (self.count * share),
+                       self.mean_norm + (other.mean_norm - self.mean_norm) * share)
+
+    @property
+    def variance(self) -> np.ndarray:
+        return self.m2 / self.count if self.count else np.zeros_like(self.m2)
+
+
+def merged_moments(parts: Iterable[dict[ArrayKey, Moments]]) -> dict[ArrayKey, Moments]:
+    """Per key, the merge of every part's moments, in the parts' order."""
+    out: dict[ArrayKey, Moments] = {}
+    for part in parts:
+        for key, moments in part.items():
+            out[key] = out[key].merged(moments) if key in out else moments
+    return out
+
+
+def stats_table(moments: dict[ArrayKey, Moments]) -> pa.Table:
+    """One row per (site, layer), sorted by site then layer."""
+    rows = sorted((key_parts(key), m) for key, m in moments.items())
+    return pa.table({
+        "site": [site for (site, _), _ in rows], "layer": [layer for (_, layer), _ in rows],
+        "count": [m.count for _, m in rows], "mean": [m.mean.tolist() for _, m in rows],
+        "variance": [m.variance.tolist() for _, m in rows], "mean_norm": [m.mean_norm for _, m in rows],
+    }, schema=STATS_SCHEMA)
+
+
+def table_moments(table: pa.Table) -> dict[ArrayKey, Moments]:
+    """A statistics table back as moments per array key."""
+    out = {}
+    for row in table.to_pylist():
+        mean, variance = np.asarray(row["mean"], np.float64), np.asarray(row["variance"], np.float64)
+        out[array_key(row["site"], row["layer"])] = Moments(row["count"], mean, variance * row["count"],
+                                                            row["mean_norm"])
+    return out
+
+
+def merge_stats_files(paths: Sequence[str]) -> pa.Table:
+    """The statistics of every listed shard statistics file together, merged in path order."""
+    from activations.index import read_parquet
+    return stats_table(merged_moments(table_moments(read_parquet(p, schema=STATS_SCHEMA)) for p in sorted(paths)))
