@@ -1,17 +1,20 @@
-"""``runners.tpu_host`` on every family but Qwen2 (which the other runner tests run), each with
-other flags, so that between them every flag runs on a family beside Qwen2: bfloat16 with the
-float32 stream on a 2d mesh, the fused kernel, a resume, a machine of two processes, the
-multimodal Gemma 3's text model. Layer L stays block L's output: what is stored equals
-transformers' block outputs (float32) or our in-process forward with the same settings."""
+"""``runners.tpu_host`` on every family, each with other flags, so that between them every flag runs
+on a family beside Qwen2 (which the other runner tests run): bfloat16 with the float32 stream on a
+2d mesh, the fused kernel, a resume, a machine of two processes, the multimodal Gemma 3's text
+model. Layer L stays block L's output, and every activation site (``--sites``, ``model.sites``)
+what transformers' modules compute there (``model.params.hf_site``): what is stored equals
+transformers' float64 forward read by hooks (float32 runs; Qwen2's also TransformerLens's hook
+names) or our in-process forward with the same settings."""
 
 import json
 
 import numpy as np
 import pytest
 
-from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
+from fixtures.hf_reference import load_reference, random_sequences, reference_sites, relative_error
 from model.config import load_config
 from model.extract import Extractor
+from model.sites import MLP_IN, RESID_POST, SITES, array_key
 from fixtures.gcs_emulator import free_port
 from tests.conftest import run_cli, run_in_process
 from tests.test_host_errors import one_line_error
@@ -19,6 +22,7 @@ from tests.test_multihost import start_slice, stored
 
 pytestmark = pytest.mark.slow
 MAX_SEQ = 64
+EVERY_SITE = ["--sites", ",".join(SITES)]
 
 
 def write_stream(path, model_dir: str, count: int = 10) -> list[dict]:
@@ -42,53 +46,73 @@ def run_ok(*args: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def assert_equals_transformers(model_dir: str, records: list[dict], got: dict[int, dict[int, np.ndarray]]) -> None:
-    """Every sample once, every layer within 1e-5 of transformers' float64 block outputs."""
+def assert_equals_transformers(model_dir: str, records: list[dict], got: dict[int, dict], sites=(RESID_POST,),
+                               layers=None) -> None:
+    """Every sample once with the arrays of ``sites`` x ``layers`` (default: every layer), each
+    within 1e-5 of transformers' float64 forward at the same place."""
     assert sorted(got) == [r["sample_id"] for r in records]
-    references = reference_activations(load_reference(model_dir, "float64"), [r["input_ids"] for r in records])
+    references = reference_sites(load_reference(model_dir, "float64"), [r["input_ids"] for r in records], sites,
+                                 layers)
     for record, reference in zip(records, references):
-        assert sorted(got[record["sample_id"]]) == sorted(reference)
-        for layer, expected in reference.items():
-            assert relative_error(got[record["sample_id"]][layer], expected) <= 1e-5, (record["source"], layer)
+        assert sorted(got[record["sample_id"]], key=str) == sorted((array_key(*k) for k in reference), key=str)
+        for (site, layer), expected in reference.items():
+            ours = got[record["sample_id"]][array_key(site, layer)]
+            assert relative_error(ours, expected) <= 1e-5, (record["source"], site, layer)
 
 
 @pytest.mark.parametrize("case, flags", [
     ("mistral", ["--attention", "fused", "--mesh_type", "2d"]),
     ("gemma3_multimodal", ["--mesh_type", "1d"]),
+    ("llama", ["--layers_to_extract", "0,2"]),
 ])
-def test_a_float32_run_stores_transformers_block_outputs(family_checkpoints, tmp_path, case, flags):
+def test_a_float32_run_stores_transformers_sites(family_checkpoints, tmp_path, case, flags):
+    """Every site at every layer asked for (all but Llama's: two)."""
     model_dir = family_checkpoints[case, "transformers5"]
     records = write_stream(tmp_path / "stream.jsonl", model_dir)
-    run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, *flags))
+    run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, *flags, *EVERY_SITE))
     metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
-    assert metadata["model_type"] == case.removesuffix("_multimodal")
+    assert metadata["model_type"] == case.removesuffix("_multimodal") and metadata["sites"] == list(SITES)
     assert metadata["attention"] == ("fused" if "fused" in flags else "tiled")
-    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"))
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), SITES,
+                               [0, 2] if case == "llama" else None)
+
+
+def test_qwen2_sites_equal_transformer_lens_hooks(family_checkpoints, tmp_path):
+    """Every site at two layers through the runner against transformers' modules and against
+    TransformerLens's own hooks of the same names (``run_with_cache``; it has no mlp.hook_in)."""
+    from fixtures.transformer_lens_reference import hooked_qwen2, transformer_lens_sites
+    model_dir = family_checkpoints["qwen2", "transformers5"]
+    records = write_stream(tmp_path / "stream.jsonl", model_dir, count=4)
+    run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--layers_to_extract", "1,3", *EVERY_SITE))
+    got = stored(tmp_path / "out" / "machine_000")
+    assert_equals_transformers(model_dir, records, got, SITES, [1, 3])
+    sites = [s for s in SITES if s != MLP_IN]
+    lens = transformer_lens_sites(hooked_qwen2(model_dir), [r["input_ids"] for r in records], sites, [1, 3])
+    for record, reference in zip(records, lens):
+        for (site, layer), expected in reference.items():
+            ours = got[record["sample_id"]][array_key(site, layer)]
+            assert relative_error(ours, expected) <= 1e-5, (record["source"], site, layer)
 
 
 @pytest.fixture(scope="module")
 def gemma2_run(family_checkpoints, tmp_path_factory):
-    """Gemma 2 (soft-capped attention: ``auto`` takes the tiled kernel), layers 1 and 3, merged."""
+    """Gemma 2 (soft-capped attention: ``auto`` takes the tiled kernel), every site at layers 1
+    and 3, merged."""
     folder = tmp_path_factory.mktemp("gemma2_run")
     model_dir = family_checkpoints["gemma2", "transformers5"]
     records = write_stream(folder / "stream.jsonl", model_dir)
-    run_ok(*runner(folder / "stream.jsonl", folder / "out", model_dir, "--layers_to_extract", "1", "3"))
+    run_ok(*runner(folder / "stream.jsonl", folder / "out", model_dir, "--layers_to_extract", "1", "3", *EVERY_SITE))
     result = run_cli("pipeline.index", "--activations_dir", str(folder / "out"), "--output",
                      str(folder / "index.parquet"))
     assert result.returncode == 0, result.stderr
     return model_dir, records, folder
 
 
-def test_a_soft_capped_run_stores_the_chosen_blocks(gemma2_run):
+def test_a_soft_capped_run_stores_the_chosen_blocks_and_sites(gemma2_run):
     model_dir, records, folder = gemma2_run
     metadata = json.loads((folder / "out" / "machine_000" / "metadata.json").read_text())
     assert (metadata["model_type"], metadata["attention"], metadata["layers"]) == ("gemma2", "tiled", [1, 3])
-    got = stored(folder / "out" / "machine_000")
-    reference = reference_activations(load_reference(model_dir, "float64"), [r["input_ids"] for r in records])
-    for record, expected in zip(records, reference):
-        assert sorted(got[record["sample_id"]]) == [1, 3]
-        for layer in (1, 3):
-            assert relative_error(got[record["sample_id"]][layer], expected[layer]) <= 1e-5
+    assert_equals_transformers(model_dir, records, stored(folder / "out" / "machine_000"), SITES, [1, 3])
 
 
 def test_the_saelens_export_names_block_3_resid_post_and_reads_as_stored(gemma2_run, tmp_path):
@@ -130,22 +154,24 @@ def test_a_resumed_run_stores_every_sample_once(family_checkpoints, tmp_path):
     model_dir = family_checkpoints["qwen3", "transformers5"]
     records = write_stream(tmp_path / "stream.jsonl", model_dir)
     args = runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--window", "2")
-    run_ok(*args, "--max_samples", "5")
+    run_ok(*args, "--max_samples", "5", *EVERY_SITE)
     checkpoint = json.loads((tmp_path / "out" / "machine_000" / "checkpoint.json").read_text())
     assert 0 < checkpoint["total_samples_processed"] == 5 < len(records)
-    run_ok(*args)
-    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"))
+    other = run_cli("runners.tpu_host", *args, "--sites", "hook_resid_post")  # refused before the model loads
+    assert other.returncode != 0 and "--sites [" in other.stderr and "resume with the same flags" in other.stderr
+    run_ok(*args, *EVERY_SITE)
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), SITES)
 
 
 def test_a_machine_of_two_processes_with_a_single_kv_head(family_checkpoints, tmp_path):
     model_dir = family_checkpoints["gemma3", "transformers5"]
     records = write_stream(tmp_path / "stream.jsonl", model_dir)
     procs = start_slice(runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--mesh_type", "2d",
-                               "--window", "4"), free_port())
+                               "--window", "4", *EVERY_SITE), free_port())
     for p in procs:
         _, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr[-3000:]
-    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"))
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), SITES)
 
 
 @pytest.mark.parametrize("problem, expected", [

@@ -45,8 +45,11 @@ def shard_contents(machine_dir: pathlib.Path) -> dict:
 
 
 def index_rows(machine_dir: pathlib.Path) -> list[dict]:
+    """The rows of a machine's per-shard index and arrays files (shard paths as file names)."""
     rows = []
-    for path in sorted((machine_dir / "index").glob("shard_*.parquet")):
+    for path in sorted((machine_dir / "index").glob("shard_????*.parquet")):
+        if path.name.endswith("_stats.parquet"):
+            continue
         for row in pq.read_table(path).to_pylist():
             row["shard_path"] = os.path.basename(row["shard_path"])
             rows.append(row)
@@ -78,6 +81,7 @@ def test_end_to_end_every_sample_once_and_equal_to_reference(arc_streams, tiny_c
     assert all(np.array_equal(pairs[(i, 2)], a) for i, a in per_sample.items())
     merged = json.loads((tmp_path / "merged_metadata.json").read_text())
     assert merged["total_samples"] == 24 and merged["completed_machines"] == [0, 1]
+    assert_statistics_of_the_arrays(uninterrupted, index_path, 24)
     reference = load_reference(tiny_checkpoints["gqa_tied"])
     by_id = {s["sample_id"]: s for s in streams}
     for layer in (0, 3):
@@ -86,6 +90,30 @@ def test_end_to_end_every_sample_once_and_equal_to_reference(arc_streams, tiny_c
         for (sample_id, activation), ref in zip(got.items(), refs):
             assert activation.shape == (by_id[sample_id]["num_tokens"], 64)
             assert relative_error(activation, ref[layer]) <= 1e-5
+
+
+def assert_statistics_of_the_arrays(activations_dir: pathlib.Path, index_path: pathlib.Path, samples: int) -> None:
+    """The merged per-site statistics (of every machine's shards) equal those recomputed in
+    float64 from every stored array read back (relative 1e-12)."""
+    from activations.index import stats_path
+    from activations.reader import frame_keys
+    from activations.site_stats import table_moments
+    if not index_path.exists():
+        result = run_cli("pipeline.index", "--activations_dir", str(activations_dir), "--output", str(index_path))
+        assert result.returncode == 0, result.stderr
+    stats = table_moments(pq.read_table(stats_path(str(index_path))))
+    arrays = pq.read_table(str(index_path).replace(".parquet", "_arrays.parquet")).to_pandas()
+    keys = sorted(set(frame_keys(arrays)), key=str)
+    assert sorted(stats, key=str) == keys
+    values = read_activations(arrays, arrays["sample_id"].unique().tolist(), keys)
+    assert len(values) == samples * len(keys)
+    for key in keys:
+        tokens = np.concatenate([a for (_, k), a in sorted(values.items(), key=str) if k == key]).astype(np.float64)
+        got = stats[key]
+        assert got.count == len(tokens)
+        np.testing.assert_allclose(got.mean, tokens.mean(0), rtol=1e-12, atol=1e-12 * np.abs(tokens).max())
+        np.testing.assert_allclose(got.variance, tokens.var(0), rtol=1e-12)
+        assert abs(got.mean_norm - np.linalg.norm(tokens, axis=1).mean()) <= 1e-12 * got.mean_norm
 
 
 def test_metadata_and_checkpoint(uninterrupted):
@@ -177,20 +205,31 @@ def run_with_kills(args, machine_dir: pathlib.Path, num_shards: int, rng: random
     raise AssertionError("the run did not complete in 12 starts")
 
 
+def stats_files(machine_dir: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((machine_dir / "index").glob("shard_*_stats.parquet"))}
+
+
+FOUR_SITES = "hook_resid_mid,attn.hook_z,hook_mlp_out,hook_resid_post"
+
+
 def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams, tiny_checkpoints, tmp_path):
     # 60 records in windows of 3, ~30 shards: shards are stored all through the run, so kills
-    # land in start-up, between shards and during a shard's store.
-    long_stream(arc_streams, tmp_path / "long.jsonl", copies=5)
+    # land in start-up, between shards and during a shard's store. Four sites at every layer.
+    records = long_stream(arc_streams, tmp_path / "long.jsonl", copies=5)
 
     def args_for(out):
         return ["--machine_id", "0", "--dataset_stream", str(tmp_path / "long.jsonl"), "--model_path",
-                tiny_checkpoints["gqa_tied"], "--output_dir", str(out), "--shard_size_gb", SHARD_GB,
-                "--batch_size", "2", "--window", "3", "--max_seq_length", "160", "--dtype", "float32"]
+                tiny_checkpoints["gqa_tied"], "--output_dir", str(out), "--shard_size_gb", "0.0008",
+                "--batch_size", "2", "--window", "3", "--max_seq_length", "160", "--dtype", "float32",
+                "--sites", FOUR_SITES]
 
     baseline = run_host_cli(*args_for(tmp_path / "baseline"))
     assert baseline.returncode == 0, baseline.stderr
     expected_shards = shard_contents(tmp_path / "baseline" / "machine_000")
     expected_index = index_rows(tmp_path / "baseline" / "machine_000")
+    expected_stats = stats_files(tmp_path / "baseline" / "machine_000")
+    assert len(expected_stats) == len(expected_shards) > 10
+    assert_statistics_of_the_arrays(tmp_path / "baseline", tmp_path / "baseline_index.parquet", len(records))
     rng = random.Random(1234)
     progress_at_kills = []
     for trial in range(3):
@@ -202,8 +241,11 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams
         assert checkpoint["status"] == COMPLETED
         assert shard_contents(out / "machine_000") == expected_shards
         assert index_rows(out / "machine_000") == expected_index
+        assert stats_files(out / "machine_000") == expected_stats  # so their merge is the same too
         files = sorted(p.name for p in (out / "machine_000").rglob("*") if p.is_file())
         assert not [f for f in files if f.endswith(".tmp")]
+        # No orphans: the files of the uninterrupted run, no more.
+        assert files == sorted(p.name for p in (tmp_path / "baseline" / "machine_000").rglob("*") if p.is_file())
     # Some kills landed mid-run: after some shards were stored but before the last.
     assert any(0 < n < len(expected_shards) for n in progress_at_kills), progress_at_kills
 
