@@ -2,9 +2,12 @@
 
 SAELens's ``ActivationsStore(cached_activations_path=DIR)`` reads a Hugging Face ``datasets``
 directory (the layout ``Dataset.save_to_disk`` writes and ``load_from_disk`` reads): one row per
-chunk of ``context_size`` tokens, the activations in a column named by the hook
-(``blocks.L.hook_resid_post``) of feature type ``Array2D((context_size, hidden), "float32")``,
-and ``token_ids`` as ``Sequence(Value("int32"), length=context_size)``. SAELens reads the rows in
+chunk of ``context_size`` tokens, the activations of each exported (site, layer) in a column named
+by its hook (``blocks.L.hook_resid_post``, ``blocks.L.hook_mlp_out``, ``blocks.L.attn.hook_z``) of
+feature type ``Array2D((context_size, width), "float32")`` at the site's own width, and
+``token_ids`` as ``Sequence(Value("int32"), length=context_size)``. Every column of a row holds
+the same tokens: two sites of one layer (``ln2.hook_normalized`` and ``hook_mlp_out``) are a
+transcoder's input and target, row by row. SAELens reads the rows in
 order, so the order is decided here: the token loader's, shuffled across every shard by a seed,
 or, with no seed, storage order (shard by shard, position by position: each sample's tokens
 together and in order).
@@ -33,36 +36,37 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from activations.layer_names import hook_name, layer_names
+from activations.layer_names import column_name, layer_names
 from activations.token_loader import TokenLoader
 from common.cli import UserError
+from model.sites import ArrayKey, describe_key
 
 EXPORT_INFO_FILE = "activation_export.json"
 
 
 @dataclasses.dataclass(frozen=True)
 class SaeLensLayout:
-    """The columns of the export: one per layer, named by ``hook_names``."""
+    """The columns of the export: one per array key, named by ``column_names``."""
     context_size: int
-    hidden_size: int
-    hook_names: dict[int, str]   # layer -> column name
+    widths: dict[ArrayKey, int]       # key -> its arrays' width
+    hook_names: dict[ArrayKey, str]   # key -> column name
 
     def features(self):
         from datasets import Array2D, Features, Sequence, Value
-        columns = {name: Array2D(shape=(self.context_size, self.hidden_size), dtype="float32")
-                   for name in self.hook_names.values()}
+        columns = {name: Array2D(shape=(self.context_size, self.widths[key]), dtype="float32")
+                   for key, name in self.hook_names.items()}
         columns["token_ids"] = Sequence(Value("int32"), length=self.context_size)
         return Features(columns)
 
-    def table(self, activations: dict[int, np.ndarray], token_ids: np.ndarray, features) -> pa.Table:
-        """The whole rows of ``context_size`` tokens in a batch (activations [tokens, hidden]);
-        tokens past the last whole row are left out."""
+    def table(self, activations: dict[ArrayKey, np.ndarray], token_ids: np.ndarray, features) -> pa.Table:
+        """The whole rows of ``context_size`` tokens in a batch (activations [tokens, width] per
+        key); tokens past the last whole row are left out."""
         used = len(token_ids) // self.context_size * self.context_size
         columns = {}
-        for layer, name in self.hook_names.items():
-            values = pa.array(np.ascontiguousarray(activations[layer][:used], dtype=np.float32).reshape(-1))
+        for key, name in self.hook_names.items():
+            values = pa.array(np.ascontiguousarray(activations[key][:used], dtype=np.float32).reshape(-1))
             nested = pa.FixedSizeListArray.from_arrays(
-                pa.FixedSizeListArray.from_arrays(values, self.hidden_size), self.context_size)
+                pa.FixedSizeListArray.from_arrays(values, self.widths[key]), self.context_size)
             kind = features[name]()  # the Array2D extension type; its storage is nested lists
             columns[name] = pa.ExtensionArray.from_storage(kind, nested.cast(kind.storage_type))
         columns["token_ids"] = pa.FixedSizeListArray.from_arrays(
@@ -70,15 +74,20 @@ class SaeLensLayout:
         return pa.table(columns)
 
 
-def hook_names(layers: Sequence[int], template: str) -> dict[int, str]:
-    """Column name per layer; ``template`` holds ``{layer}`` (any format of it), or is one literal
-    name for one layer."""
+def column_names(keys: Sequence[ArrayKey], template: str) -> dict[ArrayKey, str]:
+    """Column name per key; ``template`` holds ``{layer}`` and ``{site}`` (any format of them),
+    or is one literal name for one column."""
     try:
-        names = {layer: hook_name(layer, template) for layer in layers}
+        names = {key: column_name(key, template) for key in keys}
     except (KeyError, IndexError, ValueError) as e:
-        raise UserError(f"--hook_name {template!r}: the only field it may hold is {{layer}} ({e})") from None
-    if len(set(names.values())) != len(names):
-        raise UserError(f"--hook_name {template!r} names several layers' columns alike: put {{layer}} in it")
+        raise UserError(f"--hook_name {template!r}: the only fields it may hold are {{layer}} and {{site}} "
+                        f"({e})") from None
+    seen: dict[str, ArrayKey] = {}
+    for key, name in names.items():
+        if name in seen:
+            raise UserError(f"--hook_name {template!r} names {describe_key(seen[name])} and {describe_key(key)} "
+                            f"alike ({name}): put {{layer}} in it, and {{site}} with several sites")
+        seen[name] = key
     if "token_ids" in names.values():
         raise UserError("--hook_name must not be token_ids (the token id column)")
     return names
@@ -205,35 +214,45 @@ def _no_progress_bars():
 
 
 def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str) -> dict[str, Any]:
-    """What the export holds and where it came from (before counting rows)."""
+    """What the export holds and where it came from (before counting rows): ``layers`` names
+    each column (its key's layer, site, hook name, width and meaning)."""
     c, machines = loader.config, loader.metadata.get("machines", [])
     models = sorted({m.get("model") for m in machines if m.get("model")})
     depths = {m.get("num_hidden_layers") for m in machines} - {None}
     depth = depths.pop() if len(depths) == 1 else None
+    hidden = {m.get("hidden_size") for m in machines} - {None}
     return {"format": "saelens", "index": c.index, "model": models[0] if len(models) == 1 else models,
-            "num_hidden_layers": depth, "stored_dtype": loader.stored.dtype[c.layers[0]],
-            "exported_dtype": "float32", "hidden_size": layout.hidden_size,
+            "num_hidden_layers": depth, "stored_dtype": loader.stored.dtype[c.keys[0]],
+            "exported_dtype": "float32", "hidden_size": hidden.pop() if len(hidden) == 1 else None,
             "context_size": layout.context_size, "hook_name_template": hook_template,
-            "layers": [layer_names(l, depth, hook_template) for l in c.layers],
+            "layers": [layer_names(k, depth, layout.widths[k], hook_template) for k in c.keys],
             "seed": c.seed, "samples": len(loader.stored),
             "exclude_first_positions": c.exclude_first_positions,
             "exclude_token_ids": list(c.exclude_token_ids), "max_tokens": c.max_tokens,
             "token_ids_from": "streams: " + (c.streams_dir or "the stream paths recorded by each runner")}
 
 
+def describe_column(names: dict[str, Any]) -> str:
+    """One column of the description: where it comes from, its width and, for block outputs, the
+    Hugging Face ``hidden_states`` entry."""
+    if names["site"] != "hook_resid_post":
+        return (f"{names['site']} of block {names['layer']} -> column {names['hook_name']} (TransformerLens "
+                f"{names['transformer_lens']}, width {names['width']}: {names['meaning']})")
+    column = f"layer {names['layer']} -> column {names['hook_name']} (TransformerLens {names['transformer_lens']}"
+    if names["hf_hidden_states_index"] is None:
+        return f"{column}; no Hugging Face hidden_states entry: the last one is after the final norm)"
+    return f"{column}, Hugging Face hidden_states[{names['hf_hidden_states_index']}])"
+
+
 def describe(summary: dict[str, Any]) -> str:
-    """The dataset's description: which model, layers, dtype and index it came from."""
-    layers = "; ".join(f"layer {l['layer']} -> column {l['hook_name']} (TransformerLens "
-                       f"{l['transformer_lens']}, Hugging Face hidden_states[{l['hf_hidden_states_index']}])"
-                       if l["hf_hidden_states_index"] is not None else
-                       f"layer {l['layer']} -> column {l['hook_name']} (TransformerLens {l['transformer_lens']}; "
-                       "no Hugging Face hidden_states entry: the last one is after the final norm)"
-                       for l in summary["layers"])
+    """The dataset's description: which model, columns, dtype and index it came from."""
+    columns = "; ".join(describe_column(names) for names in summary["layers"])
     order = ("rows in storage order (shard by shard, position by position)" if summary["seed"] is None else
              f"tokens shuffled across all samples with seed {summary['seed']}")
     dropped = summary["dropped_tokens"]
-    return (f"Residual-stream activations of {summary['model']}: this project's layer L is the output of "
-            f"decoder block L, before the final norm. {layers}. Stored as {summary['stored_dtype']}, "
+    return (f"Activations of {summary['model']} at TransformerLens's hooks: this project's layer L is the "
+            f"output of decoder block L (blocks.L.hook_resid_post), before the final norm. {columns}. "
+            f"Every column of a row holds the same tokens. Stored as {summary['stored_dtype']}, "
             f"exported as float32, hidden size {summary['hidden_size']}. {summary['rows']} rows of "
             f"{summary['context_size']} tokens ({summary['tokens']} tokens of {summary['samples']} samples), "
             f"{order}; a row may span two samples, never padded. Left out: {dropped['last_partial_row']} "

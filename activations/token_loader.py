@@ -1,12 +1,17 @@
-"""Shuffled token batches from stored activations: ``[batch, hidden]`` arrays drawn across every
-shard, for training sparse autoencoders and probes.
+"""Shuffled token batches from stored activations: ``[batch, width]`` arrays drawn across every
+shard, for training sparse autoencoders, transcoders and probes.
 
     loader = TokenLoader(LoaderConfig(index="index.parquet", layers=(12,), batch_tokens=4096, seed=0))
     for batch in loader:                 # one epoch: every kept token exactly once
         batch.activations[12]            # np.ndarray [batch, hidden], float32
     sae_data = loader.arrays(as_torch=True)  # endless torch tensors, reshuffled each epoch
 
-How: the epoch's blocks (runs of neighbouring arrays, one ranged read per layer: see
+``layers`` holds array keys (``model.sites``): a layer number for block outputs, or the hook name
+of any stored site (``"blocks.12.hook_mlp_out"``, ``"blocks.12.attn.hook_z"``), each at its own
+width; ``"blocks.12.hook_resid_post"`` is key 12. ``normalize`` scales each key by the run's
+statistics (``index_stats.parquet``): ``mean_norm`` or ``standardize``.
+
+How: the epoch's blocks (runs of neighbouring arrays, one ranged read per key: see
 ``token_plan``) are read in a random order by a pool of threads, ``read_ahead`` blocks ahead of
 the consumer, each array's gzip member decompressed alone and CRC-checked. Their tokens pass
 the filters and enter a shuffle buffer of ``buffer_tokens`` rows; whenever it is full, a batch of
@@ -14,10 +19,10 @@ random rows leaves it. The result depends only on the seed and the epoch, never 
 timing. With ``seed=None`` nothing is shuffled: tokens come in storage order (shard by shard,
 position by position; see ``token_plan``).
 
-Memory: the buffer (``buffer_tokens`` x (hidden x layers x 4 + 20) bytes, allocated once) plus
-``read_ahead + 1`` blocks (each at most ``block_bytes`` of shard, or one array if larger, held
-compressed, decoded and, from float16 / bfloat16, converted), plus the plan (~50 bytes a sample
-and 16 a layer) and, when token ids are used, 4 bytes a token.
+Memory: the buffer (``buffer_tokens`` x (the keys' widths summed x 4 + 20) bytes, allocated
+once) plus ``read_ahead + 1`` blocks (each at most ``block_bytes`` of shard, or one array if
+larger, held compressed, decoded and, from float16 / bfloat16, converted), plus the plan (~50
+bytes a sample and 16 a key) and, when token ids are used, 4 bytes a token.
 """
 
 from __future__ import annotations
@@ -26,26 +31,30 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from activations.reader import CorruptShardError, decode_array, storage_dtype
 from activations.token_buffer import TokenBuffer
 from activations.token_ids import TokenIds, load_token_ids, machine_streams
-from activations.token_plan import StoredArrays, blocks, stored_arrays
+from activations.site_stats import Moments
+from activations.token_plan import StoredArrays, blocks, stored_arrays, stored_moments
 from common.cli import UserError
 from common.files import read_range
 from model.config import STORED_DTYPES
+from model.sites import ArrayKey, describe_key, normalized_key
 
 T = TypeVar("T")
+NORMALIZATIONS = ("none", "mean_norm", "standardize")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """What a ``TokenLoader`` reads, and how it batches and shuffles."""
     index: str                     # merged index.parquet (local or gs://); index_arrays.parquet beside it
-    layers: tuple[int, ...]        # stored layers to read; a batch holds the same tokens of each
+    layers: tuple[ArrayKey, ...]   # array keys to read: layers, or hook names (model.sites); a batch
+                                   # holds the same tokens of each
     batch_tokens: int = 4096       # tokens per batch (the last of an epoch may be short, see drop_last)
     seed: int | None = 0           # shuffle seed (>= 0); None: no shuffle (storage order)
     buffer_tokens: int = 1 << 18   # shuffle buffer rows: a batch is drawn from this many tokens
@@ -59,12 +68,17 @@ class LoaderConfig:
     read_threads: int = 4          # threads reading and decompressing blocks
     read_ahead: int = 6            # blocks read ahead of the consumer
     block_bytes: int = 8 << 20     # a read covers neighbouring arrays up to this many bytes
+    normalize: str = "none"        # none | mean_norm | standardize, per key by the stored statistics
 
     def validate(self) -> None:
+        if isinstance(self.layers, (str, int)):
+            raise UserError(f"layers is a tuple of layers or hook names, got {self.layers!r}")
         if not self.layers:
             raise UserError("name at least one layer to load")
-        if len(set(self.layers)) != len(self.layers):
+        if len(set(self.keys)) != len(self.keys):
             raise UserError(f"a layer is named twice in {list(self.layers)}")
+        if self.normalize not in NORMALIZATIONS:
+            raise UserError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {self.normalize!r}")
         if self.seed is not None and self.seed < 0:
             raise UserError(f"the seed must be >= 0, got {self.seed}")
         for name in ("batch_tokens", "buffer_tokens", "read_threads", "read_ahead", "block_bytes"):
@@ -81,23 +95,42 @@ class LoaderConfig:
             raise UserError(f"dtype must be one of {', '.join(STORED_DTYPES)}, got {self.dtype!r}")
 
     @property
+    def keys(self) -> tuple[ArrayKey, ...]:
+        """``layers`` as canonical array keys (``blocks.6.hook_resid_post`` -> 6)."""
+        return tuple(normalized_key(k) for k in self.layers)
+
+    @property
     def needs_token_ids(self) -> bool:
         return self.with_token_ids or bool(self.exclude_token_ids)
 
 
-def row_bytes(hidden_size: int, num_layers: int, dtype: str = "float32", with_token_ids: bool = True) -> int:
-    """Bytes one token takes in the shuffle buffer: its activations, sample id and position
-    (8 bytes each) and token id (4)."""
-    return hidden_size * num_layers * storage_dtype(dtype).itemsize + 16 + 4 * with_token_ids
+def row_bytes(widths: Iterable[int], dtype: str = "float32", with_token_ids: bool = True) -> int:
+    """Bytes one token takes in the shuffle buffer: its activations (one of each width), sample id
+    and position (8 bytes each) and token id (4)."""
+    return sum(widths) * storage_dtype(dtype).itemsize + 16 + 4 * with_token_ids
+
+
+def scaling(moments: Moments, how: str) -> tuple[np.ndarray, np.ndarray]:
+    """(shift, scale), each [width] float32: ``(x - shift) * scale`` normalises ``x`` by ``how``.
+
+    ``mean_norm``: x * sqrt(width) / mean_norm, tokens of norm sqrt(width) on average (how CLT and
+    crosscoder trainers scale each site, and SAELens's ``expected_average_only_in``);
+    ``standardize``: (x - mean) / std per dimension (a dimension of zero variance only centred)."""
+    width = len(moments.mean)
+    if how == "mean_norm":
+        factor = np.sqrt(width) / moments.mean_norm if moments.mean_norm > 0 else 1.0
+        return np.zeros(width, np.float32), np.full(width, factor, np.float32)
+    std = np.sqrt(moments.variance)
+    return moments.mean.astype(np.float32), (1 / np.where(std > 0, std, 1.0)).astype(np.float32)
 
 
 @dataclasses.dataclass
 class TokenBatch:
     """Tokens drawn together: row ``i`` of every array is the same token."""
-    activations: dict[int, np.ndarray]   # layer -> [batch, hidden]
-    sample_ids: np.ndarray               # [batch] int64
-    positions: np.ndarray                # [batch] int64: the token's place in its sample
-    token_ids: np.ndarray | None         # [batch] int32, with with_token_ids
+    activations: dict[ArrayKey, np.ndarray]   # key -> [batch, width of the key]
+    sample_ids: np.ndarray                    # [batch] int64
+    positions: np.ndarray                     # [batch] int64: the token's place in its sample
+    token_ids: np.ndarray | None              # [batch] int32, with with_token_ids
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -118,7 +151,7 @@ class LoaderStats:
 @dataclasses.dataclass
 class _Block:
     """One block's tokens, filtered, and what reading it cost."""
-    pieces: list[dict[Any, np.ndarray]]   # per sample: {layer: [k, hidden], "sample_ids", ...}
+    pieces: list[dict[Any, np.ndarray]]   # per sample: {key: [k, width], "sample_ids", ...}
     bytes_read: int
     tokens_read: int
     dropped: dict[str, int]
@@ -128,17 +161,17 @@ class TokenLoader:
     """Batches of tokens from a merged index; iterating it reads one epoch (epoch 0)."""
 
     def __init__(self, config: LoaderConfig, stored: StoredArrays | None = None):
-        """``stored``: ``stored_arrays(config.index, config.layers)``, if already read."""
+        """``stored``: ``stored_arrays(config.index, config.keys)``, if already read."""
         config.validate()  # before reading anything
         self.config = config
-        self.stored = stored if stored is not None else stored_arrays(config.index, config.layers)
+        self.stored = stored if stored is not None else stored_arrays(config.index, config.keys)
         self.token_ids = self._token_ids(self.stored) if config.needs_token_ids else None
         self.kept_tokens = self._kept_tokens(self.stored)   # [samples] tokens left after the filters
+        self.scaling = {}  # key -> (shift, scale), when normalising
+        if config.normalize != "none":
+            moments = stored_moments(config.index, config.keys)
+            self.scaling = {key: scaling(m, config.normalize) for key, m in moments.items()}
         self.stats = LoaderStats()
-
-    @property
-    def hidden_size(self) -> int:
-        return self.stored.hidden_size
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -186,21 +219,24 @@ class TokenLoader:
         finally:
             self.stats.peak_buffered_tokens = max(self.stats.peak_buffered_tokens, buffer.peak)
 
-    def arrays(self, layer: int | None = None, epochs: int | None = None,
+    def arrays(self, layer: ArrayKey | None = None, epochs: int | None = None,
                as_torch: bool = False) -> Iterator[Any]:
-        """``[batch, hidden]`` arrays of one layer (default: the only one loaded), numpy or torch
-        tensors, over ``epochs`` epochs (None: without end, reshuffled each epoch): e.g. SAELens's
-        ``data_provider=loader.arrays(as_torch=True)``."""
+        """``[batch, width]`` arrays of one key (a layer or hook name; default: the only one
+        loaded), numpy or torch tensors, over ``epochs`` epochs (None: without end, reshuffled
+        each epoch): e.g. SAELens's ``data_provider=loader.arrays(as_torch=True)``."""
+        keys = self.config.keys
         if layer is None:
-            if len(self.config.layers) != 1:
+            if len(keys) != 1:
                 raise UserError(f"name the layer to yield: the loader reads {list(self.config.layers)}")
-            layer = self.config.layers[0]
-        if layer not in self.config.layers:
-            raise UserError(f"layer {layer} is not among the loaded layers {list(self.config.layers)}")
+            layer = keys[0]
+        key = normalized_key(layer)
+        if key not in keys:
+            raise UserError(f"{describe_key(key)} is not among the loaded keys "
+                            f"({', '.join(map(describe_key, keys))})")
         convert = _torch_from_numpy() if as_torch else (lambda array: array)
         for epoch in itertools.count() if epochs is None else range(epochs):
             for batch in self.batches(epoch):
-                yield convert(batch.activations[layer])
+                yield convert(batch.activations[key])
 
     def _token_ids(self, stored: StoredArrays) -> TokenIds:
         machines = sorted(set(stored.machine_id.tolist()))
@@ -223,21 +259,21 @@ class TokenLoader:
 
     def _layout(self) -> dict[Any, tuple[tuple[int, ...], np.dtype]]:
         out_dtype = storage_dtype(self.config.dtype)
-        layout = {layer: ((self.hidden_size,), out_dtype) for layer in self.config.layers}
+        layout = {key: ((self.stored.width[key],), out_dtype) for key in self.config.keys}
         layout.update(sample_ids=((), np.dtype(np.int64)), positions=((), np.dtype(np.int64)))
         if self.config.with_token_ids:
             layout["token_ids"] = ((), np.dtype(np.int32))
         return layout
 
     def _read_block(self, bounds: tuple[int, int]) -> _Block:
-        """Reads and decodes rows ``start..stop-1`` (one ranged read per layer) and filters
+        """Reads and decodes rows ``start..stop-1`` (one ranged read per key) and filters
         their tokens. Runs in a reader thread."""
         start, stop = bounds
         a, c = self.stored, self.config
         path = a.shard_paths[a.shard[start]]
-        per_layer, fetched = {}, 0
-        for layer in c.layers:
-            offsets, lengths = a.offset[layer], a.length[layer]
+        per_key, fetched = {}, 0
+        for key in c.keys:
+            offsets, lengths = a.offset[key], a.length[key]
             first, span = int(offsets[start]), int(offsets[stop - 1] + lengths[stop - 1] - offsets[start])
             try:
                 data = memoryview(read_range(path, first, span))
@@ -248,13 +284,12 @@ class TokenLoader:
             if len(data) != span:
                 raise CorruptShardError(f"shard truncated: {path}: got {len(data)} of {span} bytes "
                                         f"from byte {first}")
-            per_layer[layer] = [
-                decode_array(data[offsets[i] - first:offsets[i] - first + lengths[i]], a.dtype[layer],
-                             (a.num_tokens[i], a.hidden_size), path.endswith(".gz"),
-                             f"{path} at byte {offsets[i]} (sample {a.sample_id[i]}, layer {layer})")
+            per_key[key] = [
+                decode_array(data[offsets[i] - first:offsets[i] - first + lengths[i]], a.dtype[key],
+                             (a.num_tokens[i], a.width[key]), path.endswith(".gz"),
+                             f"{path} at byte {offsets[i]} (sample {a.sample_id[i]}, {describe_key(key)})")
                 for i in range(start, stop)]
         pieces, dropped = [], {"first_positions": 0, "token_ids": 0}
-        out_dtype = storage_dtype(c.dtype)
         for k, row in enumerate(range(start, stop)):
             sample_id, n = int(a.sample_id[row]), int(a.num_tokens[row])
             positions = self._kept_positions(sample_id, n)
@@ -263,13 +298,20 @@ class TokenLoader:
             dropped["token_ids"] += n - first - len(positions)
             # A slice when only leading tokens go: a view, not a copy.
             rows = positions if c.exclude_token_ids else slice(first, n)
-            piece = {layer: per_layer[layer][k][rows].astype(out_dtype, copy=False) for layer in c.layers}
+            piece = {key: self._converted(key, per_key[key][k][rows]) for key in c.keys}
             piece["positions"] = positions
             piece["sample_ids"] = np.full(len(positions), sample_id, dtype=np.int64)
             if c.with_token_ids:
                 piece["token_ids"] = self.token_ids[sample_id][positions]
             pieces.append(piece)
         return _Block(pieces, fetched, int(a.num_tokens[start:stop].sum()), dropped)
+
+    def _converted(self, key: ArrayKey, values: np.ndarray) -> np.ndarray:
+        """[k, width] stored values in the output dtype, normalised if asked (in float32)."""
+        if self.scaling:
+            shift, scale = self.scaling[key]
+            values = (values.astype(np.float32) - shift) * scale
+        return values.astype(storage_dtype(self.config.dtype), copy=False)
 
     def _count(self, block: _Block) -> None:
         self.stats.blocks_read += 1
@@ -280,7 +322,7 @@ class TokenLoader:
 
     def _batch(self, rows: dict[Any, np.ndarray]) -> TokenBatch:
         self.stats.tokens_returned += len(rows["positions"])
-        return TokenBatch({layer: rows[layer] for layer in self.config.layers}, rows["sample_ids"],
+        return TokenBatch({key: rows[key] for key in self.config.keys}, rows["sample_ids"],
                           rows["positions"], rows.get("token_ids"))
 
 

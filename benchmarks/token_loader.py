@@ -81,7 +81,7 @@ def main() -> None:
         size = sum(os.path.getsize(p) for p in shards)
         print(f"stored {size / 1e9:.2f} GB in {len(shards)} shards ({time.perf_counter() - start:.0f} s), "
               f"hidden {HIDDEN}, float32, batches of {BATCH} tokens")
-        buffer_tokens = int(args.buffer_gb * 1e9 // row_bytes(HIDDEN, 1, with_token_ids=False))
+        buffer_tokens = int(args.buffer_gb * 1e9 // row_bytes([HIDDEN], with_token_ids=False))
         config = LoaderConfig(index=index, layers=(LAYER,), batch_tokens=BATCH, buffer_tokens=buffer_tokens,
                               seed=0, read_threads=args.threads)
         shuffled = TokenLoader(config)
@@ -91,7 +91,7 @@ def main() -> None:
               lambda: sum(len(b) for b in shuffled), naive)
         timed("(c) token loader, stored order", lambda: sum(len(b) for b in unshuffled), naive)
         print(f"    (b) held at most {shuffled.stats.peak_buffered_tokens:,} tokens "
-              f"({shuffled.stats.peak_buffered_tokens * row_bytes(HIDDEN, 1, with_token_ids=False) / 1e9:.2f} GB); "
+              f"({shuffled.stats.peak_buffered_tokens * row_bytes([HIDDEN], with_token_ids=False) / 1e9:.2f} GB); "
               f"{shuffled.stats.blocks_read} reads of "
               f"{shuffled.stats.bytes_read / shuffled.stats.blocks_read / 1e6:.1f} MB")
         from pipeline.export import main as export

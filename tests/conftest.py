@@ -234,9 +234,16 @@ def real_prompts(real_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def real_exact(real_model_dir, real_prompts):
+def real_reference(request, real_model_dir, real_prompts):
+    """transformers' float64 forward: every block output, every site at the module's ``SITE_LAYERS``."""
     from tests.real_models import float64_reference
-    return float64_reference(real_model_dir, real_prompts)
+    return float64_reference(real_model_dir, real_prompts, request.module.SITE_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def real_exact(real_reference):
+    from tests.real_models import block_outputs
+    return block_outputs(real_reference)
 
 
 @pytest.fixture

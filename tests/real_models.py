@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, reference_activations,
-                                   relative_error)
+                                   reference_sites, relative_error, site_places)
 from model.extract import Extractor
 from model.generate import Generator
 from model.loading import load_model
 from model.report import first_token_ratio
+from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SITES, array_key
 from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
@@ -49,9 +50,36 @@ def worst(measure, ours, exact, layer) -> float:
     return max(measure(o[layer], e[layer]) for o, e in zip(ours, exact))
 
 
-def float64_reference(model_dir: str, prompts) -> list[dict[int, np.ndarray]]:
-    """transformers' float64 block outputs per prompt: the exact values both checks measure against."""
-    return reference_activations(load_reference(model_dir, "float64"), prompts)
+def float64_reference(model_dir: str, prompts, site_layers) -> list[dict[tuple[str, int], np.ndarray]]:
+    """transformers' float64 forward per prompt, in one pass: every block's output, and every
+    site at ``site_layers``: the exact values the checks measure against."""
+    model = load_reference(model_dir, "float64")
+    layers = range(model.config.get_text_config().num_hidden_layers)
+    places = dict.fromkeys(site_places([RESID_POST], layers) + site_places(SITES, site_layers))
+    return reference_sites(model, prompts, places)
+
+
+def block_outputs(reference: list[dict[tuple[str, int], np.ndarray]]) -> list[dict[int, np.ndarray]]:
+    """Per prompt, ``{layer: block output}`` of a ``float64_reference``."""
+    return [{layer: a for (site, layer), a in found.items() if site == RESID_POST} for found in reference]
+
+
+def site_errors(model_dir: str, prompts, reference, site_layers) -> dict[str, float]:
+    """Per site (at ``site_layers``), the worst prompt's relative error of our float32 forward
+    against ``reference``; asserts, on our arrays, that resid_mid = resid_pre + attn_out and
+    resid_post = resid_mid + mlp_out within float32 rounding."""
+    ours = our_activations(model_dir, prompts, layers=site_layers, sites=SITES)
+    errors = {site: max(relative_error(o[array_key(site, layer)], r[site, layer])
+                        for o, r in zip(ours, reference) for layer in site_layers) for site in SITES}
+    print(f"{model_dir}: every site at layers {list(site_layers)}, float32 vs transformers float64, worst "
+          "relative error:", " ".join(f"{site}:{e:.1e}" for site, e in errors.items()))
+    for o in ours:
+        for layer in site_layers:
+            pre, attn, mid, mlp, post = (o[array_key(site, layer)] for site in (RESID_PRE, ATTN_OUT, RESID_MID,
+                                                                                 MLP_OUT, RESID_POST))
+            np.testing.assert_allclose(pre + attn, mid, rtol=1e-6, atol=1e-6 * np.abs(mid).max())
+            np.testing.assert_allclose(mid + mlp, post, rtol=1e-6, atol=1e-6 * np.abs(post).max())
+    return errors
 
 
 def float32_errors(model_dir: str, prompts, exact) -> tuple[dict[int, float], list[dict[int, np.ndarray]]]:

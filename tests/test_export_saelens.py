@@ -60,8 +60,9 @@ def test_unshuffled_rows_are_the_stored_tokens_in_storage_order(stored, tmp_path
     assert column(ds, "token_ids").reshape(-1).tolist() == flat_ids[:len(ds) * 16]
     info = json.loads((tmp_path / "out" / "activation_export.json").read_text())
     assert info["rows"] == len(ds) and info["dropped_tokens"]["last_partial_row"] == total % 16
-    assert info["layers"][0] == {"layer": 0, "hook_name": "blocks.0.hook_resid_post",
-                                 "transformer_lens": "blocks.0.hook_resid_post", "hf_hidden_states_index": 1,
+    assert info["layers"][0] == {"layer": 0, "site": "hook_resid_post", "hook_name": "blocks.0.hook_resid_post",
+                                 "transformer_lens": "blocks.0.hook_resid_post", "width": 12,
+                                 "hf_hidden_states_index": 1,
                                  "meaning": "output of decoder block 0 (0-based), before the final norm"}
     assert info["layers"][1]["hf_hidden_states_index"] is None  # layer 2 is the last block here
     description = ds.info.description
@@ -116,7 +117,8 @@ def test_cli_errors_are_one_line_and_write_nothing(stored, tmp_path):
     cases = [
         (["--layers", "0", "--output_dir", str(out)], "exists and is not empty"),
         (["--layers", "0,2", "--hook_name", "acts", "--output_dir", str(tmp_path / "a")], "put {layer} in it"),
-        (["--layers", "7", "--output_dir", str(tmp_path / "b")], r"layer\(s\) \[7\] not stored"),
+        (["--layers", "7", "--output_dir", str(tmp_path / "b")],
+         r"layer 7 not stored under this index \(it has layer 0, layer 2\)"),
         (["--layers", "0", "--seed", "x", "--output_dir", str(tmp_path / "c")], "--seed takes an integer >= 0 or none"),
         (["--layers", "0", "--context_size", "100000", "--output_dir", str(tmp_path / "d")],
          "fewer than one row of --context_size 100000"),

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from fixtures.hf_reference import load_reference, random_sequences, reference_sites, relative_error
+from fixtures.hf_reference import load_reference, random_sequences, reference_sites, relative_error, site_places
 from model.config import load_config
 from model.extract import Extractor
 from model.sites import MLP_IN, RESID_POST, SITES, array_key
@@ -51,8 +51,9 @@ def assert_equals_transformers(model_dir: str, records: list[dict], got: dict[in
     """Every sample once with the arrays of ``sites`` x ``layers`` (default: every layer), each
     within 1e-5 of transformers' float64 forward at the same place."""
     assert sorted(got) == [r["sample_id"] for r in records]
-    references = reference_sites(load_reference(model_dir, "float64"), [r["input_ids"] for r in records], sites,
-                                 layers)
+    layers = range(load_config(model_dir).num_hidden_layers) if layers is None else layers
+    references = reference_sites(load_reference(model_dir, "float64"), [r["input_ids"] for r in records],
+                                 site_places(sites, layers))
     for record, reference in zip(records, references):
         assert sorted(got[record["sample_id"]], key=str) == sorted((array_key(*k) for k in reference), key=str)
         for (site, layer), expected in reference.items():
@@ -124,7 +125,7 @@ def test_the_saelens_export_names_block_3_resid_post_and_reads_as_stored(gemma2_
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "sae" / "activation_export.json").read_text())
     assert "blocks.3.hook_resid_post" in json.dumps(summary)
-    store = activations_store(str(tmp_path / "sae"), 3)
+    store = activations_store(str(tmp_path / "sae"), "blocks.3.hook_resid_post", d_in=64, context=32)
     got = store.get_raw_llm_batch(raise_on_epoch_end=True)[0].numpy()
     assert np.array_equal(got, stored_in_order(index, 3)[:len(got)])
 

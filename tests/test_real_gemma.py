@@ -14,6 +14,7 @@ from tests.conftest import run_in_process
 pytestmark = pytest.mark.slow
 REAL_MODEL = "gemma-3-270m"  # the real_* fixtures of tests/conftest.py build and read this model
 MIDDLE = 9
+SITE_LAYERS = (1, MIDDLE)  # every activation site is checked at these blocks (model.sites)
 
 
 def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(
@@ -25,6 +26,11 @@ def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signa
     ratio = checks.signature(ours, MIDDLE)
     print(f"first-token norm / median token norm at layer {MIDDLE}: {ratio:.1f}")
     assert ratio >= 10
+
+
+def test_every_site_matches_transformers_float64_and_adds_up(real_model_dir, real_prompts, real_reference):
+    errors = checks.site_errors(real_model_dir, real_prompts, real_reference, SITE_LAYERS)
+    assert max(errors.values()) <= 1e-5, errors
 
 
 def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloat16(

@@ -45,14 +45,26 @@ def export(index, out, *flags):
     return str(out)
 
 
-def activations_store(path, layer, **kw):
+def activations_store(path, hook_name, d_in=HIDDEN, context=CONTEXT, **kw):
     from sae_lens.training.activations_store import ActivationsStore
     settings = dict(n_batches_in_buffer=8, store_batch_size_prompts=1, train_batch_size_tokens=64)
     settings.update(kw)
-    return ActivationsStore(model=None, dataset=None, streaming=False, hook_name=f"blocks.{layer}.hook_resid_post",
-                            hook_head_index=None, context_size=CONTEXT, d_in=HIDDEN, total_training_tokens=10**6,
+    return ActivationsStore(model=None, dataset=None, streaming=False, hook_name=hook_name,
+                            hook_head_index=None, context_size=context, d_in=d_in, total_training_tokens=10**6,
                             prepend_bos=False, normalize_activations="none", device="cpu", dtype="float32",
                             cached_activations_path=path, **settings)
+
+
+def one_epoch(store):
+    """([tokens, d_in] activations, [tokens] token ids) of the store's rows, read in order once."""
+    acts, ids = [], []
+    while True:
+        try:
+            a, t = store.get_raw_llm_batch(raise_on_epoch_end=True)
+        except StopIteration:
+            return np.concatenate(acts), np.concatenate(ids)
+        acts.append(a.numpy())
+        ids.append(t.numpy())
 
 
 def stored_in_order(index, layer):
@@ -68,20 +80,11 @@ def test_activations_store_reads_the_unshuffled_export_as_stored(run_output, arc
     streams = {r["sample_id"]: r for s in read_streams(arc_streams, 2) for r in s}
     stored_ids = np.concatenate([streams[i]["input_ids"] for i in storage_order(run_output)])
     for layer in LAYERS:
-        store = activations_store(path, layer)
-        acts, ids = [], []
-        while True:
-            try:
-                a, t = store.get_raw_llm_batch(raise_on_epoch_end=True)
-            except StopIteration:
-                break
-            acts.append(a.numpy())
-            ids.append(t.numpy())
-        got = np.concatenate(acts)
+        got, ids = one_epoch(activations_store(path, f"blocks.{layer}.hook_resid_post"))
         expected = stored_in_order(run_output, layer)
         assert got.dtype == np.float32 and len(got) == len(expected) // CONTEXT * CONTEXT
         assert np.array_equal(got, expected[:len(got)])  # bitwise
-        assert np.array_equal(np.concatenate(ids), stored_ids[:len(got)])
+        assert np.array_equal(ids, stored_ids[:len(got)])
 
 
 def sae_loss(sae, batch):
@@ -121,7 +124,7 @@ def train(data_provider, save_to, steps=60, batch=64):
 
 def test_sae_trainer_trains_from_the_export(run_output, tmp_path):
     path = export(run_output, tmp_path / "shuffled", "--seed", "0")
-    store = activations_store(path, 3, store_batch_size_prompts=4)
+    store = activations_store(path, "blocks.3.hook_resid_post", store_batch_size_prompts=4)
     before, after = train(iter(store), tmp_path / "sae")
     assert after < 0.5 * before, (before, after)
 

@@ -79,7 +79,7 @@ def test_a_buffer_of_b_tokens_fills_to_b_and_memory_follows_the_buffer_not_the_d
     spec = StoredSpec(num_machines=2, samples_per_machine=80, lengths=(100, 400), hidden_size=256,
                       layers=(0, 1), shard_size_bytes=1_000_000)
     index = write_stored(str(tmp_path), spec)
-    token_bytes = row_bytes(256, 2, with_token_ids=False)
+    token_bytes = row_bytes([256, 256], with_token_ids=False)
     peaks = {}
     for buffer_tokens in (1000, 4000):
         loader = TokenLoader(LoaderConfig(index=index, layers=(0, 1), batch_tokens=100, buffer_tokens=buffer_tokens,
@@ -158,11 +158,15 @@ def test_over_gcs(gcs, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(layers=(2,)), r"layer\(s\) \[2\] not stored under this index \(it has layers \[1, 3\]\)"),
+    (dict(layers=(2,)), r"layer 2 not stored under this index \(it has layer 1, layer 3\)"),
+    (dict(layers=("blocks.1.hook_mlp_out",)), r"blocks.1.hook_mlp_out not stored under this index \(it has layer 1,"),
     (dict(layers=(1,), batch_tokens=64, buffer_tokens=32), "must hold at least one batch"),
     (dict(layers=(1,), index="/nonexistent/index.parquet"), "no merged index at"),
     (dict(layers=(1,), with_token_ids=True, streams_dir="/nonexistent"), "cannot open stream"),
     (dict(layers=(1, 1)), "named twice"),
+    (dict(layers=(1, "blocks.1.hook_resid_post")), "named twice"),
+    (dict(layers=("blocks.1.hook_nothing",)), "names no stored array"),
+    (dict(layers=(1,), normalize="whiten"), "normalize must be one of none, mean_norm, standardize"),
     (dict(layers=(1,), seed=-1), "seed must be >= 0"),
     (dict(layers=()), "at least one layer"),
 ])

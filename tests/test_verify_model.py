@@ -16,14 +16,14 @@ def test_report_has_continuations_and_layer_statistics(tiny_checkpoints, qwen_to
     result = run_cli("runners.verify_model", "--model_path", tiny_checkpoints["gqa_tied"],
                      "--tokenizer", qwen_tokenizer_dir, "--num_prompts", "2", "--max_new_tokens", "5",
                      "--max_seq_length", "1024", "--layers_to_extract", "1,3", "--dtype", "bfloat16",
-                     "--output", str(out))
+                     "--sites", "hook_resid_post,attn.hook_z", "--output", str(out))
     assert result.returncode == 0, result.stderr
     text = out.read_text()
     assert "NaN/Inf in activations: none" in text
     assert "dtype: bfloat16   residual stream: float32" in text and "--- dtypes used where ---" in text
     assert text.count("=== ") == 2 and text.count("--- greedy continuation (5 tokens") == 2
     table = text.split("--- activation statistics per layer")[1].splitlines()[3:]
-    assert [row.split()[0] for row in table] == ["1", "3"]
+    assert [row.split()[0] for row in table] == ["blocks.1.attn.hook_z", "1", "blocks.3.attn.hook_z", "3"]
     # Random weights have no outsized first token (the real models' have: tests/test_real_*.py).
     assert all(float(row.split()[-1]) < 3 for row in table), table
 
