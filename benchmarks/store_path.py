@@ -19,8 +19,14 @@ Targets (issue 24): raw to disk >= 50% of the disk's durable speed; compressed 2
 threads compressing buffers of their own); a run of 4x the memory budget stays within the budget
 (peak RSS over the process's own).
 
+A sample holds ``--layers`` arrays of each of ``--sites`` (``model.sites``; all of the default's
+are [512, 896]: the 0.5B shape, whose attn.hook_z is 896 wide too); every array also gets its
+float64 statistics (``activations.site_stats``), the ``stats`` stage. Issue 33's figures: four
+sites at every layer of the 0.5B shape (``--sites hook_resid_mid,attn.hook_z,hook_mlp_out,
+hook_resid_post --layers 24``).
+
     python benchmarks/store_path.py [--total_gb 2] [--shard_size_gb 0.25] [--threads 1,2]
-        [--budget_gb 1] [--gcs_gb 0.5] [--work_dir DIR]
+        [--budget_gb 1] [--gcs_gb 0.5] [--work_dir DIR] [--sites S,S] [--layers 4]
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import time
 
 import numpy as np
 
-HIDDEN, TOKENS, LAYERS = 896, 512, 4   # a sample: 4 layers x [512, 896] float32 = 7.3 MB
+HIDDEN, TOKENS = 896, 512   # an array: [512, 896] float32 = 1.8 MB
 CHUNK = 8 * 2**20
 # (name, hidden, blocks, non-embedding parameters) of the Qwen2.5 shapes.
 MODELS = (("Qwen2.5-0.5B", 896, 24, 0.36e9), ("Qwen2.5-1.5B", 1536, 28, 1.31e9), ("Qwen2.5-7B", 3584, 28, 6.53e9))
@@ -85,22 +91,24 @@ def child(spec: dict) -> None:
     out = spec["out"]
     os.makedirs(os.path.join(out, "index"), exist_ok=True)
     rng = np.random.default_rng(0)
-    templates = [rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32) * 4 for _ in range(LAYERS)]
+    layers, sites = tuple(range(spec["layers"])), tuple(spec["sites"])
+    templates = [rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32) * 4 for _ in range(min(len(layers), 4))]
     baseline = rss_gb()
     store = GcsStore("bench", spec["prefix"]) if spec["gcs"] else None
-    settings = ShardSettings(0, out, int(spec["shard_size_gb"] * 1e9), spec["compress"], tuple(range(LAYERS)),
+    settings = ShardSettings(0, out, int(spec["shard_size_gb"] * 1e9), spec["compress"], layers,
                              HIDDEN, "float32", False, 1, {}, memory_budget_bytes=int(spec["budget_gb"] * 1e9),
-                             compression_threads=spec["threads"], upload_threads=4)
+                             compression_threads=spec["threads"], upload_threads=4, sites=sites)
+    keys = settings.keys
     stats = StoreStats()
     writer = ShardWriter(settings, Checkpoint(), store, RejectedLog(out, store), stats=stats)
-    sample_bytes = LAYERS * TOKENS * HIDDEN * 4
+    sample_bytes = len(keys) * TOKENS * HIDDEN * 4
     producing = 0.0  # the producer's own CPU time: copying templates into fresh arrays
     cpu0, start = time.process_time(), time.perf_counter()
     for i in range(int(spec["total_gb"] * 1e9) // sample_bytes):
         t = time.thread_time()
         sample = {"sample_id": i, "source": "synthetic", "text_preview": "", "num_tokens": TOKENS,
                   "truncated": False, "original_num_tokens": TOKENS,
-                  "activations": {layer: templates[layer].copy() for layer in range(LAYERS)}}
+                  "activations": {key: templates[k % len(templates)].copy() for k, key in enumerate(keys)}}
         producing += time.thread_time() - t
         writer.add(sample)
     writer.finalize()
@@ -127,7 +135,8 @@ def stage_rates(result: dict, threads: int) -> str:
     """``stage GB/s`` for the busy stages: bytes over busy seconds per thread of the stage."""
     s = result["store"]
     busy = s["stage_s"]
-    stages = {"encode": (s["activations_gb"], 1), "compress": (s["activations_gb"], max(threads, 1)),
+    stages = {"stats": (s["activations_gb"], max(threads, 1)), "encode": (s["activations_gb"], 1),
+              "compress": (s["activations_gb"], max(threads, 1)),
               "write": (s["written_gb"], 1), "fsync": (s["written_gb"], 1), "upload": (s["uploaded_gb"], 4),
               "verify": (s["written_gb"], 1)}
     return "  ".join(f"{name} {gb / (busy[name] / n):.2f}" for name, (gb, n) in stages.items()
@@ -143,6 +152,9 @@ def main() -> None:
     parser.add_argument("--budget_gb", type=float, default=1.0, help="--store_memory_gb of every run")
     parser.add_argument("--gcs_gb", type=float, default=0.5, help="activations of the GCS runs (0: none)")
     parser.add_argument("--work_dir", default=None, help="a directory on the disk to measure (default: tmp)")
+    parser.add_argument("--sites", default="hook_resid_post", help="sites of a sample (model.sites), e.g. "
+                        "hook_resid_mid,attn.hook_z,hook_mlp_out,hook_resid_post")
+    parser.add_argument("--layers", type=int, default=4, help="layers of a sample (each site at each)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -153,7 +165,12 @@ def main() -> None:
     print(f"disk under {work}: durable write (8 MiB writes, then fdatasync) {durable:.3f} GB/s (the baseline); "
           f"{streamed:.3f} GB/s with writeback started every 32 MiB as the shard writer does (on a virtual "
           f"disk this one varies with the host's cache); {os.cpu_count()} cores")
-    base = {"shard_size_gb": args.shard_size_gb, "budget_gb": args.budget_gb, "gcs": False, "prefix": ""}
+    from model.sites import parse_sites
+    sites = parse_sites(args.sites)
+    print(f"a sample: {len(sites)} site(s) ({', '.join(sites)}) x {args.layers} layers of [{TOKENS}, {HIDDEN}] "
+          f"float32 = {len(sites) * args.layers * TOKENS * HIDDEN * 4 / 1e6:.1f} MB")
+    base = {"shard_size_gb": args.shard_size_gb, "budget_gb": args.budget_gb, "gcs": False, "prefix": "",
+            "sites": sites, "layers": args.layers}
     runs = [("disk", False, 0, args.total_gb)] + [("disk", True, t, args.total_gb) for t in threads]
     runs += [("memory", False, 0, args.total_gb)] + [("memory", True, t, args.total_gb) for t in threads]
     if args.gcs_gb:
@@ -205,8 +222,8 @@ def compression_alone_gbps(threads: int) -> float:
     rng = np.random.default_rng(0)
     samples = [{"sample_id": i, "source": "", "text_preview": "",
                 "activations": {layer: rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32) * 4
-                                for layer in range(LAYERS)}} for i in range(34)]  # 0.25 GB
-    document = shard_dict(samples, range(LAYERS))
+                                for layer in range(4)}} for i in range(34)]  # 0.25 GB
+    document = shard_dict(samples, range(4))
     size = sum(e["activation"].nbytes for items in document.values() for e in items)
     best = float("inf")
     for _ in range(3):
@@ -240,7 +257,8 @@ def independent_compression_gbps(threads: int) -> float:
 def memory_check(args, work: str, durable: float) -> None:
     """4x the budget of activations through a compressed store path: its peak stays in budget."""
     spec = {"shard_size_gb": args.budget_gb / 4, "budget_gb": args.budget_gb, "gcs": False, "prefix": "",
-            "out": tempfile.mkdtemp(dir=work), "compress": True, "threads": 2, "total_gb": 4 * args.budget_gb}
+            "out": tempfile.mkdtemp(dir=work), "compress": True, "threads": 2, "total_gb": 4 * args.budget_gb,
+            "sites": ["hook_resid_post"], "layers": 4}
     r = run(spec)
     over = r["peak_gb"] - r["baseline_gb"]
     print(f"memory: {spec['total_gb']:.1f} GB stored with a {args.budget_gb:.1f} GB budget "

