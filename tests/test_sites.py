@@ -67,3 +67,11 @@ def test_an_input_site_alone_loads_and_computes_only_the_blocks_before_it(tiny_c
     outputs = Extractor.load(tiny_checkpoints["gqa_tied"], layers=[1], dtype="float32", max_seq_length=32,
                              min_bucket=32, devices=jax.devices()[:1])
     np.testing.assert_array_equal(pre, dict(outputs.extract([(0, ids)]))[0][1])  # block 1's output
+
+
+def test_output_stored_before_sites_existed_resumes_with_block_outputs_only():
+    from common.run_settings import changed_settings
+    old = {"layers_to_extract": [0, 1]}  # a checkpoint's settings from before --sites
+    assert changed_settings(old, {"layers_to_extract": [0, 1], "sites": [RESID_POST]}) == []
+    assert changed_settings(old, {"sites": [RESID_POST, MLP_OUT]}) == \
+        ["--sites ['hook_resid_post'] -> ['hook_resid_post', 'hook_mlp_out']"]
