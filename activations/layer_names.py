@@ -19,7 +19,7 @@ from model import sites
 from model.sites import ArrayKey, key_parts
 
 # Gives every site its TransformerLens hook name (for block outputs, the names exports always had).
-SAELENS_HOOK_TEMPLATE = "blocks.{layer}.{site}"
+SAELENS_HOOK_TEMPLATE = sites.HOOK_TEMPLATE
 
 
 def column_name(key: ArrayKey, template: str = SAELENS_HOOK_TEMPLATE) -> str:

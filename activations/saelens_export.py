@@ -39,7 +39,7 @@ import pyarrow as pa
 from activations.layer_names import column_name, layer_names
 from activations.token_loader import TokenLoader
 from common.cli import UserError
-from model.sites import ArrayKey, describe_key
+from model.sites import RESID_POST, ArrayKey, describe_key
 
 EXPORT_INFO_FILE = "activation_export.json"
 
@@ -235,7 +235,7 @@ def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str) 
 def describe_column(names: dict[str, Any]) -> str:
     """One column of the description: where it comes from, its width and, for block outputs, the
     Hugging Face ``hidden_states`` entry."""
-    if names["site"] != "hook_resid_post":
+    if names["site"] != RESID_POST:
         return (f"{names['site']} of block {names['layer']} -> column {names['hook_name']} (TransformerLens "
                 f"{names['transformer_lens']}, width {names['width']}: {names['meaning']})")
     column = f"layer {names['layer']} -> column {names['hook_name']} (TransformerLens {names['transformer_lens']}"

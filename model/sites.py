@@ -47,6 +47,7 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
 )}
 DEFAULT_SITES = (RESID_POST,)
+HOOK_TEMPLATE = "blocks.{layer}.{site}"  # TransformerLens's hook names, SAELens's hook_name
 ArrayKey = int | str  # L for block L's output, else the full hook name
 _HOOK = re.compile(r"blocks\.(\d+)\.(.+)")
 
@@ -66,7 +67,7 @@ def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
 
 def hook_name(site: str, layer: int) -> str:
     """The TransformerLens hook name of ``site`` at block ``layer``: ``blocks.L.<site>``."""
-    return f"blocks.{layer}.{site}"
+    return HOOK_TEMPLATE.format(layer=layer, site=site)
 
 
 def array_key(site: str, layer: int) -> ArrayKey:
