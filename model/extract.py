@@ -361,7 +361,7 @@ class Extractor:
         sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed (``None``
         for a sequence whose row lives on another process's devices)."""
         results: list[dict[ArrayKey, np.ndarray] | None] = [None] * batch.count
-        order = {key: k for k, key in enumerate(self.keys)}
+        keys = self.keys
         for site, out in batch.out.items():
             for rows, data in local_blocks(out):
                 data.block_until_ready()  # the forward's time, not the copy's
@@ -371,18 +371,18 @@ class Extractor:
                     for i, row in enumerate(range(*rows.indices(out.shape[1]))):
                         if row < batch.count:  # views of ``acts``: each [num_tokens, width], contiguous
                             n = batch.lengths[row]
-                            arrays = results[row] = results[row] or {}
+                            # Keyed in storage order from the start, whichever site comes first.
+                            arrays = results[row] = results[row] or dict.fromkeys(keys)
                             arrays.update({array_key(site, layer): acts[j, i, :n]
                                            for j, layer in enumerate(self.layers)})
-        for k, arrays in enumerate(results):
-            if arrays is not None:
-                results[k] = arrays = dict(sorted(arrays.items(), key=lambda item: order[item[0]]))
-                if self.activation_dtype == jnp.float16:
+        if self.activation_dtype == jnp.float16:
+            for arrays in results:
+                if arrays is not None:
                     check_float16_range(arrays)
         return results
 
-    def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[int, np.ndarray]]]:
-        """(key, input_ids) pairs -> (key, {layer: [num_tokens, H]}), batched by length bucket.
+    def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:
+        """(key, input_ids) pairs -> (key, {array key: [num_tokens, width]}), batched by length bucket.
 
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
         than ``max_seq_length`` raises ``ValueError``. Up to ``batches_in_flight`` batches are
