@@ -61,7 +61,7 @@ from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
 from model.attention import attention_for
 from model.checkpoint import resolve_model_dir
 from model.config import DecoderConfig, load_config
-from model.extract import (ForwardObserver, intervention_for, resolve_dtype, resolve_residual_dtype,
+from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
 from model.sharding import make_mesh
 from model.sites import blocks_needed, cost_line, parse_sites
@@ -177,7 +177,9 @@ def run_host(config: HostConfig) -> int:
 def check_model(config: HostConfig) -> None:
     """An unsupported architecture or option, or a kernel the model cannot use, fails as one line
     before anything is created."""
-    attention_for(None, config.attention, load_config(resolve_model_dir(config.model_path)))
+    model = load_config(resolve_model_dir(config.model_path))
+    attention_for(None, config.attention, model)
+    check_model_fits(model, parse_sites(config.sites), config.max_seq_length)
 
 
 def run_process(config: HostConfig, placement: Placement | None = None) -> int:

@@ -25,17 +25,25 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def resolve_model_dir(model_path: str) -> str:
-    """A local checkpoint directory; a hub id is downloaded (config and safetensors only)."""
+def resolve_model_dir(model_path: str, revision: str | None = None) -> str:
+    """A local checkpoint directory; a hub id is downloaded (config and safetensors only) at
+    ``revision`` (a branch, tag or commit; Pythia's training checkpoints are revisions such as
+    ``step143000``), else the hub's default branch. A local directory has no revisions, so a
+    revision with one is a mistake, not ignored."""
     if os.path.isdir(model_path):
+        if revision is not None:
+            raise UserError(f"--model_revision applies to a hub id, not the local directory "
+                            f"{model_path!r}")
         return model_path
     if os.path.exists(model_path) or model_path.startswith((".", "/", "~")):
         raise UserError(f"--model_path {model_path!r} is not a checkpoint directory")
+    at = f" at revision {revision!r}" if revision is not None else ""
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
+        return snapshot_download(model_path, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors"])
     except Exception as e:
-        raise UserError(f"cannot fetch model {model_path!r} from the hub: "
+        raise UserError(f"cannot fetch model {model_path!r}{at} from the hub: "
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 

@@ -1,8 +1,9 @@
 """One decoder configuration for every supported family, read from a Hugging Face ``config.json``.
 
-``DecoderConfig`` holds the shapes and the switches by which the families differ (biases, q/k
-norms, query scale, soft-capping, sliding windows, RoPE per layer type, the norm's form and
-placement, the MLP's activation, embedding scaling); each switch's default is Llama's. The
+``DecoderConfig`` holds the shapes and the switches by which the families differ (positions,
+partial rotary, biases, q/k norms and their scope, query scale, soft-capping, sliding windows,
+RoPE per layer type, the norm's kind, form and placement, the parallel residual, the MLP's form
+and activation, embedding scaling); each switch's default is Llama's. The
 family files in ``model/families/`` map a ``config.json`` onto it, in either layout users have
 (the hub's, written by transformers 4.4x, and transformers 5's), and refuse with one line any
 option that would change the computation and is not implemented. Nothing outside the config
@@ -28,7 +29,12 @@ STORED_DTYPES = ("float32", "float16", "bfloat16")  # activations as stored or h
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
 ROPE_KINDS = ("default", "linear", "llama3")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# The MLP activations, by transformers' names: gelu_pytorch_tanh and gelu_new are the same tanh
+# approximation (Gemma's name, GPT-2's); gelu is the exact (erf) one (GPT-NeoX).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+POSITIONS = ("rope", "learned")          # rotary | a learned absolute table added to the embeddings (GPT-2)
+NORMS = ("rms", "layer")                 # RMSNorm | LayerNorm with a bias (GPT-2, GPT-NeoX)
+QK_NORM_SCOPES = ("head", "projection")  # q/k normed per head over head_dim | over the whole projection (OLMo 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,26 +50,43 @@ class RoPE:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A pre-norm decoder: embedding, blocks of attention and a gated MLP, final norm, LM head.
+    """A decoder: embedding, blocks of attention and an MLP, final norm, LM head.
 
-    Names as in Hugging Face's configs where one exists."""
+    A block is pre-norm and sequential by default (``x + attn(norm(x))``, then the same with the
+    MLP); the switches below change the norms' kind and placement, make the two sublayers read
+    the same input (``parallel_residual``) and the MLP plain. Names as in Hugging Face's configs
+    where one exists."""
     model_type: str                      # the family, as config.json names it (for reports)
     vocab_size: int
     hidden_size: int                     # residual stream width
-    intermediate_size: int               # gated MLP width
+    intermediate_size: int               # MLP width (its hidden activation's)
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int             # < num_attention_heads for grouped-query attention
     head_dim: int                        # may differ from hidden_size // num_attention_heads
-    rms_norm_eps: float
+    norm_eps: float                      # every norm's epsilon (rms_norm_eps, layer_norm_eps, ...)
     tie_word_embeddings: bool            # LM head = the embedding matrix
-    max_position_embeddings: int
-    rope: RoPE                           # RoPE of full-attention layers (of every layer unless sliding_rope)
+    max_position_embeddings: int         # with learned positions, the table's size: the longest sequence
+    rope: RoPE | None                    # RoPE of full-attention layers (of every layer unless sliding_rope);
+                                         # None with learned positions
     # The switches; each default is Llama's.
+    positions: str = "rope"              # rope | learned: a [max_position_embeddings, H] table added to the
+                                         # token embeddings, and no rotation (GPT-2)
+    rotary_dim: int | None = None        # RoPE on the first rotary_dim of each head's dims only, the rest passed
+                                         # through, frequencies over rotary_dim (GPT-NeoX's rotary_pct, Phi-3's
+                                         # partial_rotary_factor); None: the whole head
+    norm: str = "rms"                    # rms | layer: LayerNorm with a bias (GPT-2, GPT-NeoX); every norm of the model
+    pre_norms: bool = True               # norms on the sublayers' inputs; off: only on their outputs (OLMo 2,
+                                         # with sandwich_norms)
+    parallel_residual: bool = False      # x + attn(norm1(x)) + mlp(norm2(x)): both sublayers read the block's
+                                         # input, so there is no resid_mid (GPT-NeoX's use_parallel_residual)
+    gated_mlp: bool = True               # down(act(gate(x)) * up(x)); off: the plain down(act(up(x))) (GPT-2, NeoX)
     qkv_bias: bool = False               # q, k, v projections have biases (Qwen2; Llama's attention_bias)
     o_bias: bool = False                 # the output projection has one (Llama's attention_bias)
     mlp_bias: bool = False               # gate, up and down projections have biases (Llama's mlp_bias)
-    qk_norm: bool = False                # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm: bool = False                # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
+    qk_norm_scope: str = "head"          # head: over each head's head_dim | projection: over all heads at once,
+                                         # before the split into heads (OLMo 2)
     query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt (Gemma); None: head_dim's
     attn_logit_softcap: float | None = None     # scores -> tanh(scores / c) * c before the mask (Gemma 2)
     final_logit_softcap: float | None = None    # the same on the LM head's logits (Gemma 2)
@@ -71,8 +94,8 @@ class DecoderConfig:
     layer_types: tuple[str, ...] = ()    # per block, FULL or SLIDING; () is every block FULL
     sliding_rope: RoPE | None = None     # RoPE of sliding layers when it differs (Gemma 3's local base)
     norm_unit_offset: bool = False       # RMSNorm scales by (1 + w), in float32 (Gemma)
-    sandwich_norms: bool = False         # norms on the attention and MLP outputs too (Gemma 2, 3)
-    hidden_act: str = "silu"             # the MLP gate's activation: silu | gelu_pytorch_tanh
+    sandwich_norms: bool = False         # norms on the attention and MLP outputs too (Gemma 2, 3, OLMo 2)
+    hidden_act: str = "silu"             # the MLP's activation: one of ACTIVATIONS
     scale_embeddings: bool = False       # embeddings x sqrt(hidden_size), rounded to the dtype (Gemma)
 
     @property
@@ -85,11 +108,26 @@ class DecoderConfig:
         """What q . k is divided by: sqrt(head_dim), or sqrt(query_pre_attn_scalar)."""
         return math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head that RoPE rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def has_resid_mid(self) -> bool:
+        """Whether a residual stream exists between attention and the MLP."""
+        return not self.parallel_residual
+
+    @property
+    def has_mlp_norm(self) -> bool:
+        """Whether the MLP's input is normed (not in OLMo 2's block)."""
+        return self.pre_norms
+
     def window(self, layer: int) -> int | None:
         """Block ``layer``'s sliding window (None: it attends to every earlier key)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
 
-    def rope_of(self, layer: int) -> RoPE:
+    def rope_of(self, layer: int) -> RoPE | None:
         """Block ``layer``'s rotary embedding."""
         return self.sliding_rope if self.window(layer) is not None and self.sliding_rope else self.rope
 

@@ -7,8 +7,16 @@ One module whose family differences are the switches of its ``DecoderConfig`` (s
     x = x + post_attention_norm(attention(pre_attention_norm(x)))
     x = x + post_mlp_norm(mlp(pre_mlp_norm(x)))
 
-with the post-norms only where ``sandwich_norms`` (Gemma 2, 3), q and k normed over head_dim
-before RoPE where ``qk_norm``, each layer's sliding window and RoPE from its layer type.
+with the pre-norms only where ``pre_norms`` (not OLMo 2), the post-norms only where
+``sandwich_norms`` (Gemma 2, 3, OLMo 2), each an RMSNorm or a LayerNorm (``norm``); with a
+``parallel_residual`` (GPT-NeoX) both sublayers read the block's input instead:
+
+    x = mlp(pre_mlp_norm(x)) + attention(pre_attention_norm(x)) + x
+
+The MLP is gated or plain (``gated_mlp``); q and k are normed before RoPE where ``qk_norm``, per
+head or over the whole projection; RoPE rotates each head's first ``rope_dim`` dims, with each
+layer's sliding window and RoPE from its layer type, or positions are a learned table added to
+the embeddings (``positions``: GPT-2).
 
 Axis names in shape comments:
     B batch, S query positions, T key positions (T = S without a cache), H hidden_size,
@@ -57,7 +65,9 @@ from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_P
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
-ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+_TANH_GELU = functools.partial(jax.nn.gelu, approximate=True)  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": _TANH_GELU, "gelu_new": _TANH_GELU,
+               "gelu": functools.partial(jax.nn.gelu, approximate=False)}
 
 
 def precision_for(dtype) -> jax.lax.Precision:
@@ -118,9 +128,40 @@ class RMSNorm(nn.Module):
         return weight * normed.astype(self.dtype)
 
 
+class LayerNorm(nn.Module):
+    """(x - mean(x)) / sqrt(var(x) + eps) * w + b, computed in float32 whatever the dtype (as
+    torch's LayerNorm does) and rounded once."""
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None  # wider than dtype (with keep_wide): the output stays float32
+    keep_wide: bool = False     # with a wider stream, return float32
+    normalized_site: str | None = None  # sow the normalised x, before the weight and bias, as this site
+
+    @nn.compact
+    def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """x: [..., W] -> [..., W]. ``ablation`` (keep, fill), scalars: unless kept, the weight and
+        bias become neutral (ones and zeros: the bare normalisation), or with ``fill`` their means."""
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype).astype(jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype).astype(jnp.float32)
+        if ablation is not None:
+            keep, fill = ablation
+            weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), jnp.ones_like(weight)))
+            bias = jnp.where(keep, bias, jnp.where(fill, jnp.mean(bias), jnp.zeros_like(bias)))
+        x32 = x.astype(jnp.float32)
+        centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        normed = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + self.eps)
+        if self.normalized_site:
+            self.sow("sites", self.normalized_site, normed)
+        wide = accumulation(self.dtype, self.residual_dtype) is not None
+        return (normed * weight + bias).astype(jnp.float32 if wide and self.keep_wide else self.dtype)
+
+
 def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide: bool = False,
-             normalized_site: str | None = None) -> RMSNorm:
-    return RMSNorm(config.rms_norm_eps, dtype, residual_dtype, config.norm_unit_offset, keep_wide, normalized_site,
+             normalized_site: str | None = None) -> nn.Module:
+    """The model's norm (``config.norm``): an RMSNorm or a LayerNorm."""
+    if config.norm == "layer":
+        return LayerNorm(config.norm_eps, dtype, residual_dtype, keep_wide, normalized_site, name=name)
+    return RMSNorm(config.norm_eps, dtype, residual_dtype, config.norm_unit_offset, keep_wide, normalized_site,
                    name=name)
 
 
@@ -142,16 +183,21 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, bias, name: dense(n, bias, name, self.dtype, accumulate)
-        q = project(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(x).reshape(
-            b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
-        k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x).reshape(
-            b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
-        v = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x).reshape(
-            b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
-        if c.qk_norm:  # over head_dim, before RoPE; float32 out with a wide stream (RoPE follows)
-            q = norm_for(c, "q_norm", self.dtype, self.residual_dtype, keep_wide=True)(q, norms)
-            k = norm_for(c, "k_norm", self.dtype, self.residual_dtype, keep_wide=True)(k, norms)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = project(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(x)  # [B, S, N*D]
+        k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x)  # [B, S, K*D]
+        v = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
+        # q/k norms before RoPE, float32 out with a wide stream (RoPE follows): over the whole
+        # projection (OLMo 2) before the split into heads, or per head over head_dim after it.
+        qk_norm = lambda name, y: norm_for(c, name, self.dtype, self.residual_dtype, keep_wide=True)(y, norms)
+        if c.qk_norm and c.qk_norm_scope == "projection":
+            q, k = qk_norm("q_norm", q), qk_norm("k_norm", k)
+        q = q.reshape(b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
+        k = k.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
+        v = v.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
+        if c.qk_norm and c.qk_norm_scope == "head":
+            q, k = qk_norm("q_norm", q), qk_norm("k_norm", k)
+        if cos is not None:  # RoPE (learned positions were added to the embeddings instead)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         divisor = c.query_scale_divisor
         prescaled = accumulate is not None
         if prescaled:  # rotated and scaled in float32, rounded once to matmul operands
@@ -197,8 +243,11 @@ class MLP(nn.Module):
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, name: dense(n, c.mlp_bias, name, self.dtype, accumulate)
         act = ACTIVATIONS[c.hidden_act]
-        gate, up = project(c.intermediate_size, "gate_proj")(x), project(c.intermediate_size, "up_proj")(x)
-        hidden = act(gate) * up  # [B, S, F]
+        if c.gated_mlp:
+            gate, up = project(c.intermediate_size, "gate_proj")(x), project(c.intermediate_size, "up_proj")(x)
+            hidden = act(gate) * up  # [B, S, F]
+        else:  # GPT-2's c_fc, GPT-NeoX's dense_h_to_4h: our up_proj
+            hidden = act(project(c.intermediate_size, "up_proj")(x))  # [B, S, F]
         out = project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))  # [B, S, H]
         # Returned rather than sown: the MLP may run inside a scan over token chunks.
         return (out, hidden) if self.with_hidden else out
@@ -273,17 +322,20 @@ class DecoderLayer(nn.Module):
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
         heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
         block_in = x
+        attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x
         attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, name="self_attn")(
-            norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm), cos, sin, mask, positions, cache,
-            cache_index, heads, norm)
+            attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
         attn_out = _replaced(attn_out, a, "attn")
         self.sow("stats", "attn_output", attn_out)
         self.sow("sites", ATTN_OUT, attn_out)
-        x = x + attn_out
-        self.sow("sites", RESID_MID, x)
-        mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
+        if not c.parallel_residual:  # the MLP reads the stream after attention's addition
+            x = x + attn_out
+            self.sow("sites", RESID_MID, x)
+        mlp_in = x
+        if c.pre_norms:
+            mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
         self.sow("sites", MLP_IN, mlp_in)
         mlp_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
                                         self.chunk_tokens)
@@ -295,7 +347,8 @@ class DecoderLayer(nn.Module):
         mlp_out = _replaced(mlp_out, a, "mlp")
         self.sow("stats", "mlp_output", mlp_out)
         self.sow("sites", MLP_OUT, mlp_out)
-        x = x + mlp_out
+        # Added in transformers' order: (mlp + attn) + x for a parallel block.
+        x = mlp_out + attn_out + x if c.parallel_residual else x + mlp_out
         self.sow("stats", "contribution", x - block_in)
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
@@ -317,6 +370,9 @@ class Decoder(nn.Module):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
+        if c.positions == "learned":
+            self.embed_positions = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
+                                            param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
                                     self.residual_dtype, c.window(i), self.mlp_hidden, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
@@ -325,10 +381,18 @@ class Decoder(nn.Module):
             self.lm_head = dense(c.vocab_size, False, "lm_head", self.dtype,
                                  accumulation(self.dtype, self.residual_dtype))
 
-    def embed(self, input_ids: jax.Array) -> jax.Array:
+    def embed(self, input_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """The residual stream's start [B, S, H]: embeddings (x sqrt(H) where ``scale_embeddings``,
-        the factor rounded to the compute dtype as Hugging Face does), in the residual dtype."""
+        the factor rounded to the compute dtype as Hugging Face does; plus the learned position
+        embeddings where ``positions`` is learned), in the residual dtype."""
         x = self.embed_tokens(input_ids)  # [B, S, H]
+        if self.config.positions == "learned":
+            # Clipped: padding past the table (a bucket longer than the sequence) must not read
+            # NaN, which an out-of-range gather gives; real positions are within it (checked).
+            table = self.embed_positions(jnp.minimum(positions, self.config.max_position_embeddings - 1))
+            if self.residual_dtype is not None:
+                return x.astype(self.residual_dtype) + table.astype(self.residual_dtype)
+            return x + table
         scale = jnp.asarray(self.config.hidden_size ** 0.5, self.dtype) if self.config.scale_embeddings else None
         if self.residual_dtype is not None:
             x = x.astype(self.residual_dtype)
@@ -346,10 +410,10 @@ class Decoder(nn.Module):
         dtype, new caches).
         """
         c = self.config
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, positions)
         self.sow("sites", "embeddings", x)  # block 0's input
-        tables = {rope: rope_cos_sin(positions, c.head_dim, rope)
-                  for rope in dict.fromkeys(c.rope_of(i) for i in range(num_layers))}  # cos, sin [B, S, D]
+        tables = {rope: rope_cos_sin(positions, c.rope_dim, rope) if c.positions == "rope" else (None, None)
+                  for rope in dict.fromkeys(c.rope_of(i) for i in range(num_layers))}  # cos, sin [B, S, rope_dim]
         outputs, new_caches = [], []
         for i in range(num_layers):
             block = None if ablation is None else {name: array[i] for name, array in ablation.items()}

@@ -39,7 +39,7 @@ from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
 from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ArrayKey, array_key, array_keys,
-                         blocks_needed, describe_key, parse_sites)
+                         blocks_needed, check_sites, describe_key, parse_sites)
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
@@ -55,6 +55,16 @@ def validate_layers(layers: Sequence[int], config: DecoderConfig) -> tuple[int, 
     if not layers:
         raise UserError("no layers to extract")
     return tuple(sorted(set(layers)))
+
+
+def check_model_fits(config: DecoderConfig, sites: Sequence[str], max_seq_length: int) -> None:
+    """``UserError`` in one line for a site this model does not have, or sequences longer than
+    its learned position table."""
+    check_sites(sites, config)
+    if config.positions == "learned" and max_seq_length > config.max_position_embeddings:
+        raise UserError(f"--max_seq_length {max_seq_length}: {config.model_type} has learned positions for "
+                        f"{config.max_position_embeddings} tokens (n_positions); pass "
+                        f"--max_seq_length {config.max_position_embeddings} or less")
 
 
 def intervention_for(spec: str | None, means_path: str | None, config: DecoderConfig, num_layers: int):
@@ -277,6 +287,7 @@ class Extractor:
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
         attention_for(None, attention, config)  # a kernel the model cannot use fails before it loads
+        check_model_fits(config, sites, max_seq_length)
         arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=blocks_needed(sites, layers), devices=devices)
@@ -295,6 +306,7 @@ class Extractor:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
         attention_for(loaded.mesh, attention, loaded.config)
+        check_model_fits(loaded.config, parse_sites(sites), max_seq_length)
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),

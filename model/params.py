@@ -4,16 +4,23 @@ Every parameter is built with ``jax.make_array_from_callback``: each device rece
 own slice, read from the checkpoint and cast to the requested dtype, so no device (and no host
 buffer) ever holds an extra full copy of a sharded weight.
 
-Names: every family keeps Hugging Face's ``model.layers.N.self_attn.q_proj`` / ``mlp.gate_proj``
-layout; the block's norms differ in meaning (``post_attention_layernorm`` is the MLP's input
-norm in Llama-like blocks, the attention output's norm in Gemma's sandwich blocks), and the text
-model's prefix differs by checkpoint layout (``model.``; ``model.language_model.`` or
-``language_model.model.`` inside a Gemma 3 multimodal checkpoint; none for a bare ``*Model``).
+Names: a family's ``Layout`` says where each parameter is. Most keep Llama's
+``model.layers.N.self_attn.q_proj`` / ``mlp.gate_proj`` names; the block's norms differ in
+meaning (``post_attention_layernorm`` is the MLP's input norm in Llama-like blocks, the attention
+output's norm in Gemma's and OLMo 2's), and the text model's prefix differs by checkpoint layout
+(``model.``; ``model.language_model.`` or ``language_model.model.`` inside a Gemma 3 multimodal
+checkpoint; none for a bare ``*Model``). GPT-2 (``transformer.h.N``, Conv1D weights stored
+[in, out], q | k | v fused in ``c_attn``), GPT-NeoX (``gpt_neox.layers.N``, q, k and v fused per
+head) and Phi-3 (``qkv_proj``, ``gate_up_proj``) have their own; a fused tensor is split at load
+time. Tensors a checkpoint holds but the model does not read (GPT-2's ``attn.bias`` mask
+buffers, rotary caches) are never looked at.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,71 +33,189 @@ from model.config import DecoderConfig
 from model.sharding import param_sharding
 
 LINEAR_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-LINEAR_MLP = ("gate_proj", "up_proj", "down_proj")
 # Where the text model's tensors live, by checkpoint layout; the LM head beside each.
 TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")
 HEAD_NAMES = {"model.": "lm_head.weight", "model.language_model.": "lm_head.weight",
               "language_model.model.": "language_model.lm_head.weight", "": "lm_head.weight"}
-# The block's norms (model.decoder.BLOCK_NORMS) by their Hugging Face names.
+# The block's norms (model.decoder.BLOCK_NORMS) by their Hugging Face names, by placement.
 NORM_NAMES = {"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
 SANDWICH_NORM_NAMES = {"pre_attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                        "pre_mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
-# What each activation site (``model.sites``) equals in transformers' modules of block L
-# (``model.layers.L``): (module below the block, "" for the block itself; which side of it).
-# ``input`` / ``output`` are a forward hook's (the first positional input; the first output);
-# ``normalized input`` is that module's input x as x / sqrt(mean(x^2) + eps), in float32.
-def hf_site(site: str, sandwich_norms: bool) -> tuple[str, str]:
-    """Where ``site`` is seen in a Hugging Face block of a model with (``sandwich_norms``: Gemma
-    2, 3) or without norms on the sublayer outputs."""
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one parameter's values are in a checkpoint."""
+    name: str                # the tensor's Hugging Face name
+    transpose: bool = False  # a torch Linear weight [out, in], transposed into a Flax kernel [in, out]
+    part: tuple[int, np.ndarray] | None = None  # (axis, indices): a slice of a fused tensor (before transposing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A family's Hugging Face names: its tensors (below the text prefix) and, for the sites and
+    the reference, the modules of a block (below ``<blocks>.L``)."""
+    prefixes: tuple[str, ...]           # where the text model's tensors may live (the first holding ``embed``)
+    embed: str                          # the token embedding's module
+    blocks: str                         # the list of blocks
+    final_norm: str
+    block_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]]  # (config, "<prefix><blocks>.L")
+    positions: str | None = None        # the learned position embedding's module
+    head: str | None = None             # an untied head's tensor, at the top level (None: HEAD_NAMES[prefix])
+    attention: str = "self_attn"        # the attention module (its output: what it adds)
+    o_proj: str = "self_attn.o_proj"    # its output projection (input: attn.hook_z)
+    mlp: str = "mlp"
+    down_proj: str = "mlp.down_proj"    # the MLP's last projection (input: mlp.hook_post)
+    norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
+
+
+def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
+    """A projection's kernel (and bias) from ``module``'s ``weight`` (and ``bias``)."""
+    yield (*path, "kernel"), Source(f"{module}.weight", transpose, part)
+    if bias:
+        yield (*path, "bias"), Source(f"{module}.bias", False, part if part is None else (0, part[1]))
+
+
+def _norm(module: str, path: tuple[str, ...], config: DecoderConfig):
+    """A norm's weight (and a LayerNorm's bias)."""
+    yield (*path, "weight"), Source(f"{module}.weight")
+    if config.norm == "layer":
+        yield (*path, "bias"), Source(f"{module}.bias")
+
+
+def _split(sizes: Sequence[int]) -> list[np.ndarray]:
+    """Indices of consecutive parts of these sizes (a fused tensor's q | k | v, or gate | up)."""
+    ends = np.cumsum(sizes)
+    return [np.arange(end - size, end) for size, end in zip(sizes, ends)]
+
+
+def _llama_block(config: DecoderConfig, hf: str, fused: bool = False):
+    """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's); ``fused``: Phi-3's qkv_proj and
+    gate_up_proj, split at load time."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    if fused:
+        for proj, rows in zip(("q_proj", "k_proj", "v_proj"), _split([q, kv, kv])):
+            yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, (0, rows))
+    else:
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
+    yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
+    if c.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
+    if fused:
+        for proj, rows in zip(("gate_proj", "up_proj"), _split([c.intermediate_size] * 2)):
+            yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, (0, rows))
+    else:
+        for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
+            yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
+    yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
+    for ours, theirs in block_norm_names(c).items():
+        yield from _norm(f"{hf}.{theirs}", (ours,), c)
+
+
+def _gpt2_block(config: DecoderConfig, hf: str):
+    """GPT-2's Conv1D weights are stored [in, out], a Flax kernel already; c_attn's output columns
+    are q | k | v."""
+    h = config.hidden_size
+    for proj, columns in zip(("q_proj", "k_proj", "v_proj"), _split([h, h, h])):
+        yield from _linear(f"{hf}.attn.c_attn", ("self_attn", proj), True, (1, columns), transpose=False)
+    yield from _linear(f"{hf}.attn.c_proj", ("self_attn", "o_proj"), True, transpose=False)
+    yield from _linear(f"{hf}.mlp.c_fc", ("mlp", "up_proj"), True, transpose=False)
+    yield from _linear(f"{hf}.mlp.c_proj", ("mlp", "down_proj"), True, transpose=False)
+    for ours, theirs in GPT2.norms.items():
+        yield from _norm(f"{hf}.{theirs}", (ours,), config)
+
+
+def _neox_block(config: DecoderConfig, hf: str):
+    """GPT-NeoX's query_key_value rows are per head: [head][q, k, v][head_dim]."""
+    n, d = config.num_attention_heads, config.head_dim
+    rows = np.arange(n * 3 * d).reshape(n, 3, d)  # [N, 3, D]
+    for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        yield from _linear(f"{hf}.attention.query_key_value", ("self_attn", proj), config.qkv_bias,
+                           (0, rows[:, i].reshape(-1)))
+    yield from _linear(f"{hf}.attention.dense", ("self_attn", "o_proj"), config.o_bias)
+    yield from _linear(f"{hf}.mlp.dense_h_to_4h", ("mlp", "up_proj"), config.mlp_bias)
+    yield from _linear(f"{hf}.mlp.dense_4h_to_h", ("mlp", "down_proj"), config.mlp_bias)
+    for ours, theirs in GPT_NEOX.norms.items():
+        yield from _norm(f"{hf}.{theirs}", (ours,), config)
+
+
+LLAMA = Layout(TEXT_PREFIXES, "embed_tokens", "layers", "norm", _llama_block)
+PHI3 = dataclasses.replace(LLAMA, block_tensors=functools.partial(_llama_block, fused=True))
+GPT2 = Layout(("transformer.", ""), "wte", "h", "ln_f", _gpt2_block, positions="wpe", attention="attn",
+              o_proj="attn.c_proj", down_proj="mlp.c_proj",
+              norms={"pre_attention_norm": "ln_1", "pre_mlp_norm": "ln_2"})
+GPT_NEOX = Layout(("gpt_neox.",), "embed_in", "layers", "final_layer_norm", _neox_block, head="embed_out.weight",
+                  attention="attention", o_proj="attention.dense", down_proj="mlp.dense_4h_to_h",
+                  norms={"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"})
+LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}  # every other family: LLAMA
+
+
+def layout_of(config: DecoderConfig) -> Layout:
+    return LAYOUTS.get(config.model_type, LLAMA)
+
+
+def block_norm_names(config: DecoderConfig) -> dict[str, str]:
+    """The block's norms (``model.decoder.BLOCK_NORMS``) that this model has, by their Hugging
+    Face names (``post_attention_layernorm`` is the MLP's input norm in Llama-like blocks, the
+    attention output's norm in Gemma's and OLMo 2's)."""
+    layout = layout_of(config)
+    if layout.norms is not None:
+        return layout.norms
+    if not config.pre_norms:
+        return POST_NORM_NAMES
+    return SANDWICH_NORM_NAMES if config.sandwich_norms else NORM_NAMES
+
+
+# What each activation site (``model.sites``) equals in transformers' modules of block L: (module
+# below the block, "" for the block itself; which side of it). ``input`` / ``output`` are a
+# forward hook's (the first positional input; the first output); ``normalized input`` is that
+# norm module's input x normalised as the norm does before its weight (x / rms(x), or
+# (x - mean) / std for a LayerNorm), in float32.
+def hf_site(site: str, config: DecoderConfig) -> tuple[str, str]:
+    """Where ``site`` is seen in a Hugging Face block of the model ``config`` describes."""
     from model import sites
-    norms = SANDWICH_NORM_NAMES if sandwich_norms else NORM_NAMES
+    layout, norms = layout_of(config), block_norm_names(config)
+    post = config.sandwich_norms
     return {
         sites.RESID_PRE: ("", "input"),
-        sites.ATTN_Z: ("self_attn.o_proj", "input"),
-        sites.ATTN_OUT: (norms["post_attention_norm"], "output") if sandwich_norms else ("self_attn", "output"),
-        sites.RESID_MID: (norms["pre_mlp_norm"], "input"),
-        sites.LN2_NORMALIZED: (norms["pre_mlp_norm"], "normalized input"),
-        sites.MLP_IN: ("mlp", "input"),
-        sites.MLP_POST: ("mlp.down_proj", "input"),
-        sites.MLP_OUT: (norms["post_mlp_norm"], "output") if sandwich_norms else ("mlp", "output"),
+        sites.ATTN_Z: (layout.o_proj, "input"),
+        sites.ATTN_OUT: (norms["post_attention_norm"], "output") if post else (layout.attention, "output"),
+        sites.RESID_MID: (norms["pre_mlp_norm"], "input") if config.pre_norms else (layout.mlp, "input"),
+        sites.LN2_NORMALIZED: (norms.get("pre_mlp_norm", ""), "normalized input"),
+        sites.MLP_IN: (layout.mlp, "input"),
+        sites.MLP_POST: (layout.down_proj, "input"),
+        sites.MLP_OUT: (norms["post_mlp_norm"], "output") if post else (layout.mlp, "output"),
         sites.RESID_POST: ("", "output"),
     }[site]
 
 
-def text_prefix(checkpoint: Checkpoint) -> str:
+def text_prefix(checkpoint: Checkpoint, layout: Layout = LLAMA) -> str:
     """The prefix of the text model's tensors in this checkpoint."""
-    for prefix in TEXT_PREFIXES:
-        if f"{prefix}embed_tokens.weight" in checkpoint:
+    for prefix in layout.prefixes:
+        if f"{prefix}{layout.embed}.weight" in checkpoint:
             return prefix
-    raise UserError(f"checkpoint {checkpoint.model_dir!r} has no embedding (model.embed_tokens.weight "
+    raise UserError(f"checkpoint {checkpoint.model_dir!r} has no embedding ({layout.prefixes[0]}{layout.embed}.weight "
                     f"or another layout's)")
 
 
 def param_names(config: DecoderConfig, num_layers: int, with_head: bool,
-                prefix: str = "model.") -> Iterator[tuple[tuple[str, ...], str, bool]]:
-    """(Flax path, Hugging Face name, transpose?) of every parameter needed."""
-    yield ("embed_tokens", "embedding"), f"{prefix}embed_tokens.weight", False
-    norms = SANDWICH_NORM_NAMES if config.sandwich_norms else NORM_NAMES
+                prefix: str = "model.") -> Iterator[tuple[tuple[str, ...], Source]]:
+    """(Flax path, where its values are) of every parameter needed."""
+    layout = layout_of(config)
+    yield ("embed_tokens", "embedding"), Source(f"{prefix}{layout.embed}.weight")
+    if layout.positions:
+        yield ("embed_positions", "embedding"), Source(f"{prefix}{layout.positions}.weight")
     for i in range(num_layers):
-        hf, fx = f"{prefix}layers.{i}", f"layers_{i}"
-        for proj in LINEAR_ATTN:
-            yield (fx, "self_attn", proj, "kernel"), f"{hf}.self_attn.{proj}.weight", True
-            if config.o_bias if proj == "o_proj" else config.qkv_bias:
-                yield (fx, "self_attn", proj, "bias"), f"{hf}.self_attn.{proj}.bias", False
-        if config.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                yield (fx, "self_attn", norm, "weight"), f"{hf}.self_attn.{norm}.weight", False
-        for proj in LINEAR_MLP:
-            yield (fx, "mlp", proj, "kernel"), f"{hf}.mlp.{proj}.weight", True
-            if config.mlp_bias:
-                yield (fx, "mlp", proj, "bias"), f"{hf}.mlp.{proj}.bias", False
-        for ours, theirs in norms.items():
-            yield (fx, ours, "weight"), f"{hf}.{theirs}.weight", False
+        for path, source in layout.block_tensors(config, f"{prefix}{layout.blocks}.{i}"):
+            yield (f"layers_{i}", *path), source
     if with_head:
-        yield ("norm", "weight"), f"{prefix}norm.weight", False
+        yield from _norm(f"{prefix}{layout.final_norm}", ("norm",), config)
         if not config.tie_word_embeddings:
-            yield ("lm_head", "kernel"), HEAD_NAMES[prefix], True
+            yield ("lm_head", "kernel"), Source(layout.head or HEAD_NAMES[prefix], True)
 
 
 def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, ...]:
@@ -100,12 +225,28 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, .
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     module, leaf = path[-2], path[-1]
     kernels = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
-               "up_proj": (h, f), "down_proj": (f, h), "lm_head": (h, c.vocab_size), "embed_tokens": (c.vocab_size, h)}
+               "up_proj": (h, f), "down_proj": (f, h), "lm_head": (h, c.vocab_size), "embed_tokens": (c.vocab_size, h),
+               "embed_positions": (c.max_position_embeddings, h)}
     if leaf in ("kernel", "embedding"):
         return kernels[module]
-    if leaf == "bias":
+    if leaf == "bias" and module in kernels:
         return kernels[module][1:]
-    return (d,) if module in ("q_norm", "k_norm") else (h,)
+    if module in ("q_norm", "k_norm"):  # per head, or over the whole projection
+        return (d,) if c.qk_norm_scope == "head" else ((q,) if module == "q_norm" else (kv,))
+    return (h,)
+
+
+def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
+    """The values of ``source`` (its part of a fused tensor, copied); ``UserError`` for a fused
+    tensor too small for the config's sizes."""
+    tensor = checkpoint.tensor(source.name)
+    if source.part is None:
+        return tensor
+    axis, indices = source.part
+    if tensor.ndim <= axis or tensor.shape[axis] <= indices.max():
+        raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}, which config.json's "
+                        f"sizes do not give (its parts need {indices.max() + 1} along axis {axis})")
+    return np.take(tensor, indices, axis=axis)
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -129,14 +270,16 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
     num_layers = config.num_hidden_layers if num_layers is None else num_layers
     dtype = jnp.dtype(dtype)
     tree: dict = {}
-    for path, name, transpose in param_names(config, num_layers, with_head, text_prefix(checkpoint)):
+    prefix = text_prefix(checkpoint, layout_of(config))
+    for path, source in param_names(config, num_layers, with_head, prefix):
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        source = checkpoint.tensor(name)
-        shape = source.shape[::-1] if transpose else source.shape
+        values = read_source(checkpoint, source)
+        transpose = source.transpose
+        shape = values.shape[::-1] if transpose else values.shape
         if tuple(shape) != expected_shape(path, config):
-            raise UserError(f"checkpoint tensor {name!r} has shape {list(source.shape)}, which config.json's "
+            raise UserError(f"checkpoint tensor {source.name!r} has shape {list(values.shape)}, which config.json's "
                             f"sizes do not give ({list(expected_shape(path, config)[::-1 if transpose else 1])})")
-        node[path[-1]] = _placed(source, transpose, path, mesh, dtype, config)
+        node[path[-1]] = _placed(values, transpose, path, mesh, dtype, config)
     return tree

@@ -28,14 +28,20 @@ def inverse_frequencies(head_dim: int, rope: RoPE) -> jax.Array:
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, rope: RoPE) -> tuple[jax.Array, jax.Array]:
-    """Rotary tables for ``positions`` [B, S] -> cos, sin [B, S, D] in float32."""
+    """Rotary tables for ``positions`` [B, S] -> cos, sin [B, S, D] in float32 (``head_dim``: the
+    dims rotated, D)."""
     freqs = positions.astype(jnp.float32)[..., None] * inverse_frequencies(head_dim, rope)  # [B, S, D/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # [B, S, D]
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x`` [B, S, heads, D] by the tables [B, S, D] (Hugging Face's rotate_half form)."""
+    """Rotates ``x`` [B, S, heads, D] by the tables [B, S, R] (Hugging Face's rotate_half form):
+    its first R dims, the rest passed through where R < D (partial rotary, as GPT-NeoX and Phi-3
+    compute it: rotate_half within the first R)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)

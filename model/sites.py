@@ -38,10 +38,14 @@ SITES: dict[str, Site] = {s.name: s for s in (
                           "n_heads * head_dim (head-major)"),
     Site(ATTN_OUT, "hidden", "what attention adds to the stream (after the post-attention norm where the "
                              "block has one: Gemma 2, 3)"),
-    Site(RESID_MID, "hidden", "resid_pre + attn_out: the MLP's input before its norm"),
-    Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain: x / rms(x)"),
+    Site(RESID_MID, "hidden", "resid_pre + attn_out: the MLP's input before its norm (none in a parallel block: "
+                              "GPT-NeoX's MLP reads resid_pre)"),
+    Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain (and bias): x / rms(x), "
+                                   "or (x - mean) / std for a LayerNorm (none where the MLP's input has no norm: "
+                                   "OLMo 2)"),
     Site(MLP_IN, "hidden", "the MLP's input after its norm with the gain applied (the MLP module's input)"),
-    Site(MLP_POST, "intermediate", "the MLP's hidden activation act(gate) * up (the down projection's input)"),
+    Site(MLP_POST, "intermediate", "the MLP's hidden activation, act(gate) * up, or act(fc) in a plain MLP "
+                                   "(the down projection's input)"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
                             "block has one: Gemma 2, 3)"),
     Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
@@ -63,6 +67,23 @@ def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
     if not names:
         raise UserError("no sites to extract")
     return tuple(s for s in SITES if s in names)
+
+
+def missing_reason(site: str, config) -> str | None:
+    """Why a model (``DecoderConfig``) has no ``site``, or None when it has it."""
+    if site == RESID_MID and not config.has_resid_mid:
+        return (f"{config.model_type} has a parallel residual: attention and the MLP both read the block's input, "
+                f"so no stream exists between them (hook_resid_pre, hook_attn_out and hook_mlp_out do)")
+    if site == LN2_NORMALIZED and not config.has_mlp_norm:
+        return f"{config.model_type}'s MLP reads the stream without a norm before it (mlp.hook_in is its input)"
+    return None
+
+
+def check_sites(sites: Sequence[str], config) -> None:
+    """``UserError`` in one line for a site this model does not have."""
+    for site in sites:
+        if reason := missing_reason(site, config):
+            raise UserError(f"--sites {site}: {reason}")
 
 
 def hook_name(site: str, layer: int) -> str:

@@ -7,7 +7,7 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import gemma2, gemma3, llama, mistral, qwen2, qwen3
+from model.families import gemma2, gemma3, gpt2, gpt_neox, llama, mistral, olmo2, phi3, qwen2, qwen3
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -18,9 +18,13 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "gemma2": (gemma2, gemma2.ARCHITECTURES),
     "gemma3_text": (gemma3, gemma3.ARCHITECTURES),
     "gemma3": (gemma3, gemma3.WRAPPER_ARCHITECTURES),
+    "gpt2": (gpt2, gpt2.ARCHITECTURES),
+    "gpt_neox": (gpt_neox, gpt_neox.ARCHITECTURES),
+    "olmo2": (olmo2, olmo2.ARCHITECTURES),
+    "phi3": (phi3, phi3.ARCHITECTURES),
 }
 SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
-                                if a.endswith(("ForCausalLM", "ForConditionalGeneration")))
+                                if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))
 
 
 def read_family_config(raw: dict) -> DecoderConfig:

@@ -50,8 +50,9 @@ class Fields:
         return UserError(f"{self.family} config.json: {key} = {value!r} is not supported: {why}")
 
 
-def shapes(f: Fields) -> dict[str, Any]:
-    """The fields every family reads the same way: widths, heads, norm epsilon, head tying."""
+def shapes(f: Fields, eps_key: str = "rms_norm_eps") -> dict[str, Any]:
+    """The fields every family reads the same way: widths, heads, norm epsilon (under
+    ``eps_key``), head tying."""
     heads = f.number("num_attention_heads")
     kv_heads = int(f.get("num_key_value_heads") or heads)
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
@@ -62,7 +63,7 @@ def shapes(f: Fields) -> dict[str, Any]:
                 intermediate_size=f.number("intermediate_size"),
                 num_hidden_layers=f.number("num_hidden_layers"), num_attention_heads=heads,
                 num_key_value_heads=kv_heads, head_dim=int(f.get("head_dim") or hidden // heads),
-                rms_norm_eps=f.number("rms_norm_eps", float),
+                norm_eps=f.number(eps_key, float),
                 tie_word_embeddings=bool(f.get("tie_word_embeddings")),
                 max_position_embeddings=f.number("max_position_embeddings"))
 
@@ -73,11 +74,11 @@ def sliding_window(f: Fields) -> int | None:
     return int(window) if window else None
 
 
-def activation(f: Fields, key: str) -> str:
-    """The MLP gate's activation, by transformers' name."""
+def activation(f: Fields, key: str, allowed: Sequence[str] = ACTIVATIONS) -> str:
+    """The MLP's activation, by transformers' name (one of ``allowed``)."""
     name = f.get(key)
-    if name not in ACTIVATIONS:
-        raise f.refuse(key, name, f"the MLP activation must be one of {', '.join(ACTIVATIONS)}")
+    if name not in allowed:
+        raise f.refuse(key, name, f"the MLP activation must be one of {', '.join(allowed)}")
     return name
 
 
@@ -100,15 +101,16 @@ def rope_parameters(f: Fields, layer_type: str | None = None) -> tuple[dict[str,
     return dict(scaling or {}), "rope_scaling"
 
 
-def rope(f: Fields, params: dict[str, Any], where: str, theta: float) -> RoPE:
+def rope(f: Fields, params: dict[str, Any], where: str, theta: float, partial: bool = False) -> RoPE:
     """A ``RoPE`` from one set of parameters (``where`` names their key for refusals); ``theta``
-    is the base to use where the parameters give none."""
+    is the base to use where the parameters give none. ``partial``: the family reads a partial
+    rotary factor (``rotary_dim``); elsewhere one is refused."""
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in ROPE_KINDS:
         raise f.refuse(f"{where}.rope_type", kind, f"the implemented RoPE types are {', '.join(ROPE_KINDS)}")
-    partial = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise f.refuse(f"{where}.partial_rotary_factor", partial, "RoPE is implemented on the whole head")
+    factor = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor"))
+    if not partial and factor not in (None, 1, 1.0):
+        raise f.refuse(f"{where}.partial_rotary_factor", factor, f"{f.family} rotates the whole head")
     theta = float(params.get("rope_theta") or theta)
     if kind == "default":
         return RoPE(theta)
@@ -120,6 +122,24 @@ def rope(f: Fields, params: dict[str, Any], where: str, theta: float) -> RoPE:
                     int(params.get("original_max_position_embeddings") or f.number("max_position_embeddings")))
     except KeyError as e:
         raise UserError(f"{f.family} config.json: {where} of type {kind!r} has no {e.args[0]!r}") from None
+
+
+def rotary_dim(f: Fields, params: dict[str, Any], where: str, head_dim: int, default: float = 1.0) -> int | None:
+    """The dims of each head RoPE rotates, as transformers computes them (int(head_dim * factor),
+    the factor from the RoPE parameters, or the config's top level, or ``default``); None for
+    the whole head. Refused unless it leaves whole pairs: at least one, at most head_dim / 2."""
+    factor = params.get("partial_rotary_factor", f.get("partial_rotary_factor"))
+    factor = default if factor is None else factor
+    try:
+        dims = int(head_dim * float(factor))
+    except (TypeError, ValueError):
+        raise f.refuse(f"{where}.partial_rotary_factor", factor, "not a number") from None
+    if dims == head_dim:
+        return None
+    if not 0 < dims < head_dim or dims % 2:
+        raise f.refuse(f"{where}.partial_rotary_factor", factor, f"it rotates {dims} of head_dim {head_dim}: "
+                       "an even number of dims, at least 2, is needed")
+    return dims
 
 
 def layer_types(f: Fields, num_layers: int, derived: Sequence[str], window: int | None) -> tuple[str, ...]:
