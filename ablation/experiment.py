@@ -26,7 +26,6 @@ from ablation.results import (RESULTS_FILE, SUMMARY_FILE, describe, load_results
 from common.cli import UserError
 from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
-from model.checkpoint import resolve_model_dir
 from model.config import load_config
 from model.interventions import BASELINE, Intervention, Means, ablation_arrays, parse_interventions
 from model.scoring import InterventionModel, scored_tokens
@@ -82,7 +81,7 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     """Everything checked before the model loads: the grid (against the model's config.json),
     the records of the stream."""
     config.validate()
-    model_config = load_config(resolve_model_dir(config.model_path))
+    model_config = load_config(config.model_dir())
     grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
                                model_config.num_attention_heads)
     records = read_records(config.stream, config.max_samples, config.max_seq_length)
@@ -132,7 +131,8 @@ def run_experiment(config: AblationConfig) -> RunReport:
 def _load_model(config: AblationConfig) -> InterventionModel:
     from model.extract import resolve_dtype
     from model.loading import load_model
-    loaded = load_model(config.model_path, resolve_dtype(config.dtype), config.mesh_type, with_head=True)
+    loaded = load_model(config.model_path, resolve_dtype(config.dtype), config.mesh_type, with_head=True,
+                        revision=config.model_revision)
     return InterventionModel(loaded, config.batch_size, config.max_seq_length, config.attention,
                              config.residual_dtype)
 

@@ -3,16 +3,19 @@
 The same stream (ARC-AGI-1 records, the Qwen2.5 tokenizer) through ``runners.tpu_host`` with the
 same flags, from this tree and from ``--base`` (a git worktree made for the run), into the same
 output path in turn (the index holds absolute shard paths); per family (tiny random checkpoints
-with Qwen2.5's vocabulary), each file of the machine directory compared: shards and both index
-files must be identical; ``metadata.json`` may differ only by time stamps and the keys this tree
-adds; files the base does not write are listed. Prints one line per family and file kind.
+with Qwen2.5's vocabulary), compute dtype and attention kernel, each file of the machine
+directory compared: shards and both index files must be identical; ``metadata.json`` may differ
+only by time stamps and the keys this tree adds; files the base does not write are listed.
+Prints one line per run and file kind.
 
-    python benchmarks/byte_identity.py [--base f50bd60] [--families qwen2,gemma3]
+    python benchmarks/byte_identity.py [--base f50bd60] [--families qwen2,gemma3] \
+        [--dtypes float32,bfloat16] [--attentions tiled,fused] [--sites hook_resid_post,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -24,7 +27,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RUNNER = ["--machine_id", "0", "--shard_size_gb", "0.0003", "--batch_size", "2", "--max_seq_length", "256",
-          "--dtype", "float32", "--layers_to_extract", "0,2"]
+          "--layers_to_extract", "0,2"]
 TIMES = {"stored_at", "updated_at", "started_at"}
 
 
@@ -68,6 +71,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="f50bd60", help="the commit to compare with")
     parser.add_argument("--families", default="qwen2,gemma3")
+    parser.add_argument("--dtypes", default="float32", help="compute dtypes, each run in turn")
+    parser.add_argument("--attentions", default="tiled", help="attention kernels, each run in turn "
+                        "(fused is skipped for a soft-capped model, which refuses it)")
+    parser.add_argument("--sites", default="hook_resid_post", help="the runs' --sites (the base must know them)")
     args = parser.parse_args()
     from fixtures.qwen_tokenizer import cached_tokenizer_dir
     from fixtures.tiny_models import write_checkpoint
@@ -81,16 +88,21 @@ def main() -> None:
             "--output_dir", str(work / "streams"))
         for family in args.families.split(","):
             model = write_checkpoint(work / family, family, seed=3, vocab_size=151936)
-            out = work / "out"
-            flags = [*RUNNER, "--streams_dir", str(work / "streams"), "--model_path", str(model),
-                     "--output_dir", str(out)]
-            results = {}
-            for name, tree in (("base", base_tree), ("ours", REPO)):
-                run(tree, "runners.tpu_host", *flags)
-                results[name] = work / f"{family}_{name}"
-                shutil.move(out, results[name])
-            for kind, verdict in compare(results["base"] / "machine_000", results["ours"] / "machine_000").items():
-                print(f"{family}: {kind} vs {args.base}: {verdict}")
+            for dtype, attention in itertools.product(args.dtypes.split(","), args.attentions.split(",")):
+                if attention == "fused" and family == "gemma2":
+                    continue
+                out = work / "out"
+                flags = [*RUNNER, "--streams_dir", str(work / "streams"), "--model_path", str(model),
+                         "--output_dir", str(out), "--dtype", dtype, "--attention", attention, "--sites", args.sites]
+                results = {}
+                for name, tree in (("base", base_tree), ("ours", REPO)):
+                    run(tree, "runners.tpu_host", *flags)
+                    results[name] = work / f"{family}_{name}"
+                    shutil.move(out, results[name])
+                for kind, verdict in compare(results["base"] / "machine_000", results["ours"] / "machine_000").items():
+                    print(f"{family} {dtype} {attention}: {kind} vs {args.base}: {verdict}", flush=True)
+                for result in results.values():
+                    shutil.rmtree(result)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -59,7 +59,6 @@ from host.stream import check_lengths, count_records, runner_stream, stream_reco
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
 from model.attention import attention_for
-from model.checkpoint import resolve_model_dir
 from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
@@ -177,7 +176,7 @@ def run_host(config: HostConfig) -> int:
 def check_model(config: HostConfig) -> None:
     """An unsupported architecture or option, or a kernel the model cannot use, fails as one line
     before anything is created."""
-    model = load_config(resolve_model_dir(config.model_path))
+    model = load_config(config.model_dir())
     attention_for(None, config.attention, model)
     check_model_fits(model, parse_sites(config.sites), config.max_seq_length)
 
@@ -279,7 +278,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         return True
     threading.Thread(target=count_records, args=(progress, stream, config.max_samples),
                      daemon=True, name="count-records").start()
-    model_config = load_config(resolve_model_dir(config.model_path))
+    model_config = load_config(config.model_dir())
     settings = output_settings(config, model_config)  # checks --ablate, before the model loads
     checkpoint.check_settings(settings)
     if config.process_id in (None, 0):  # what the run will store, before it starts
@@ -289,7 +288,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
     extraction = OrderedExtraction(ExtractConfig(
-        model_path=config.model_path, dtype=config.dtype, residual_dtype=config.residual_dtype,
+        model_path=config.model_path, model_revision=config.model_revision, dtype=config.dtype,
+        residual_dtype=config.residual_dtype,
         mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
@@ -443,7 +443,8 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) 
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
             "gcs_prefix": config.process_prefix if config.upload_to_gcs else None,
-            "model": config.model_path, "layers": list(extractor.layers), "sites": list(extractor.sites),
+            "model": config.model_path, "model_revision": config.model_revision, "layers": list(extractor.layers),
+            "sites": list(extractor.sites),
             "dtype": config.activation_dtype, "compute_dtype": jnp.dtype(extractor.dtype).name,
             "residual_dtype": extractor.residual_dtype_name,
             "hidden_size": extractor.config.hidden_size, "model_type": extractor.config.model_type,

@@ -276,14 +276,14 @@ class Extractor:
              devices: list | None = None, activation_dtype: str | None = None,
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
              ablation_means: str | None = None, residual_dtype: str = "float32",
-             sites: Sequence[str] = DEFAULT_SITES) -> "Extractor":
+             sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None) -> "Extractor":
         """Loads only the blocks the requested sites and layers need, straight onto the mesh.
         ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
-        from ``model.sites`` (each stored at every layer)."""
+        from ``model.sites`` (each stored at every layer). ``revision``: of a hub id."""
         sites = parse_sites(sites)
         resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
-        model_dir = resolve_model_dir(model_path)
+        model_dir = resolve_model_dir(model_path, revision)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
         attention_for(None, attention, config)  # a kernel the model cannot use fails before it loads

@@ -23,9 +23,10 @@ class LoadedModel:
 
 def load_model(model_path: str, dtype: Any, mesh_type: str = "1d", model_axis_size: int | None = None,
                num_layers: int | None = None, with_head: bool = False,
-               devices: list | None = None) -> LoadedModel:
-    """Blocks ``0..num_layers-1`` (all by default; plus norm and LM head with ``with_head``)."""
-    model_dir = resolve_model_dir(model_path)
+               devices: list | None = None, revision: str | None = None) -> LoadedModel:
+    """Blocks ``0..num_layers-1`` (all by default; plus norm and LM head with ``with_head``);
+    ``revision``: of a hub id (``model.checkpoint.resolve_model_dir``)."""
+    model_dir = resolve_model_dir(model_path, revision)
     config = load_config(model_dir)
     mesh = make_mesh(mesh_type, config, model_axis_size, devices)
     params = load_params(Checkpoint(model_dir), config, mesh, dtype, num_layers, with_head)

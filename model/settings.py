@@ -22,6 +22,8 @@ from model.sites import DEFAULT_SITES, SITES, parse_sites
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSettings:
     model_path: str | None = flag(None, "Hugging Face checkpoint directory or hub id")
+    model_revision: str | None = flag(None, "the hub revision of --model_path: a branch, tag or commit (Pythia's "
+                                      "training checkpoints: step143000); recorded in metadata.json")
     dtype: str = flag(AUTO, "compute and weight dtype: auto (bfloat16 on TPU/GPU, float32 on CPU) | "
                       + " | ".join(COMPUTE_DTYPES), choices=(AUTO, *COMPUTE_DTYPES))
     residual_dtype: str = flag("float32", "the residual stream's dtype: float32 (with bfloat16 compute, the "
@@ -30,6 +32,11 @@ class ModelSettings:
                                "every sum rounded to it, as transformers' bfloat16 forward does)",
                                choices=RESIDUAL_DTYPES)
     mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=MESH_TYPES)
+
+    def model_dir(self) -> str:
+        """The local checkpoint directory: ``model_path``, or the hub's snapshot at ``model_revision``."""
+        from model.checkpoint import resolve_model_dir
+        return resolve_model_dir(self.model_path, self.model_revision)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -176,7 +176,7 @@ def test_a_machine_of_two_processes_with_a_single_kv_head(family_checkpoints, tm
 
 
 @pytest.mark.parametrize("problem, expected", [
-    ("architecture", "unsupported architecture 'Phi3ForCausalLM' in config.json"),
+    ("architecture", "unsupported architecture 'FalconForCausalLM' in config.json"),
     ("rope", "llama config.json: rope_parameters.rope_type = 'yarn' is not supported"),
     ("fused", "--attention fused: jax.nn.dot_product_attention has no attention-logit soft-capping"),
 ])
@@ -188,7 +188,7 @@ def test_an_unsupported_model_is_one_line_and_creates_nothing(family_checkpoints
     write_stream(tmp_path / "stream.jsonl", str(model_dir))
     config = json.loads((model_dir / "config.json").read_text())
     if problem == "architecture":
-        config.update(architectures=["Phi3ForCausalLM"], model_type="phi3")
+        config.update(architectures=["FalconForCausalLM"], model_type="falcon")
     elif problem == "rope":
         config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     (model_dir / "config.json").write_text(json.dumps(config))

@@ -1,6 +1,7 @@
 """Interventions inside the jitted forward against transformers with the same intervention applied
 by PyTorch hooks and weight edits, for several families (Llama's block, Gemma 2's sandwich
-block with x * (1 + w) norms, Gemma 3's q/k norms, Qwen2's biases); scoring against the
+block with x * (1 + w) norms, Gemma 3's q/k norms, Qwen2's biases, GPT-2's and Pythia's
+LayerNorms and Pythia's parallel residual); scoring against the
 reference's cross-entropy, a soft-capped head's KL too."""
 
 import jax
@@ -22,9 +23,11 @@ TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "2"}
 
 # Every kind x mode on Qwen2 (biases), Llama, Gemma 2 (sandwich, (1 + w) norms, soft-caps) and
 # Gemma 3 (q/k norms, a single kv head); Mistral (windowed attention) and Qwen3 (q/k norms as
-# x * w) on the kinds where their blocks differ from those.
+# x * w) on the kinds where their blocks differ from those; every kind on GPT-2 (LayerNorms with
+# biases, learned positions) and Pythia (the parallel residual, partial rotary).
 FAMILIES = ["qwen2", "llama", "gemma2", "gemma3"]
-OTHER_FAMILIES = [("mistral", "head"), ("qwen3", "norm")]
+OTHER_FAMILIES = [("mistral", "head"), ("qwen3", "norm"), *(("gpt2", kind) for kind in KINDS),
+                  *(("gpt_neox", kind) for kind in KINDS)]
 
 
 def loaded_case(path: str, seed: int):
@@ -47,7 +50,7 @@ def case_of(tmp_path_factory):
     def build(name: str):
         if name not in built:
             extra = dict(num_key_value_heads=4, tie_word_embeddings=False) if name == "qwen2_untied" else {}
-            path = write_checkpoint(tmp_path_factory.mktemp(name), name.split("_")[0], seed=5 + bool(extra),
+            path = write_checkpoint(tmp_path_factory.mktemp(name), name.removesuffix("_untied"), seed=5 + bool(extra),
                                     norm_std=0.5, **extra)
             built[name] = loaded_case(path, seed=4 if extra else 3)
         return built[name]

@@ -72,9 +72,43 @@ GEMMA_3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type":
               "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
                                 "model_type": "siglip_vision_model", "num_attention_heads": 16,
                                 "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+GPT2_SMALL = {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+              "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+              "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+              "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_type": "cls_index",
+              "summary_use_proj": True, "vocab_size": 50257}
+PYTHIA_160M = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
+               "hidden_size": 768, "initializer_range": 0.02, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
+               "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 12,
+               "num_hidden_layers": 12, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
+               "torch_dtype": "float16", "use_cache": True, "use_parallel_residual": True, "vocab_size": 50304}
+OLMO_2_1B = {"architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+             "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+             "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 16,
+             "num_hidden_layers": 16, "num_key_value_heads": 16, "pad_token_id": 100277, "rms_norm_eps": 1e-06,
+             "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352}
+PHI_3_MINI_4K = {"architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+                 "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
+                 "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3",
+                 "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+                 "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+                 "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
+                 "tie_word_embeddings": False, "vocab_size": 32064}
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "head_dim": 64, "hidden_act": "silu",
+                "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192, "mlp_bias": False,
+                "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+                "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True,
+                "vocab_size": 49152}
+TINYLLAMA_1_1B = {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 2048,
+                  "intermediate_size": 5632, "max_position_embeddings": 2048, "model_type": "llama",
+                  "num_attention_heads": 32, "num_hidden_layers": 22, "num_key_value_heads": 4,
+                  "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                  "vocab_size": 32000}
 PUBLISHED = {"qwen2.5-0.5b": QWEN2_5["0.5B"], "qwen2.5-7b": QWEN2_5["7B"], "llama-3.2-1b": LLAMA_3_2_1B,
              "mistral-7b-v0.1": MISTRAL_7B_V0_1, "mistral-7b-v0.3": MISTRAL_7B_V0_3, "qwen3-0.6b": QWEN3_0_6B,
-             "gemma-2-2b": GEMMA_2_2B, "gemma-3-270m": GEMMA_3_270M, "gemma-3-4b": GEMMA_3_4B}
+             "gemma-2-2b": GEMMA_2_2B, "gemma-3-270m": GEMMA_3_270M, "gemma-3-4b": GEMMA_3_4B, "gpt2": GPT2_SMALL,
+             "pythia-160m": PYTHIA_160M, "olmo-2-1b": OLMO_2_1B, "phi-3-mini-4k": PHI_3_MINI_4K,
+             "smollm2-135m": SMOLLM2_135M, "tinyllama-1.1b": TINYLLAMA_1_1B}
 
 
 def transformers_5_layout(raw: dict) -> dict:
@@ -88,7 +122,7 @@ def transformers_5_layout(raw: dict) -> dict:
 def test_both_layouts_give_the_same_model(name):
     hub = PUBLISHED[name]
     written = transformers_5_layout(hub)
-    assert "rope_parameters" in (written.get("text_config") or written)
+    assert "rope_parameters" in (written.get("text_config") or written) or name == "gpt2"  # no RoPE
     assert config_from_dict(written) == config_from_dict(hub)
 
 
@@ -123,6 +157,26 @@ def test_what_each_family_switches_on():
     assert gemma3.window(0) == 512 and gemma3.window(5) is None
 
 
+def test_what_the_classic_and_newer_families_switch_on():
+    gpt2 = config_from_dict(GPT2_SMALL)
+    assert (gpt2.positions, gpt2.rope, gpt2.max_position_embeddings, gpt2.intermediate_size) == ("learned", None,
+                                                                                                  1024, 3072)
+    assert (gpt2.norm, gpt2.gated_mlp, gpt2.hidden_act, gpt2.norm_eps) == ("layer", False, "gelu_new", 1e-5)
+    assert gpt2.qkv_bias and gpt2.o_bias and gpt2.mlp_bias and gpt2.tie_word_embeddings and gpt2.head_dim == 64
+    pythia = config_from_dict(PYTHIA_160M)
+    assert (pythia.rotary_dim, pythia.rope_dim, pythia.rope, pythia.hidden_act) == (16, 16, RoPE(10_000.0), "gelu")
+    assert pythia.parallel_residual and not pythia.has_resid_mid and not pythia.tie_word_embeddings
+    assert not config_from_dict({**PYTHIA_160M, "use_parallel_residual": False}).parallel_residual
+    olmo2 = config_from_dict(OLMO_2_1B)
+    assert (olmo2.pre_norms, olmo2.sandwich_norms, olmo2.qk_norm, olmo2.qk_norm_scope) == (False, True, True,
+                                                                                           "projection")
+    assert not olmo2.has_mlp_norm and olmo2.rope == RoPE(500_000.0)
+    phi3 = config_from_dict(PHI_3_MINI_4K)
+    assert phi3.window(0) == 2047 and phi3.rotary_dim is None and phi3.gated_mlp
+    assert config_from_dict({**PHI_3_MINI_4K, "partial_rotary_factor": 0.75}).rotary_dim == 72
+    assert config_from_dict(SMOLLM2_135M).kv_groups == 3 and config_from_dict(TINYLLAMA_1_1B).kv_groups == 8
+
+
 def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
     config = config_from_dict(GEMMA_3_4B)
     assert config.model_type == "gemma3" and config.num_hidden_layers == 34 and config.hidden_size == 2560
@@ -135,7 +189,8 @@ def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
 @pytest.mark.parametrize("model_type, architecture", [
     ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
-    ("gemma3", "Gemma3ForConditionalGeneration")])
+    ("gemma3", "Gemma3ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel"), ("gpt_neox", "GPTNeoXForCausalLM"),
+    ("olmo2", "Olmo2ForCausalLM"), ("phi3", "Phi3ForCausalLM")])
 def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     """A config.json that gives almost nothing: every default is transformers' own."""
     minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}
@@ -166,8 +221,16 @@ def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     ({**LLAMA_3_2_1B, "quantization_config": {"quant_method": "gptq"}}, "quantization_config \\(gptq\\)"),
     ({**QWEN2_5["0.5B"], "num_key_value_heads": 3}, "num_key_value_heads = 3 is not supported: "
                                                     "num_attention_heads 14 must be a positive multiple"),
-    ({**QWEN2_5["0.5B"], "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
-     "unsupported architecture 'Phi3ForCausalLM' in config.json: supported are LlamaForCausalLM, "),
+    ({**QWEN2_5["0.5B"], "architectures": ["FalconForCausalLM"], "model_type": "falcon"},
+     "unsupported architecture 'FalconForCausalLM' in config.json: supported are LlamaForCausalLM, "),
+    ({**GPT2_SMALL, "scale_attn_by_inverse_layer_idx": True}, "gpt2 config.json: scale_attn_by_inverse_layer_idx = "
+                                                              "True is not supported"),
+    ({**GPT2_SMALL, "reorder_and_upcast_attn": True}, "gpt2 config.json: reorder_and_upcast_attn = True"),
+    ({**GPT2_SMALL, "scale_attn_weights": False}, "gpt2 config.json: scale_attn_weights = False"),
+    ({**PYTHIA_160M, "rotary_pct": 0.3}, "gpt_neox config.json: rope_scaling.partial_rotary_factor = 0.3 is not "
+                                         "supported: it rotates 19 of head_dim 64"),
+    ({**PHI_3_MINI_4K, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "phi3 config.json: rope_scaling.rope_type = 'longrope' is not supported"),
     ({**LLAMA_3_2_1B, "architectures": ["LlamaForSequenceClassification"]},
      "unsupported architecture 'LlamaForSequenceClassification'"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "has no 'text_config'"),

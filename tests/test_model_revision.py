@@ -73,3 +73,25 @@ def test_a_revision_with_a_local_directory_is_an_error(tmp_path):
     with pytest.raises(UserError, match=r"--model_revision applies to a hub id, not the local "
                                         r"directory '.*local'$"):
         resolve_model_dir(local, "step1000")
+
+
+def test_the_runner_extracts_the_revision_asked_for_and_records_it(tmp_path, monkeypatch):
+    """``runners.tpu_host --model_revision step1000`` on a hub id: what transformers computes from
+    that revision's weights (not main's, another random model), and metadata.json says which."""
+    from fixtures.tiny_models import write_checkpoint
+    from tests.conftest import run_in_process
+    from tests.test_family_runs import assert_equals_transformers, runner, write_stream
+    from tests.test_multihost import stored
+    cache_dir = str(tmp_path / "hub")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache_dir)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    early, final = (write_checkpoint(tmp_path / name, "gpt_neox", seed=seed)
+                    for name, seed in (("early", 1), ("final", 2)))
+    write_hub_cache(cache_dir, REPO_ID, {"step1000": early, "main": final})
+    records = write_stream(tmp_path / "stream.jsonl", early, count=3)
+    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", REPO_ID,
+                                                        "--model_revision", "step1000", "--layers_to_extract", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
+    assert (metadata["model"], metadata["model_revision"]) == (REPO_ID, "step1000")
+    assert_equals_transformers(early, records, stored(tmp_path / "out" / "machine_000"), layers=[2])

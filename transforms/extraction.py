@@ -86,7 +86,8 @@ class OrderedExtraction:
                                         c.max_seq_length, activation_dtype=c.activation_dtype,
                                         attention=c.attention, batches_in_flight=c.batches_in_flight,
                                         ablation=c.ablation, ablation_means=c.ablation_means,
-                                        residual_dtype=c.residual_dtype, sites=c.sites)
+                                        residual_dtype=c.residual_dtype, sites=c.sites,
+                                        revision=c.model_revision)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""

@@ -26,7 +26,9 @@ def decoder_config(raw: dict) -> DecoderConfig:
     refuse_if_set(f, "add_cross_attention", "only a decoder without cross-attention is implemented")
     if not f.get("scale_attn_weights"):
         raise f.refuse("scale_attn_weights", raw["scale_attn_weights"], "unscaled attention is not implemented")
-    names = {ours: f.number(theirs) for ours, theirs in RENAMED.items()}
+    # transformers takes the common names as aliases of GPT-2's own (its attribute_map).
+    names = {ours: f.number(theirs if raw.get(theirs) is not None or raw.get(ours) is None else ours)
+             for ours, theirs in RENAMED.items()}
     hidden = names["hidden_size"]
     sizes = Fields({**raw, **names, "intermediate_size": f.get("n_inner") or 4 * hidden,
                     "num_key_value_heads": names["num_attention_heads"]}, DEFAULTS, "gpt2")

@@ -1,0 +1,98 @@
+"""GPT-2, Pythia (GPT-NeoX, parallel and sequential), OLMo 2 and Phi-3 through ``runners.tpu_host``:
+every site the model has, at every layer, equals transformers' float64 forward at the same place
+(``model.params.hf_site``) within 1e-5; GPT-2's and Pythia's also equal TransformerLens's own
+hooks of the same names; a site the model lacks, or a sequence past GPT-2's learned positions, is
+refused in one line before anything is created. (Logits, generation, bfloat16, the fused kernel
+and the hub layout: tests/test_families.py, whose cases include these families.)"""
+
+import json
+
+import pytest
+
+from fixtures.hf_reference import relative_error
+from model.config import load_config
+from model.sites import LN2_NORMALIZED, RESID_MID, SITES, array_key, missing_reason
+from tests.conftest import run_in_process
+from tests.test_family_runs import assert_equals_transformers, runner, write_stream
+from tests.test_host_errors import one_line_error
+from tests.test_multihost import stored
+
+pytestmark = pytest.mark.slow
+# Each with other flags: between them the 2d mesh, the fused kernel (Phi-3's window included) and
+# a bucketed batch of padded rows through learned positions.
+CASES = {"gpt2": ["--mesh_type", "2d"], "gpt_neox": ["--attention", "fused"], "gpt_neox_sequential": [],
+         "olmo2": [], "phi3": ["--attention", "fused"]}
+TRANSFORMER_LENS_SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "mlp.hook_post", "hook_mlp_out",
+                          "hook_resid_post")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(family_checkpoints, tmp_path_factory) -> dict[str, str]:
+    """case -> checkpoint: the families' tiny models, and a Pythia-shaped one whose blocks are
+    sequential (``use_parallel_residual`` off) with a quarter of each head rotated (2 pairs)."""
+    from fixtures.tiny_models import write_checkpoint
+    out = {case: family_checkpoints[case, "transformers5"] for case in CASES if case in ("gpt2", "gpt_neox",
+                                                                                            "olmo2", "phi3")}
+    out["gpt_neox_sequential"] = write_checkpoint(
+        tmp_path_factory.mktemp("gpt_neox_sequential"), "gpt_neox", seed=11, bfloat16_exact=True,
+        use_parallel_residual=False, hidden_size=64, intermediate_size=80,
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000.0, "partial_rotary_factor": 0.25})
+    return out
+
+
+def sites_of(model_dir: str) -> list[str]:
+    config = load_config(model_dir)
+    return [site for site in SITES if missing_reason(site, config) is None]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    """case -> (model dir, records, what the runner stored): every site the model has, every layer."""
+    out = {}
+    for case, flags in CASES.items():
+        folder = tmp_path_factory.mktemp(f"run_{case}")
+        records = write_stream(folder / "stream.jsonl", checkpoints[case])
+        result = run_in_process("runners.tpu_host", *runner(folder / "stream.jsonl", folder / "out", checkpoints[case],
+                                                            *flags, "--sites", ",".join(sites_of(checkpoints[case]))))
+        assert result.returncode == 0, result.stderr[-3000:]
+        metadata = json.loads((folder / "out" / "machine_000" / "metadata.json").read_text())
+        assert metadata["model_type"] == case.removesuffix("_sequential")
+        out[case] = checkpoints[case], records, stored(folder / "out" / "machine_000")
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_site_at_every_layer_equals_transformers(runs, case):
+    model_dir, records, got = runs[case]
+    sites = sites_of(model_dir)
+    assert (RESID_MID in sites) == (case != "gpt_neox") and (LN2_NORMALIZED in sites) == (case != "olmo2")
+    assert_equals_transformers(model_dir, records, got, sites)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt_neox", "gpt_neox_sequential"])
+def test_gpt2_and_pythia_equal_transformer_lens_hooks(runs, case):
+    """TransformerLens's HookedTransformer from the same weights through its own conversion, with
+    nothing folded or centred (fixtures.transformer_lens_reference)."""
+    from fixtures.transformer_lens_reference import hooked_transformer, transformer_lens_sites
+    model_dir, records, got = runs[case]
+    layers = range(load_config(model_dir).num_hidden_layers)
+    lens = transformer_lens_sites(hooked_transformer(model_dir), [r["input_ids"] for r in records[:4]],
+                                  TRANSFORMER_LENS_SITES, layers)
+    for record, reference in zip(records, lens):
+        for (site, layer), expected in reference.items():
+            ours = got[record["sample_id"]][array_key(site, layer)]
+            assert relative_error(ours, expected) <= 1e-5, (case, record["source"], site, layer)
+
+
+@pytest.mark.parametrize("case, flags, expected", [
+    ("gpt_neox", ["--sites", "hook_resid_mid"], "--sites hook_resid_mid: gpt_neox has a parallel residual"),
+    ("olmo2", ["--sites", "hook_mlp_out,ln2.hook_normalized"],
+     "--sites ln2.hook_normalized: olmo2's MLP reads the stream without a norm before it"),
+    ("gpt2", ["--max_seq_length", "512"], "--max_seq_length 512: gpt2 has learned positions for 256 tokens"),
+])
+def test_what_the_model_cannot_do_is_one_line_and_creates_nothing(checkpoints, tmp_path, case, flags, expected):
+    write_stream(tmp_path / "stream.jsonl", checkpoints[case])
+    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out",
+                                                        checkpoints[case], *flags))
+    one_line_error(result, expected)
+    assert not (tmp_path / "out").exists()
