@@ -1,7 +1,7 @@
 """Extraction throughput on a real model (float32), real ARC prompts.
 
 ``--family`` picks the model: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
-(Gemma-2-2B) or gemma3 (Gemma-3-270M). ``--weights real`` (the default where there is one: qwen2
+(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small) or gpt_neox (Pythia-410M). ``--weights real`` (the default where there is one: qwen2
 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3 270M, from ``fixtures.real_models``) runs the
 real checkpoint on prompts tokenized by its own tokenizer; ``--weights random`` runs random
 weights in the model's shape, the prompts tokenized by the Qwen2.5 tokenizer and their ids folded
@@ -41,7 +41,8 @@ from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
 # --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
-FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m"}
+FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m",
+                 "gpt2": "gpt2-small", "gpt_neox": "pythia-410m"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -100,7 +101,7 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     per_block = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
                  + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias
                  + c.num_attention_heads * c.head_dim * c.hidden_size
-                 + 3 * c.hidden_size * c.intermediate_size)
+                 + (3 if c.gated_mlp else 2) * c.hidden_size * c.intermediate_size)
     dense = 2 * per_block * num_layers * sum(lengths)
 
     def attended(n: int, window: int | None) -> int:  # (query, key) pairs of one sequence

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common.cli import UserError
 from model.buckets import bucket_for, bucket_lengths
 from model.attention import causal_mask
 from model.config import DecoderConfig
@@ -27,7 +28,12 @@ class Generator:
     def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
                  residual_dtype: Any = None):
         """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
-        None: the compute dtype). The cache holds keys and values in the compute dtype."""
+        None: the compute dtype). The cache holds keys and values in the compute dtype; with
+        learned positions it may not outgrow their table."""
+        if config.positions == "learned" and cache_length > config.max_position_embeddings:
+            raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
+                            f"{config.max_position_embeddings} tokens (pass --max_seq_length "
+                            f"{config.max_position_embeddings} or less)")
         self.config = config
         self.params = params
         self.dtype = dtype

@@ -96,3 +96,14 @@ def test_what_the_model_cannot_do_is_one_line_and_creates_nothing(checkpoints, t
                                                         checkpoints[case], *flags))
     one_line_error(result, expected)
     assert not (tmp_path / "out").exists()
+
+
+def test_generation_past_gpt2s_learned_positions_is_refused(checkpoints):
+    """A KV cache longer than the position table would read clipped positions: refused."""
+    import jax.numpy as jnp
+    from common.cli import UserError
+    from model.generate import Generator
+    config = load_config(checkpoints["gpt2"])
+    with pytest.raises(UserError, match="a cache of 512 positions: gpt2 has learned positions for 256 tokens"):
+        Generator(config, {}, jnp.float32, cache_length=512)
+    assert Generator(config, {}, jnp.float32, cache_length=256).cache_length == 256
