@@ -1,9 +1,10 @@
 """Extraction throughput on a real model (float32), real ARC prompts.
 
 ``--family`` picks the model: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
-(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small) or gpt_neox (Pythia-410M). ``--weights real`` (the default where there is one: qwen2
-is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3 270M, from ``fixtures.real_models``) runs the
-real checkpoint on prompts tokenized by its own tokenizer; ``--weights random`` runs random
+(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small) or gpt_neox (Pythia-410M). ``--weights
+real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
+270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
+tokenizer; ``--weights random`` runs random
 weights in the model's shape, the prompts tokenized by the Qwen2.5 tokenizer and their ids folded
 into the model's vocabulary (throughput depends on lengths, not on which ids).
 
