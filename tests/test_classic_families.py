@@ -107,3 +107,29 @@ def test_generation_past_gpt2s_learned_positions_is_refused(checkpoints):
     with pytest.raises(UserError, match="a cache of 512 positions: gpt2 has learned positions for 256 tokens"):
         Generator(config, {}, jnp.float32, cache_length=512)
     assert Generator(config, {}, jnp.float32, cache_length=256).cache_length == 256
+
+
+def test_gpt2_as_the_hub_ships_it_reads_the_same(checkpoints, tmp_path):
+    """The hub's gpt2 checkpoints name tensors without the ``transformer.`` prefix and carry the
+    causal-mask buffers ``h.N.attn.bias`` / ``masked_bias``: read the same, the buffers unread."""
+    import shutil
+
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    from model.extract import Extractor
+    hub = tmp_path / "gpt2"
+    shutil.copytree(checkpoints["gpt2"], hub)
+    tensors = {name.removeprefix("transformer."): value
+               for name, value in load_file(str(hub / "model.safetensors")).items()}
+    for layer in range(load_config(hub).num_hidden_layers):
+        tensors[f"h.{layer}.attn.bias"] = np.tril(np.ones((1, 1, 256, 256), np.bool_))
+        tensors[f"h.{layer}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    assert not any(name.startswith("transformer.") for name in tensors)
+    save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    sequences = [[5, 9, 200, 31, 7], list(range(40))]
+    got = [dict(Extractor.load(path, dtype="float32", max_seq_length=64, devices=jax.devices()[:1])
+                .extract(enumerate(sequences))) for path in (checkpoints["gpt2"], str(hub))]
+    for i in range(len(sequences)):
+        for layer, values in got[0][i].items():
+            np.testing.assert_array_equal(got[1][i][layer], values)

@@ -42,9 +42,9 @@ def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path
         expected = "checkpoint file 'model.safetensors' is missing"
     elif problem == "architecture":
         config = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"],
-                                                       "model_type": "phi3"}))
-        expected = "unsupported architecture 'Phi3ForCausalLM'"
+        (model / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"],
+                                                       "model_type": "falcon"}))
+        expected = "unsupported architecture 'FalconForCausalLM'"
     else:
         args[1] = str(tmp_path / "nothing_here")
         expected = "is not a checkpoint directory"
