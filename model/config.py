@@ -94,6 +94,8 @@ class DecoderConfig:
     layer_types: tuple[str, ...] = ()    # per block, FULL or SLIDING; () is every block FULL
     sliding_rope: RoPE | None = None     # RoPE of sliding layers when it differs (Gemma 3's local base)
     norm_unit_offset: bool = False       # RMSNorm scales by (1 + w), in float32 (Gemma)
+    norm_weight_in_float32: bool = False  # RMSNorm's w multiplies the float32 normalised x, one rounding after
+                                         # (OLMo 2); off: x is rounded to the dtype first, then scaled (Llama)
     sandwich_norms: bool = False         # norms on the attention and MLP outputs too (Gemma 2, 3, OLMo 2)
     hidden_act: str = "silu"             # the MLP's activation: one of ACTIVATIONS
     scale_embeddings: bool = False       # embeddings x sqrt(hidden_size), rounded to the dtype (Gemma)

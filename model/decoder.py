@@ -100,6 +100,7 @@ class RMSNorm(nn.Module):
     unit_offset: bool = False   # Gemma: (1 + w), in float32 whatever the dtype, as transformers does
     keep_wide: bool = False     # with a wider stream, return float32 (what is added to it, or roped)
     normalized_site: str | None = None  # sow x / rms(x), before the weight, as this site
+    weight_in_float32: bool = False  # w * x / rms(x) in float32, rounded once (OLMo 2); else rounded, then scaled
 
     @nn.compact
     def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -122,9 +123,9 @@ class RMSNorm(nn.Module):
         out_dtype = jnp.float32 if wide and self.keep_wide else self.dtype
         if self.unit_offset:
             return (normed * (1.0 + weight.astype(jnp.float32))).astype(out_dtype)
-        if wide:
-            return (weight * normed).astype(out_dtype)
-        # Hugging Face's order: the normalised values rounded to dtype, then scaled in it.
+        if wide or self.weight_in_float32:
+            return (weight.astype(jnp.float32) * normed).astype(out_dtype)
+        # Llama's order in Hugging Face: the normalised values rounded to dtype, then scaled in it.
         return weight * normed.astype(self.dtype)
 
 
@@ -162,7 +163,7 @@ def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide:
     if config.norm == "layer":
         return LayerNorm(config.norm_eps, dtype, residual_dtype, keep_wide, normalized_site, name=name)
     return RMSNorm(config.norm_eps, dtype, residual_dtype, config.norm_unit_offset, keep_wide, normalized_site,
-                   name=name)
+                   config.norm_weight_in_float32, name=name)
 
 
 class Attention(nn.Module):

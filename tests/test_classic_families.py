@@ -133,3 +133,31 @@ def test_gpt2_as_the_hub_ships_it_reads_the_same(checkpoints, tmp_path):
     for i in range(len(sequences)):
         for layer, values in got[0][i].items():
             np.testing.assert_array_equal(got[1][i][layer], values)
+
+
+@pytest.mark.parametrize("weight_in_float32", [False, True])
+def test_rms_norm_rounds_in_bfloat16_as_each_familys_own_does(weight_in_float32):
+    """Llama's RMSNorm rounds x / rms(x) to bfloat16 and then scales; OLMo 2's scales the float32
+    values and rounds once (``norm_weight_in_float32``). Each equals its transformers module's
+    bfloat16 output, and not the other's."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from model.decoder import RMSNorm
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 7, 64)).astype(np.float32)
+    weight = torch.tensor(1 + 0.3 * rng.standard_normal(64), dtype=torch.bfloat16)
+    theirs = {}
+    for name, cls in (("llama", LlamaRMSNorm), ("olmo2", Olmo2RMSNorm)):
+        norm = cls(64, eps=1e-6).to(torch.bfloat16)
+        norm.weight.data.copy_(weight)
+        with torch.no_grad():
+            theirs[name] = norm(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    ours = RMSNorm(1e-6, jnp.bfloat16, weight_in_float32=weight_in_float32).apply(
+        {"params": {"weight": jnp.asarray(weight.float().numpy(), jnp.bfloat16)}}, jnp.asarray(x, jnp.bfloat16))
+    ours = np.asarray(ours.astype(jnp.float32))
+    same, other = ("olmo2", "llama") if weight_in_float32 else ("llama", "olmo2")
+    np.testing.assert_array_equal(ours, theirs[same])
+    assert not np.array_equal(ours, theirs[other])

@@ -1,7 +1,8 @@
 """OLMo 2 (``Olmo2ForCausalLM``, model_type ``olmo2``): Llama's block with its norms moved: none on
 the sublayers' inputs, RMSNorm on what each adds to the stream (``post_attention_layernorm``,
 ``post_feedforward_layernorm``), and RMSNorm on q and k over the whole projection (all heads at
-once) before RoPE."""
+once) before RoPE. Its RMSNorm multiplies the weight into the float32 normalised values and
+rounds once (Llama's rounds them first), which a bfloat16 forward shows."""
 
 from __future__ import annotations
 
@@ -21,4 +22,5 @@ def decoder_config(raw: dict) -> DecoderConfig:
     bias = bool(f.get("attention_bias"))
     return DecoderConfig("olmo2", **shapes(f), rope=rope(f, params, where, f.get("rope_theta")),
                          qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_scope="projection",
-                         pre_norms=False, sandwich_norms=True, hidden_act=activation(f, "hidden_act"))
+                         pre_norms=False, sandwich_norms=True, norm_weight_in_float32=True,
+                         hidden_act=activation(f, "hidden_act"))
