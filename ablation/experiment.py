@@ -80,8 +80,10 @@ def check_settings(output_dir: str, current: dict[str, Any]) -> None:
 def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]:
     """Everything checked before the model loads: the grid (against the model's config.json),
     the records of the stream."""
+    from model.extract import check_model_fits
     config.validate()
     model_config = load_config(config.model_dir())
+    check_model_fits(model_config, (), config.max_seq_length)  # before anything is written
     grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
                                model_config.num_attention_heads)
     records = read_records(config.stream, config.max_samples, config.max_seq_length)

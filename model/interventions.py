@@ -4,19 +4,19 @@ compiled forward takes for one intervention.
     head:L.H    attention head H of block L: its slice of the o_proj input
     layer:L     block L skipped: the residual passes through it unchanged
     attn:L      block L's attention output, as added to the residual (after the
-                post-attention norm in a sandwich block: Gemma 2, 3)
+                post-attention norm in a sandwich block: Gemma 2, 3, OLMo 2)
     mlp:L       block L's MLP output, likewise (after the post-feedforward norm)
-    norm:L      every RMSNorm weight vector of block L: the pre-attention and pre-MLP norms,
-                the post-attention and post-feedforward norms of a sandwich block, and the
-                q/k norms (Qwen3, Gemma 3)
+    norm:L      every norm of block L (its weight, and a LayerNorm's bias): the
+                pre-attention and pre-MLP norms, the post-attention and post-feedforward
+                norms of a sandwich block, and the q/k norms (Qwen3, Gemma 3, OLMo 2)
 
 Each is followed by ``:mode=zero`` (the default) or ``:mode=mean``, and several joined by ``+``
 form one intervention (``head:3.1+head:3.2``). ``zero`` removes the component: zeros for a head,
 attn or mlp output, the bare residual for a layer, and a neutral weight for a norm (the norm
-then only divides by the RMS: w = 1 for x * w, w = 0 for Gemma's x * (1 + w)). ``mean``
-replaces it by its mean over the stream's real tokens under the unablated model (``Means``,
-computed by a first pass): a head's output, a sublayer's output, a block's contribution
-(output - input); for a norm, each weight vector's own mean.
+then only normalises: w = 1 for x * w, w = 0 for Gemma's x * (1 + w), and a LayerNorm's bias
+0). ``mean`` replaces it by its mean over the stream's real tokens under the unablated model
+(``Means``, computed by a first pass): a head's output, a sublayer's output, a block's
+contribution (output - input); for a norm, each weight (and bias) vector's own mean.
 
 In a grid, L and H may be ``*`` (all) or a range ``A-B`` (inclusive); every combination is one
 intervention: ``head:0-3.*`` is one intervention per head of blocks 0 to 3, ``mlp:*:mode=mean``

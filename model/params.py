@@ -49,7 +49,8 @@ class Source:
     """Where one parameter's values are in a checkpoint."""
     name: str                # the tensor's Hugging Face name
     transpose: bool = False  # a torch Linear weight [out, in], transposed into a Flax kernel [in, out]
-    part: tuple[int, np.ndarray] | None = None  # (axis, indices): a slice of a fused tensor (before transposing)
+    # A part of a fused tensor (before transposing): (axis, indices, the fused tensor's size along it).
+    part: tuple[int, np.ndarray, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose
     """A projection's kernel (and bias) from ``module``'s ``weight`` (and ``bias``)."""
     yield (*path, "kernel"), Source(f"{module}.weight", transpose, part)
     if bias:
-        yield (*path, "bias"), Source(f"{module}.bias", False, part if part is None else (0, part[1]))
+        yield (*path, "bias"), Source(f"{module}.bias", False, part if part is None else (0, *part[1:]))
 
 
 def _norm(module: str, path: tuple[str, ...], config: DecoderConfig):
@@ -84,10 +85,11 @@ def _norm(module: str, path: tuple[str, ...], config: DecoderConfig):
         yield (*path, "bias"), Source(f"{module}.bias")
 
 
-def _split(sizes: Sequence[int]) -> list[np.ndarray]:
-    """Indices of consecutive parts of these sizes (a fused tensor's q | k | v, or gate | up)."""
+def _split(axis: int, sizes: Sequence[int]) -> list[tuple[int, np.ndarray, int]]:
+    """The parts (``Source.part``) of a tensor fused along ``axis`` from consecutive parts of
+    these sizes (q | k | v, or gate | up)."""
     ends = np.cumsum(sizes)
-    return [np.arange(end - size, end) for size, end in zip(sizes, ends)]
+    return [(axis, np.arange(end - size, end), int(ends[-1])) for size, end in zip(sizes, ends)]
 
 
 def _llama_block(config: DecoderConfig, hf: str, fused: bool = False):
@@ -96,8 +98,8 @@ def _llama_block(config: DecoderConfig, hf: str, fused: bool = False):
     c = config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     if fused:
-        for proj, rows in zip(("q_proj", "k_proj", "v_proj"), _split([q, kv, kv])):
-            yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, (0, rows))
+        for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(0, [q, kv, kv])):
+            yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, part)
     else:
         for proj in ("q_proj", "k_proj", "v_proj"):
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
@@ -106,8 +108,8 @@ def _llama_block(config: DecoderConfig, hf: str, fused: bool = False):
         for norm in ("q_norm", "k_norm"):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
     if fused:
-        for proj, rows in zip(("gate_proj", "up_proj"), _split([c.intermediate_size] * 2)):
-            yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, (0, rows))
+        for proj, part in zip(("gate_proj", "up_proj"), _split(0, [c.intermediate_size] * 2)):
+            yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
     else:
         for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
             yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
@@ -120,8 +122,8 @@ def _gpt2_block(config: DecoderConfig, hf: str):
     """GPT-2's Conv1D weights are stored [in, out], a Flax kernel already; c_attn's output columns
     are q | k | v."""
     h = config.hidden_size
-    for proj, columns in zip(("q_proj", "k_proj", "v_proj"), _split([h, h, h])):
-        yield from _linear(f"{hf}.attn.c_attn", ("self_attn", proj), True, (1, columns), transpose=False)
+    for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(1, [h, h, h])):
+        yield from _linear(f"{hf}.attn.c_attn", ("self_attn", proj), True, part, transpose=False)
     yield from _linear(f"{hf}.attn.c_proj", ("self_attn", "o_proj"), True, transpose=False)
     yield from _linear(f"{hf}.mlp.c_fc", ("mlp", "up_proj"), True, transpose=False)
     yield from _linear(f"{hf}.mlp.c_proj", ("mlp", "down_proj"), True, transpose=False)
@@ -135,7 +137,7 @@ def _neox_block(config: DecoderConfig, hf: str):
     rows = np.arange(n * 3 * d).reshape(n, 3, d)  # [N, 3, D]
     for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
         yield from _linear(f"{hf}.attention.query_key_value", ("self_attn", proj), config.qkv_bias,
-                           (0, rows[:, i].reshape(-1)))
+                           (0, rows[:, i].reshape(-1), rows.size))
     yield from _linear(f"{hf}.attention.dense", ("self_attn", "o_proj"), config.o_bias)
     yield from _linear(f"{hf}.mlp.dense_h_to_4h", ("mlp", "up_proj"), config.mlp_bias)
     yield from _linear(f"{hf}.mlp.dense_4h_to_h", ("mlp", "down_proj"), config.mlp_bias)
@@ -145,10 +147,10 @@ def _neox_block(config: DecoderConfig, hf: str):
 
 LLAMA = Layout(TEXT_PREFIXES, "embed_tokens", "layers", "norm", _llama_block)
 PHI3 = dataclasses.replace(LLAMA, block_tensors=functools.partial(_llama_block, fused=True))
-GPT2 = Layout(("transformer.", ""), "wte", "h", "ln_f", _gpt2_block, positions="wpe", attention="attn",
-              o_proj="attn.c_proj", down_proj="mlp.c_proj",
+GPT2 = Layout(("transformer.", ""), "wte", "h", "ln_f", _gpt2_block, positions="wpe", head="lm_head.weight",
+              attention="attn", o_proj="attn.c_proj", down_proj="mlp.c_proj",
               norms={"pre_attention_norm": "ln_1", "pre_mlp_norm": "ln_2"})
-GPT_NEOX = Layout(("gpt_neox.",), "embed_in", "layers", "final_layer_norm", _neox_block, head="embed_out.weight",
+GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _neox_block, head="embed_out.weight",
                   attention="attention", o_proj="attention.dense", down_proj="mlp.dense_4h_to_h",
                   norms={"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}  # every other family: LLAMA
@@ -238,14 +240,14 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, .
 
 def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
     """The values of ``source`` (its part of a fused tensor, copied); ``UserError`` for a fused
-    tensor too small for the config's sizes."""
+    tensor whose size the config's sizes do not give (its parts would be cut in the wrong place)."""
     tensor = checkpoint.tensor(source.name)
     if source.part is None:
         return tensor
-    axis, indices = source.part
-    if tensor.ndim <= axis or tensor.shape[axis] <= indices.max():
+    axis, indices, size = source.part
+    if tensor.ndim <= axis or tensor.shape[axis] != size:
         raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}, which config.json's "
-                        f"sizes do not give (its parts need {indices.max() + 1} along axis {axis})")
+                        f"sizes do not give (its fused parts make {size} along axis {axis})")
     return np.take(tensor, indices, axis=axis)
 
 

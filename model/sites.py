@@ -33,11 +33,12 @@ class Site:
 
 # In block order (the order of a shard's keys within one layer).
 SITES: dict[str, Site] = {s.name: s for s in (
-    Site(RESID_PRE, "hidden", "block L's input: block L-1's output (the scaled embeddings for L = 0)"),
+    Site(RESID_PRE, "hidden", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
+                              "plus the learned positions in GPT-2)"),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
                           "n_heads * head_dim (head-major)"),
     Site(ATTN_OUT, "hidden", "what attention adds to the stream (after the post-attention norm where the "
-                             "block has one: Gemma 2, 3)"),
+                             "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_MID, "hidden", "resid_pre + attn_out: the MLP's input before its norm (none in a parallel block: "
                               "GPT-NeoX's MLP reads resid_pre)"),
     Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain (and bias): x / rms(x), "
@@ -47,7 +48,7 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(MLP_POST, "intermediate", "the MLP's hidden activation, act(gate) * up, or act(fc) in a plain MLP "
                                    "(the down projection's input)"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
-                            "block has one: Gemma 2, 3)"),
+                            "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
 )}
 DEFAULT_SITES = (RESID_POST,)

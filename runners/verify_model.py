@@ -15,7 +15,8 @@ import os
 import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
-from model.extract import Extractor, resolve_dtype, validate_layers
+from model.config import load_config
+from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
 from model.generate import Generator
 from model.loading import load_model
 from model.report import PromptResult, report_text
@@ -68,17 +69,19 @@ def main(argv: list[str]) -> int:
     add_config_flags(parser, VerifyConfig)
     config = config_from_namespace(VerifyConfig, parser.parse_args(argv))
     dtype = resolve_dtype(config.dtype)
-    loaded = load_model(config.model_path, dtype, config.mesh_type, with_head=True, revision=config.model_revision)
+    model_dir = config.model_dir()
+    check_model_fits(load_config(model_dir), config.sites, config.max_seq_length)  # before it loads
+    loaded = load_model(model_dir, dtype, config.mesh_type, with_head=True)
     layers = validate_layers(config.layers_to_extract or range(loaded.config.num_hidden_layers),
                              loaded.config)
-    tokenizer = load_tokenizer(config.tokenizer or (config.model_dir() if config.model_revision else config.model_path))
+    tokenizer = load_tokenizer(config.tokenizer or (model_dir if config.model_revision else config.model_path))
     prompts = arc_prompts(config, tokenizer)
     extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length,
                                       residual_dtype=config.residual_dtype, sites=config.sites)
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
-    stop_ids = stop_token_ids(config.model_dir(), tokenizer)
+    stop_ids = stop_token_ids(model_dir, tokenizer)
     results = []
     for sample in prompts:
         generated = generator.generate(sample.input_ids, config.max_new_tokens, stop_ids)

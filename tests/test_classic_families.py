@@ -161,3 +161,50 @@ def test_rms_norm_rounds_in_bfloat16_as_each_familys_own_does(weight_in_float32)
     same, other = ("olmo2", "llama") if weight_in_float32 else ("llama", "olmo2")
     np.testing.assert_array_equal(ours, theirs[same])
     assert not np.array_equal(ours, theirs[other])
+
+
+def test_a_fused_tensor_the_config_does_not_give_is_one_line(checkpoints, tmp_path):
+    """Phi-3's qkv_proj holds q | k | v for 2 kv heads; a config.json saying 1 would cut k and v
+    from the wrong rows, so it is refused."""
+    import shutil
+    from common.cli import UserError
+    from model.loading import load_model
+    model_dir = tmp_path / "phi3"
+    shutil.copytree(checkpoints["phi3"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    with pytest.raises(UserError, match=r"checkpoint tensor 'model.layers.0.self_attn.qkv_proj.weight' has shape "
+                                        r"\[192, 64\], which config.json's sizes do not give \(its fused parts make "
+                                        r"144 along axis 0\)"):
+        load_model(str(model_dir), "float32")
+
+
+def test_an_untied_gpt2_head_gives_transformers_logits(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from fixtures.hf_reference import load_reference
+    from fixtures.tiny_models import write_checkpoint
+    from model.interventions import Intervention, ablation_arrays
+    from model.loading import load_model
+    from model.scoring import InterventionModel
+    model_dir = write_checkpoint(tmp_path / "gpt2_untied", "gpt2", seed=4, tie_word_embeddings=False)
+    model = InterventionModel(load_model(model_dir, jnp.float32, with_head=True, devices=jax.devices()[:1]),
+                              batch_size_per_device=1, max_seq_length=32)
+    sequence = list(range(3, 30))
+    ids, lengths = model.inputs([sequence], 32)
+    logits = model.logits(model.residuals(ids, lengths, ablation_arrays(Intervention(), model.config,
+                                                                         model.num_layers)))
+    with torch.no_grad():
+        expected = load_reference(model_dir, "float64")(torch.tensor([sequence])).logits[0].numpy()
+    assert not model.config.tie_word_embeddings
+    assert relative_error(logits[0, :len(sequence)], expected) <= 1e-5
+
+
+def test_the_ablation_runner_refuses_a_length_past_gpt2s_positions_before_writing(checkpoints, tmp_path):
+    write_stream(tmp_path / "stream.jsonl", checkpoints["gpt2"], count=2)
+    result = run_in_process("runners.ablate", "--model_path", checkpoints["gpt2"], "--stream",
+                            str(tmp_path / "stream.jsonl"), "--interventions", "head:0.1", "--output_dir",
+                            str(tmp_path / "out"), "--max_seq_length", "2048")
+    one_line_error(result, "--max_seq_length 2048: gpt2 has learned positions for 256 tokens", prog="runners.ablate")
+    assert not (tmp_path / "out").exists()

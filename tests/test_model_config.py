@@ -229,6 +229,12 @@ def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     ({**GPT2_SMALL, "scale_attn_weights": False}, "gpt2 config.json: scale_attn_weights = False"),
     ({**PYTHIA_160M, "rotary_pct": 0.3}, "gpt_neox config.json: rope_scaling.partial_rotary_factor = 0.3 is not "
                                          "supported: it rotates 19 of head_dim 64"),
+    ({**PYTHIA_160M, "num_attention_heads": 0}, "gpt_neox config.json: num_key_value_heads = 0 is not supported"),
+    ({**PYTHIA_160M, "num_attention_heads": 7}, "gpt_neox config.json: num_attention_heads = 7 is not supported: "
+                                                "GPT-NeoX's heads split hidden_size 768 evenly"),
+    ({**PYTHIA_160M, "rotary_emb_base": "abc"}, "gpt_neox config.json: rope_scaling.rope_theta = 'abc' is not "
+                                                "supported: not a number"),
+    ({**GPT2_SMALL, "n_head": 7}, "gpt2 config.json: n_head = 7 is not supported: GPT-2's heads split n_embd 768"),
     ({**PHI_3_MINI_4K, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "phi3 config.json: rope_scaling.rope_type = 'longrope' is not supported"),
     ({**LLAMA_3_2_1B, "architectures": ["LlamaForSequenceClassification"]},

@@ -111,7 +111,10 @@ def rope(f: Fields, params: dict[str, Any], where: str, theta: float, partial: b
     factor = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor"))
     if not partial and factor not in (None, 1, 1.0):
         raise f.refuse(f"{where}.partial_rotary_factor", factor, f"{f.family} rotates the whole head")
-    theta = float(params.get("rope_theta") or theta)
+    try:
+        theta = float(params.get("rope_theta") or theta)
+    except (TypeError, ValueError):
+        raise f.refuse(f"{where}.rope_theta", params.get("rope_theta") or theta, "not a number") from None
     if kind == "default":
         return RoPE(theta)
     try:

@@ -29,7 +29,9 @@ def decoder_config(raw: dict) -> DecoderConfig:
     # transformers takes the common names as aliases of GPT-2's own (its attribute_map).
     names = {ours: f.number(theirs if raw.get(theirs) is not None or raw.get(ours) is None else ours)
              for ours, theirs in RENAMED.items()}
-    hidden = names["hidden_size"]
+    hidden, heads = names["hidden_size"], names["num_attention_heads"]
+    if heads < 1 or hidden % heads or raw.get("head_dim") not in (None, hidden // heads):
+        raise f.refuse("n_head", heads, f"GPT-2's heads split n_embd {hidden} evenly")
     sizes = Fields({**raw, **names, "intermediate_size": f.get("n_inner") or 4 * hidden,
                     "num_key_value_heads": names["num_attention_heads"]}, DEFAULTS, "gpt2")
     return DecoderConfig("gpt2", **shapes(sizes, "layer_norm_epsilon"), rope=None, positions="learned",

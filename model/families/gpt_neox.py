@@ -20,11 +20,13 @@ DEFAULTS = dict(vocab_size=50432, hidden_size=6144, num_hidden_layers=44, num_at
 
 def decoder_config(raw: dict) -> DecoderConfig:
     f = Fields(raw, DEFAULTS, "gpt_neox")
-    if raw.get("num_key_value_heads") not in (None, f.get("num_attention_heads")):
-        raise f.refuse("num_key_value_heads", raw["num_key_value_heads"], "GPT-NeoX has one kv head per query head")
-    if raw.get("head_dim") not in (None, f.number("hidden_size") // f.number("num_attention_heads")):
-        raise f.refuse("head_dim", raw["head_dim"], "GPT-NeoX's heads are hidden_size / num_attention_heads wide")
     config = shapes(f, "layer_norm_eps")
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if config["num_key_value_heads"] != heads:
+        raise f.refuse("num_key_value_heads", config["num_key_value_heads"], "GPT-NeoX has one kv head per query head")
+    if hidden % heads or config["head_dim"] != hidden // heads:
+        raise f.refuse("head_dim" if raw.get("head_dim") else "num_attention_heads", raw.get("head_dim") or heads,
+                       f"GPT-NeoX's heads split hidden_size {hidden} evenly")
     params, where = rope_parameters(f)
     # The hub's layout keeps both at the top level under their own names.
     params.setdefault("rope_theta", f.get("rotary_emb_base"))

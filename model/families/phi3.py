@@ -1,8 +1,8 @@
-"""Phi-3 and Phi-4-mini (``Phi3ForCausalLM``, model_type ``phi3``): Llama's block with the q, k and
-v projections fused in one ``qkv_proj`` and the gate and up projections in one ``gate_up_proj``
-(split at load time), RoPE on the first ``partial_rotary_factor`` of each head (Phi-4-mini:
-0.75), and ``sliding_window`` on every layer when it is set. The long-context variants' RoPE
-(``longrope``) is refused."""
+"""Phi-3 (``Phi3ForCausalLM``, model_type ``phi3``: the 4k-context Phi-3-mini and -medium): Llama's
+block with the q, k and v projections fused in one ``qkv_proj`` and the gate and up projections
+in one ``gate_up_proj`` (split at load time), RoPE on the first ``partial_rotary_factor`` of
+each head, and ``sliding_window`` on every layer when it is set. The long-context RoPE
+(``longrope``: Phi-3-*-128k, Phi-3.5, Phi-4-mini, the last with a factor of 0.75) is refused."""
 
 from __future__ import annotations
 
