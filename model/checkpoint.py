@@ -5,6 +5,8 @@ each tensor) and the raw bytes. Only the headers are read up front; ``tensor(nam
 tensor's bytes (bfloat16 through ``ml_dtypes``) when asked. Not memory-mapping keeps the host's
 resident memory at the placed parameters plus one tensor while loading (a mapping's touched
 pages would count as a second copy of the model).
+
+Where a checkpoint directory comes from (a local one, or a hub id at a revision): ``model.hub``.
 """
 
 from __future__ import annotations
@@ -23,30 +25,6 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-def resolve_model_dir(model_path: str, revision: str | None = None) -> str:
-    """A local checkpoint directory; a hub id is downloaded (config and safetensors only) at
-    ``revision`` (a branch, tag or commit; Pythia's training checkpoints are revisions such as
-    ``step143000``), else the hub's default branch. A local directory has no revisions, so a
-    revision with one is a mistake, not ignored."""
-    if os.path.isdir(model_path):
-        if revision is not None:
-            raise UserError(f"--model_revision applies to a hub id, not the local directory "
-                            f"{model_path!r}")
-        return model_path
-    if os.path.exists(model_path) or model_path.startswith((".", "/", "~")):
-        raise UserError(f"--model_path {model_path!r} is not a checkpoint directory")
-    at = f" at revision {revision!r}" if revision is not None else ""
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(model_path, revision=revision,
-                                 allow_patterns=["*.json", "*.safetensors"])
-    except Exception as e:
-        raise UserError(f"cannot fetch model {model_path!r}{at} from the hub: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-
-
 class Checkpoint:
     """The tensors of a checkpoint directory, by Hugging Face name, as numpy views."""
 

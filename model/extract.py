@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
-from model.checkpoint import resolve_model_dir
+from model.hub import resolve_model_dir
 from model.attention import attention_for, causal_mask
 from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig, load_config
 from model.loading import LoadedModel, load_model

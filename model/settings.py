@@ -35,7 +35,7 @@ class ModelSettings:
 
     def model_dir(self) -> str:
         """The local checkpoint directory: ``model_path``, or the hub's snapshot at ``model_revision``."""
-        from model.checkpoint import resolve_model_dir
+        from model.hub import resolve_model_dir
         return resolve_model_dir(self.model_path, self.model_revision)
 
 

@@ -111,13 +111,13 @@ def test_generation_past_gpt2s_learned_positions_is_refused(checkpoints):
 
 def test_gpt2_as_the_hub_ships_it_reads_the_same(checkpoints, tmp_path):
     """The hub's gpt2 checkpoints name tensors without the ``transformer.`` prefix and carry the
-    causal-mask buffers ``h.N.attn.bias`` / ``masked_bias``: read the same, the buffers unread."""
+    causal-mask buffers ``h.N.attn.bias`` / ``masked_bias``: the same parameters, the buffers unread."""
     import shutil
 
     import jax
     import numpy as np
     from safetensors.numpy import load_file, save_file
-    from model.extract import Extractor
+    from model.loading import load_model
     hub = tmp_path / "gpt2"
     shutil.copytree(checkpoints["gpt2"], hub)
     tensors = {name.removeprefix("transformer."): value
@@ -127,12 +127,11 @@ def test_gpt2_as_the_hub_ships_it_reads_the_same(checkpoints, tmp_path):
         tensors[f"h.{layer}.attn.masked_bias"] = np.array(-1e4, np.float32)
     assert not any(name.startswith("transformer.") for name in tensors)
     save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
-    sequences = [[5, 9, 200, 31, 7], list(range(40))]
-    got = [dict(Extractor.load(path, dtype="float32", max_seq_length=64, devices=jax.devices()[:1])
-                .extract(enumerate(sequences))) for path in (checkpoints["gpt2"], str(hub))]
-    for i in range(len(sequences)):
-        for layer, values in got[0][i].items():
-            np.testing.assert_array_equal(got[1][i][layer], values)
+    ours, theirs = (load_model(path, "float32", with_head=True, devices=jax.devices()[:1]).params
+                    for path in (checkpoints["gpt2"], str(hub)))
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("weight_in_float32", [False, True])
