@@ -87,22 +87,28 @@ def test_the_runner_extracts_the_revision_asked_for_and_records_it(tmp_path, mon
     """``runners.tpu_host --model_revision step1000`` on a hub id: what transformers computes from
     that revision's weights (not main's, another random model), and metadata.json says which."""
     from fixtures.tiny_models import write_checkpoint
-    from tests.conftest import run_in_process
-    from tests.test_family_runs import assert_equals_transformers, runner, write_stream
-    from tests.test_multihost import stored
     cache_dir = str(tmp_path / "hub")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", cache_dir)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     early, final = (write_checkpoint(tmp_path / name, "gpt_neox", seed=seed)
                     for name, seed in (("early", 1), ("final", 2)))
     write_hub_cache(cache_dir, REPO_ID, {"step1000": early, "main": final})
-    records = write_stream(tmp_path / "stream.jsonl", early, count=3)
+    runs_step1000_as(early, tmp_path)
+
+
+def runs_step1000_as(checkpoint_dir: str, tmp_path) -> None:
+    """``runners.tpu_host`` on REPO_ID at ``step1000`` stores what transformers' float64 forward of
+    ``checkpoint_dir`` computes (block 2's output), and records the revision."""
+    from tests.conftest import run_in_process
+    from tests.test_family_runs import assert_equals_transformers, runner, write_stream
+    from tests.test_multihost import stored
+    records = write_stream(tmp_path / "stream.jsonl", checkpoint_dir, count=3)
     result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", REPO_ID,
                                                         "--model_revision", "step1000", "--layers_to_extract", "2"))
     assert result.returncode == 0, result.stderr[-3000:]
     metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
     assert (metadata["model"], metadata["model_revision"]) == (REPO_ID, "step1000")
-    assert_equals_transformers(early, records, stored(tmp_path / "out" / "machine_000"), layers=[2])
+    assert_equals_transformers(checkpoint_dir, records, stored(tmp_path / "out" / "machine_000"), layers=[2])
 
 
 # Revisions holding PyTorch weights only, as Pythia's training checkpoints (``step1000``, ...) do.
@@ -246,19 +252,10 @@ def test_converting_without_torch_is_a_one_line_error(offline_hub, tmp_path, mon
 def test_the_runner_extracts_a_pytorch_only_revision(offline_hub, tmp_path):
     """``runners.tpu_host --model_revision step1000`` where that revision holds ``pytorch_model.bin``
     only (with Pythia's extra buffers): what transformers computes from that .bin checkpoint."""
-    from tests.conftest import run_in_process
-    from tests.test_family_runs import assert_equals_transformers, runner, write_stream
-    from tests.test_multihost import stored
     early = pytorch_checkpoint(tmp_path / "early", pythia_buffers=True, layout="hub")
     commits = write_hub_cache(offline_hub, REPO_ID, {"step1000": early})
-    records = write_stream(tmp_path / "stream.jsonl", early, count=3)
-    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", REPO_ID,
-                                                        "--model_revision", "step1000", "--layers_to_extract", "2"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
-    assert (metadata["model"], metadata["model_revision"]) == (REPO_ID, "step1000")
+    runs_step1000_as(early, tmp_path)
     assert os.path.isdir(converted_dir(tmp_path, commits["step1000"]))
-    assert_equals_transformers(early, records, stored(tmp_path / "out" / "machine_000"), layers=[2])
 
 
 def test_a_failed_conversion_leaves_nothing_behind(offline_hub, tmp_path):
