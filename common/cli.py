@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import itertools
 import logging
+import os
 import sys
 import types
 import typing
@@ -121,8 +122,16 @@ def make_parser(prog: str, description: str) -> OneLineArgumentParser:
 
 
 def run_main(prog: str, main: Callable[[list[str]], int | None],
-             argv: Sequence[str] | None = None) -> typing.NoReturn:
-    """Runs ``main(argv)``; a ``UserError`` is printed as one line and exits with status 2."""
+             argv: Sequence[str] | None = None, skip_native_teardown: bool = False) -> typing.NoReturn:
+    """Runs ``main(argv)``; a ``UserError`` is printed as one line and exits with status 2.
+
+    ``skip_native_teardown``: the process ends through ``exit_now`` once its work is done, for
+    the commands whose work ends in Arrow (merging Parquet index files): Arrow's native thread
+    pools can abort the interpreter's teardown after everything was written ("terminate called
+    without an active exception", exit -6; apache/arrow#34314), which here ended 2 of 3 full test
+    runs on ``pipeline.index`` or ``runners.fleet supervise`` after their output was complete.
+    Only for a process of its own: ``main`` run inside another (a test's) must use the default."""
+    leave = exit_now if skip_native_teardown else sys.exit
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Beam logs every postponed (string) annotation it meets at INFO: noise, not information.
     logging.getLogger("apache_beam.typehints").setLevel(logging.WARNING)
@@ -134,5 +143,14 @@ def run_main(prog: str, main: Callable[[list[str]], int | None],
         code = main(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code or 0)
+        leave(2)
+    leave(code or 0)
+
+
+def exit_now(code: int) -> typing.NoReturn:
+    """Ends the process with ``code`` without the interpreter's teardown (no atexit handlers, no
+    native static destructors): standard streams flushed and logging shut down first."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    os._exit(code)

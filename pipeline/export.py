@@ -128,4 +128,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_main("pipeline.export", main)
+    run_main("pipeline.export", main, skip_native_teardown=True)  # its work ends in Arrow

@@ -37,4 +37,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_main("pipeline.index", main)
+    run_main("pipeline.index", main, skip_native_teardown=True)  # its work ends in Arrow

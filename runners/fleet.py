@@ -72,4 +72,4 @@ def run(command: str, config, args) -> int:
 
 
 if __name__ == "__main__":
-    run_main("runners.fleet", main)
+    run_main("runners.fleet", main, skip_native_teardown=True)  # its work ends in Arrow

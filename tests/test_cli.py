@@ -55,3 +55,28 @@ def test_a_settings_file_then_flags(tmp_path):
     path.write_text("model_path: m\nlayers: 3\n")
     with pytest.raises(UserError, match="unknown setting\\(s\\) layers"):
         read_settings(str(path), AblationConfig)
+
+
+@pytest.mark.parametrize("body, code, out, err", [
+    ("print('written'); logging.getLogger('x').info('logged'); return 3", 3, "written\n", "logged"),
+    ("print('partial'); raise UserError('bad input')", 2, "partial\n", "prog: error: bad input"),
+])
+def test_skipping_the_native_teardown_keeps_the_exit_code_and_every_line(body, code, out, err):
+    """``run_main(..., skip_native_teardown=True)`` ends through ``os._exit``: what was printed
+    and logged is flushed first, and the code is main's (2 for a user error)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import logging
+        from common.cli import UserError, run_main
+        def main(argv):
+            {body}
+        run_main("prog", main, [], skip_native_teardown=True)
+        print("never")
+    """)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=repo)
+    assert result.returncode == code
+    assert result.stdout == out and err in result.stderr and "never" not in result.stdout
