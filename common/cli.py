@@ -128,8 +128,8 @@ def run_main(prog: str, main: Callable[[list[str]], int | None],
     ``skip_native_teardown``: the process ends through ``exit_now`` once its work is done, for
     the commands whose work ends in Arrow (merging Parquet index files): Arrow's native thread
     pools can abort the interpreter's teardown after everything was written ("terminate called
-    without an active exception", exit -6; apache/arrow#34314), which here ended 2 of 3 full test
-    runs on ``pipeline.index`` or ``runners.fleet supervise`` after their output was complete.
+    without an active exception", exit -6; apache/arrow#34314), seen on ``pipeline.index`` and
+    ``runners.fleet supervise`` after their output was complete.
     Only for a process of its own: ``main`` run inside another (a test's) must use the default."""
     leave = exit_now if skip_native_teardown else sys.exit
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
