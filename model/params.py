@@ -178,8 +178,11 @@ def block_norm_names(config: DecoderConfig) -> dict[str, str]:
 # norm module's input x normalised as the norm does before its weight (x / rms(x), or
 # (x - mean) / std for a LayerNorm), in float32.
 def hf_site(site: str, config: DecoderConfig) -> tuple[str, str]:
-    """Where ``site`` is seen in a Hugging Face block of the model ``config`` describes."""
+    """Where ``site`` is seen in a Hugging Face block of the model ``config`` describes;
+    ``ValueError`` for a site the model has none of (``model.sites.missing_reason``)."""
     from model import sites
+    if reason := sites.missing_reason(site, config):
+        raise ValueError(f"{site}: {reason}")
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
     return {
@@ -187,7 +190,7 @@ def hf_site(site: str, config: DecoderConfig) -> tuple[str, str]:
         sites.ATTN_Z: (layout.o_proj, "input"),
         sites.ATTN_OUT: (norms["post_attention_norm"], "output") if post else (layout.attention, "output"),
         sites.RESID_MID: (norms["pre_mlp_norm"], "input") if config.pre_norms else (layout.mlp, "input"),
-        sites.LN2_NORMALIZED: (norms.get("pre_mlp_norm", ""), "normalized input"),
+        sites.LN2_NORMALIZED: (norms.get("pre_mlp_norm"), "normalized input"),
         sites.MLP_IN: (layout.mlp, "input"),
         sites.MLP_POST: (layout.down_proj, "input"),
         sites.MLP_OUT: (norms["post_mlp_norm"], "output") if post else (layout.mlp, "output"),

@@ -98,6 +98,14 @@ def test_what_the_model_cannot_do_is_one_line_and_creates_nothing(checkpoints, t
     assert not (tmp_path / "out").exists()
 
 
+def test_no_transformers_module_stands_for_a_site_the_model_lacks(checkpoints):
+    from model.params import hf_site
+    for case, site in (("gpt_neox", RESID_MID), ("olmo2", LN2_NORMALIZED)):
+        with pytest.raises(ValueError, match=f"{site}: {case}"):
+            hf_site(site, load_config(checkpoints[case]))
+    assert hf_site(RESID_MID, load_config(checkpoints["gpt_neox_sequential"])) == ("post_attention_layernorm", "input")
+
+
 def test_generation_past_gpt2s_learned_positions_is_refused(checkpoints):
     """A KV cache longer than the position table would read clipped positions: refused."""
     import jax.numpy as jnp
