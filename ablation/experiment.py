@@ -27,7 +27,8 @@ from common.cli import UserError
 from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
 from model.config import load_config
-from model.interventions import BASELINE, Intervention, Means, ablation_arrays, parse_interventions
+from model.interventions import (BASELINE, Intervention, Means, ablation_arrays, check_expert_blocks,
+                                 parse_interventions)
 from model.scoring import InterventionModel, scored_tokens
 
 log = logging.getLogger("runners.ablate")
@@ -85,7 +86,8 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     model_config = load_config(config.model_dir())
     check_model_fits(model_config, (), config.max_seq_length)  # before anything is written
     grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
-                               model_config.num_attention_heads)
+                               model_config.num_attention_heads, model_config.num_experts)
+    check_expert_blocks(grid, model_config)
     records = read_records(config.stream, config.max_samples, config.max_seq_length)
     if not records:
         raise UserError(f"no records in {config.stream!r}")
@@ -136,7 +138,7 @@ def _load_model(config: AblationConfig) -> InterventionModel:
     loaded = load_model(config.model_path, resolve_dtype(config.dtype), config.mesh_type, with_head=True,
                         revision=config.model_revision)
     return InterventionModel(loaded, config.batch_size, config.max_seq_length, config.attention,
-                             config.residual_dtype)
+                             config.residual_dtype, config.moe_dispatch)
 
 
 def _means(config: AblationConfig, model: InterventionModel, records: list[Record], report: RunReport) -> Means:

@@ -1,5 +1,6 @@
 """Per-site statistics of stored activations: for each (site, layer), the count of tokens, the mean
-vector, the per-dimension variance and the mean L2 norm, in float64.
+vector, the per-dimension variance and the mean L2 norm, in float64; for a mixture of experts'
+``mlp.hook_expert_indices``, also the tokens routed to each expert (its load).
 
 What normalising trainers need (CLT and crosscoder training scale each site by ``sqrt(d) /
 mean_norm``, or by mean and std). Each shard's statistics are computed from its arrays as they
@@ -24,6 +25,9 @@ STATS_SCHEMA = pa.schema([
     ("site", pa.string()), ("layer", pa.int32()), ("count", pa.int64()),
     ("mean", pa.list_(pa.float64())), ("variance", pa.list_(pa.float64())),  # per dimension (population)
     ("mean_norm", pa.float64()),  # mean over tokens of each token's L2 norm
+    # Tokens routed to each expert 0..E-1 (mlp.hook_expert_indices only, else null): a token counts
+    # once for each of its k experts. Null too in files written before it existed.
+    ("expert_counts", pa.list_(pa.int64())),
 ])
 
 
@@ -35,17 +39,20 @@ class Moments:
     mean: np.ndarray   # [width] float64
     m2: np.ndarray     # [width] float64
     mean_norm: float
+    expert_counts: np.ndarray | None = None  # [E] int64: tokens routed to each expert (expert ids only)
 
     @classmethod
-    def of(cls, array: np.ndarray) -> "Moments":
-        """The moments of ``array`` [tokens, width] (any float dtype, bfloat16 included)."""
+    def of(cls, array: np.ndarray, experts: int = 0) -> "Moments":
+        """The moments of ``array`` [tokens, width] (any float dtype, bfloat16 included);
+        ``experts`` > 0: ``array`` holds expert ids [tokens, k], counted per expert."""
+        counts = np.bincount(array.reshape(-1), minlength=experts).astype(np.int64) if experts else None
         x = array.astype(np.float64)  # a copy: centred in place below
         if not len(x):
-            return cls(0, np.zeros(x.shape[-1]), np.zeros(x.shape[-1]), 0.0)
+            return cls(0, np.zeros(x.shape[-1]), np.zeros(x.shape[-1]), 0.0, counts)
         mean = x.mean(axis=0)
         norms = np.sqrt(np.einsum("td,td->t", x, x))
         x -= mean  # x is a fresh float64 copy unless the array was float64 already
-        return cls(len(x), mean, np.einsum("td,td->d", x, x), float(norms.mean()))
+        return cls(len(x), mean, np.einsum("td,td->d", x, x), float(norms.mean()), counts)
 
     def merged(self, other: "Moments") -> "Moments":
         """The moments of both sets together (Chan, Golub and LeVeque's pairwise update)."""
@@ -54,8 +61,9 @@ class Moments:
             return other if not self.count else self
         share = other.count / n
         delta = other.mean - self.mean
+        counts = None if self.expert_counts is None else self.expert_counts + other.expert_counts
         return Moments(n, self.mean + delta * share, self.m2 + other.m2 + delta * delta * (self.count * share),
-                       self.mean_norm + (other.mean_norm - self.mean_norm) * share)
+                       self.mean_norm + (other.mean_norm - self.mean_norm) * share, counts)
 
     @property
     def variance(self) -> np.ndarray:
@@ -78,6 +86,7 @@ def stats_table(moments: dict[ArrayKey, Moments]) -> pa.Table:
         "site": [site for (site, _), _ in rows], "layer": [layer for (_, layer), _ in rows],
         "count": [m.count for _, m in rows], "mean": [m.mean.tolist() for _, m in rows],
         "variance": [m.variance.tolist() for _, m in rows], "mean_norm": [m.mean_norm for _, m in rows],
+        "expert_counts": [None if m.expert_counts is None else m.expert_counts.tolist() for _, m in rows],
     }, schema=STATS_SCHEMA)
 
 
@@ -86,8 +95,10 @@ def table_moments(table: pa.Table) -> dict[ArrayKey, Moments]:
     out = {}
     for row in table.to_pylist():
         mean, variance = np.asarray(row["mean"], np.float64), np.asarray(row["variance"], np.float64)
+        counts = row.get("expert_counts")
         out[array_key(row["site"], row["layer"])] = Moments(row["count"], mean, variance * row["count"],
-                                                            row["mean_norm"])
+                                                            row["mean_norm"],
+                                                            None if counts is None else np.asarray(counts, np.int64))
     return out
 
 

@@ -178,7 +178,8 @@ def check_model(config: HostConfig) -> None:
     before anything is created."""
     model = load_config(config.model_dir())
     attention_for(None, config.attention, model)
-    check_model_fits(model, parse_sites(config.sites), config.max_seq_length)
+    layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
+    check_model_fits(model, parse_sites(config.sites), config.max_seq_length, layers)
 
 
 def run_process(config: HostConfig, placement: Placement | None = None) -> int:
@@ -291,6 +292,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         model_path=config.model_path, model_revision=config.model_revision, dtype=config.dtype,
         residual_dtype=config.residual_dtype,
         mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
+        moe_dispatch=config.moe_dispatch,
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
@@ -435,7 +437,8 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream:
                          config.compression_level, _metadata(config, extractor, ablation, stream), ablation,
                          memory_budget_bytes=int(config.store_memory_gb * 1e9),
                          compression_threads=config.resolved_compression_threads,
-                         upload_threads=config.upload_threads, sites=extractor.sites)
+                         upload_threads=config.upload_threads, sites=extractor.sites,
+                         num_experts=extractor.config.num_experts)
 
 
 def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) -> dict[str, Any]:
@@ -450,6 +453,8 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) 
             "hidden_size": extractor.config.hidden_size, "model_type": extractor.config.model_type,
             "num_hidden_layers": extractor.config.num_hidden_layers, "compressed": config.compress_shards,
             "stream": stream, "attention": extractor.attention_kind,
+            # A mixture of experts' dispatch (null for a dense model) and experts per block.
+            "moe_dispatch": extractor.moe_dispatch_kind, "num_experts": extractor.config.num_experts,
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1,
             "ablation": ablation, "ablation_means": config.ablation_means if ablation else None}

@@ -46,7 +46,7 @@ from host.rejected import RejectedLog
 from host.status import utc_now
 from host.storage import Crc32c, GcsStore
 from host.store_stats import StoreStats
-from model.sites import DEFAULT_SITES, ArrayKey, array_keys
+from model.sites import DEFAULT_SITES, EXPERT_INDICES, ArrayKey, array_keys, key_parts
 
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
 # A shard file's written bytes are sent to the disk every this many, not all at its fsync: the
@@ -72,6 +72,7 @@ class ShardSettings:
     compression_threads: int = 1
     upload_threads: int = 4
     sites: tuple[str, ...] = DEFAULT_SITES  # stored at every layer (model.sites)
+    num_experts: int = 0  # a mixture of experts' (its statistics count each expert's tokens)
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -146,7 +147,7 @@ class ShardWriter:
 
     def add(self, sample: dict[str, Any]) -> None:
         self._buffer_bytes += activation_bytes(sample)
-        sample = {**sample, "moments": {key: self._measuring.submit(self._moments, array)
+        sample = {**sample, "moments": {key: self._measuring.submit(self._moments, array, key)
                                         for key, array in sample["activations"].items()}}
         if self._compressing is not None:
             sample = {**sample, "activations": {
@@ -295,9 +296,10 @@ class ShardWriter:
                  "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id}
         return WrittenShard(shard_id, name, local_path, size, crc, indexes, entry)
 
-    def _moments(self, array) -> Moments:
+    def _moments(self, array, key: ArrayKey) -> Moments:
+        experts = self.settings.num_experts if key_parts(key)[0] == EXPERT_INDICES else 0
         with self.stats.stage("stats"):
-            return Moments.of(array)
+            return Moments.of(array, experts)
 
     def _timed_compressor(self) -> Callable[[Segment], bytes]:
         member, stats = gzip_member_compressor(DEFAULT_COMPRESSOR, self.settings.compression_level), self.stats

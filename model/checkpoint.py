@@ -53,6 +53,18 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape, from the header (nothing read); ``UserError`` if it is absent."""
+        if name not in self._where:
+            raise UserError(f"checkpoint {self.model_dir!r} has no tensor {name!r}")
+        path, _, header = self._files[self._where[name]]
+        return tuple(header[name]["shape"])
+
+    def dtype(self, name: str) -> np.dtype:
+        """Tensor ``name``'s dtype, from the header."""
+        path, _, header = self._files[self._where[name]]
+        return np.dtype(DTYPES[header[name]["dtype"]])
+
     def tensor(self, name: str) -> np.ndarray:
         """Tensor ``name`` read from disk; raises ``UserError`` if the checkpoint lacks it."""
         if name not in self._where:

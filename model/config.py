@@ -3,7 +3,8 @@
 ``DecoderConfig`` holds the shapes and the switches by which the families differ (positions,
 partial rotary, biases, q/k norms and their scope, query scale, soft-capping, sliding windows,
 RoPE per layer type, the norm's kind, form and placement, the parallel residual, the MLP's form
-and activation, embedding scaling); each switch's default is Llama's. The
+and activation, a mixture of experts in place of the MLP, embedding scaling); each switch's
+default is Llama's. The
 family files in ``model/families/`` map a ``config.json`` onto it, in either layout users have
 (the hub's, written by transformers 4.4x, and transformers 5's), and refuse with one line any
 option that would change the computation and is not implemented. Nothing outside the config
@@ -23,6 +24,8 @@ from common.cli import UserError
 
 # The attention kernels of a forward without a cache (``model.attention.attention_for``).
 ATTENTION_KINDS = ("auto", "tiled", "fused")
+# How a mixture of experts sends tokens to its experts (``model.moe``): auto picks by the expert count.
+MOE_DISPATCHES = ("auto", "dense", "grouped")
 MESH_TYPES = ("1d", "2d")  # data parallel | data x model (``model.sharding.make_mesh``)
 COMPUTE_DTYPES = ("float32", "bfloat16")  # weights and matmuls; ``auto`` picks one by backend
 STORED_DTYPES = ("float32", "float16", "bfloat16")  # activations as stored or handed to a trainer
@@ -46,6 +49,24 @@ class RoPE:
     low_freq_factor: float = 1.0        # llama3: wavelengths past context/low are divided by factor
     high_freq_factor: float = 4.0       # llama3: wavelengths under context/high are kept
     original_max_position_embeddings: int = 8192  # llama3: the context the factors refer to
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts MLP (``DecoderConfig.moe``), as transformers' Mixtral, OLMoE,
+    Qwen2-MoE and Qwen3-MoE compute it: a linear router without bias gives ``num_experts`` logits
+    per token; their softmax (float32) picks the ``top_k`` experts, whose gated MLPs' outputs are
+    summed, each scaled by its probability (renormalised over the k where ``normalize_top_k``)."""
+    num_experts: int
+    top_k: int                          # experts per token (num_experts_per_tok)
+    expert_size: int                    # each expert's intermediate width (moe_intermediate_size)
+    normalize_top_k: bool               # the k probabilities divided by their sum (Mixtral; norm_topk_prob)
+    weights_in_float32: bool = False    # the k weights scale the experts' outputs in float32, one rounding
+                                        # after (Mixtral); off: rounded to the compute dtype first (Qwen, OLMoE)
+    shared_expert_size: int | None = None  # a gated MLP of this width every token goes through, scaled by
+                                           # sigmoid(shared_expert_gate(x)) and added (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # blocks with a dense MLP of intermediate_size instead (Qwen's
+                                        # mlp_only_layers and decoder_sparse_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +119,10 @@ class DecoderConfig:
                                          # (OLMo 2); off: x is rounded to the dtype first, then scaled (Llama)
     sandwich_norms: bool = False         # norms on the attention and MLP outputs too (Gemma 2, 3, OLMo 2)
     hidden_act: str = "silu"             # the MLP's activation: one of ACTIVATIONS
+    moe: MoE | None = None               # a mixture of experts in place of the MLP (of every block but
+                                         # moe.dense_layers); None: a dense model
+    clip_qkv: float | None = None        # q, k and v clamped to [-c, c] after their projections (and q/k
+                                         # norms) (OLMoE)
     scale_embeddings: bool = False       # embeddings x sqrt(hidden_size), rounded to the dtype (Gemma)
 
     @property
@@ -124,6 +149,20 @@ class DecoderConfig:
     def has_mlp_norm(self) -> bool:
         """Whether the MLP's input is normed (not in OLMo 2's block)."""
         return self.pre_norms
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per mixture-of-experts block (0 for a dense model)."""
+        return self.moe.num_experts if self.moe is not None else 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer``'s MLP is a mixture of experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The blocks whose MLP is a mixture of experts."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse(i))
 
     def window(self, layer: int) -> int | None:
         """Block ``layer``'s sliding window (None: it attends to every earlier key)."""

@@ -13,7 +13,8 @@ with the pre-norms only where ``pre_norms`` (not OLMo 2), the post-norms only wh
 
     x = mlp(pre_mlp_norm(x)) + attention(pre_attention_norm(x)) + x
 
-The MLP is gated or plain (``gated_mlp``); q and k are normed before RoPE where ``qk_norm``, per
+The MLP is gated or plain (``gated_mlp``), or a mixture of experts (``moe``: ``model.moe``);
+q and k are normed before RoPE where ``qk_norm``, per
 head or over the whole projection; RoPE rotates each head's first ``rope_dim`` dims, with each
 layer's sliding window and RoPE from its layer type, or positions are a learned table added to
 the embeddings (``positions``: GPT-2).
@@ -61,6 +62,7 @@ from jax.sharding import Mesh
 from model.attention import causal_attention, dense_attention, fused_attention, windowed
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
+from model.moe import MoEMLP
 from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
@@ -192,6 +194,8 @@ class Attention(nn.Module):
         qk_norm = lambda name, y: norm_for(c, name, self.dtype, self.residual_dtype, keep_wide=True)(y, norms)
         if c.qk_norm and c.qk_norm_scope == "projection":
             q, k = qk_norm("q_norm", q), qk_norm("k_norm", k)
+        if c.clip_qkv is not None:  # OLMoE: after the norms, before the split into heads
+            q, k, v = (jnp.clip(y, -c.clip_qkv, c.clip_qkv) for y in (q, k, v))
         q = q.reshape(b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
         k = k.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
         v = v.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
@@ -237,6 +241,7 @@ class MLP(nn.Module):
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, the gating is in it
     with_hidden: bool = False   # also return the hidden activation (mlp.hook_post)
+    intermediate_size: int | None = None  # None: the config's (Qwen2-MoE's shared expert has its own)
 
     @nn.compact
     def __call__(self, x):  # [B, S, H] in dtype
@@ -244,11 +249,12 @@ class MLP(nn.Module):
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, name: dense(n, c.mlp_bias, name, self.dtype, accumulate)
         act = ACTIVATIONS[c.hidden_act]
+        f = self.intermediate_size or c.intermediate_size
         if c.gated_mlp:
-            gate, up = project(c.intermediate_size, "gate_proj")(x), project(c.intermediate_size, "up_proj")(x)
+            gate, up = project(f, "gate_proj")(x), project(f, "up_proj")(x)
             hidden = act(gate) * up  # [B, S, F]
         else:  # GPT-2's c_fc, GPT-NeoX's dense_h_to_4h: our up_proj
-            hidden = act(project(c.intermediate_size, "up_proj")(x))  # [B, S, F]
+            hidden = act(project(f, "up_proj")(x))  # [B, S, F]
         out = project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))  # [B, S, H]
         # Returned rather than sown: the MLP may run inside a scan over token chunks.
         return (out, hidden) if self.with_hidden else out
@@ -274,9 +280,9 @@ def token_chunks(seq_len: int, rows: int, target: int = CHUNK_TOKENS) -> int:
 
 
 def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
-                          chunk_tokens: int | None) -> Any:
-    """``module(x)`` for a per-token module, computed in chunks of positions one after the other
-    (its output: an array [B, S, W], or a tuple of them).
+                          chunk_tokens: int | None, *args: Any) -> Any:
+    """``module(x, *args)`` for a per-token module, computed in chunks of positions one after the
+    other (its output: an array [B, S, W], or a pytree of them; ``args``: the same for every chunk).
 
     On CPU the MLP of 8192 tokens at once reaches ~70% of a plain matmul's FLOP rate, because its
     [B*S, F] intermediates (160 MB each) go to memory; in chunks of ~512 tokens it reaches ~93%.
@@ -285,12 +291,12 @@ def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
     """
     b, s, h = x.shape
     if chunk_tokens is None:
-        return module(x)
+        return module(x, *args)
     n = token_chunks(s, b // (mesh.shape["data"] if mesh is not None else 1), chunk_tokens)
     if n == 1:
-        return module(x)
+        return module(x, *args)
     chunks = x.reshape(b, n, s // n, h).transpose(1, 0, 2, 3)  # [n, B, S/n, H]
-    step = nn.scan(lambda mdl, carry, chunk: (carry, mdl(chunk)), variable_broadcast="params",
+    step = nn.scan(lambda mdl, carry, chunk: (carry, mdl(chunk, *args)), variable_broadcast="params",
                    split_rngs={"params": False})
     _, out = step(module, None, chunks)  # [n, B, S/n, W] each
     return jax.tree.map(lambda y: y.transpose(1, 0, 2, 3).reshape(b, s, y.shape[-1]), out)
@@ -313,6 +319,9 @@ class DecoderLayer(nn.Module):
     residual_dtype: Any = None  # the dtype of x and of the sums (None: dtype)
     window: int | None = None   # this layer's sliding window
     mlp_hidden: bool = False    # sow the MLP's hidden activation (a wider output of its chunked loop)
+    sparse: bool = False        # the MLP is the config's mixture of experts (model.moe)
+    moe_dispatch: str = "auto"  # model.moe.DISPATCHES
+    routing_sites: bool = False  # sow the router's logits and choice (and the shared expert's output)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -338,9 +347,18 @@ class DecoderLayer(nn.Module):
         if c.pre_norms:
             mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
         self.sow("sites", MLP_IN, mlp_in)
-        mlp_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
-                                        self.chunk_tokens)
-        if self.mlp_hidden:
+        if self.sparse:
+            moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
+            mlp_out = map_over_token_chunks(moe, mlp_in, self.mesh, self.chunk_tokens, a.get("expert_keep"),
+                                            a.get("route_to"))
+            if self.routing_sites:
+                mlp_out, routing = mlp_out
+                for site, value in routing.items():
+                    self.sow("sites", site, value)
+        else:
+            mlp_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
+                                            self.chunk_tokens)
+        if self.mlp_hidden and not self.sparse:
             mlp_out, hidden = mlp_out
             self.sow("sites", MLP_POST, hidden)
         if c.sandwich_norms:
@@ -366,6 +384,8 @@ class Decoder(nn.Module):
     attention: str = "tiled"         # tiled | fused: see model.attention.attention_for
     residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
     mlp_hidden: bool = False         # the blocks sow the MLP's hidden activation too (``sites``)
+    moe_dispatch: str = "auto"       # how a mixture of experts dispatches tokens (model.moe.DISPATCHES)
+    routing_sites: bool = False      # the blocks sow their routing too (``sites``)
 
     def setup(self):
         c = self.config
@@ -375,7 +395,8 @@ class Decoder(nn.Module):
             self.embed_positions = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
                                             param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
-                                    self.residual_dtype, c.window(i), self.mlp_hidden, name=f"layers_{i}")
+                                    self.residual_dtype, c.window(i), self.mlp_hidden, c.is_sparse(i),
+                                    self.moe_dispatch, self.routing_sites, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:

@@ -38,8 +38,8 @@ from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, Decoder
 from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
-from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ArrayKey, array_key, array_keys,
-                         blocks_needed, check_sites, describe_key, parse_sites)
+from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
+                         array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites)
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
@@ -57,10 +57,11 @@ def validate_layers(layers: Sequence[int], config: DecoderConfig) -> tuple[int, 
     return tuple(sorted(set(layers)))
 
 
-def check_model_fits(config: DecoderConfig, sites: Sequence[str], max_seq_length: int) -> None:
-    """``UserError`` in one line for a site this model does not have, or sequences longer than
-    its learned position table."""
-    check_sites(sites, config)
+def check_model_fits(config: DecoderConfig, sites: Sequence[str], max_seq_length: int,
+                     layers: Sequence[int] = ()) -> None:
+    """``UserError`` in one line for a site this model does not have (at one of ``layers``), or
+    sequences longer than its learned position table."""
+    check_sites(sites, config, layers)
     if config.positions == "learned" and max_seq_length > config.max_position_embeddings:
         raise UserError(f"--max_seq_length {max_seq_length}: {config.model_type} has learned positions for "
                         f"{config.max_position_embeddings} tokens (n_positions); pass "
@@ -150,32 +151,37 @@ class ForwardObserver:
 
 
 def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
-                 out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
+                 out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
+                 moe_dispatch: str = "auto"):
     """jit(params, input_ids [B, S], lengths [B], ablation) -> block outputs [len(layers), B, S, H].
 
     ``out_dtype`` casts on the device, so a narrower storage dtype also halves the transfer.
     ``attention``: auto | tiled | fused (``model.attention.attention_for``). ``ablation``: None, or the
     arrays of an intervention (``model.interventions.ablation_arrays``). ``residual_dtype``: see
-    ``resolve_residual_dtype`` (None: the compute dtype)."""
-    forward = site_forward(config, dtype, layers, (RESID_POST,), mesh, out_dtype, attention, residual_dtype)
+    ``resolve_residual_dtype`` (None: the compute dtype). ``moe_dispatch``: ``model.moe``'s."""
+    forward = site_forward(config, dtype, layers, (RESID_POST,), mesh, out_dtype, attention, residual_dtype,
+                           moe_dispatch)
     return jax.jit(lambda *args: forward(*args)[RESID_POST], out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
 def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...],
-                       mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
+                       mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
+                       moe_dispatch: str = "auto"):
     """jit(params, input_ids, lengths, ablation) -> {site: [len(layers), B, S, width]} for each of
     ``sites`` (``model.sites``); otherwise as ``make_forward``."""
-    forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype)
+    forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype, moe_dispatch)
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
 def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...], mesh: Mesh,
-                 out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None):
+                 out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
+                 moe_dispatch: str = "auto"):
     """The un-jitted forward of ``make_sites_forward``. Blocks past the last one a site needs are
     not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
     rest), so block outputs alone compile to the graph they always did."""
     model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config),
-                    residual_dtype, mlp_hidden=MLP_POST in sites)
+                    residual_dtype, mlp_hidden=MLP_POST in sites, moe_dispatch=moe_dispatch,
+                    routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites))
     num_layers = blocks_needed(sites, layers)
 
     def forward(params, input_ids, lengths, ablation):
@@ -196,7 +202,7 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
             else:
                 per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in layers]
             stacked = jnp.stack(per_layer)  # [len(layers), B, S, width]
-            values[site] = stacked if out_dtype is None else stacked.astype(out_dtype)
+            values[site] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
         return values
 
     return forward
@@ -265,6 +271,7 @@ class Extractor:
     ablation: dict[str, np.ndarray] | None = None  # an intervention's arrays (model.interventions)
     residual_dtype: Any = None    # resolve_residual_dtype: float32, or None for the compute dtype
     sites: tuple[str, ...] = DEFAULT_SITES  # model.sites, in block order
+    moe_dispatch: str = "auto"    # a mixture of experts' (model.moe.DISPATCHES)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                  repr=False)
@@ -276,7 +283,8 @@ class Extractor:
              devices: list | None = None, activation_dtype: str | None = None,
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
              ablation_means: str | None = None, residual_dtype: str = "float32",
-             sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None) -> "Extractor":
+             sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None,
+             moe_dispatch: str = "auto") -> "Extractor":
         """Loads only the blocks the requested sites and layers need, straight onto the mesh.
         ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
@@ -287,12 +295,13 @@ class Extractor:
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
         attention_for(None, attention, config)  # a kernel the model cannot use fails before it loads
-        check_model_fits(config, sites, max_seq_length)
+        check_model_fits(config, sites, max_seq_length, layers)
         arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=blocks_needed(sites, layers), devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
-                                    activation_dtype, attention, batches_in_flight, residual_dtype, sites)
+                                    activation_dtype, attention, batches_in_flight, residual_dtype, sites,
+                                    moe_dispatch)
         extractor.ablation = arrays
         return extractor
 
@@ -301,17 +310,18 @@ class Extractor:
                     max_seq_length: int = 2048, min_bucket: int = 32,
                     activation_dtype: str | None = None, attention: str = "auto",
                     batches_in_flight: int = 2, residual_dtype: str = "float32",
-                    sites: Sequence[str] = DEFAULT_SITES) -> "Extractor":
+                    sites: Sequence[str] = DEFAULT_SITES, moe_dispatch: str = "auto") -> "Extractor":
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
         attention_for(loaded.mesh, attention, loaded.config)
-        check_model_fits(loaded.config, parse_sites(sites), max_seq_length)
+        check_model_fits(loaded.config, parse_sites(sites), max_seq_length, layers)
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
                    ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight,
-                   residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites))
+                   residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites),
+                   moe_dispatch=moe_dispatch)
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -324,6 +334,12 @@ class Extractor:
         return residual_dtype_name(self.dtype, self.residual_dtype)
 
     @property
+    def moe_dispatch_kind(self) -> str | None:
+        """The dispatch ``moe_dispatch`` resolves to (dense | grouped; None for a dense model)."""
+        from model.moe import dispatch_for
+        return dispatch_for(self.config, self.moe_dispatch) if self.config.moe is not None else None
+
+    @property
     def attention_kind(self) -> str:
         """The attention kernel ``attention`` resolves to on this mesh (tiled | fused)."""
         return attention_for(self.mesh, self.attention, self.config)
@@ -331,7 +347,7 @@ class Extractor:
     @functools.cached_property
     def _forward(self):
         return make_sites_forward(self.config, self.dtype, self.layers, self.sites, self.mesh,
-                                  self.activation_dtype, self.attention, self.residual_dtype)
+                                  self.activation_dtype, self.attention, self.residual_dtype, self.moe_dispatch)
 
     def executable(self, rows: int, length: int):
         """The forward compiled for inputs [rows, length] (compiled on first use)."""

@@ -9,14 +9,20 @@ compiled forward takes for one intervention.
     norm:L      every norm of block L (its weight, and a LayerNorm's bias): the
                 pre-attention and pre-MLP norms, the post-attention and post-feedforward
                 norms of a sandwich block, and the q/k norms (Qwen3, Gemma 3, OLMo 2)
+    expert:L.E  expert E of block L's mixture of experts removed: its router logit is -inf,
+                so the router picks its top k among the others, their probabilities
+                renormalised as the family's router would without it
+    route:L.E   every token of block L sent to expert E alone, with weight 1 (a shared
+                expert still adds its part); the routing sites still record the router's choice
 
-Each is followed by ``:mode=zero`` (the default) or ``:mode=mean``, and several joined by ``+``
-form one intervention (``head:3.1+head:3.2``). ``zero`` removes the component: zeros for a head,
-attn or mlp output, the bare residual for a layer, and a neutral weight for a norm (the norm
-then only normalises: w = 1 for x * w, w = 0 for Gemma's x * (1 + w), and a LayerNorm's bias
-0). ``mean`` replaces it by its mean over the stream's real tokens under the unablated model
-(``Means``, computed by a first pass): a head's output, a sublayer's output, a block's
-contribution (output - input); for a norm, each weight (and bias) vector's own mean.
+Each is followed by ``:mode=zero`` (the default) or ``:mode=mean`` (``expert`` and ``route``
+have no mode), and several joined by ``+`` form one intervention (``head:3.1+head:3.2``).
+``zero`` removes the component: zeros for a head, attn or mlp output, the bare residual for a
+layer, and a neutral weight for a norm (the norm then only normalises: w = 1 for x * w, w = 0
+for Gemma's x * (1 + w), and a LayerNorm's bias 0). ``mean`` replaces it by its mean over the
+stream's real tokens under the unablated model (``Means``, computed by a first pass): a head's
+output, a sublayer's output, a block's contribution (output - input); for a norm, each weight
+(and bias) vector's own mean.
 
 In a grid, L and H may be ``*`` (all) or a range ``A-B`` (inclusive); every combination is one
 intervention: ``head:0-3.*`` is one intervention per head of blocks 0 to 3, ``mlp:*:mode=mean``
@@ -41,7 +47,8 @@ from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
 
-KINDS = ("head", "layer", "attn", "mlp", "norm")
+KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route")
+INDEXED = {"head": "head", "expert": "expert", "route": "expert"}  # kinds with a second index: what it counts
 MODES = ("zero", "mean")
 _ATOM = re.compile(r"(?P<kind>[a-z_]+):(?P<target>[^:]+)(?::mode=(?P<mode>[a-z]+))?")
 _INDEX = re.compile(r"\*|\d+|\d+-\d+")
@@ -52,11 +59,11 @@ class Atom:
     """One component removed or replaced."""
     kind: str
     layer: int
-    head: int | None = None
+    head: int | None = None  # the head, or for expert and route the expert
     mode: str = "zero"
 
     def __str__(self) -> str:
-        target = f"{self.layer}.{self.head}" if self.kind == "head" else str(self.layer)
+        target = f"{self.layer}.{self.head}" if self.kind in INDEXED else str(self.layer)
         return f"{self.kind}:{target}" + (":mode=mean" if self.mode == "mean" else "")
 
 
@@ -90,13 +97,13 @@ def _indices(text: str, what: str, count: int, spec: str) -> list[int]:
         raise UserError(f"intervention {spec!r}: empty range {text!r}")
     bad = [i for i in indices if i >= count]
     if bad:
-        plural = {"layer": "blocks", "head": "attention heads"}[what]
+        plural = {"layer": "blocks", "head": "attention heads", "expert": "experts per block"}[what]
         raise UserError(f"intervention {spec!r}: {what} {bad[0]} does not exist: the model has {count} "
                         f"{plural} (0..{count - 1})")
     return indices
 
 
-def _atoms(text: str, spec: str, num_layers: int, num_heads: int) -> list[Atom]:
+def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: int = 0) -> list[Atom]:
     """The atoms one pattern stands for (``head:*.0`` -> one per block)."""
     match = _ATOM.fullmatch(text.strip())
     if not match:
@@ -107,31 +114,40 @@ def _atoms(text: str, spec: str, num_layers: int, num_heads: int) -> list[Atom]:
         raise UserError(f"intervention {spec!r}: unknown kind {kind!r} (choose from {', '.join(KINDS)})")
     if mode not in MODES:
         raise UserError(f"intervention {spec!r}: unknown mode {mode!r} (choose from {', '.join(MODES)})")
-    if kind == "head":
-        layer, dot, head = target.partition(".")
+    if kind in ("expert", "route") and not num_experts:
+        raise UserError(f"intervention {spec!r}: {kind} acts on a mixture of experts; this model is dense")
+    if kind in ("expert", "route") and match["mode"]:
+        raise UserError(f"intervention {spec!r}: {kind} has no mode (the router renormalises over the experts left)")
+    if kind in INDEXED:
+        what = INDEXED[kind]
+        layer, dot, index = target.partition(".")
         if not dot:
-            raise UserError(f"intervention {spec!r}: a head is LAYER.HEAD, e.g. head:3.7")
-        return [Atom(kind, l, h, mode) for l in _indices(layer, "layer", num_layers, spec)
-                for h in _indices(head, "head", num_heads, spec)]
+            raise UserError(f"intervention {spec!r}: {kind} takes LAYER.{what.upper()}, e.g. {kind}:3.7")
+        return [Atom(kind, l, i, mode) for l in _indices(layer, "layer", num_layers, spec)
+                for i in _indices(index, what, num_heads if what == "head" else num_experts, spec)]
     return [Atom(kind, l, None, mode) for l in _indices(target, "layer", num_layers, spec)]
 
 
-def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int) -> list[Intervention]:
+def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
+                        num_experts: int = 0) -> list[Intervention]:
     """Every intervention the specs stand for, in order, each once; ``UserError`` names a bad one.
 
     A spec joins patterns with ``+``; a pattern with ranges or ``*`` expands, and a spec stands
-    for every combination of its patterns' expansions."""
+    for every combination of its patterns' expansions. ``num_experts``: 0 for a dense model."""
     out: dict[str, Intervention] = {}
     for spec in specs:
         if not spec.strip():
             raise UserError("an empty intervention spec")
-        parts = [_atoms(part, spec, num_layers, num_heads) for part in spec.split("+")]
+        parts = [_atoms(part, spec, num_layers, num_heads, num_experts) for part in spec.split("+")]
         for combination in itertools.product(*parts):
             atoms = tuple(sorted(set(combination)))
             targets = [(a.kind, a.layer, a.head) for a in atoms]
             if len(set(targets)) != len(targets):
                 twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head)) > 1)
                 raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
+            routes = [a.layer for a in atoms if a.kind == "route"]
+            if len(set(routes)) != len(routes):
+                raise UserError(f"intervention {spec!r}: block {routes[0]}'s tokens are routed to two experts")
             intervention = Intervention(atoms)
             out.setdefault(intervention.name, intervention)
     return list(out.values())
@@ -139,11 +155,21 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int) -
 
 def parse_one(spec: str, config: DecoderConfig) -> Intervention:
     """One intervention (``runners.tpu_host --ablate``): a spec that expands to several is refused."""
-    found = parse_interventions([spec], config.num_hidden_layers, config.num_attention_heads)
+    found = parse_interventions([spec], config.num_hidden_layers, config.num_attention_heads, config.num_experts)
     if len(found) != 1:
         raise UserError(f"--ablate {spec!r} stands for {len(found)} interventions: name one "
                         "(no * or ranges)")
+    check_expert_blocks(found, config)
     return found[0]
+
+
+def check_expert_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -> None:
+    """``UserError`` for an expert or route atom on a block whose MLP is dense (Qwen's mlp_only_layers)."""
+    for intervention in interventions:
+        for atom in intervention.atoms:
+            if atom.kind in ("expert", "route") and not config.is_sparse(atom.layer):
+                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} has a dense MLP, no experts "
+                                f"(its mixtures of experts: blocks {', '.join(map(str, config.sparse_layers))})")
 
 
 @dataclasses.dataclass
@@ -201,6 +227,9 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     for kind in ("attn", "mlp", "block", "norm"):
         arrays[f"{kind}_keep"] = np.ones(num_layers, bool)
         arrays[f"{kind}_fill"] = np.zeros(num_layers, bool)
+    if config.moe is not None:
+        arrays["expert_keep"] = np.ones((num_layers, config.moe.num_experts), bool)  # [L, E]
+        arrays["route_to"] = np.full(num_layers, -1, np.int32)  # [L]: the expert every token goes to, or -1
     if means is not None:  # views of the means, shared by every intervention's arrays
         means.check(config, num_layers)
         arrays.update({f"{kind}_mean": getattr(means, kind)[:num_layers] for kind in ("head", "attn", "mlp", "block")})
@@ -210,6 +239,12 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     for atom in intervention.atoms:
         if atom.layer >= num_layers:
             raise ValueError(f"{atom} is past the {num_layers} blocks computed")
+        if atom.kind == "expert":
+            arrays["expert_keep"][atom.layer, atom.head] = False
+            continue
+        if atom.kind == "route":
+            arrays["route_to"][atom.layer] = atom.head
+            continue
         kind = "block" if atom.kind == "layer" else atom.kind
         where = (atom.layer, atom.head) if atom.kind == "head" else atom.layer
         arrays[f"{kind}_keep"][where] = False

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from common.cli import UserError
 from model.checkpoint import Checkpoint
 from model.config import DecoderConfig
-from model.sharding import param_sharding
+from model.sharding import expert_slots, param_sharding
 
 LINEAR_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Where the text model's tensors live, by checkpoint layout; the LM head beside each.
@@ -51,6 +51,39 @@ class Source:
     transpose: bool = False  # a torch Linear weight [out, in], transposed into a Flax kernel [in, out]
     # A part of a fused tensor (before transposing): (axis, indices, the fused tensor's size along it).
     part: tuple[int, np.ndarray, int] | None = None
+    # Experts' tensors stacked on a first axis: ``name`` has ``{e}`` for the expert, 0..experts-1.
+    experts: int = 0
+
+
+class ExpertStack:
+    """The tensors of each expert (torch Linear weights [out, in], transposed where asked) seen as
+    one array [E, ...], read lazily: a slice reads only the experts it covers (each once), so the
+    experts of a device (``model.sharding`` splits them over the model axis) are all it reads."""
+
+    def __init__(self, checkpoint: Checkpoint, names: Sequence[str], transpose: bool, slots: int | None = None):
+        """``slots``: the stack's length, past the experts all-zero ones (``model.sharding.expert_slots``)."""
+        self.checkpoint, self.names, self.transpose = checkpoint, list(names), transpose
+        first = checkpoint.shape(self.names[0])
+        if any(checkpoint.shape(name) != first for name in self.names):
+            raise UserError(f"checkpoint tensors {self.names[0]!r}... differ in shape from one expert to another")
+        self.expert_shape = first[::-1] if transpose else first
+        self.shape = (slots or len(self.names), *self.expert_shape)
+        self._read: dict[int, np.ndarray] = {}
+
+    def padded(self, slots: int) -> "ExpertStack":
+        return ExpertStack(self.checkpoint, self.names, self.transpose, slots)
+
+    def expert(self, e: int) -> np.ndarray:
+        if e >= len(self.names):  # a padding slot
+            return np.zeros(self.expert_shape, self.checkpoint.dtype(self.names[0]))
+        if e not in self._read:
+            tensor = self.checkpoint.tensor(self.names[e])
+            self._read[e] = tensor.T if self.transpose else tensor
+        return self._read[e]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        experts, rest = index[0], tuple(index[1:])
+        return np.stack([self.expert(e)[rest] for e in range(*experts.indices(self.shape[0]))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +94,15 @@ class Layout:
     embed: str                          # the token embedding's module
     blocks: str                         # the list of blocks
     final_norm: str
-    block_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]]  # (config, "<prefix><blocks>.L")
+    block_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]]  # (config, "<prefix><blocks>.L", L)
     positions: str | None = None        # the learned position embedding's module
     head: str | None = None             # an untied head's tensor, at the top level (None: HEAD_NAMES[prefix])
     attention: str = "self_attn"        # the attention module (its output: what it adds)
     o_proj: str = "self_attn.o_proj"    # its output projection (input: attn.hook_z)
-    mlp: str = "mlp"
+    mlp: str = "mlp"                    # the MLP, or a mixture of experts' block (its router: <mlp>.gate)
     down_proj: str = "mlp.down_proj"    # the MLP's last projection (input: mlp.hook_post)
+    moe_tensors: str = "mlp"            # a mixture of experts' tensors, below the block (gate, experts.E...)
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's, below <moe_tensors>.experts.E
     norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
 
 
@@ -92,9 +127,22 @@ def _split(axis: int, sizes: Sequence[int]) -> list[tuple[int, np.ndarray, int]]
     return [(axis, np.arange(end - size, end), int(ends[-1])) for size, end in zip(sizes, ends)]
 
 
-def _llama_block(config: DecoderConfig, hf: str, fused: bool = False):
-    """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's); ``fused``: Phi-3's qkv_proj and
-    gate_up_proj, split at load time."""
+def _moe(config: DecoderConfig, hf: str):
+    """A mixture of experts' tensors below its module ``hf``: the router ``gate`` [E, H], each
+    expert's projections (stacked at load time) and Qwen2-MoE's shared expert and its gate."""
+    moe = config.moe
+    yield ("mlp", "router", "kernel"), Source(f"{hf}.gate.weight", True)
+    for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), layout_of(config).experts):
+        yield ("mlp", "experts", ours), Source(f"{hf}.experts.{{e}}.{theirs}.weight", True, experts=moe.num_experts)
+    if moe.shared_expert_size:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield from _linear(f"{hf}.shared_expert.{proj}", ("mlp", "shared_expert", proj), False)
+        yield from _linear(f"{hf}.shared_expert_gate", ("mlp", "shared_expert_gate"), False)
+
+
+def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
+    """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's, and the mixtures of experts'); ``fused``:
+    Phi-3's qkv_proj and gate_up_proj, split at load time."""
     c = config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     if fused:
@@ -107,18 +155,21 @@ def _llama_block(config: DecoderConfig, hf: str, fused: bool = False):
     if c.qk_norm:
         for norm in ("q_norm", "k_norm"):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
-    if fused:
+    if c.is_sparse(layer):
+        yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
+    elif fused:
         for proj, part in zip(("gate_proj", "up_proj"), _split(0, [c.intermediate_size] * 2)):
             yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
     else:
         for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
             yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
-    yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
+    if not c.is_sparse(layer):
+        yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
     for ours, theirs in block_norm_names(c).items():
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
 
 
-def _gpt2_block(config: DecoderConfig, hf: str):
+def _gpt2_block(config: DecoderConfig, hf: str, layer: int):
     """GPT-2's Conv1D weights are stored [in, out], a Flax kernel already; c_attn's output columns
     are q | k | v."""
     h = config.hidden_size
@@ -131,7 +182,7 @@ def _gpt2_block(config: DecoderConfig, hf: str):
         yield from _norm(f"{hf}.{theirs}", (ours,), config)
 
 
-def _neox_block(config: DecoderConfig, hf: str):
+def _neox_block(config: DecoderConfig, hf: str, layer: int):
     """GPT-NeoX's query_key_value rows are per head: [head][q, k, v][head_dim]."""
     n, d = config.num_attention_heads, config.head_dim
     rows = np.arange(n * 3 * d).reshape(n, 3, d)  # [N, 3, D]
@@ -153,7 +204,10 @@ GPT2 = Layout(("transformer.", ""), "wte", "h", "ln_f", _gpt2_block, positions="
 GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _neox_block, head="embed_out.weight",
                   attention="attention", o_proj="attention.dense", down_proj="mlp.dense_4h_to_h",
                   norms={"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"})
-LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}  # every other family: LLAMA
+# Mixtral's checkpoints keep its mixture of experts' tensors under ``block_sparse_moe`` (transformers 5's
+# module is ``mlp``), its experts' projections named w1 (gate), w3 (up), w2 (down).
+MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w1", "w3", "w2"))
+LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL}  # every other family: LLAMA
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -174,7 +228,8 @@ def block_norm_names(config: DecoderConfig) -> dict[str, str]:
 
 # What each activation site (``model.sites``) equals in transformers' modules of block L: (module
 # below the block, "" for the block itself; which side of it). ``input`` / ``output`` are a
-# forward hook's (the first positional input; the first output); ``normalized input`` is that
+# forward hook's (the first positional input; the first output; ``output N``: the Nth of a tuple;
+# ``sigmoid output``: the output's sigmoid); ``normalized input`` is that
 # norm module's input x normalised as the norm does before its weight (x / rms(x), or
 # (x - mean) / std for a LayerNorm), in float32.
 def hf_site(site: str, config: DecoderConfig) -> tuple[str, str]:
@@ -185,7 +240,13 @@ def hf_site(site: str, config: DecoderConfig) -> tuple[str, str]:
         raise ValueError(f"{site}: {reason}")
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
+    router = f"{layout.mlp}.gate"  # returns (logits, top-k weights, top-k indices), over [B*S] tokens
     return {
+        sites.ROUTER_LOGITS: (router, "output"),
+        sites.ROUTING_WEIGHTS: (router, "output 1"),
+        sites.EXPERT_INDICES: (router, "output 2"),
+        sites.SHARED_EXPERT_GATE: (f"{layout.mlp}.shared_expert_gate", "sigmoid output"),
+        sites.SHARED_EXPERT_OUT: (f"{layout.mlp}.shared_expert", "output"),
         sites.RESID_PRE: ("", "input"),
         sites.ATTN_Z: (layout.o_proj, "input"),
         sites.ATTN_OUT: (norms["post_attention_norm"], "output") if post else (layout.attention, "output"),
@@ -215,7 +276,7 @@ def param_names(config: DecoderConfig, num_layers: int, with_head: bool,
     if layout.positions:
         yield ("embed_positions", "embedding"), Source(f"{prefix}{layout.positions}.weight")
     for i in range(num_layers):
-        for path, source in layout.block_tensors(config, f"{prefix}{layout.blocks}.{i}"):
+        for path, source in layout.block_tensors(config, f"{prefix}{layout.blocks}.{i}", i):
             yield (f"layers_{i}", *path), source
     if with_head:
         yield from _norm(f"{prefix}{layout.final_norm}", ("norm",), config)
@@ -229,6 +290,14 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, .
     h, f, d = c.hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     module, leaf = path[-2], path[-1]
+    if c.moe is not None:
+        e, fe, fs = c.moe.num_experts, c.moe.expert_size, c.moe.shared_expert_size
+        if module == "experts":
+            return (e, fe, h) if leaf == "down_proj" else (e, h, fe)
+        if "shared_expert" in path:
+            f = fs
+        if module in ("router", "shared_expert_gate"):
+            return (h, e) if module == "router" else (h, 1)
     kernels = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
                "up_proj": (h, f), "down_proj": (f, h), "lm_head": (h, c.vocab_size), "embed_tokens": (c.vocab_size, h),
                "embed_positions": (c.max_position_embeddings, h)}
@@ -244,6 +313,8 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, .
 def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
     """The values of ``source`` (its part of a fused tensor, copied); ``UserError`` for a fused
     tensor whose size the config's sizes do not give (its parts would be cut in the wrong place)."""
+    if source.experts:
+        return ExpertStack(checkpoint, [source.name.format(e=e) for e in range(source.experts)], source.transpose)
     tensor = checkpoint.tensor(source.name)
     if source.part is None:
         return tensor
@@ -281,10 +352,13 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
         for key in path[:-1]:
             node = node.setdefault(key, {})
         values = read_source(checkpoint, source)
-        transpose = source.transpose
+        transpose = source.transpose and not source.experts  # an ExpertStack is in its final layout
         shape = values.shape[::-1] if transpose else values.shape
         if tuple(shape) != expected_shape(path, config):
-            raise UserError(f"checkpoint tensor {source.name!r} has shape {list(values.shape)}, which config.json's "
+            what = f"checkpoint tensor {source.name!r}" if not source.experts else f"the {source.name!r} stack"
+            raise UserError(f"{what} has shape {list(values.shape)}, which config.json's "
                             f"sizes do not give ({list(expected_shape(path, config)[::-1 if transpose else 1])})")
+        if source.experts:
+            values = values.padded(expert_slots(config, mesh))
         node[path[-1]] = _placed(values, transpose, path, mesh, dtype, config)
     return tree

@@ -84,7 +84,7 @@ class InterventionModel:
     bucketed like extraction (``Extractor``), compiled once per function and batch shape."""
 
     def __init__(self, loaded: LoadedModel, batch_size_per_device: int = 1, max_seq_length: int = 2048,
-                 attention: str = "auto", residual_dtype: str = "float32"):
+                 attention: str = "auto", residual_dtype: str = "float32", moe_dispatch: str = "auto"):
         if "norm" not in loaded.params:
             raise ValueError("scoring needs the final norm and LM head: load_model(..., with_head=True)")
         c = loaded.config
@@ -92,9 +92,11 @@ class InterventionModel:
         self.num_layers = c.num_hidden_layers
         # Batching, bucketing, padding and the forward are extraction's, with every block kept.
         self.extractor = Extractor.from_loaded(loaded, range(c.num_hidden_layers), batch_size_per_device,
-                                               max_seq_length, attention=attention, residual_dtype=residual_dtype)
+                                               max_seq_length, attention=attention, residual_dtype=residual_dtype,
+                                               moe_dispatch=moe_dispatch)
         self.model = Decoder(c, loaded.dtype, loaded.mesh, chunk_tokens_for(loaded.mesh),
-                             attention_for(loaded.mesh, attention, c), self.extractor.residual_dtype)
+                             attention_for(loaded.mesh, attention, c), self.extractor.residual_dtype,
+                             moe_dispatch=moe_dispatch)
         # Scores are float32 whatever the compute dtype: the final norm and LM head run on
         # float32 values of the weights, at full matmul precision (a KL is a small difference).
         self.head = Decoder(c, jnp.float32)
@@ -108,7 +110,8 @@ class InterventionModel:
     def _residuals_fn(self):
         """Extraction's forward with every block kept: [L, B, S, H]."""
         return make_forward(self.config, self.extractor.dtype, self.extractor.layers, self.mesh,
-                            attention=self.extractor.attention, residual_dtype=self.extractor.residual_dtype)
+                            attention=self.extractor.attention, residual_dtype=self.extractor.residual_dtype,
+                            moe_dispatch=self.extractor.moe_dispatch)
 
     def _final_norm(self, params, x):
         return self.head.apply({"params": params}, x.astype(jnp.float32), method=Decoder.final_norm)

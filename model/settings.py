@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from common.cli import AUTO, UserError, flag
-from model.config import ATTENTION_KINDS, COMPUTE_DTYPES, MESH_TYPES, RESIDUAL_DTYPES
+from model.config import ATTENTION_KINDS, COMPUTE_DTYPES, MESH_TYPES, MOE_DISPATCHES, RESIDUAL_DTYPES
 from model.sites import DEFAULT_SITES, SITES, parse_sites
 
 
@@ -46,6 +46,11 @@ class ModelRunSettings(ModelSettings):
                           "soft-capped attention, Gemma 2) | tiled (per-row tiles with an online softmax) | "
                           "fused (jax.nn.dot_product_attention with causal masking, per-row lengths and "
                           "the sliding window)", choices=ATTENTION_KINDS)
+    moe_dispatch: str = flag(AUTO, "how a mixture of experts computes its experts: auto (by the expert count: "
+                             "dense where experts <= 2 x experts per token) | dense (every expert on every token, "
+                             "masked) | grouped (tokens sorted by expert, a grouped matmul: only the routed "
+                             "experts' FLOPs); the same numbers either way (docs/model.md#mixtures-of-experts)",
+                             choices=MOE_DISPATCHES)
 
     def validate_batches(self) -> None:
         if self.batch_size < 1:

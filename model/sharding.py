@@ -3,7 +3,9 @@
 The mesh always has the axes ``("data", "model")``:
   * ``1d``: ``(devices, 1)``: pure data parallelism, parameters replicated;
   * ``2d``: ``(devices / m, m)``: projections split over ``model`` (q/k/v, gate/up by output
-    column; o/down by input row), the embedding by vocabulary row, batches over ``data``. The
+    column; o/down by input row), the embedding by vocabulary row, a mixture of experts' experts
+    by expert (``model.moe``: each device computes its own; their number padded to a multiple of
+    ``m``, ``expert_slots``), batches over ``data``. The
     attention projections split by whole heads only: where ``m`` does not divide the heads (a
     model with a single key/value head, say) those heads are replicated.
 Over several processes (a multi-host slice) the mesh spans every process's devices, grouped by
@@ -54,6 +56,8 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
     """The partition spec of the parameter at ``path`` (e.g. ``layers_0/self_attn/q_proj/kernel``)."""
     model = mesh.shape["model"]
     module, leaf = path[-2], path[-1]
+    if module == "experts":  # [expert slots, ...]: whole experts per device
+        return P("model", None, None) if model > 1 and shape[0] % model == 0 else P()
     heads = (config.num_attention_heads if module in QUERY_HEADS else
              config.num_key_value_heads if module in KV_HEADS else None)
     split = lambda dim: model > 1 and shape[dim] % model == 0 and (heads is None or heads % model == 0)
@@ -66,6 +70,14 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
     if module == "embed_tokens" and split(0):
         return P("model", None)
     return P()
+
+
+def expert_slots(config: DecoderConfig, mesh: Mesh) -> int:
+    """The experts' stacked weights' first dimension on ``mesh``: the experts, padded with
+    all-zero ones (no token is routed to) to a multiple of the model axis, so that every device
+    holds as many whole experts (5 experts on a model axis of 2 or 8: 6 or 8 slots)."""
+    model, experts = mesh.shape["model"], config.moe.num_experts
+    return -(-experts // model) * model
 
 
 def param_sharding(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,

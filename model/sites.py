@@ -22,13 +22,21 @@ from common.cli import UserError
 RESID_PRE, RESID_MID, RESID_POST = "hook_resid_pre", "hook_resid_mid", "hook_resid_post"
 ATTN_OUT, MLP_OUT = "hook_attn_out", "hook_mlp_out"
 LN2_NORMALIZED, MLP_IN, ATTN_Z, MLP_POST = "ln2.hook_normalized", "mlp.hook_in", "attn.hook_z", "mlp.hook_post"
+# A mixture of experts' routing (model.moe), and Qwen2-MoE's shared expert.
+ROUTER_LOGITS, EXPERT_INDICES, ROUTING_WEIGHTS = "mlp.hook_router_logits", "mlp.hook_expert_indices", \
+    "mlp.hook_routing_weights"
+SHARED_EXPERT_GATE, SHARED_EXPERT_OUT = "mlp.hook_shared_expert_gate", "mlp.hook_shared_expert_out"
+ROUTING = (ROUTER_LOGITS, EXPERT_INDICES, ROUTING_WEIGHTS)
+SHARED_EXPERT = (SHARED_EXPERT_GATE, SHARED_EXPERT_OUT)
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
     name: str
-    width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | intermediate
+    width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | intermediate |
+                      # experts (num_experts) | top_k (experts per token) | one
     meaning: str
+    integer: bool = False  # stored as int32 whatever the activation dtype (expert ids)
 
 
 # In block order (the order of a shard's keys within one layer).
@@ -45,6 +53,13 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                    "or (x - mean) / std for a LayerNorm (none where the MLP's input has no norm: "
                                    "OLMo 2)"),
     Site(MLP_IN, "hidden", "the MLP's input after its norm with the gain applied (the MLP module's input)"),
+    Site(ROUTER_LOGITS, "experts", "a mixture of experts' router logits, before the softmax (before an expert "
+                                   "ablation masks any)"),
+    Site(EXPERT_INDICES, "top_k", "the experts the router chose, most probable first (int32)", integer=True),
+    Site(ROUTING_WEIGHTS, "top_k", "the weights scaling the chosen experts' outputs: their softmax probabilities, "
+                                   "renormalised over the k where the family does (Mixtral; norm_topk_prob)"),
+    Site(SHARED_EXPERT_GATE, "one", "Qwen2-MoE's shared expert gate: sigmoid(shared_expert_gate(x))"),
+    Site(SHARED_EXPERT_OUT, "hidden", "Qwen2-MoE's shared expert's output, before its gate scales it"),
     Site(MLP_POST, "intermediate", "the MLP's hidden activation, act(gate) * up, or act(fc) in a plain MLP "
                                    "(the down projection's input)"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
@@ -70,8 +85,20 @@ def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(s for s in SITES if s in names)
 
 
-def missing_reason(site: str, config) -> str | None:
-    """Why a model (``DecoderConfig``) has no ``site``, or None when it has it."""
+def missing_reason(site: str, config, layer: int | None = None) -> str | None:
+    """Why a model (``DecoderConfig``) has no ``site`` at block ``layer`` (None: at any block),
+    or None when it has it."""
+    if site in ROUTING + SHARED_EXPERT and config.moe is None:
+        return f"{config.model_type} is a dense model: it has no router"
+    if site in SHARED_EXPERT and not config.moe.shared_expert_size:
+        return f"{config.model_type} has no shared expert (Qwen2-MoE's)"
+    if site in ROUTING + SHARED_EXPERT and layer is not None and not config.is_sparse(layer):
+        return (f"block {layer} of {config.model_type} has a dense MLP (mlp_only_layers, decoder_sparse_step): its "
+                f"mixtures of experts are blocks {_spans(config.sparse_layers)}")
+    if site == MLP_POST and config.moe is not None and (config.is_sparse(layer) if layer is not None
+                                                        else not config.moe.dense_layers):
+        where = f"block {layer}'s" if layer is not None else f"every {config.model_type} block's"
+        return f"{where} MLP is a mixture of experts: each expert has its own hidden activation"
     if site == RESID_MID and not config.has_resid_mid:
         return (f"{config.model_type} has a parallel residual: attention and the MLP both read the block's input, "
                 f"so no stream exists between them (hook_resid_pre, hook_attn_out and hook_mlp_out do)")
@@ -80,11 +107,18 @@ def missing_reason(site: str, config) -> str | None:
     return None
 
 
-def check_sites(sites: Sequence[str], config) -> None:
-    """``UserError`` in one line for a site this model does not have."""
+def check_sites(sites: Sequence[str], config, layers: Sequence[int] = ()) -> None:
+    """``UserError`` in one line for a site this model does not have (at one of ``layers``)."""
     for site in sites:
-        if reason := missing_reason(site, config):
-            raise UserError(f"--sites {site}: {reason}")
+        for layer in (None, *layers):
+            if reason := missing_reason(site, config, layer):
+                raise UserError(f"--sites {site}: {reason}")
+
+
+def _spans(layers: Sequence[int]) -> str:
+    """``1, 3, 5`` (the first ones and a count past eight)."""
+    shown = ", ".join(map(str, layers[:8]))
+    return shown + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
 
 
 def hook_name(site: str, layer: int) -> str:
@@ -131,12 +165,15 @@ def site_width(site: str, config) -> int:
     kind = SITES[site].width
     if kind == "heads":
         return config.num_attention_heads * config.head_dim
-    return config.intermediate_size if kind == "intermediate" else config.hidden_size
+    if kind in ("experts", "top_k"):
+        return config.moe.num_experts if kind == "experts" else config.moe.top_k
+    return {"intermediate": config.intermediate_size, "one": 1}.get(kind, config.hidden_size)
 
 
 def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> dict[str, int]:
     """What each site stores per token over ``layers`` (bytes), in block order."""
-    return {site: site_width(site, config) * len(layers) * itemsize for site in SITES if site in sites}
+    return {site: site_width(site, config) * len(layers) * (4 if SITES[site].integer else itemsize)
+            for site in SITES if site in sites}
 
 
 def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> str:

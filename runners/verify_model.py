@@ -70,7 +70,9 @@ def main(argv: list[str]) -> int:
     config = config_from_namespace(VerifyConfig, parser.parse_args(argv))
     dtype = resolve_dtype(config.dtype)
     model_dir = config.model_dir()
-    check_model_fits(load_config(model_dir), config.sites, config.max_seq_length)  # before it loads
+    model_config = load_config(model_dir)  # checked before it loads
+    check_model_fits(model_config, config.sites, config.max_seq_length,
+                     validate_layers(config.layers_to_extract or range(model_config.num_hidden_layers), model_config))
     loaded = load_model(model_dir, dtype, config.mesh_type, with_head=True)
     layers = validate_layers(config.layers_to_extract or range(loaded.config.num_hidden_layers),
                              loaded.config)

@@ -8,7 +8,9 @@ heads (llama, mistral, qwen3, gemma2, gemma3, olmo2, phi3), 3 query heads per kv
 qwen3), a single kv head (mistral, gemma3), tied (mistral, gemma, gpt2, phi3) and untied (llama,
 qwen3, gpt_neox, olmo2) heads, learned positions (gpt2), partial rotary with an odd number of
 rotary pairs (gpt_neox: 3, phi3: 9), LayerNorm with biases and the plain MLP (gpt2, gpt_neox),
-the parallel residual (gpt_neox), norms only after the sublayers (olmo2).
+the parallel residual (gpt_neox), norms only after the sublayers (olmo2), mixtures of experts
+with odd expert counts and k > 1 (qwen3_moe, qwen2_moe with a shared expert and a dense block,
+olmoe with clip_qkv, mixtral with float32 routing weights and a window).
 """
 
 import itertools
@@ -122,6 +124,12 @@ def arc_like(qwen_tokenizer_dir) -> list[list[int]]:
 # implementations share: 0.51-0.73 of transformers' (docs/model.md, numerics; on the real Gemma 3
 # 270M, 0.01-0.25 past layer 4).
 BFLOAT16_RATIO = {"gemma2": 0.85, "gemma3": 0.85, "gemma3_multimodal": 0.85, "olmo2": 0.85}
+# A mixture of experts routes a token whose top-k is a near-tie by its rounding: any bfloat16
+# forward sends a few tokens to other experts than float64 does (ours fewer than transformers' on
+# these models), and the largest deviation measures which near-ties flipped. Compared instead: the
+# error over all six sequences' tokens together (0.37-0.72 of transformers' here; Mixtral's, the
+# highest, keeps its routing weights float32 in transformers too).
+MOE_CASES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
@@ -133,6 +141,11 @@ def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(fam
                                max_seq_length=256, min_bucket=256, batch_size_per_device=3, devices=jax.devices()[:1])
     mine = extracted(extractor, arc_like)
     for layer in exact[0]:
+        if case in MOE_CASES:
+            together = lambda acts: np.concatenate([a[layer] for a in acts])
+            ours, hf = relative_error(together(mine), together(exact)), relative_error(together(theirs), together(exact))
+            assert ours <= 0.85 * hf, (case, layer, ours, hf)
+            continue
         ours = max(max_relative_error(m[layer], e[layer]) for m, e in zip(mine, exact))
         hf = max(max_relative_error(t[layer], e[layer]) for t, e in zip(theirs, exact))
         assert ours <= BFLOAT16_RATIO.get(case, 0.5) * hf, (case, layer, ours, hf)

@@ -84,7 +84,8 @@ class OrderedExtraction:
         c = self.config
         self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
                                         c.max_seq_length, activation_dtype=c.activation_dtype,
-                                        attention=c.attention, batches_in_flight=c.batches_in_flight,
+                                        attention=c.attention, moe_dispatch=c.moe_dispatch,
+                                        batches_in_flight=c.batches_in_flight,
                                         ablation=c.ablation, ablation_means=c.ablation_means,
                                         residual_dtype=c.residual_dtype, sites=c.sites,
                                         revision=c.model_revision)

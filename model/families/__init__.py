@@ -7,7 +7,8 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import gemma2, gemma3, gpt2, gpt_neox, llama, mistral, olmo2, phi3, qwen2, qwen3
+from model.families import (gemma2, gemma3, gpt2, gpt_neox, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2,
+                            qwen2_moe, qwen3, qwen3_moe)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -22,6 +23,10 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "gpt_neox": (gpt_neox, gpt_neox.ARCHITECTURES),
     "olmo2": (olmo2, olmo2.ARCHITECTURES),
     "phi3": (phi3, phi3.ARCHITECTURES),
+    "qwen2_moe": (qwen2_moe, qwen2_moe.ARCHITECTURES),
+    "qwen3_moe": (qwen3_moe, qwen3_moe.ARCHITECTURES),
+    "olmoe": (olmoe, olmoe.ARCHITECTURES),
+    "mixtral": (mixtral, mixtral.ARCHITECTURES),
 }
 SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
                                 if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from common.cli import UserError
-from model.config import ACTIVATIONS, FULL, ROPE_KINDS, SLIDING, RoPE
+from model.config import ACTIVATIONS, FULL, ROPE_KINDS, SLIDING, MoE, RoPE
 
 
 class Fields:
@@ -164,3 +164,26 @@ def refuse_if_set(f: Fields, key: str, why: str) -> None:
     """Refuses a boolean option that is on."""
     if f.raw.get(key):
         raise f.refuse(key, f.raw[key], why)
+
+
+def mixture_of_experts(f: Fields, expert_size_key: str, normalize_top_k: bool | None = None,
+                       dense_layers: Sequence[int] = (), **switches: Any) -> MoE:
+    """The ``MoE`` of a mixture-of-experts family: ``num_experts`` (or ``num_local_experts``, as
+    transformers 5 writes Qwen3-MoE's and Mixtral reads it), ``num_experts_per_tok``, each expert's
+    width from ``expert_size_key``; ``normalize_top_k`` None reads ``norm_topk_prob``."""
+    key = "num_local_experts" if f.raw.get("num_local_experts") is not None else "num_experts"
+    experts, k = f.number(key), f.number("num_experts_per_tok")
+    if not 0 < k <= experts:
+        raise f.refuse("num_experts_per_tok", k, f"a token's experts are 1 to {key} ({experts})")
+    normalize = bool(f.get("norm_topk_prob")) if normalize_top_k is None else normalize_top_k
+    return MoE(experts, k, f.number(expert_size_key), normalize, dense_layers=tuple(dense_layers), **switches)
+
+
+def qwen_dense_layers(f: Fields, num_layers: int) -> list[int]:
+    """Qwen-MoE's blocks with a dense MLP: those in ``mlp_only_layers``, and those whose number
+    plus one ``decoder_sparse_step`` does not divide (transformers' rule)."""
+    step = f.number("decoder_sparse_step")
+    only = f.get("mlp_only_layers") or []
+    if step < 1:
+        raise f.refuse("decoder_sparse_step", step, "it must be at least 1")
+    return [i for i in range(num_layers) if i in only or (i + 1) % step]

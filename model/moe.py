@@ -1,0 +1,240 @@
+"""The mixture-of-experts MLP: the router, its top-k, and the dispatch of tokens to the experts.
+
+A block whose config has ``moe`` (``model.config.MoE``) replaces its MLP by
+
+    logits  = x @ router                        # [T, E], no bias, in the compute dtype
+    probs   = softmax(float32(logits))          # over all experts (a removed expert's logit: -inf)
+    w, idx  = top_k(probs, k)                   # [T, k]; w / sum(w) where normalize_top_k
+    out     = sum_j w_j * expert_{idx_j}(x)     # each expert a gated MLP of expert_size
+            + sigmoid(x @ shared_gate) * shared_expert(x)   # Qwen2-MoE only
+
+as transformers computes it for Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE (w rounded to the
+compute dtype before it scales an expert's output, except Mixtral's, kept in float32).
+
+Two dispatches compute ``sum_j w_j * expert_{idx_j}(x)``, both exact (no capacity, no token
+dropped) and of static shapes:
+  * ``dense``: every expert on every token, combined by a [T, E] matrix of the routing weights
+    (zero for the experts not chosen). E / k times the FLOPs of the routed experts alone, but
+    plain batched matmuls: the cheaper one where E / k is small (``DENSE_MAX_RATIO``).
+  * ``grouped``: the T * k (token, expert) pairs sorted by expert, each expert's rows multiplied
+    by its weights only (a grouped matmul), the results scattered back to their tokens. On TPU
+    and GPU the grouped matmul is ``jax.lax.ragged_dot`` (a grouped-matmul kernel); on CPU, whose
+    ``ragged_dot`` computes every group for every row, it is a loop over tiles of ``TILE`` rows,
+    each expert's rows padded to whole tiles: the FLOPs of the routed experts plus at most
+    E * (TILE - 1) padding rows.
+Over a mesh the experts are split over the ``model`` axis where it divides their number (their
+stacked weights [E, ...] are sharded on E, ``model.sharding``): each device computes, for the
+tokens of its ``data`` shard, the pairs routed to its own experts (``shard_map``), and the partial
+outputs are summed over ``model``. The router is computed before, replicated over ``model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from model.config import MOE_DISPATCHES, DecoderConfig
+from model.sites import EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SHARED_EXPERT_GATE, SHARED_EXPERT_OUT
+
+DISPATCHES = MOE_DISPATCHES
+DENSE_MAX_RATIO = 2   # auto: dense where E / k is at most this (benchmarks/extraction_throughput.py)
+TILE = 64             # rows per tile of the CPU grouped matmul
+
+
+def dispatch_for(config: DecoderConfig, dispatch: str = "auto") -> str:
+    """The dispatch ``auto`` stands for on this model (see the module docstring)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown dispatch {dispatch!r} (choose from {', '.join(DISPATCHES)})")
+    if dispatch != "auto":
+        return dispatch
+    moe = config.moe
+    return "dense" if moe.num_experts <= DENSE_MAX_RATIO * moe.top_k else "grouped"
+
+
+def route(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | None = None):
+    """The router's choice from its logits [..., E]: (indices [..., k] int32, weights [..., k]).
+
+    ``keep`` [E] (an expert ablation): the experts removed have their logit set to -inf before
+    the softmax, so the others' probabilities renormalise as the family's router would without
+    them. Weights are float32 for Mixtral (``weights_in_float32``), else rounded to ``dtype``."""
+    moe = config.moe
+    logits = logits.astype(jnp.float32)
+    if keep is not None:
+        logits = jnp.where(keep, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)  # [..., E] float32
+    weights, indices = jax.lax.top_k(probs, moe.top_k)  # [..., k]
+    if moe.normalize_top_k:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return indices.astype(jnp.int32), weights if moe.weights_in_float32 else weights.astype(dtype)
+
+
+def forced(indices: jax.Array, weights: jax.Array, expert: jax.Array):
+    """The routing with every token sent to ``expert`` alone (weight 1), where ``expert`` >= 0."""
+    on = expert >= 0
+    first = jnp.arange(indices.shape[-1]) == 0  # [k]: slot 0 takes the whole weight
+    return (jnp.where(on, jnp.broadcast_to(expert, indices.shape), indices),
+            jnp.where(on, jnp.where(first, 1, 0).astype(weights.dtype), weights))
+
+
+def expert_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act, precision, accumulate) -> jax.Array:
+    """Gated MLP of one expert's weights (gate, up [H, F]; down [F, H]) on rows x [R, H] -> [R, H]."""
+    dot = lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=accumulate)
+    hidden = act(dot(x, gate)) * dot(x, up)  # [R, F]
+    return dot(hidden.astype(x.dtype), down)
+
+
+def dense_dispatch(x, indices, weights, experts, first: int, act, precision, accumulate) -> jax.Array:
+    """Every local expert (``experts``: gate, up [E', H, F], down [E', F, H], global ids from
+    ``first``) on every token x [T, H], combined by the routing weights -> [T, H]."""
+    gate, up, down = experts
+    local = jnp.arange(gate.shape[0]) + first  # [E']
+    combine = jnp.sum(jnp.where(indices[..., None] == local, weights[..., None], 0), axis=1)  # [T, E']
+    dot = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=accumulate)
+    hidden = act(dot("th,ehf->tef", x, gate)) * dot("th,ehf->tef", x, up)  # [T, E', F]
+    out = dot("tef,efh->teh", hidden.astype(x.dtype), down)  # [T, E', H]
+    wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
+    return jnp.einsum("te,teh->th", combine.astype(wide), out.astype(wide), precision=precision).astype(out.dtype)
+
+
+def grouped_dispatch(x, indices, weights, experts, first: int, act, precision, accumulate,
+                     ragged: bool) -> jax.Array:
+    """The (token, expert) pairs of x [T, H] routed to the local experts (global ids from
+    ``first``), sorted by expert and computed by a grouped matmul -> [T, H]."""
+    gate, up, down = experts
+    count, (t, k) = gate.shape[0], indices.shape
+    expert = indices.reshape(-1) - first  # [T*k]
+    expert = jnp.where((expert >= 0) & (expert < count), expert, count)  # elsewhere: a last, dropped group
+    order = jnp.argsort(expert, stable=True)  # [T*k]
+    token = order // k
+    sizes = jnp.bincount(expert, length=count + 1)[:count]  # [E'] rows per local expert
+    rows = x[token]  # [T*k, H] sorted by expert
+    if ragged:
+        dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision=precision, preferred_element_type=accumulate)
+        hidden = act(dot(rows, gate)) * dot(rows, up)  # [T*k, F]
+        out = dot(hidden.astype(x.dtype), down)  # [T*k, H]; rows of the dropped group: 0
+    else:
+        out = tiled_grouped_mlp(rows, sizes, (gate, up, down), act, precision, accumulate)
+    wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
+    scale = jnp.where(expert[order] < count, weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
+    return jnp.zeros((t, out.shape[-1]), wide).at[token].add(out.astype(wide) * scale[:, None]).astype(out.dtype)
+
+
+def tiled_grouped_mlp(rows, sizes, experts, act, precision, accumulate) -> jax.Array:
+    """The grouped MLP of rows [R, H] sorted by expert (``sizes`` [E'] rows each, the rest not
+    computed: 0), as a loop over tiles of ``TILE`` rows, each expert's rows padded to whole tiles."""
+    gate, up, down = experts
+    r, count = rows.shape[0], sizes.shape[0]
+    tiles = -(-r // TILE) + count  # a static bound: each expert pads fewer than TILE rows
+    per_expert = -(-sizes // TILE)  # [E'] tiles
+    ends = jnp.cumsum(per_expert)  # [E']
+    starts = jnp.cumsum(sizes) - sizes  # [E'] each expert's first row
+    tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles), side="right"), count - 1)  # [tiles]
+    # Row i of expert e (its rank within e) goes to padded row (ends[e] - per_expert[e]) * TILE + rank.
+    sorted_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(r), side="right")  # [R]
+    valid = sorted_expert < count
+    e = jnp.minimum(sorted_expert, count - 1)
+    slot = jnp.where(valid, (ends[e] - per_expert[e]) * TILE + jnp.arange(r) - starts[e], tiles * TILE)
+    padded = jnp.zeros((tiles * TILE, rows.shape[1]), rows.dtype).at[slot].set(rows, mode="drop")
+
+    def one_tile(args):
+        tile, expert = args  # [TILE, H], the tile's expert
+        return expert_mlp(tile, gate[expert], up[expert], down[expert], act, precision, accumulate)
+
+    out = jax.lax.map(one_tile, (padded.reshape(tiles, TILE, -1), tile_expert))  # [tiles, TILE, H]
+    out = out.reshape(tiles * TILE, -1)
+    return jnp.where(valid[:, None], out[jnp.minimum(slot, tiles * TILE - 1)], 0)  # [R, H]
+
+
+def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch: str, mesh: Mesh | None,
+                   act, precision, accumulate) -> jax.Array:
+    """``sum_j w_j * expert_{idx_j}(x)`` for x [B, S, H], indices / weights [B, S, k] -> [B, S, H];
+    over a mesh, each device its own experts and rows (see the module docstring)."""
+    kind = dispatch_for(config, dispatch)
+    ragged = jax.default_backend() != "cpu"
+
+    def local(x, indices, weights, gate, up, down, first=0):
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h), indices.reshape(b * s, -1), weights.reshape(b * s, -1)
+        if kind == "dense":
+            out = dense_dispatch(*flat, (gate, up, down), first, act, precision, accumulate)
+        else:
+            out = grouped_dispatch(*flat, (gate, up, down), first, act, precision, accumulate, ragged)
+        return out.reshape(b, s, -1)
+
+    gate, up, down = experts
+    if mesh is None or x.shape[0] % mesh.shape["data"]:
+        return local(x, indices, weights, gate, up, down)
+    model = mesh.shape["model"]
+    split = model > 1 and gate.shape[0] % model == 0  # slots: padded to a multiple of it when loaded
+    weight_spec = P("model" if split else None, None, None)
+    per_device = gate.shape[0] // model if split else 0
+
+    def sharded(x, indices, weights, gate, up, down):
+        first = jax.lax.axis_index("model") * per_device if split else 0
+        out = local(x, indices, weights, gate, up, down, first)
+        return jax.lax.psum(out, "model") if split else out
+
+    rows = P("data", None, None)
+    return jax.shard_map(sharded, mesh=mesh, in_specs=(rows, rows, rows, weight_spec, weight_spec, weight_spec),
+                         out_specs=rows, check_vma=False)(x, indices, weights, gate, up, down)
+
+
+class Experts(nn.Module):
+    """The experts' stacked weights: ``gate_proj``, ``up_proj`` [E', H, F] and ``down_proj``
+    [E', F, H], where E' >= E: loaded onto a mesh, the experts padded with all-zero ones that no
+    token is routed to (``model.sharding.expert_slots``), whatever the mesh is."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        h, moe = self.config.hidden_size, self.config.moe
+        e, f = moe.num_experts, moe.expert_size
+        # An existing (loaded) value as it is: its slot count is the mesh's, not the config's.
+        stacked = lambda name, shape: (self.get_variable("params", name) if self.has_variable("params", name)
+                                       else self.param(name, nn.initializers.zeros, shape, self.dtype))
+        return tuple(stacked(name, shape) for name, shape in
+                     (("gate_proj", (e, h, f)), ("up_proj", (e, h, f)), ("down_proj", (e, f, h))))
+
+
+class MoEMLP(nn.Module):
+    """The mixture-of-experts MLP of one block (parameters: ``router`` [H, E]; ``experts``'s
+    ``gate_proj``, ``up_proj`` [E, H, F] and ``down_proj`` [E, F, H]; Qwen2-MoE's
+    ``shared_expert`` and ``shared_expert_gate`` [H, 1])."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None   # wider than dtype: matmuls accumulate in it
+    mesh: Mesh | None = None
+    dispatch: str = "auto"       # auto | dense | grouped
+    with_sites: bool = False     # also return the routing (and shared expert) sites
+
+    @nn.compact
+    def __call__(self, x, keep: jax.Array | None = None, force: jax.Array | None = None):
+        """x [B, S, H] in dtype; ``keep`` [E] bool: experts not removed; ``force`` (int32 scalar):
+        the expert every token goes to, or -1. Returns the output [B, S, H] (and with
+        ``with_sites`` a dict of its sites' arrays [B, S, width] by ``model.sites`` name)."""
+        from model.decoder import ACTIVATIONS, accumulation, dense, precision_for
+        c, moe = self.config, self.config.moe
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        precision = precision_for(self.dtype)
+        # With a wider stream the router accumulates in it and its weights stay in it, as every
+        # matmul and sum does (model.decoder): fewer tokens routed otherwise than in float64.
+        logits = dense(moe.num_experts, False, "router", self.dtype, accumulate)(x)  # [B, S, E]
+        indices, weights = route(logits, c, accumulate or self.dtype, keep)  # [B, S, k] each
+        routed = (indices, weights) if force is None else forced(indices, weights, force)
+        experts = Experts(c, self.dtype, name="experts")()
+        out = experts_output(x, *routed, experts, c, self.dispatch, self.mesh, ACTIVATIONS[c.hidden_act],
+                             precision, accumulate)
+        sites = {ROUTER_LOGITS: logits, EXPERT_INDICES: indices, ROUTING_WEIGHTS: weights}
+        if moe.shared_expert_size:
+            from model.decoder import MLP
+            shared = MLP(c, self.dtype, self.residual_dtype, intermediate_size=moe.shared_expert_size,
+                         name="shared_expert")(x)  # [B, S, H]
+            gate = jax.nn.sigmoid(dense(1, False, "shared_expert_gate", self.dtype, accumulate)(x))  # [B, S, 1]
+            out = out + gate.astype(shared.dtype) * shared
+            sites.update({SHARED_EXPERT_GATE: gate, SHARED_EXPERT_OUT: shared})
+        return (out, sites) if self.with_sites else out
