@@ -174,12 +174,14 @@ def run_host(config: HostConfig) -> int:
 
 
 def check_model(config: HostConfig) -> None:
-    """An unsupported architecture or option, or a kernel the model cannot use, fails as one line
-    before anything is created."""
+    """An unsupported architecture or option, a kernel the model cannot use, a site it lacks or an
+    intervention it cannot take fails as one line before anything is created."""
     model = load_config(config.model_dir())
     attention_for(None, config.attention, model)
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
-    check_model_fits(model, parse_sites(config.sites), config.max_seq_length, layers)
+    sites = parse_sites(config.sites)
+    check_model_fits(model, sites, config.max_seq_length, layers)
+    intervention_for(config.ablate, config.ablation_means, model, blocks_needed(sites, layers))
 
 
 def run_process(config: HostConfig, placement: Placement | None = None) -> int:

@@ -1,0 +1,209 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense block, OLMoE, Mixtral)
+through ``runners.tpu_host``: every site at every layer equals transformers' float64 forward
+(router logits and weights within 1e-5, the chosen experts equal wherever transformers' top-k
+margin exceeds 1e-6), on meshes of 8 devices (data only; experts over a model axis of 2 and of
+8), of 2 devices, and of two processes; both dispatches. Expert removal and forced routing equal
+transformers' router with hooks; per-expert token counts of a two-machine fleet equal one
+machine's. (Logits, generation, bfloat16, the hub layout: tests/test_families.py.)"""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from activations.index import stats_path
+from activations.site_stats import table_moments
+from common.cli import UserError
+from fixtures.gcs_emulator import free_port
+from fixtures.hf_reference import (intervention_hooks, load_reference, reference_activations, reference_sites,
+                                   relative_error, remove_hooks)
+from model.config import config_from_dict, load_config
+from model.extract import Extractor
+from model.interventions import parse_interventions, parse_one
+from model.sites import EXPERT_INDICES, ROUTER_LOGITS, SITES, array_key, missing_reason
+from tests.conftest import run_cli, run_in_process
+from tests.test_family_runs import runner, write_stream
+from tests.test_host_errors import one_line_error
+from tests.test_multihost import start_slice, stored
+
+pytestmark = pytest.mark.slow
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+# case -> (family, runner flags, environment of a runner process of its own (None: in this one)).
+CASES = {
+    "qwen3_moe": ("qwen3_moe", [], None),  # 8 devices, all data; grouped (auto)
+    # Model axis 2: 7 experts in 8 slots, 4 per device; block 1 is dense, so blocks 0 and 2.
+    "qwen2_moe": ("qwen2_moe", ["--mesh_type", "2d", "--moe_dispatch", "dense", "--layers_to_extract", "0,2"], None),
+    "olmoe": ("olmoe", ["--mesh_type", "2d", "--moe_dispatch", "grouped"], None),  # model axis 8: 9 experts, 16 slots
+    "mixtral": ("mixtral", ["--mesh_type", "2d"], TWO_DEVICES),  # 2 devices, both on the model axis: 5 experts, 6 slots
+    "qwen3_moe_slice": ("qwen3_moe", ["--mesh_type", "2d"], "two processes"),  # 2 x 4 devices, model axis 2
+}
+LAYERS = {"qwen2_moe": [0, 2]}
+
+
+def sites_of(model_dir: str, layers) -> list[str]:
+    config = load_config(model_dir)
+    return [site for site in SITES if all(missing_reason(site, config, layer) is None for layer in layers)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(family_checkpoints) -> dict[str, str]:
+    return {family: family_checkpoints[family, "transformers5"] for family, _, _ in CASES.values()}
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    """case -> (model dir, records, layers, sites, metadata, what the runner stored, its output)."""
+    out = {}
+    for case, (family, flags, env) in CASES.items():
+        folder, model_dir = tmp_path_factory.mktemp(f"run_{case}"), checkpoints[family]
+        records = write_stream(folder / "stream.jsonl", model_dir)
+        layers = LAYERS.get(case, range(load_config(model_dir).num_hidden_layers))
+        sites = sites_of(model_dir, layers)
+        args = runner(folder / "stream.jsonl", folder / "out", model_dir, *flags, "--sites", ",".join(sites))
+        if env == "two processes":
+            for process in start_slice(args, free_port()):
+                _, stderr = process.communicate(timeout=300)
+                assert process.returncode == 0, stderr[-3000:]
+        else:
+            result = (run_cli if env else run_in_process)("runners.tpu_host", *args, env=env)
+            assert result.returncode == 0, result.stderr[-3000:]
+        machine = folder / "out" / "machine_000"
+        metadata = json.loads((machine / ("metadata.json" if env != "two processes" else
+                                          "process_00/metadata.json")).read_text())
+        out[case] = model_dir, records, list(layers), sites, metadata, stored(machine), folder / "out"
+    return out
+
+
+def assert_routing_equals_transformers(model_dir, records, got, sites, layers) -> None:
+    """Every stored array within 1e-5 of transformers' float64 forward; the chosen experts (int32)
+    equal wherever the reference's k-th and (k+1)-th probabilities differ by more than 1e-6."""
+    assert sorted(got) == [r["sample_id"] for r in records]
+    places = [(site, layer) for layer in layers for site in {*sites, ROUTER_LOGITS}]
+    references = reference_sites(load_reference(model_dir, "float64"), [r["input_ids"] for r in records], places)
+    k = load_config(model_dir).moe.top_k
+    decided = 0
+    for record, reference in zip(records, references):
+        arrays = got[record["sample_id"]]
+        assert sorted(arrays, key=str) == sorted((array_key(s, layer) for s in sites for layer in layers), key=str)
+        for site, layer in places:
+            if site not in sites:
+                continue
+            ours, expected = arrays[array_key(site, layer)], reference[site, layer]
+            if site != EXPERT_INDICES:
+                assert relative_error(ours, expected) <= 1e-5, (record["source"], site, layer)
+                continue
+            assert ours.dtype == np.int32 and ours.shape == expected.shape
+            probs = np.sort(np.exp(reference[ROUTER_LOGITS, layer]), -1)[:, ::-1]  # unnormalised: same order
+            probs /= probs.sum(-1, keepdims=True)
+            clear = probs[:, k - 1] - probs[:, k] > 1e-6  # [S]
+            assert np.array_equal(np.sort(ours[clear], -1), np.sort(expected[clear], -1)), (record["source"], layer)
+            decided += int(clear.sum())
+    assert EXPERT_INDICES not in sites or decided >= 0.9 * sum(r["num_tokens"] for r in records) * len(layers)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_site_at_every_layer_equals_transformers(runs, case):
+    model_dir, records, layers, sites, metadata, got, _ = runs[case]
+    config = load_config(model_dir)
+    assert {EXPERT_INDICES, ROUTER_LOGITS} <= set(sites)
+    assert ("mlp.hook_shared_expert_out" in sites) == (config.moe.shared_expert_size is not None)
+    assert metadata["num_experts"] == config.moe.num_experts
+    assert metadata["moe_dispatch"] == ("dense" if "dense" in CASES[case][1] else "grouped")
+    assert_routing_equals_transformers(model_dir, records, got, sites, layers)
+
+
+def test_per_expert_token_counts_of_two_machines_equal_one_machine(runs, tmp_path):
+    """The qwen3_moe stream split over two machines; the merged statistics' counts equal the
+    one-machine run's, and the tokens its stored expert ids name."""
+    model_dir, records, layers, _, _, got, one_machine = runs["qwen3_moe"]
+    for machine, half in enumerate((records[:5], records[5:])):
+        stream = tmp_path / f"stream_{machine}.jsonl"
+        stream.write_text("".join(json.dumps(r) + "\n" for r in half))
+        args = runner(stream, tmp_path / "fleet", model_dir, "--sites", EXPERT_INDICES)
+        args[1] = str(machine)  # --machine_id
+        result = run_in_process("runners.tpu_host", *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    merged = {}
+    for name, folder in (("fleet", tmp_path / "fleet"), ("one", one_machine)):
+        output = tmp_path / f"{name}_index.parquet"
+        result = run_cli("pipeline.index", "--activations_dir", str(folder), "--output", str(output))
+        assert result.returncode == 0, result.stderr[-3000:]
+        merged[name] = table_moments(pq.read_table(stats_path(str(output))))
+    experts = load_config(model_dir).moe.num_experts
+    for layer in layers:
+        key = array_key(EXPERT_INDICES, layer)
+        counts = merged["fleet"][key].expert_counts
+        assert counts.shape == (experts,) and np.array_equal(counts, merged["one"][key].expert_counts)
+        ids = np.concatenate([arrays[key] for arrays in got.values()])
+        assert np.array_equal(counts, np.bincount(ids.reshape(-1), minlength=experts))
+        assert merged["one"][array_key(ROUTER_LOGITS, layer)].expert_counts is None
+
+
+@pytest.mark.parametrize("family, specs", [
+    ("qwen3_moe", ["expert:1.2", "route:2.4+expert:0.1"]),
+    ("qwen2_moe", ["expert:2.6"]),
+    ("olmoe", ["expert:0.3+expert:0.5"]),
+    ("mixtral", ["expert:1.0", "route:1.3"]),
+])
+def test_expert_removal_and_forced_routing_equal_transformers_hooks(checkpoints, family, specs):
+    """Every block's output under the intervention, float32, against transformers float64 whose
+    router has the expert's logit at -inf (or its choice replaced) by a forward hook."""
+    from fixtures.hf_reference import random_sequences
+    model_dir = checkpoints[family]
+    config = load_config(model_dir)
+    sequences = random_sequences([37, 12], seed=4, vocab=config.vocab_size)
+    reference = load_reference(model_dir, "float64")
+    unablated = reference_activations(reference, sequences)
+    for spec in specs:
+        extractor = Extractor.load(model_dir, dtype="float32", ablation=spec, max_seq_length=64,
+                                   batch_size_per_device=1)
+        ours = dict(extractor.extract(enumerate(sequences)))
+        undo = intervention_hooks(reference, parse_one(spec, config))
+        try:
+            expected = reference_activations(reference, sequences)
+        finally:
+            remove_hooks(undo)
+        for i in range(len(sequences)):
+            for layer, values in expected[i].items():
+                assert relative_error(ours[i][layer], values) <= 1e-5, (spec, i, layer)
+            last = config.num_hidden_layers - 1
+            assert relative_error(expected[i][last], unablated[i][last]) > 1e-3, spec  # the intervention acts
+
+
+def test_refusals_name_the_problem_in_one_line(checkpoints, tmp_path):
+    dense = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "head_dim": 8,
+             "max_position_embeddings": 128}
+    qwen2_moe = load_config(checkpoints["qwen2_moe"])
+    with pytest.raises(UserError, match="this model is dense"):
+        parse_one("expert:0.1", config_from_dict(dense))
+    with pytest.raises(UserError, match="expert 7 does not exist: the model has 7 experts per block"):
+        parse_one("expert:0.7", qwen2_moe)
+    with pytest.raises(UserError, match="block 1 has a dense MLP, no experts"):
+        parse_one("route:1.0", qwen2_moe)
+    with pytest.raises(UserError, match="expert has no mode"):
+        parse_interventions(["expert:0.1:mode=mean"], 3, 4, 7)
+    with pytest.raises(UserError, match="routed to two experts"):
+        parse_interventions(["route:0.1+route:0.2"], 3, 4, 7)
+    assert len(parse_interventions(["expert:*.0-1"], 3, 4, 7)) == 6
+    assert "dense MLP" in missing_reason(ROUTER_LOGITS, qwen2_moe, 1)
+    assert "its own hidden activation" in missing_reason("mlp.hook_post", qwen2_moe, 0)
+    assert missing_reason("mlp.hook_post", qwen2_moe, 1) is None
+    assert "no shared expert" in missing_reason("mlp.hook_shared_expert_gate", load_config(checkpoints["mixtral"]))
+    for key, value, message in [("num_experts_per_tok", 9, "num_experts_per_tok = 9 is not supported"),
+                                ("architectures", ["GptOssForCausalLM"], "unsupported architecture 'GptOssForCausalLM'")]:
+        raw = {**json.load(open(f"{checkpoints['qwen2_moe']}/config.json")), key: value}
+        with pytest.raises(UserError, match=message):
+            config_from_dict(raw)
+    records = write_stream(tmp_path / "stream.jsonl", checkpoints["qwen2_moe"], count=2)
+    assert records
+    for flags, message in [(["--sites", ROUTER_LOGITS], "--sites mlp.hook_router_logits: block 1 of qwen2_moe has "
+                                                        "a dense MLP"),
+                           (["--sites", "mlp.hook_post", "--layers_to_extract", "0"], "block 0's MLP is a mixture"),
+                           (["--ablate", "expert:1.0"], "block 1 has a dense MLP")]:
+        result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out",
+                                                             checkpoints["qwen2_moe"], *flags))
+        one_line_error(result, message)
+        assert not (tmp_path / "out").exists()
