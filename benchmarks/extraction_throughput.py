@@ -1,7 +1,9 @@
 """Extraction throughput on a real model (float32), real ARC prompts.
 
 ``--family`` picks the model: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
-(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small) or gpt_neox (Pythia-410M). ``--weights
+(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small), gpt_neox (Pythia-410M), or a mixture of
+experts reduced in proportion (``fixtures.tiny_models``): qwen3_moe (Qwen3-30B-A3B: 128 experts,
+k 8) or mixtral (Mixtral 8x7B: 8 experts, k 2). ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -16,11 +18,18 @@ Prints real (non-padding) tokens/s of:
   (d) (a) synchronous (``batches_in_flight=1``: each batch copied back before the next is
       dispatched, as before pipelining), with (a)'s compiled buckets;
 and the FLOP rate of (a) against a plain jitted float32 matmul on this machine, counting
-2 * params * tokens for the blocks computed plus causal attention (2 * n^2 * heads * head_dim per
-block per sequence). Compile time is reported apart: it is paid once per bucket in a long run.
+2 * params * tokens for the blocks computed (of a mixture of experts: the router and the k routed
+experts) plus causal attention (2 * n^2 * heads * head_dim per block per sequence). Compile time is
+reported apart: it is paid once per bucket in a long run.
+
+For a mixture of experts, (a) runs with each dispatch (``model.moe``: dense, grouped), and block
+0's mixture of experts alone, on the MLP inputs of the first batch and its routing, is timed for
+each dispatch against the FLOP floor: the routed experts alone, each a plain matmul of exactly its
+rows (gathered beforehand).
 
     python benchmarks/extraction_throughput.py [--family llama --weights random] [--num_samples 12]
         [--max_seq_length 1024] [--against_transformers_only]
+    python benchmarks/extraction_throughput.py --family qwen3_moe --num_samples 8 --against_transformers_only
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ from transforms.tokenize import load_tokenizer
 
 # --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
 FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m",
-                 "gpt2": "gpt2-small", "gpt_neox": "pythia-410m"}
+                 "gpt2": "gpt2-small", "gpt_neox": "pythia-410m", "qwen3_moe": "qwen3-30b-a3b-reduced",
+                 "mixtral": "mixtral-8x7b-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -99,11 +109,18 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     """2 x parameters x tokens for the blocks, plus causal attention (within a sliding layer's
     window: what the tiled kernel computes)."""
     c = config
-    per_block = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-                 + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias
-                 + c.num_attention_heads * c.head_dim * c.hidden_size
-                 + (3 if c.gated_mlp else 2) * c.hidden_size * c.intermediate_size)
-    dense = 2 * per_block * num_layers * sum(lengths)
+    attention_params = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                        + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias
+                        + c.num_attention_heads * c.head_dim * c.hidden_size)
+
+    def mlp_params(layer: int) -> int:  # used per token
+        if not c.is_sparse(layer):
+            return (3 if c.gated_mlp else 2) * c.hidden_size * c.intermediate_size
+        moe = c.moe
+        shared = 3 * c.hidden_size * moe.shared_expert_size + c.hidden_size if moe.shared_expert_size else 0
+        return c.hidden_size * moe.num_experts + 3 * c.hidden_size * moe.expert_size * moe.top_k + shared
+
+    dense = 2 * sum(attention_params + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
 
     def attended(n: int, window: int | None) -> int:  # (query, key) pairs of one sequence
         w = min(window or n, n)
@@ -158,6 +175,52 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: t
     return time.perf_counter() - start
 
 
+def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq_length: int) -> list[str]:
+    """Block 0's experts on the MLP inputs and routing of the first batch of prompts: each
+    dispatch's time against the routed experts alone (lines to print)."""
+    import numpy as np
+    from model.decoder import ACTIVATIONS
+    from model.moe import dense_dispatch, expert_mlp, grouped_dispatch
+    from model.sites import EXPERT_INDICES, MLP_IN, ROUTING_WEIGHTS, array_key
+    c, moe = loaded.config, loaded.config.moe
+    sites = (MLP_IN, EXPERT_INDICES, ROUTING_WEIGHTS)
+    extractor = Extractor.from_loaded(loaded, (0,), batch_size, max_seq_length, sites=sites)
+    got = list(dict(extractor.extract(enumerate(prompts[:batch_size]))).values())
+    x, indices, weights = (jnp.asarray(np.concatenate([g[array_key(s, 0)] for g in got])) for s in sites)
+    experts = tuple(jnp.asarray(np.asarray(loaded.params["layers_0"]["mlp"]["experts"][name])[:moe.num_experts])
+                    for name in ("gate_proj", "up_proj", "down_proj"))
+    act, precision = ACTIVATIONS[c.hidden_act], jax.lax.Precision.HIGHEST
+    flat = np.asarray(indices).reshape(-1)
+    rows = [x[np.nonzero((np.asarray(indices) == e).any(-1))[0]] for e in range(moe.num_experts)]  # gathered before
+    floor = jax.jit(lambda rows, gate, up, down: [expert_mlp(r, gate[e], up[e], down[e], act, precision, None)
+                                                  for e, r in enumerate(rows) if len(r)])
+    dispatches = {
+        "dense": jax.jit(lambda *a: dense_dispatch(*a[:3], a[3:], 0, act, precision, None)),
+        "grouped": jax.jit(lambda *a: grouped_dispatch(*a[:3], a[3:], 0, act, precision, None,
+                                                       jax.default_backend() != "cpu")),
+    }
+
+    def best_of(run, rounds: int = 5) -> float:
+        jax.block_until_ready(run())  # compiled
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    floor_s = best_of(lambda: floor(rows, *experts))
+    flops = 2 * 3 * c.hidden_size * moe.expert_size * flat.size
+    loads = np.bincount(flat, minlength=moe.num_experts)
+    lines = [f"block 0's experts, {len(x)} tokens x k {moe.top_k} of {moe.num_experts} experts (tokens per expert "
+             f"{loads.min()}-{loads.max()}): floor (routed experts alone) {1e3 * floor_s:.1f} ms, "
+             f"{flops / floor_s / 1e9:.1f} GFLOP/s"]
+    for name, dispatch in dispatches.items():
+        seconds = best_of(lambda dispatch=dispatch: dispatch(x, indices, weights, *experts))
+        lines.append(f"  {name:8s} dispatch {1e3 * seconds:8.1f} ms = {seconds / floor_s:5.2f} x the floor")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen2", choices=sorted(FAMILY_SHAPES))
@@ -171,6 +234,8 @@ def main() -> None:
                              "where there is one)")
     parser.add_argument("--model_dir", default=None, help="where the random checkpoint is kept "
                         "(default: in the temporary directory, by shape)")
+    parser.add_argument("--moe_dispatch", default="auto", help="a mixture of experts' (a): auto, dense, grouped, "
+                        "or all (each, one after the other)")
     args = parser.parse_args()
     weights = args.weights or ("real" if args.family in REAL_MODELS else "random")
     model_dir, tokenizer, description = checkpoint(args.family, weights, args.model_dir)
@@ -178,7 +243,16 @@ def main() -> None:
     layers = quarter_layers(loaded.config.num_hidden_layers)
     prompts = arc_prompts(args.num_samples, args.max_seq_length, loaded.config.vocab_size, tokenizer)
     tokens = sum(len(p) for p in prompts)
-    bucketed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length)
+    dispatches = (("dense", "grouped") if args.moe_dispatch == "all" else (args.moe_dispatch,)) \
+        if loaded.config.moe is not None else ("auto",)
+    others = {}
+    for dispatch in dispatches[1:]:  # (a) with each other dispatch
+        extractor = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length, moe_dispatch=dispatch)
+        others[dispatch] = time_ours(extractor, prompts)
+    floor_lines = (routed_flop_floor(loaded, prompts, args.batch_size, args.max_seq_length)
+                   if loaded.config.moe is not None else [])
+    bucketed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length,
+                                     moe_dispatch=dispatches[0])
     fixed = Extractor.from_loaded(loaded, layers, args.batch_size, args.max_seq_length,
                                   min_bucket=args.max_seq_length)
     matmul = matmul_flops_per_second()
@@ -196,8 +270,12 @@ def main() -> None:
     print(f"{description}, layers {','.join(map(str, layers))}; "
           f"{len(prompts)} ARC-AGI-1 prompts, {tokens} real tokens (max_seq_length {args.max_seq_length}), "
           f"batch {args.batch_size}, {os.cpu_count()} cores, {jax.default_backend()}")
-    print(f"(a) ours, bucketed            {tokens / seconds_a:9.1f} tokens/s  ({seconds_a:.1f} s; "
+    label = f" ({dispatches[0]} dispatch)" if config.moe is not None else ""
+    print(f"(a) ours, bucketed{label}  {tokens / seconds_a:9.1f} tokens/s  ({seconds_a:.1f} s; "
           f"compile {compile_a:.1f} s, buckets {buckets})")
+    for dispatch, (compile_s, seconds) in others.items():
+        print(f"(a) ours, bucketed ({dispatch} dispatch)  {tokens / seconds:9.1f} tokens/s  ({seconds:.1f} s; "
+              f"compile {compile_s:.1f} s); (a)/(b) = {seconds_b / seconds:.2f}")
     print(f"(b) transformers, pad longest {tokens / seconds_b:9.1f} tokens/s  ({seconds_b:.1f} s)")
     if args.against_transformers_only:
         print(f"(a)/(b) = {seconds_b / seconds_a:.2f}")
@@ -213,6 +291,8 @@ def main() -> None:
     print(f"(a) computes {len(rows)} rows, {sum(rows)} tokens with padding (real: "
           f"{100 * tokens / sum(rows):.0f}%): {computed_a / 1e9:.1f} GFLOP/s computed = "
           f"{100 * computed_a / matmul:.0f}% of matmul")
+    for line in floor_lines:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from jax.sharding import Mesh
 from model.attention import causal_attention, dense_attention, fused_attention, windowed
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
-from model.moe import MoEMLP
+from model.moe import MoEMLP, dispatch_for
 from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
@@ -349,8 +349,9 @@ class DecoderLayer(nn.Module):
         self.sow("sites", MLP_IN, mlp_in)
         if self.sparse:
             moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
-            mlp_out = map_over_token_chunks(moe, mlp_in, self.mesh, self.chunk_tokens, a.get("expert_keep"),
-                                            a.get("route_to"))
+            # The grouped dispatch computes tiles of rows already: whole batches (model.moe).
+            chunks = self.chunk_tokens if dispatch_for(c, self.moe_dispatch) == "dense" else None
+            mlp_out = map_over_token_chunks(moe, mlp_in, self.mesh, chunks, a.get("expert_keep"), a.get("route_to"))
             if self.routing_sites:
                 mlp_out, routing = mlp_out
                 for site, value in routing.items():

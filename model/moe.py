@@ -19,9 +19,10 @@ dropped) and of static shapes:
   * ``grouped``: the T * k (token, expert) pairs sorted by expert, each expert's rows multiplied
     by its weights only (a grouped matmul), the results scattered back to their tokens. On TPU
     and GPU the grouped matmul is ``jax.lax.ragged_dot`` (a grouped-matmul kernel); on CPU, whose
-    ``ragged_dot`` computes every group for every row, it is a loop over tiles of ``TILE`` rows,
+    ``ragged_dot`` computes every group for every row, it is a loop over tiles of rows (``tile_rows``),
     each expert's rows padded to whole tiles: the FLOPs of the routed experts plus at most
-    E * (TILE - 1) padding rows.
+    E * (tile - 1) padding rows. The grouped dispatch takes a batch's tokens at once (its tiles
+    keep the intermediates in cache); the dense one is chunked like the MLP (``model.decoder``).
 Over a mesh the experts are split over the ``model`` axis where it divides their number (their
 stacked weights [E, ...] are sharded on E, ``model.sharding``): each device computes, for the
 tokens of its ``data`` shard, the pairs routed to its own experts (``shard_map``), and the partial
@@ -42,7 +43,7 @@ from model.sites import EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SHARED_E
 
 DISPATCHES = MOE_DISPATCHES
 DENSE_MAX_RATIO = 2   # auto: dense where E / k is at most this (benchmarks/extraction_throughput.py)
-TILE = 64             # rows per tile of the CPU grouped matmul
+MAX_TILE = 128        # rows per tile of the CPU grouped matmul, at most (see tile_rows)
 
 
 def dispatch_for(config: DecoderConfig, dispatch: str = "auto") -> str:
@@ -123,30 +124,40 @@ def grouped_dispatch(x, indices, weights, experts, first: int, act, precision, a
     return jnp.zeros((t, out.shape[-1]), wide).at[token].add(out.astype(wide) * scale[:, None]).astype(out.dtype)
 
 
+def tile_rows(rows: int, experts: int) -> int:
+    """Rows per tile: a power of two near half an expert's mean share of the rows (so padding
+    stays under a third of them on a balanced routing), from 8 to ``MAX_TILE``."""
+    tile = 8
+    while tile * 2 <= min(MAX_TILE, rows // (2 * experts)):
+        tile *= 2
+    return tile
+
+
 def tiled_grouped_mlp(rows, sizes, experts, act, precision, accumulate) -> jax.Array:
     """The grouped MLP of rows [R, H] sorted by expert (``sizes`` [E'] rows each, the rest not
-    computed: 0), as a loop over tiles of ``TILE`` rows, each expert's rows padded to whole tiles."""
+    computed: 0), as a loop over tiles (``tile_rows``), each expert's rows padded to whole tiles."""
     gate, up, down = experts
     r, count = rows.shape[0], sizes.shape[0]
-    tiles = -(-r // TILE) + count  # a static bound: each expert pads fewer than TILE rows
-    per_expert = -(-sizes // TILE)  # [E'] tiles
+    tile = tile_rows(r, count)
+    tiles = -(-r // tile) + count  # a static bound: each expert pads fewer than tile rows
+    per_expert = -(-sizes // tile)  # [E'] tiles
     ends = jnp.cumsum(per_expert)  # [E']
     starts = jnp.cumsum(sizes) - sizes  # [E'] each expert's first row
     tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles), side="right"), count - 1)  # [tiles]
-    # Row i of expert e (its rank within e) goes to padded row (ends[e] - per_expert[e]) * TILE + rank.
+    # Row i of expert e (its rank within e) goes to padded row (ends[e] - per_expert[e]) * tile + rank.
     sorted_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(r), side="right")  # [R]
     valid = sorted_expert < count
     e = jnp.minimum(sorted_expert, count - 1)
-    slot = jnp.where(valid, (ends[e] - per_expert[e]) * TILE + jnp.arange(r) - starts[e], tiles * TILE)
-    padded = jnp.zeros((tiles * TILE, rows.shape[1]), rows.dtype).at[slot].set(rows, mode="drop")
+    slot = jnp.where(valid, (ends[e] - per_expert[e]) * tile + jnp.arange(r) - starts[e], tiles * tile)
+    padded = jnp.zeros((tiles * tile, rows.shape[1]), rows.dtype).at[slot].set(rows, mode="drop")
 
     def one_tile(args):
-        tile, expert = args  # [TILE, H], the tile's expert
-        return expert_mlp(tile, gate[expert], up[expert], down[expert], act, precision, accumulate)
+        block, expert = args  # [tile, H], the tile's expert
+        return expert_mlp(block, gate[expert], up[expert], down[expert], act, precision, accumulate)
 
-    out = jax.lax.map(one_tile, (padded.reshape(tiles, TILE, -1), tile_expert))  # [tiles, TILE, H]
-    out = out.reshape(tiles * TILE, -1)
-    return jnp.where(valid[:, None], out[jnp.minimum(slot, tiles * TILE - 1)], 0)  # [R, H]
+    out = jax.lax.map(one_tile, (padded.reshape(tiles, tile, -1), tile_expert))  # [tiles, tile, H]
+    out = out.reshape(tiles * tile, -1)
+    return jnp.where(valid[:, None], out[jnp.minimum(slot, tiles * tile - 1)], 0)  # [R, H]
 
 
 def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch: str, mesh: Mesh | None,

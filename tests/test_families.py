@@ -142,8 +142,9 @@ def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(fam
     mine = extracted(extractor, arc_like)
     for layer in exact[0]:
         if case in MOE_CASES:
-            together = lambda acts: np.concatenate([a[layer] for a in acts])
-            ours, hf = relative_error(together(mine), together(exact)), relative_error(together(theirs), together(exact))
+            mine_all, theirs_all, exact_all = (np.concatenate([a[layer] for a in acts])
+                                               for acts in (mine, theirs, exact))
+            ours, hf = relative_error(mine_all, exact_all), relative_error(theirs_all, exact_all)
             assert ours <= 0.85 * hf, (case, layer, ours, hf)
             continue
         ours = max(max_relative_error(m[layer], e[layer]) for m, e in zip(mine, exact))
