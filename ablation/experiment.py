@@ -195,7 +195,7 @@ def _write_outputs(config: AblationConfig, model_config: Any, results: pd.DataFr
     summary.to_csv(os.path.join(out, SUMMARY_FILE), index=False)
     written = [RESULTS_FILE, SUMMARY_FILE] if new_results else [SUMMARY_FILE]
     charts = (write_charts(summary, os.path.join(out, "charts"), model_config.num_hidden_layers,
-                           model_config.num_attention_heads) if config.charts else [])
+                           model_config.num_attention_heads, model_config.num_experts) if config.charts else [])
     written += [os.path.relpath(p, out) for p in charts]
     if config.tensorboard:
         write_tensorboard(os.path.join(out, "tensorboard"), summary, charts)

@@ -235,7 +235,7 @@ class MoEMLP(nn.Module):
         # With a wider stream the router accumulates in it and its weights stay in it, as every
         # matmul and sum does (model.decoder): fewer tokens routed otherwise than in float64.
         logits = dense(moe.num_experts, False, "router", self.dtype, accumulate)(x)  # [B, S, E]
-        indices, weights = route(logits, c, accumulate or self.dtype, keep)  # [B, S, k] each
+        indices, weights = route(logits, c, self.dtype if accumulate is None else accumulate, keep)  # [B, S, k]
         routed = (indices, weights) if force is None else forced(indices, weights, force)
         experts = Experts(c, self.dtype, name="experts")()
         out = experts_output(x, *routed, experts, c, self.dispatch, self.mesh, ACTIVATIONS[c.hidden_act],

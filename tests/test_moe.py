@@ -1,8 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense block, OLMoE, Mixtral)
 through ``runners.tpu_host``: every site at every layer equals transformers' float64 forward
 (router logits and weights within 1e-5, the chosen experts equal wherever transformers' top-k
-margin exceeds 1e-6), on meshes of 8 devices (data only; experts over a model axis of 2 and of
-8), of 2 devices, and of two processes; both dispatches. Expert removal and forced routing equal
+margin exceeds 1e-6), on meshes of 8 devices (data only; experts over a model axis of 8), of 2
+devices (experts over both), and of two processes of 4 devices; both dispatches. Expert removal and forced routing equal
 transformers' router with hooks; per-expert token counts of a two-machine fleet equal one
 machine's. (Logits, generation, bfloat16, the hub layout: tests/test_families.py.)"""
 
@@ -30,13 +30,14 @@ from tests.test_multihost import start_slice, stored
 pytestmark = pytest.mark.slow
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 # case -> (family, runner flags, environment of a runner process of its own (None: in this one)).
+# A 2d mesh's model axis is every device of a host for a mixture of experts (model.sharding).
 CASES = {
     "qwen3_moe": ("qwen3_moe", [], None),  # 8 devices, all data; grouped (auto)
-    # Model axis 2: 7 experts in 8 slots, 4 per device; block 1 is dense, so blocks 0 and 2.
+    # Model axis 8: 7 experts in 8 slots, one per device; block 1 is dense, so blocks 0 and 2.
     "qwen2_moe": ("qwen2_moe", ["--mesh_type", "2d", "--moe_dispatch", "dense", "--layers_to_extract", "0,2"], None),
     "olmoe": ("olmoe", ["--mesh_type", "2d", "--moe_dispatch", "grouped"], None),  # model axis 8: 9 experts, 16 slots
-    "mixtral": ("mixtral", ["--mesh_type", "2d"], TWO_DEVICES),  # 2 devices, both on the model axis: 5 experts, 6 slots
-    "qwen3_moe_slice": ("qwen3_moe", ["--mesh_type", "2d"], "two processes"),  # 2 x 4 devices, model axis 2
+    "mixtral": ("mixtral", ["--mesh_type", "2d"], TWO_DEVICES),  # 2 devices on the model axis: 5 experts, 6 slots
+    "qwen3_moe_slice": ("qwen3_moe", ["--mesh_type", "2d"], "two processes"),  # 2 x 4 devices: 5 experts, 8 slots
 }
 LAYERS = {"qwen2_moe": [0, 2]}
 
@@ -207,3 +208,23 @@ def test_refusals_name_the_problem_in_one_line(checkpoints, tmp_path):
                                                              checkpoints["qwen2_moe"], *flags))
         one_line_error(result, message)
         assert not (tmp_path / "out").exists()
+
+
+def test_an_ablation_grid_over_experts_scores_and_charts_them(checkpoints, tmp_path):
+    """runners.ablate on Qwen2-MoE (block 1 dense): one intervention per expert of blocks 0 and 2,
+    a forced routing and an MLP removal, scored as for a dense model; an expert heatmap."""
+    import pandas as pd
+    model_dir = checkpoints["qwen2_moe"]
+    write_stream(tmp_path / "stream.jsonl", model_dir, count=6)
+    grid = ["expert:0.*", "expert:2.*", "route:2.3", "mlp:1"]
+    result = run_cli("runners.ablate", "--model_path", model_dir, "--stream", str(tmp_path / "stream.jsonl"),
+                     "--interventions", *grid, "--output_dir", str(tmp_path / "out"), "--dtype", "float32",
+                     "--batch_size", "4", "--max_seq_length", "64",
+                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = pd.read_csv(tmp_path / "out" / "summary.csv")
+    assert len(summary) == 1 + 7 + 7 + 1 + 1 and summary.iloc[0]["intervention"] == "baseline"
+    removed = summary[summary["kind"] == "expert"]
+    assert sorted(zip(removed["layer"], removed["head"])) == [(layer, e) for layer in (0, 2) for e in range(7)]
+    assert (summary.loc[summary["kind"].isin(["expert", "route"]), "kl"] > 0).all()  # each one changes the logits
+    assert (tmp_path / "out" / "charts" / "delta_loss_expert_zero.png").stat().st_size > 0
