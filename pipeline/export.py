@@ -18,7 +18,7 @@ from activations.saelens_export import SaeLensLayout, check_output, column_names
 from activations.token_loader import LoaderConfig, TokenLoader, row_bytes
 from activations.token_plan import stored_arrays
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
-from model.sites import DEFAULT_SITES, ArrayKey, array_keys, parse_sites
+from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, parse_sites
 
 log = logging.getLogger("pipeline.export")
 BATCH_BYTES = 64 << 20  # tokens are written in batches of about this many bytes
@@ -77,6 +77,10 @@ class ExportConfig:
             raise UserError(f"--layers must name distinct layers, got {list(self.layers)}")
         if len(set(self.sites)) != len(self.sites):
             raise UserError(f"--sites names a site twice: {' '.join(self.sites)}")
+        ids = [site for site in self.sites if SITES[site].integer]
+        if ids:
+            raise UserError(f"--sites {ids[0]}: it holds expert ids (int32), not activations an SAE trains on "
+                            "(read them with activations.token_loader or duckdb)")
         if self.context_size < 1:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
         if not (self.buffer_gb > 0 and self.max_file_gb > 0):

@@ -127,6 +127,8 @@ def test_cli_errors_are_one_line_and_write_nothing(stored, tmp_path):
         (["--layers", "0", "--output_dir", "gs://acts/cache"], "--output_dir must be a local directory"),
         (["--layers", "0", "--buffer_gb", "1e-7", "--output_dir", str(tmp_path / "g")],
          "less than one row of --context_size 128"),
+        (["--layers", "0", "--sites", "mlp.hook_expert_indices", "--output_dir", str(tmp_path / "h")],
+         r"--sites mlp.hook_expert_indices: it holds expert ids \(int32\)"),
     ]
     for flags, message in cases:
         result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, *flags)
