@@ -122,7 +122,8 @@ def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: i
         what = INDEXED[kind]
         layer, dot, index = target.partition(".")
         if not dot:
-            raise UserError(f"intervention {spec!r}: {kind} takes LAYER.{what.upper()}, e.g. {kind}:3.7")
+            raise UserError(f"intervention {spec!r}: {'a head' if what == 'head' else 'an expert'} is "
+                            f"LAYER.{what.upper()}, e.g. {kind}:3.7")
         return [Atom(kind, l, i, mode) for l in _indices(layer, "layer", num_layers, spec)
                 for i in _indices(index, what, num_heads if what == "head" else num_experts, spec)]
     return [Atom(kind, l, None, mode) for l in _indices(target, "layer", num_layers, spec)]

@@ -194,6 +194,17 @@ FAMILY_CASES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma
                 "olmo2", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The transformers references of tiny models on one torch thread: on a small machine torch's
+    pool, waiting beside XLA's threads, costs far more than the work."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory) -> dict[tuple[str, str], str]:
     """(case, layout) -> a tiny random checkpoint with bfloat16-exact weights, written once per

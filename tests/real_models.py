@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, reference_activations,
-                                   reference_sites, relative_error, site_places)
+from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, our_config,
+                                   reference_activations, reference_sites, relative_error, site_places)
+from model.config import load_config
 from model.extract import Extractor
 from model.generate import Generator
-from model.loading import load_model
+from model.loading import LoadedModel, load_model
 from model.report import first_token_ratio
-from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SITES, array_key
+from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SITES, array_key, missing_reason
 from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
@@ -38,12 +39,32 @@ def arc_prompts(model_dir: str, count: int = 3) -> list[list[int]]:
     return list(itertools.islice(fitting, count))
 
 
-def our_activations(model_dir: str, prompts, dtype: str = "float32", **kw) -> list[dict[int, np.ndarray]]:
-    """Every block's output per prompt, one padded batch on one device."""
-    extractor = Extractor.load(model_dir, dtype=dtype, max_seq_length=MAX_PROMPT, min_bucket=MAX_PROMPT,
-                               batch_size_per_device=len(prompts), devices=jax.devices()[:1], **kw)
+def loaded_float32(model_dir: str) -> LoadedModel:
+    """The whole model in float32 with its head, on one device: loaded once per test module, for
+    the float32 extraction and greedy generation alike."""
+    return load_model(model_dir, jnp.float32, with_head=True, devices=jax.devices()[:1])
+
+
+def our_activations(model: str | LoadedModel, prompts, dtype: str = "float32", length: int = MAX_PROMPT,
+                    layers=None, **kw) -> list[dict[int, np.ndarray]]:
+    """Every block's output (or ``layers``') per prompt, one batch padded to ``length`` on one
+    device: by ``Extractor.load`` from a model directory, or ``Extractor.from_loaded`` from a
+    ``loaded_float32`` model (its dtype)."""
+    if isinstance(model, LoadedModel):
+        layers = range(model.config.num_hidden_layers) if layers is None else layers
+        extractor = Extractor.from_loaded(model, layers, batch_size_per_device=len(prompts), max_seq_length=length,
+                                          min_bucket=length, **kw)
+    else:
+        extractor = Extractor.load(model, layers, dtype=dtype, max_seq_length=length, min_bucket=length,
+                                   batch_size_per_device=len(prompts), devices=jax.devices()[:1], **kw)
     out = dict(extractor.extract(enumerate(prompts)))
     return [out[i] for i in range(len(prompts))]
+
+
+def sites_of(config, site_layers) -> list[str]:
+    """Every site (``model.sites``) the model (``DecoderConfig``) has at each of ``site_layers``:
+    a dense model has no routing sites."""
+    return [site for site in SITES if all(missing_reason(site, config, layer) is None for layer in site_layers)]
 
 
 def worst(measure, ours, exact, layer) -> float:
@@ -55,7 +76,8 @@ def float64_reference(model_dir: str, prompts, site_layers) -> list[dict[tuple[s
     site at ``site_layers``: the exact values the checks measure against."""
     model = load_reference(model_dir, "float64")
     layers = range(model.config.get_text_config().num_hidden_layers)
-    places = dict.fromkeys(site_places([RESID_POST], layers) + site_places(SITES, site_layers))
+    places = dict.fromkeys(site_places([RESID_POST], layers)
+                           + site_places(sites_of(our_config(model), site_layers), site_layers))
     return reference_sites(model, prompts, places)
 
 
@@ -68,9 +90,10 @@ def site_errors(model_dir: str, prompts, reference, site_layers) -> dict[str, fl
     """Per site (at ``site_layers``), the worst prompt's relative error of our float32 forward
     against ``reference``; asserts, on our arrays, that resid_mid = resid_pre + attn_out and
     resid_post = resid_mid + mlp_out within float32 rounding."""
-    ours = our_activations(model_dir, prompts, layers=site_layers, sites=SITES)
+    sites = sites_of(load_config(model_dir), site_layers)
+    ours = our_activations(model_dir, prompts, layers=site_layers, sites=sites)
     errors = {site: max(relative_error(o[array_key(site, layer)], r[site, layer])
-                        for o, r in zip(ours, reference) for layer in site_layers) for site in SITES}
+                        for o, r in zip(ours, reference) for layer in site_layers) for site in sites}
     print(f"{model_dir}: every site at layers {list(site_layers)}, float32 vs transformers float64, worst "
           "relative error:", " ".join(f"{site}:{e:.1e}" for site, e in errors.items()))
     for o in ours:
@@ -82,12 +105,12 @@ def site_errors(model_dir: str, prompts, reference, site_layers) -> dict[str, fl
     return errors
 
 
-def float32_errors(model_dir: str, prompts, exact) -> tuple[dict[int, float], list[dict[int, np.ndarray]]]:
-    """Per layer, the worst prompt's relative error of our float32 forward against ``exact``
-    (transformers in float64 on the same weights); and our activations."""
-    ours = our_activations(model_dir, prompts)
+def float32_errors(loaded: LoadedModel, prompts, exact) -> tuple[dict[int, float], list[dict[int, np.ndarray]]]:
+    """Per layer, the worst prompt's relative error of our float32 forward (of ``loaded_float32``)
+    against ``exact`` (transformers in float64 on the same weights); and our activations."""
+    ours = our_activations(loaded, prompts)
     errors = {layer: worst(relative_error, ours, exact, layer) for layer in exact[0]}
-    print(f"{model_dir}: float32 vs transformers float64, worst relative error per layer:",
+    print(f"{loaded.config.model_type}: float32 vs transformers float64, worst relative error per layer:",
           " ".join(f"{layer}:{e:.1e}" for layer, e in errors.items()))
     return errors, ours
 
@@ -112,19 +135,19 @@ def signature(activations: list[dict[int, np.ndarray]], layer: int) -> float:
     return float(np.median([first_token_ratio(a[layer]) for a in activations]))
 
 
-def greedy_agreement(model_dir: str, prompts) -> list[tuple[int, int]]:
+def greedy_agreement(loaded: LoadedModel, model_dir: str, prompts) -> list[tuple[int, int]]:
     """Per prompt, (tokens compared, tokens equal) of our float32 greedy continuation (the KV
-    cache path, ``NEW_TOKENS`` tokens) against transformers' float32 choice at each step.
+    cache path, ``NEW_TOKENS`` tokens, from ``loaded``: ``loaded_float32(model_dir)``) against
+    transformers' float32 choice at each step.
 
     transformers runs once per prompt over the prompt and our continuation (teacher forcing): at
     every step its argmax given the same prefix must be our token, which by induction is its own
     greedy continuation, 32 decoding steps for the price of one forward. The comparison stops
     where its top two logits are within 1e-4 (``agreeing_prefix``): either token is right there."""
     import torch
-    loaded = load_model(model_dir, jnp.float32, with_head=True, devices=jax.devices()[:1])
     generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=MAX_PROMPT + NEW_TOKENS)
     continuations = [generator.generate(prompt, NEW_TOKENS) for prompt in prompts]
-    del loaded, generator  # transformers' copy of the model needs the memory
+    del generator
     reference = load_reference(model_dir, "float32")
     results = []
     for prompt, ours in zip(prompts, continuations):

@@ -14,7 +14,7 @@ import pytest
 
 from activations.reader import load_shard
 from common.cli import UserError
-from tests.conftest import read_streams, run_cli, run_prepare
+from tests.conftest import read_streams, run_cli, run_in_process, run_prepare
 from fixtures.hf_reference import intervention_hooks, load_reference, remove_hooks, relative_error
 from transforms.prepare import PrepareConfig
 
@@ -48,6 +48,12 @@ def model_with_norms(tmp_path_factory):
 def ablate(*args):
     # One CPU device (not the suite's 8 virtual ones, which share 2 cores): the grid runs twice as fast.
     return run_cli("runners.ablate", *args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+
+
+def ablate_in_process(*args):
+    """``ablate`` for a run that loads no model (nothing left to compute, or refused before the
+    model loads): the same entry point, without a new interpreter's imports."""
+    return run_in_process("runners.ablate", *args)
 
 
 def event_scalars(folder):
@@ -108,7 +114,7 @@ def test_a_grid_over_real_arc_answers_writes_everything_and_resumes(answered_str
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
     # Re-run: everything is there.
-    again = ablate("--config", str(config), "--output_dir", str(out))
+    again = ablate_in_process("--config", str(config), "--output_dir", str(out))
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "run.json").read_text())["computed"] == 0 and "0 batch forwards" in again.stdout
     # An interrupted run (rows of two interventions missing) and a grown grid: only those are computed.
@@ -130,7 +136,7 @@ def test_a_grid_over_real_arc_answers_writes_everything_and_resumes(answered_str
     new = rerun.set_index(["intervention", "sample_id"]).loss
     assert np.allclose(new[old.index], old, rtol=1e-6)  # recomputed rows equal the first run's
     # Other settings into the same output would mix two kinds of rows: refused.
-    changed = ablate("--config", str(config), "--output_dir", str(out), "--max_seq_length", "1024")
+    changed = ablate_in_process("--config", str(config), "--output_dir", str(out), "--max_seq_length", "1024")
     assert changed.returncode == 2
     assert "holds results made with other settings (--max_seq_length 2048 -> 1024)" in changed.stderr
 
@@ -152,8 +158,8 @@ def test_bad_specs_fail_before_the_model_loads(answered_stream, tmp_path, spec, 
     with pytest.raises(UserError, match=re.escape(message)):
         plan(AblationConfig(**args, interventions=("mlp:0", spec)))
     if spec == "head:99.0":  # and on the command line, one line
-        result = ablate("--model_path", args["model_path"], "--stream", answered_stream, "--interventions",
-                        "mlp:0", spec, "--output_dir", args["output_dir"])
+        result = ablate_in_process("--model_path", args["model_path"], "--stream", answered_stream,
+                                   "--interventions", "mlp:0", spec, "--output_dir", args["output_dir"])
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1] == f"runners.ablate: error: intervention '{spec}': {message}"
     assert not (tmp_path / "out").exists()  # nothing written
@@ -206,12 +212,13 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
               str(tmp_path / "resumed"), "--batch_size", "2", "--max_seq_length", "160", "--dtype", "float32",
               "--layers_to_extract", "1,3"]
     assert run_cli("runners.tpu_host", *common, "--ablate", "head:1.2", "--max_samples", "2").returncode == 0
-    other = run_cli("runners.tpu_host", *common, "--ablate", "head:1.3")
+    other = run_in_process("runners.tpu_host", *common, "--ablate", "head:1.3")
     assert other.returncode == 2 and "other settings (--ablate 'head:1.2' -> 'head:1.3')" in other.stderr
-    plain = run_cli("runners.tpu_host", *common)
+    plain = run_in_process("runners.tpu_host", *common)
     assert plain.returncode == 2 and "(--ablate 'head:1.2' -> None)" in plain.stderr
-    bad = run_cli("runners.tpu_host", "--machine_id", "1", "--streams_dir", str(arc_streams), "--model_path",
-                  path, "--output_dir", str(tmp_path / "bad"), "--layers_to_extract", "0,1", "--ablate", "head:9.0")
+    bad = run_in_process("runners.tpu_host", "--machine_id", "1", "--streams_dir", str(arc_streams), "--model_path",
+                         path, "--output_dir", str(tmp_path / "bad"), "--layers_to_extract", "0,1",
+                         "--ablate", "head:9.0")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "runners.tpu_host: error: intervention 'head:9.0': layer 9 does not exist: the model has 4 blocks (0..3)")
 

@@ -32,7 +32,7 @@ from model.loading import load_model
 from model.scoring import InterventionModel
 from tests.conftest import FAMILY_CASES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 LENGTHS = [40, 7, 33]  # one padded batch of 4; 40 and 33 are past the sliding window (16)
 MAX_SEQ = 64
 

@@ -16,9 +16,11 @@ from model.scoring import InterventionModel, scored_tokens
 from fixtures.hf_reference import (decoder_blocks, intervention_hooks, load_reference, random_sequences,
                                    reference_means, relative_error, remove_hooks)
 
-pytestmark = pytest.mark.slow
+# one_torch_thread (tests/conftest.py): the references here are tiny models (0.5 s a test on 2 cores, not 0.03).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 LENGTHS = [3, 64, 17, 40]  # one padded batch of 4
 TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "2"}
+DENSE_KINDS = [kind for kind in KINDS if kind not in ("expert", "route")]  # expert and route: tests/test_moe.py
 
 
 # Every kind x mode on Qwen2 (biases), Llama, Gemma 2 (sandwich, (1 + w) norms, soft-caps) and
@@ -26,8 +28,8 @@ TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "2"}
 # x * w) on the kinds where their blocks differ from those; every kind on GPT-2 (LayerNorms with
 # biases, learned positions) and Pythia (the parallel residual, partial rotary).
 FAMILIES = ["qwen2", "llama", "gemma2", "gemma3"]
-OTHER_FAMILIES = [("mistral", "head"), ("qwen3", "norm"), *(("gpt2", kind) for kind in KINDS),
-                  *(("gpt_neox", kind) for kind in KINDS)]
+OTHER_FAMILIES = [("mistral", "head"), ("qwen3", "norm"), *(("gpt2", kind) for kind in DENSE_KINDS),
+                  *(("gpt_neox", kind) for kind in DENSE_KINDS)]
 
 
 def loaded_case(path: str, seed: int):
@@ -42,17 +44,21 @@ def loaded_case(path: str, seed: int):
 def case_of(tmp_path_factory):
     """name -> (model, reference, sequences, means), each built once: a family's tiny model with
     norm weights away from neutral (so norm:L does something); Qwen2 in GQA (4 query heads over 2
-    kv heads) with its own vocabulary, the others with their tiny shapes (windows of 16); and
-    ``qwen2_untied``, an untied LM head in MHA (the other unembedding path)."""
-    from fixtures.tiny_models import write_checkpoint
+    kv heads) with the small vocabulary of the others (no tokenizer here; the size of the LM head
+    is no part of an intervention), the others with their tiny shapes (windows of 16); and
+    ``qwen2_untied``, an untied LM head in MHA (the other unembedding path) over Qwen2.5's own
+    151,936 tokens: the scorer's loss, accuracy and KL on a vocabulary of a real model's size."""
+    from fixtures.tiny_models import SMALL_VOCAB, write_checkpoint
     built = {}
 
     def build(name: str):
         if name not in built:
-            extra = dict(num_key_value_heads=4, tie_word_embeddings=False) if name == "qwen2_untied" else {}
-            path = write_checkpoint(tmp_path_factory.mktemp(name), name.removesuffix("_untied"), seed=5 + bool(extra),
+            extra = (dict(num_key_value_heads=4, tie_word_embeddings=False) if name == "qwen2_untied"
+                     else dict(vocab_size=SMALL_VOCAB) if name == "qwen2" else {})
+            untied = name == "qwen2_untied"
+            path = write_checkpoint(tmp_path_factory.mktemp(name), name.removesuffix("_untied"), seed=5 + untied,
                                     norm_std=0.5, **extra)
-            built[name] = loaded_case(path, seed=4 if extra else 3)
+            built[name] = loaded_case(path, seed=4 if untied else 3)
         return built[name]
     return build
 
@@ -102,7 +108,7 @@ def test_the_mean_pass_equals_the_reference_means(setup):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DENSE_KINDS)
 def test_each_intervention_matches_hooks_on_the_reference(setup, kind, mode):
     matches_hooks(setup, kind, mode)
 

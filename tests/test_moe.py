@@ -27,7 +27,7 @@ from tests.test_family_runs import runner, write_stream
 from tests.test_host_errors import one_line_error
 from tests.test_multihost import start_slice, stored
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 # case -> (family, runner flags, environment of a runner process of its own (None: in this one)).
 # A 2d mesh's model axis is every device of a host for a mixture of experts (model.sharding).

@@ -17,9 +17,15 @@ MIDDLE = 9
 SITE_LAYERS = (1, MIDDLE)  # every activation site is checked at these blocks (model.sites)
 
 
+@pytest.fixture(scope="module")
+def real_float32(real_model_dir):
+    """The model in float32 with its head, loaded once: the float32 forward and the generation read it."""
+    return checks.loaded_float32(real_model_dir)
+
+
 def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signature(
-        real_model_dir, real_prompts, real_exact):
-    errors, ours = checks.float32_errors(real_model_dir, real_prompts, real_exact)
+        real_float32, real_prompts, real_exact):
+    errors, ours = checks.float32_errors(real_float32, real_prompts, real_exact)
     assert len(errors) == 18 and max(errors.values()) <= 1e-5, errors
     # Gemma 3's first token stands out less than Qwen's (about 15x in the middle blocks): a random
     # model's is about 1 (tests/test_verify_model.py).
@@ -40,10 +46,11 @@ def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloa
     assert ratios["frobenius"][0] <= 0.75 and max(r for layer, r in ratios["frobenius"].items() if layer) <= 0.5
 
 
-def test_greedy_generation_equals_transformers(real_model_dir, real_prompts):
-    # Two prompts, 64 decoding steps on real weights: a third adds seconds to a tight suite, no new case.
-    for compared, equal in checks.greedy_agreement(real_model_dir, real_prompts[:2]):
-        assert equal == compared
+def test_greedy_generation_equals_transformers(real_float32, real_model_dir, real_prompts):
+    # One prompt, 32 decoding steps on real weights: another prompt of the same bucket adds seconds to a
+    # tight suite, no new case (a generator's reuse for a second prompt: tests/test_generation.py).
+    [(compared, equal)] = checks.greedy_agreement(real_float32, real_model_dir, real_prompts[:1])
+    assert equal == compared == checks.NEW_TOKENS
 
 
 def test_a_corrupt_chunk_is_named_in_one_line_and_nothing_is_written(tmp_path, monkeypatch):
@@ -77,6 +84,9 @@ def test_a_missing_chunk_package_is_named():
         chunk_paths(absent)
 
 
-def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(real_model_dir, real_prompts):
-    with pytest.raises(UserError, match=r"--activation_dtype float16: layer \d+ holds values past float16's range"):
-        checks.our_activations(real_model_dir, real_prompts[:1], activation_dtype="float16")
+def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(real_float32, real_prompts):
+    # The first token's values pass float16's range from block 7 on, whatever follows it: 32 tokens
+    # of a prompt up to the middle block show it as well as the whole prompt at every block.
+    with pytest.raises(UserError, match=f"--activation_dtype float16: layer {MIDDLE} holds values past float16's"):
+        checks.our_activations(real_float32, [real_prompts[0][:32]], length=32, layers=[MIDDLE],
+                               activation_dtype="float16")
