@@ -14,7 +14,7 @@ import pytest
 from fixtures.hf_reference import load_reference, random_sequences, reference_sites, relative_error, site_places
 from model.config import load_config
 from model.extract import Extractor
-from model.sites import MLP_IN, RESID_POST, SITES, array_key
+from model.sites import MLP_IN, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
 from fixtures.gcs_emulator import free_port
 from tests.conftest import run_cli, run_in_process
 from tests.test_host_errors import one_line_error
@@ -22,7 +22,8 @@ from tests.test_multihost import start_slice, stored
 
 pytestmark = pytest.mark.slow
 MAX_SEQ = 64
-EVERY_SITE = ["--sites", ",".join(SITES)]
+DENSE_SITES = tuple(site for site in SITES if site not in ROUTING + SHARED_EXPERT)  # every site of a dense block
+EVERY_SITE = ["--sites", ",".join(DENSE_SITES)]
 
 
 def write_stream(path, model_dir: str, count: int = 10) -> list[dict]:
@@ -72,9 +73,9 @@ def test_a_float32_run_stores_transformers_sites(family_checkpoints, tmp_path, c
     records = write_stream(tmp_path / "stream.jsonl", model_dir)
     run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, *flags, *EVERY_SITE))
     metadata = json.loads((tmp_path / "out" / "machine_000" / "metadata.json").read_text())
-    assert metadata["model_type"] == case.removesuffix("_multimodal") and metadata["sites"] == list(SITES)
+    assert metadata["model_type"] == case.removesuffix("_multimodal") and metadata["sites"] == list(DENSE_SITES)
     assert metadata["attention"] == ("fused" if "fused" in flags else "tiled")
-    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), SITES,
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), DENSE_SITES,
                                [0, 2] if case == "llama" else None)
 
 
@@ -86,8 +87,8 @@ def test_qwen2_sites_equal_transformer_lens_hooks(family_checkpoints, tmp_path):
     records = write_stream(tmp_path / "stream.jsonl", model_dir, count=4)
     run_ok(*runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir, "--layers_to_extract", "1,3", *EVERY_SITE))
     got = stored(tmp_path / "out" / "machine_000")
-    assert_equals_transformers(model_dir, records, got, SITES, [1, 3])
-    sites = [s for s in SITES if s != MLP_IN]
+    assert_equals_transformers(model_dir, records, got, DENSE_SITES, [1, 3])
+    sites = [s for s in DENSE_SITES if s != MLP_IN]
     lens = transformer_lens_sites(hooked_qwen2(model_dir), [r["input_ids"] for r in records], sites, [1, 3])
     for record, reference in zip(records, lens):
         for (site, layer), expected in reference.items():
@@ -113,7 +114,7 @@ def test_a_soft_capped_run_stores_the_chosen_blocks_and_sites(gemma2_run):
     model_dir, records, folder = gemma2_run
     metadata = json.loads((folder / "out" / "machine_000" / "metadata.json").read_text())
     assert (metadata["model_type"], metadata["attention"], metadata["layers"]) == ("gemma2", "tiled", [1, 3])
-    assert_equals_transformers(model_dir, records, stored(folder / "out" / "machine_000"), SITES, [1, 3])
+    assert_equals_transformers(model_dir, records, stored(folder / "out" / "machine_000"), DENSE_SITES, [1, 3])
 
 
 def test_the_saelens_export_names_block_3_resid_post_and_reads_as_stored(gemma2_run, tmp_path):
@@ -161,7 +162,7 @@ def test_a_resumed_run_stores_every_sample_once(family_checkpoints, tmp_path):
     other = run_cli("runners.tpu_host", *args, "--sites", "hook_resid_post")  # refused before the model loads
     assert other.returncode != 0 and "--sites [" in other.stderr and "resume with the same flags" in other.stderr
     run_ok(*args, *EVERY_SITE)
-    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), SITES)
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), DENSE_SITES)
 
 
 def test_a_machine_of_two_processes_with_a_single_kv_head(family_checkpoints, tmp_path):
@@ -172,7 +173,7 @@ def test_a_machine_of_two_processes_with_a_single_kv_head(family_checkpoints, tm
     for p in procs:
         _, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr[-3000:]
-    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), SITES)
+    assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), DENSE_SITES)
 
 
 @pytest.mark.parametrize("problem, expected", [
