@@ -61,8 +61,8 @@ class MoE:
     top_k: int                          # experts per token (num_experts_per_tok)
     expert_size: int                    # each expert's intermediate width (moe_intermediate_size)
     normalize_top_k: bool               # the k probabilities divided by their sum (Mixtral; norm_topk_prob)
-    weights_in_float32: bool = False    # the k weights scale the experts' outputs in float32, one rounding
-                                        # after (Mixtral); off: rounded to the compute dtype first (Qwen, OLMoE)
+    weights_in_float32: bool = False    # the k weights stay float32 as they scale the experts' outputs
+                                        # (Mixtral); off: rounded to the compute dtype first (Qwen, OLMoE)
     shared_expert_size: int | None = None  # a gated MLP of this width every token goes through, scaled by
                                            # sigmoid(shared_expert_gate(x)) and added (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # blocks with a dense MLP of intermediate_size instead (Qwen's

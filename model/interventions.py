@@ -171,6 +171,11 @@ def check_expert_blocks(interventions: Sequence[Intervention], config: DecoderCo
             if atom.kind in ("expert", "route") and not config.is_sparse(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} has a dense MLP, no experts "
                                 f"(its mixtures of experts: blocks {', '.join(map(str, config.sparse_layers))})")
+        removed = [atom.layer for atom in intervention.atoms if atom.kind == "expert"]
+        for layer in set(removed):
+            if removed.count(layer) > config.num_experts - config.moe.top_k:
+                raise UserError(f"intervention {intervention.name!r}: removes {removed.count(layer)} of block "
+                                f"{layer}'s {config.num_experts} experts: each token needs {config.moe.top_k} left")
 
 
 @dataclasses.dataclass

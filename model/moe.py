@@ -9,10 +9,14 @@ A block whose config has ``moe`` (``model.config.MoE``) replaces its MLP by
             + sigmoid(x @ shared_gate) * shared_expert(x)   # Qwen2-MoE only
 
 as transformers computes it for Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE (w rounded to the
-compute dtype before it scales an expert's output, except Mixtral's, kept in float32).
+compute dtype before it scales an expert's output, except Mixtral's, kept in float32; the k
+products are summed in the wider of the two dtypes and rounded once, where transformers rounds
+each and adds them in the compute dtype: the same in float32, a bfloat16 step apart at most with
+``--residual_dtype compute``).
 
 Two dispatches compute ``sum_j w_j * expert_{idx_j}(x)``, both exact (no capacity, no token
-dropped) and of static shapes:
+dropped) and of static shapes (equal to float32 rounding; in pure bfloat16 the dense one sums the
+k products in one einsum, the grouped one adds them one by one, a bfloat16 step apart):
   * ``dense``: every expert on every token, combined by a [T, E] matrix of the routing weights
     (zero for the experts not chosen). E / k times the FLOPs of the routed experts alone, but
     plain batched matmuls: the cheaper one where E / k is small (``DENSE_MAX_RATIO``).
@@ -113,14 +117,16 @@ def grouped_dispatch(x, indices, weights, experts, first: int, act, precision, a
     token = order // k
     sizes = jnp.bincount(expert, length=count + 1)[:count]  # [E'] rows per local expert
     rows = x[token]  # [T*k, H] sorted by expert
+    local = (expert[order] < count)[:, None]  # [T*k, 1]: rows of the local experts
     if ragged:
         dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision=precision, preferred_element_type=accumulate)
         hidden = act(dot(rows, gate)) * dot(rows, up)  # [T*k, F]
-        out = dot(hidden.astype(x.dtype), down)  # [T*k, H]; rows of the dropped group: 0
+        # The dropped group's rows are none of ragged_dot's groups: whatever it leaves there goes.
+        out = jnp.where(local, dot(hidden.astype(x.dtype), down), 0)  # [T*k, H]
     else:
         out = tiled_grouped_mlp(rows, sizes, (gate, up, down), act, precision, accumulate)
     wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
-    scale = jnp.where(expert[order] < count, weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
+    scale = jnp.where(local[:, 0], weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
     return jnp.zeros((t, out.shape[-1]), wide).at[token].add(out.astype(wide) * scale[:, None]).astype(out.dtype)
 
 

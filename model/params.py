@@ -314,7 +314,13 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
     """The values of ``source`` (its part of a fused tensor, copied); ``UserError`` for a fused
     tensor whose size the config's sizes do not give (its parts would be cut in the wrong place)."""
     if source.experts:
-        return ExpertStack(checkpoint, [source.name.format(e=e) for e in range(source.experts)], source.transpose)
+        names = [source.name.format(e=e) for e in range(source.experts)]
+        if names[0] not in checkpoint:
+            fused = source.name.split("{e}")[0] + "gate_up_proj"
+            hint = (f" (it holds {fused!r}: transformers 5's fused layout, save_pretrained(..., save_original_format="
+                    "False); save it in the per-expert layout)" if fused in checkpoint else "")
+            raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
+        return ExpertStack(checkpoint, names, source.transpose)
     tensor = checkpoint.tensor(source.name)
     if source.part is None:
         return tensor

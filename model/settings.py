@@ -49,7 +49,8 @@ class ModelRunSettings(ModelSettings):
     moe_dispatch: str = flag(AUTO, "how a mixture of experts computes its experts: auto (by the expert count: "
                              "dense where experts <= 2 x experts per token) | dense (every expert on every token, "
                              "masked) | grouped (tokens sorted by expert, a grouped matmul: only the routed "
-                             "experts' FLOPs); the same numbers either way (docs/model.md#mixtures-of-experts)",
+                             "experts' FLOPs); the same numbers in float32 and with the float32 stream "
+                             "(docs/model.md#mixtures-of-experts)",
                              choices=MOE_DISPATCHES)
 
     def validate_batches(self) -> None:

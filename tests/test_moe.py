@@ -228,3 +228,49 @@ def test_an_ablation_grid_over_experts_scores_and_charts_them(checkpoints, tmp_p
     assert sorted(zip(removed["layer"], removed["head"])) == [(layer, e) for layer in (0, 2) for e in range(7)]
     assert (summary.loc[summary["kind"].isin(["expert", "route"]), "kl"] > 0).all()  # each one changes the logits
     assert (tmp_path / "out" / "charts" / "delta_loss_expert_zero.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("first, count", [(0, 7), (0, 3), (3, 3), (6, 2)])
+def test_the_dispatches_agree_on_every_slice_of_the_experts(first, count):
+    """The grouped dispatch, through ragged_dot (TPU and GPU's path, run here on CPU) and through
+    the CPU's tile loop, equals the dense one on a device's slice of the experts (ids ``first`` to
+    ``first + count - 1``, padding slots past the 7 real ones included); the pairs routed elsewhere
+    add nothing."""
+    import jax
+    from model.moe import dense_dispatch, grouped_dispatch
+    rng = np.random.default_rng(first * 10 + count)
+    x = rng.standard_normal((45, 16)).astype(np.float32)  # [T, H]
+    indices = np.stack([rng.permutation(7)[:3] for _ in range(45)]).astype(np.int32)  # [T, k]
+    weights = rng.uniform(size=(45, 3)).astype(np.float32)
+    experts = tuple(rng.standard_normal(shape).astype(np.float32) for shape in ((count, 16, 24), (count, 16, 24),
+                                                                                 (count, 24, 16)))
+    experts = tuple(np.where(np.arange(first, first + count)[:, None, None] < 7, e, 0) for e in experts)  # padding: 0
+    common = (jax.nn.silu, jax.lax.Precision.HIGHEST, None)
+    on_device = [jax.numpy.asarray(a) for a in (x, indices, weights)], tuple(map(jax.numpy.asarray, experts))
+    dense = np.asarray(dense_dispatch(*on_device[0], on_device[1], first, *common))
+    expected = np.zeros_like(x)  # the pairs' sum, one by one
+    for t, j in np.ndindex(indices.shape):
+        e = indices[t, j] - first
+        if 0 <= e < count:
+            gate, up, down = (w[e] for w in experts)
+            expected[t] += weights[t, j] * ((jax.nn.silu(x[t] @ gate) * (x[t] @ up)) @ down)
+    assert relative_error(dense, expected) <= 1e-5
+    for ragged in (True, False):
+        grouped = np.asarray(grouped_dispatch(*on_device[0], on_device[1], first, *common, ragged))
+        assert relative_error(grouped, expected) <= 1e-5, ragged
+
+
+def test_removing_too_many_experts_or_a_fused_checkpoint_is_refused(checkpoints, tmp_path):
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    config = load_config(checkpoints["qwen3_moe"])  # 5 experts, k 2
+    with pytest.raises(UserError, match="removes 4 of block 1's 5 experts: each token needs 2 left"):
+        parse_one("expert:1.0+expert:1.1+expert:1.2+expert:1.3", config)
+    assert parse_one("expert:1.0+expert:1.1+expert:1.2", config).atoms
+    fused = tmp_path / "fused"
+    shutil.copytree(checkpoints["qwen3_moe"], fused)
+    tensors = {name: t for name, t in load_file(fused / "model.safetensors").items() if ".experts." not in name}
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = np.zeros((5, 80, 48), np.float32)
+    save_file(tensors, fused / "model.safetensors")
+    with pytest.raises(UserError, match="transformers 5's fused layout"):
+        Extractor.load(str(fused), dtype="float32", max_seq_length=64)
