@@ -13,11 +13,10 @@ with the pre-norms only where ``pre_norms`` (not OLMo 2), the post-norms only wh
 
     x = mlp(pre_mlp_norm(x)) + attention(pre_attention_norm(x)) + x
 
-The MLP is gated or plain (``gated_mlp``), or a mixture of experts (``moe``: ``model.moe``);
-q and k are normed before RoPE where ``qk_norm``, per
-head or over the whole projection; RoPE rotates each head's first ``rope_dim`` dims, with each
-layer's sliding window and RoPE from its layer type, or positions are a learned table added to
-the embeddings (``positions``: GPT-2).
+The MLP is gated or plain (``gated_mlp``), or a mixture of experts (``moe``: ``model.moe``); q
+and k are normed before RoPE where ``qk_norm``, per head or over the whole projection; RoPE
+rotates each head's first ``rope_dim`` dims, with each layer's sliding window and RoPE from its
+layer type, or positions are a learned table added to the embeddings (``positions``: GPT-2).
 
 Axis names in shape comments:
     B batch, S query positions, T key positions (T = S without a cache), H hidden_size,
