@@ -319,7 +319,7 @@ class DecoderLayer(nn.Module):
     window: int | None = None   # this layer's sliding window
     mlp_hidden: bool = False    # sow the MLP's hidden activation (a wider output of its chunked loop)
     sparse: bool = False        # the MLP is the config's mixture of experts (model.moe)
-    moe_dispatch: str = "auto"  # model.moe.DISPATCHES
+    moe_dispatch: str = "auto"  # model.config.MOE_DISPATCHES
     routing_sites: bool = False  # sow the router's logits and choice (and the shared expert's output)
 
     @nn.compact
@@ -358,9 +358,9 @@ class DecoderLayer(nn.Module):
         else:
             mlp_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
                                             self.chunk_tokens)
-        if self.mlp_hidden and not self.sparse:
-            mlp_out, hidden = mlp_out
-            self.sow("sites", MLP_POST, hidden)
+            if self.mlp_hidden:
+                mlp_out, hidden = mlp_out
+                self.sow("sites", MLP_POST, hidden)
         if c.sandwich_norms:
             mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
         mlp_out = _replaced(mlp_out, a, "mlp")
@@ -384,7 +384,7 @@ class Decoder(nn.Module):
     attention: str = "tiled"         # tiled | fused: see model.attention.attention_for
     residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
     mlp_hidden: bool = False         # the blocks sow the MLP's hidden activation too (``sites``)
-    moe_dispatch: str = "auto"       # how a mixture of experts dispatches tokens (model.moe.DISPATCHES)
+    moe_dispatch: str = "auto"       # how a mixture of experts dispatches tokens (model.config.MOE_DISPATCHES)
     routing_sites: bool = False      # the blocks sow their routing too (``sites``)
 
     def setup(self):

@@ -271,7 +271,7 @@ class Extractor:
     ablation: dict[str, np.ndarray] | None = None  # an intervention's arrays (model.interventions)
     residual_dtype: Any = None    # resolve_residual_dtype: float32, or None for the compute dtype
     sites: tuple[str, ...] = DEFAULT_SITES  # model.sites, in block order
-    moe_dispatch: str = "auto"    # a mixture of experts' (model.moe.DISPATCHES)
+    moe_dispatch: str = "auto"    # a mixture of experts' (model.config.MOE_DISPATCHES)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                  repr=False)

@@ -45,15 +45,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 from model.config import MOE_DISPATCHES, DecoderConfig
 from model.sites import EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SHARED_EXPERT_GATE, SHARED_EXPERT_OUT
 
-DISPATCHES = MOE_DISPATCHES
 DENSE_MAX_RATIO = 2   # auto: dense where E / k is at most this (benchmarks/extraction_throughput.py)
 MAX_TILE = 128        # rows per tile of the CPU grouped matmul, at most (see tile_rows)
 
 
 def dispatch_for(config: DecoderConfig, dispatch: str = "auto") -> str:
     """The dispatch ``auto`` stands for on this model (see the module docstring)."""
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"unknown dispatch {dispatch!r} (choose from {', '.join(DISPATCHES)})")
+    if dispatch not in MOE_DISPATCHES:
+        raise ValueError(f"unknown dispatch {dispatch!r} (choose from {', '.join(MOE_DISPATCHES)})")
     if dispatch != "auto":
         return dispatch
     moe = config.moe

@@ -198,8 +198,7 @@ def test_refusals_name_the_problem_in_one_line(checkpoints, tmp_path):
         raw = {**json.load(open(f"{checkpoints['qwen2_moe']}/config.json")), key: value}
         with pytest.raises(UserError, match=message):
             config_from_dict(raw)
-    records = write_stream(tmp_path / "stream.jsonl", checkpoints["qwen2_moe"], count=2)
-    assert records
+    write_stream(tmp_path / "stream.jsonl", checkpoints["qwen2_moe"], count=2)
     for flags, message in [(["--sites", ROUTER_LOGITS], "--sites mlp.hook_router_logits: block 1 of qwen2_moe has "
                                                         "a dense MLP"),
                            (["--sites", "mlp.hook_post", "--layers_to_extract", "0"], "block 0's MLP is a mixture"),
