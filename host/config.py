@@ -8,6 +8,7 @@ import os
 
 from activations.shards import DEFAULT_COMPRESSION_LEVEL
 from common.cli import AUTO, UserError, flag, int_list, int_or_auto
+from host.lease import MIN_LEASE_S
 from host.machine_id import machine_id_flag
 from model.config import STORED_DTYPES
 from model.settings import ModelRunSettings, ProfileSettings, SiteSettings
@@ -65,6 +66,11 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
                                   "for one command on every host with --machine_id auto")
     delete_local_after_upload: bool = flag(False, "remove each local shard once its upload is verified")
     upload_retries: int = flag(5, "attempts per GCS operation on transient errors")
+    lease_s: float | None = flag(None, "hold the machine through a lease on GCS (gs://.../lease.json) "
+                                 "renewed every lease_s/3 s, and commit through its fenced checkpoint, "
+                                 "where an engine may run two attempts at once (pipeline.extract sets it): "
+                                 "a live holder makes a second attempt stop; a holder silent for lease_s "
+                                 "is taken over (needs --upload_to_gcs)")
     window: int | None = flag(None, "records computed together, then emitted in stream order "
                               "(default: 8 x global batch)")
     verbose: bool = flag(False, "log a line per shard")
@@ -131,6 +137,16 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
             raise UserError(f"--num_processes must be at least 1, got {self.num_processes}")
         if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1 << 30):
             raise UserError(f"--process_id must be in 0..--num_processes - 1, got {self.process_id}")
+        if self.lease_s is not None:
+            if not self.upload_to_gcs:
+                raise UserError("--lease_s needs --upload_to_gcs (the lease and the checkpoint it fences "
+                                "live on GCS)")
+            if not (math.isfinite(self.lease_s) and self.lease_s >= MIN_LEASE_S):
+                raise UserError(f"--lease_s must be at least {MIN_LEASE_S:g} seconds (renewed every "
+                                f"lease_s/3; GCS takes one write per second per object), got {self.lease_s}")
+            if self.num_processes not in (None, 1) or self.distributed == "on":
+                raise UserError("--lease_s holds a one-process machine; a multi-host slice is not "
+                                "leased (Dataflow TPU workers are single-host)")
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise UserError(f"--heartbeat_s must be a positive number of seconds, got {self.heartbeat_s}")
 

@@ -46,6 +46,7 @@ from host.allocator import one_malloc_arena
 from host.checkpoint import Checkpoint, covers, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
+from host.lease import MachineLease
 from host.machine_id import resolve_machine_id
 from host.machine_status import MachineStatus, mark_failed
 from host.profiling import BatchProfiler
@@ -108,8 +109,12 @@ def _local_files(machine_dir: str) -> list[str]:
     return out
 
 
-def initial_checkpoint(config: HostConfig, store: GcsStore | None) -> Checkpoint:
-    """The local checkpoint, else the uploaded one (a preempted VM may lose its disk), else new."""
+def initial_checkpoint(config: HostConfig, store: GcsStore | None, lease: MachineLease | None = None) -> Checkpoint:
+    """The local checkpoint, else the uploaded one (a preempted VM may lose its disk), else new.
+    Under a lease, the uploaded one, fenced (``host/lease.py``): another attempt may have moved it."""
+    if lease is not None:
+        remote = lease.fence(CHECKPOINT_FILE, Checkpoint().to_json().encode())
+        return Checkpoint.from_json(remote.decode(), store.url(CHECKPOINT_FILE)) if remote else Checkpoint()
     local = load_checkpoint(os.path.join(config.process_dir, CHECKPOINT_FILE))
     if local is not None:
         return local
@@ -128,7 +133,11 @@ class StopFlag:
     def __init__(self):
         self.signal: int | None = None
         self.graceful = False
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        # Only the main thread may take signals: a Beam worker runs its DoFns in others, and its
+        # harness handles the worker's signals itself.
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = ({s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+                          if main else {})
 
     def _handle(self, signum, frame):
         self.signal = signum
@@ -184,9 +193,11 @@ def check_model(config: HostConfig) -> None:
     intervention_for(config.ablate, config.ablation_means, model, blocks_needed(sites, layers))
 
 
-def run_process(config: HostConfig, placement: Placement | None = None) -> int:
+def run_process(config: HostConfig, placement: Placement | None = None,
+                extraction: OrderedExtraction | None = None) -> int:
     """This process's part of the machine; with a ``placement``, one of several processes (it
-    joins the others first, and tells the watchdog where it stands)."""
+    joins the others first, and tells the watchdog where it stands). ``extraction``: one already
+    set up for these flags (a Beam worker extracts machine after machine with one loaded model)."""
     if placement is not None:
         config = distributed.initialize(config)
         placement.set(config.process_id, config.num_processes)
@@ -206,7 +217,7 @@ def run_process(config: HostConfig, placement: Placement | None = None) -> int:
     try:
         with health.reporting():
             try:
-                finished = _run(config, health, progress, stop)
+                finished = _run(config, health, progress, stop, extraction)
             except Exception as e:
                 if isinstance(e, Stopped) or stop.signal is None or stop.graceful:
                     raise
@@ -259,15 +270,39 @@ def _store(config: HostConfig, prefix: str) -> GcsStore | None:
     return GcsStore(config.gcs_bucket, prefix, config.upload_retries) if config.upload_to_gcs else None
 
 
-def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag) -> bool:
+def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag,
+         extraction: OrderedExtraction | None = None) -> bool:
     """Resume, compute, store; True when the stream is done, False when a signal stopped it."""
     stream = runner_stream(config)
     first_part = stream.parts[0].path
     if "://" not in first_part and not os.path.exists(first_part):
         raise UserError(f"no stream file for machine {config.machine_id}: {first_part}")
     store = _store(config, config.process_prefix)
+    lease = take_machine(config, store)  # before this attempt writes anything there
+    try:
+        return _run_held(config, health, progress, stop, stream, store, lease, extraction)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def take_machine(config: HostConfig, store: GcsStore | None) -> MachineLease | None:
+    """With ``--lease_s``: this attempt's lease on the machine, held and renewing (``LeaseHeld``
+    if a live attempt has it)."""
+    if config.lease_s is None:
+        return None
+    lease = MachineLease(store, config.machine_id, config.lease_s)
+    lease.acquire()
+    lease.start_renewing()
+    return lease
+
+
+def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag, stream,
+              store: GcsStore | None, lease: MachineLease | None, loaded: OrderedExtraction | None) -> bool:
     health.store = store  # status.json goes beside checkpoint.json from now on
-    checkpoint = initial_checkpoint(config, store)
+    if lease is not None:  # a stale attempt's last words stay local
+        lease.on_lost.append(lambda: setattr(health, "store", None))
+    checkpoint = initial_checkpoint(config, store, lease)
     progress.resume_from(checkpoint)
     done = checkpoint.total_samples_processed
     completed = checkpoint.status == COMPLETED and covers(checkpoint.max_samples, done, config.max_samples)
@@ -290,15 +325,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
               f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize)}")
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint)
-    extraction = OrderedExtraction(ExtractConfig(
-        model_path=config.model_path, model_revision=config.model_revision, dtype=config.dtype,
-        residual_dtype=config.residual_dtype,
-        mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
-        moe_dispatch=config.moe_dispatch,
-        layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
-        activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
-        batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
-        sites=config.sites))
+    extraction = loaded or OrderedExtraction(extract_config(config))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
@@ -309,8 +336,9 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
-    health.set_state(LOADING)
-    extraction.setup()
+    if loaded is None:
+        health.set_state(LOADING)
+        extraction.setup()
     extractor = extraction.extractor
     profiler = BatchProfiler(config.profile_dir, config.profile_batches) if config.profile_dir else None
     stats = StoreStats()
@@ -319,7 +347,7 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
     health.store_stats = stats.snapshot
     health.set_state(RUNNING)
     writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"], stream.name), checkpoint, store,
-                         rejected, on_stored=progress.shard_stored, stats=stats)
+                         rejected, on_stored=progress.shard_stored, stats=stats, lease=lease)
     stop.graceful = True  # from here a signal stores what was computed, then stops
     if stop.signal is not None:  # (one may have come just before)
         raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
@@ -333,7 +361,8 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
         finally:
             if profiler is not None:
                 profiler.stop()
-            extraction.teardown()
+            if loaded is None:
+                extraction.teardown()
     checkpoint.status = COMPLETED if finished else IN_PROGRESS
     writer.write_state()
     if finished:
@@ -345,6 +374,19 @@ def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: S
               f"{checkpoint.total_samples_processed} samples, {checkpoint.total_shards} shards; "
               "re-run the same command to resume")
     return finished
+
+
+def extract_config(config: HostConfig) -> ExtractConfig:
+    """The extraction these runner flags ask for (what the model computes, not where it goes)."""
+    return ExtractConfig(
+        model_path=config.model_path, model_revision=config.model_revision, dtype=config.dtype,
+        residual_dtype=config.residual_dtype,
+        mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
+        moe_dispatch=config.moe_dispatch,
+        layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
+        activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
+        batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
+        sites=config.sites)
 
 
 def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint) -> RejectedLog:

@@ -32,6 +32,10 @@ class StorageError(UserError):
     """GCS could not be reached or refused an operation, after retries."""
 
 
+class PreconditionFailed(StorageError):
+    """GCS refused a conditional write or delete: the object's generation is not the one named."""
+
+
 def _transient(error: Exception) -> bool:
     from google.api_core import exceptions as gexc
     import requests
@@ -90,6 +94,10 @@ class GcsStore:
             try:
                 return fn()
             except Exception as e:  # classified below; anything else is not ours to retry
+                from google.api_core import exceptions as gexc
+                if isinstance(e, gexc.PreconditionFailed):
+                    raise PreconditionFailed(f"GCS {what} refused: the object changed (precondition "
+                                             "failed)") from None
                 if not _transient(e):
                     raise StorageError(f"GCS {what} failed: {type(e).__name__}: "
                                        f"{str(e).splitlines()[0][:200]}") from None
@@ -107,6 +115,57 @@ class GcsStore:
         self._call(f"upload of {self.url(name)}",
                    lambda: blob.upload_from_string(data, retry=None, timeout=TIMEOUT_S))
         return self.verify(name, len(data), md5=md5_base64(data))
+
+    def put_if_generation(self, name: str, data: bytes, generation: int) -> int:
+        """Writes ``data`` only if the object's generation is still ``generation`` (0: only if
+        it does not exist); returns the new generation. Raises ``PreconditionFailed`` if another
+        writer came first. A retried request whose first try was applied finds its own bytes
+        there: that counts as done (the bytes are what this call asked for)."""
+        blob = self._bucket.blob(self._key(name))
+        try:
+            self._call(f"conditional upload of {self.url(name)}", lambda: blob.upload_from_string(
+                data, if_generation_match=generation, retry=None, timeout=TIMEOUT_S))
+        except PreconditionFailed:
+            current = self.read_with_generation(name)
+            if current is None or current[0] != data:
+                raise
+            return current[1]
+        return int(blob.generation)
+
+    def read_with_generation(self, name: str) -> tuple[bytes, int] | None:
+        """The object's bytes and the generation they belong to, or None if it does not exist."""
+        from google.api_core import exceptions as gexc
+        blob = self._bucket.blob(self._key(name))
+
+        def fetch() -> tuple[bytes, int] | None:
+            while True:  # the metadata, then the bytes of that very generation (else again)
+                try:
+                    blob.reload(retry=None, timeout=TIMEOUT_S)
+                    generation = int(blob.generation)
+                    return blob.download_as_bytes(if_generation_match=generation, retry=None,
+                                                  timeout=TIMEOUT_S), generation
+                except gexc.NotFound:
+                    return None
+                except gexc.PreconditionFailed:
+                    continue  # rewritten between the two requests
+        return self._call(f"download of {self.url(name)}", fetch)
+
+    def delete_if_generation(self, name: str, generation: int) -> bool:
+        """Deletes the object if its generation is still ``generation``; False if it was not (or
+        is gone)."""
+        from google.api_core import exceptions as gexc
+        blob = self._bucket.blob(self._key(name))
+
+        def remove() -> bool:
+            try:
+                blob.delete(if_generation_match=generation, retry=None, timeout=TIMEOUT_S)
+            except gexc.NotFound:
+                return False
+            return True
+        try:
+            return self._call(f"delete of {self.url(name)}", remove)
+        except PreconditionFailed:
+            return False
 
     def put_file(self, name: str, path: str) -> None:
         """Uploads a local file, streamed in ``UPLOAD_CHUNK_BYTES`` requests (``verify`` checks it)."""

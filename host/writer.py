@@ -42,6 +42,7 @@ from activations.shards import (DEFAULT_COMPRESSOR, CompressedArray, Segment, ac
                                 array_locations, gzip_member_compressor, shard_dict, shard_filename,
                                 shard_segments, stored_segments)
 from host.checkpoint import Checkpoint, write_atomically
+from host.lease import MachineLease
 from host.rejected import RejectedLog
 from host.status import utc_now
 from host.storage import Crc32c, GcsStore
@@ -111,8 +112,11 @@ class ShardWriter:
 
     def __init__(self, settings: ShardSettings, checkpoint: Checkpoint, store: GcsStore | None,
                  rejected: RejectedLog, on_stored: Callable[[dict[str, Any]], None] = lambda shard: None,
-                 stats: StoreStats | None = None):
+                 stats: StoreStats | None = None, lease: MachineLease | None = None):
+        """``lease``: this attempt's hold on the machine (``--lease_s``): every upload waits on it
+        and the checkpoint is written through it."""
         self.settings = settings
+        self.lease = lease
         self.checkpoint = checkpoint
         self.store = store
         self.rejected = rejected
@@ -341,6 +345,8 @@ class ShardWriter:
     def _upload(self, written: WrittenShard) -> WrittenShard:
         try:
             stats = self.stats
+            if self.lease is not None:
+                self.lease.check()  # a stale attempt uploads nothing more
             with stats.stage("upload"):
                 self.store.put_file(written.name, written.local_path)
             with stats.stage("verify"):
@@ -367,6 +373,8 @@ class ShardWriter:
                 raise self._failure  # an earlier commit failed: nothing after it may be committed
             written = handover.written.result().result() if handover.written is not None else None
             with self.stats.stage("commit"):
+                if self.lease is not None:
+                    self.lease.check()
                 if handover.skipped:
                     self.rejected.append(handover.skipped)
                 c = self.checkpoint
@@ -397,7 +405,11 @@ class ShardWriter:
             files = {METADATA_FILE: (json.dumps(metadata, indent=2) + "\n").encode(),
                      CHECKPOINT_FILE: c.to_json().encode()}
             for name, data in files.items():
-                if self.store:
+                if self.lease is not None and name == CHECKPOINT_FILE:
+                    self.lease.write(name, data)  # the commit point is fenced (host/lease.py)
+                elif self.store:
+                    if self.lease is not None:
+                        self.lease.check()
                     self.store.upload(name, data)
                 write_atomically(os.path.join(s.machine_dir, name), data)
 
