@@ -12,6 +12,10 @@ states (``host/status.py``) the fleet adds three: ``missing`` (no file yet), ``s
 non-final state whose heartbeat is older than three intervals: the process is dead or frozen) and
 ``under_limit`` (completed under a smaller ``--max_samples`` than the runner flags ask for now:
 it has more to do).
+
+Over time (the chart's curves, ``fleet/report.py``): samples stored, from the checkpoints' shard
+times; samples computed, from ``status.json``'s ``samples_history`` (a process's run; earlier runs
+count as far as they stored).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from common.files import read_optional
+from common.files import join, read_optional
 from fleet.config import FleetConfig
 from host.checkpoint import covers
 from host.config import process_folder
@@ -37,6 +41,8 @@ STALE_HEARTBEATS = 3
 # Exit codes of ``status``: scripts wait on them.
 ALL_COMPLETED, STILL_RUNNING, NEEDS_ATTENTION = 0, 1, 2
 NEEDS_ATTENTION_STATES = (FAILED, STALLED, MISSING, STOPPED, UNDER_LIMIT)
+LAUNCH_RECORD = "fleet.json"  # in the fleet's own folder, written by ``launch`` (fleet/commands.py)
+Point = tuple[float, int]     # (seconds since the epoch, samples)
 
 
 class _AnyLimit:
@@ -110,6 +116,52 @@ def read_fleet(config: FleetConfig) -> list[MachineFiles]:
 
 def parse_time(text: str | None) -> float | None:
     return datetime.datetime.fromisoformat(text).timestamp() if text else None
+
+
+def read_launched_at(config: FleetConfig) -> float | None:
+    """When ``launch`` last launched the fleet (None: no record, e.g. machines started by hand)."""
+    record = _read_json(join(config.fleet_dir(), LAUNCH_RECORD))
+    try:
+        return parse_time((record or {}).get("launched_at"))
+    except (TypeError, ValueError):
+        log.warning("%s: launched_at is not a time: %r", LAUNCH_RECORD, record.get("launched_at"))
+        return None
+
+
+def stored_curve(files: MachineFiles) -> list[Point]:
+    """Samples the machine had stored at each shard's ``stored_at`` (shards stored before the
+    checkpoint kept the time are left out)."""
+    shards = sorted((parse_time(s["stored_at"]), s["total_samples_in_shard"])
+                    for s in (files.checkpoint or {}).get("shards", []) if s.get("stored_at"))
+    points, running = [], 0
+    for at, count in shards:
+        running += count
+        points.append((at, running))
+    return points
+
+
+def computed_curve(files: MachineFiles) -> list[Point]:
+    """Samples the machine had computed over time: its status's ``samples_history`` and its newest
+    count (all an older ``status.json`` has), never under what it had stored by then (the history
+    is the newest process's: a restarted machine's earlier runs count as far as they stored), never
+    decreasing."""
+    status = files.status or {}
+    points = _history(status)
+    if status.get("updated_at") and status.get("samples_done") is not None:
+        points.append((parse_time(status["updated_at"]), status["samples_done"]))
+    curve, top = [], 0
+    for at, count in sorted(points + stored_curve(files)):
+        top = max(top, count)
+        curve.append((at, top))
+    return curve
+
+
+def _history(status: dict[str, Any]) -> list[Point]:
+    try:
+        return [(parse_time(at), int(count)) for at, count in status.get("samples_history") or []]
+    except (TypeError, ValueError):  # a hand-edited file, say: the newest count still shows
+        log.warning("machine %s: unreadable samples_history in status.json", status.get("machine_id"))
+        return []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,9 @@
 document and a chart, with each machine's usage and cost (``fleet/usage.py``).
 
 ``fleet_report`` gathers the figures once; one function makes the cells; the plain and the rich
-table only lay them out.
+table only lay them out. The chart's curves (``progress_curves``) are the fleet's samples computed
+and stored over time since the launch: computed moves as the machines compute (a window of records
+at a time), stored only as shards are stored (a small run may store everything at its end).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Sequence
 
 from common.files import write_bytes
 from fleet.machines import (COMPLETED, FAILED, MISSING, STALLED, STOPPED, UNDER_LIMIT, FleetTotals,
-                            MachineFiles, MachineView, parse_time, totals)
+                            MachineFiles, MachineView, Point, computed_curve, parse_time, stored_curve,
+                            totals)
 from fleet.usage import FleetUsage, Ledger, MachineUsage, fleet_usage, machine_usage
 from host.status import iso_time
 
@@ -25,6 +28,7 @@ COLOURS = {COMPLETED: "tab:green", FAILED: "tab:red", STALLED: "tab:orange", MIS
            STOPPED: "tab:purple", UNDER_LIMIT: "tab:olive"}  # any other (running) state: blue
 RICH_STYLES = {COMPLETED: "green", FAILED: "bold red", STALLED: "bold yellow", MISSING: "dim",
                STOPPED: "magenta", UNDER_LIMIT: "yellow"}
+Since = tuple[float, int]  # (seconds since the chart's origin, samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +41,16 @@ class FleetReport:
     totals: FleetTotals
     fleet: FleetUsage
     price_per_hour: float | None
+    launched_at: float | None = None  # ``_fleet/fleet.json``'s (``read_launched_at``): the chart's origin
 
 
 def fleet_report(views: Sequence[MachineView], files: Sequence[MachineFiles], ledger: Ledger, now: float,
-                 price_per_hour: float | None) -> FleetReport:
+                 price_per_hour: float | None, launched_at: float | None = None) -> FleetReport:
     usage = {v.machine_id: machine_usage(ledger, v.machine_id, now, price_per_hour) for v in views}
     fleet_totals = totals(views)
     return FleetReport(now, list(views), list(files), usage, fleet_totals,
-                       fleet_usage(views, usage, price_per_hour, fleet_totals.eta_s), price_per_hour)
+                       fleet_usage(views, usage, price_per_hour, fleet_totals.eta_s), price_per_hour,
+                       launched_at)
 
 
 def duration(seconds: float | None) -> str:
@@ -144,23 +150,59 @@ def status_document(report: FleetReport) -> dict[str, Any]:
     return {"at": iso_time(report.at), "machines": machines, "fleet": fleet}
 
 
-def samples_over_time(files: Sequence[MachineFiles]) -> tuple[list[float], list[int]]:
-    """(time, fleet samples stored by then) at every stored shard, from the checkpoints' shard
-    history (shards stored before ``stored_at`` existed are left out)."""
-    events = sorted((parse_time(s["stored_at"]), s["total_samples_in_shard"])
-                    for f in files if f.checkpoint for s in f.checkpoint.get("shards", [])
-                    if s.get("stored_at"))
-    times, counts, running = [], [], 0
-    for at, count in events:
-        running += count
-        times.append(at)
-        counts.append(running)
-    return times, counts
+def fleet_sum(curves: Sequence[Sequence[Point]]) -> list[Point]:
+    """The machines' step curves summed at every time any of them changes, each machine's last
+    value carried forward (0 before its first point)."""
+    events = sorted((at, machine, count) for machine, curve in enumerate(curves) for at, count in curve)
+    last, total, points = [0] * len(curves), 0, []
+    for at, machine, count in events:
+        total += count - last[machine]
+        last[machine] = count
+        if points and points[-1][0] == at:
+            points[-1] = (at, total)
+        else:
+            points.append((at, total))
+    return points
 
 
-def write_chart(report: FleetReport, path: str) -> None:
-    """A PNG: one progress bar per machine coloured by state, and the fleet's stored samples
-    over time; the usage (and cost) in the title."""
+def progress_curves(files: Sequence[MachineFiles], launched_at: float | None) -> tuple[list[Since], list[Since]]:
+    """The fleet's samples computed and stored over time: step curves of (seconds since the launch,
+    samples), each from 0 at the launch (or at its first point, when that came before: an earlier
+    launch's). Without a launch time the origin is the earliest time the files give."""
+    computed = fleet_sum([computed_curve(f) for f in files])
+    stored = fleet_sum([stored_curve(f) for f in files])
+    origin = launched_at
+    if origin is None:
+        starts = [parse_time(f.status.get("started_at")) for f in files if f.status and f.status.get("started_at")]
+        origin = min(starts + [curve[0][0] for curve in (computed, stored) if curve], default=0.0)
+    return _from(computed, origin), _from(stored, origin)
+
+
+def _from(curve: list[Point], origin: float) -> list[Since]:
+    if not curve:
+        return []
+    shifted = [(at - origin, count) for at, count in curve]
+    start = (min(0.0, shifted[0][0]), 0)
+    return shifted if shifted[0] == start else [start] + shifted
+
+
+def time_unit(span_s: float) -> tuple[float, str]:
+    """The unit a time axis over ``span_s`` seconds reads best in: (its seconds, its name)."""
+    if span_s <= 180:
+        return 1.0, "seconds"
+    return (60.0, "minutes") if span_s <= 180 * 60 else (3600.0, "hours")
+
+
+def time_label(unit: str, launched_at: float | None) -> str:
+    if launched_at is None:
+        return f"{unit} since the fleet's first record (no launch record)"
+    at = datetime.datetime.fromtimestamp(launched_at, datetime.timezone.utc)
+    return f"{unit} since launch ({at:%Y-%m-%d %H:%M} UTC)"
+
+
+def chart(report: FleetReport):
+    """The figure: one progress bar per machine coloured by state, and the fleet's samples
+    computed and stored over time since the launch; the usage (and cost) in the title."""
     import matplotlib
     matplotlib.use("Agg")  # no display: the chart is a file
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font cache notices
@@ -180,15 +222,30 @@ def write_chart(report: FleetReport, path: str) -> None:
     states = dict.fromkeys(v.state for v in views)
     bars.legend(handles=[Patch(color=COLOURS.get(s, "tab:blue"), label=s) for s in states],
                 loc="lower right", fontsize="small")
-    times, counts = samples_over_time(files)
-    if times:
-        start = times[0]
-        curve.step([0.0] + [(t - start) / 60 for t in times], [0] + counts, where="post")
-    curve.set_xlabel("minutes since the first stored shard")
-    curve.set_ylabel("samples stored (fleet)")
+    computed, stored = progress_curves(files, report.launched_at)
+    times = [at for at, _ in computed + stored]
+    scale, unit = time_unit(max(times, default=0.0) - min(times, default=0.0))
+    for points, label, colour in ((computed, "computed (status.json)", "tab:blue"),
+                                  (stored, "stored (shards in checkpoints)", "tab:green")):
+        if points:
+            curve.step([at / scale for at, _ in points], [count for _, count in points], where="post",
+                       label=label, color=colour)
+    if report.totals.samples_total:
+        curve.axhline(report.totals.samples_total, color="tab:gray", linestyle="--", label="all samples")
+    if curve.get_lines():
+        curve.legend(loc="upper left", fontsize="small")
+    curve.set_xlabel(time_label(unit, report.launched_at))
+    curve.set_ylabel("samples (fleet)")
     curve.set_title("fleet progress")
     fig.suptitle(summary_line(report).splitlines()[-1].removeprefix("usage: "), fontsize="medium")
     fig.tight_layout()
+    return fig
+
+
+def write_chart(report: FleetReport, path: str) -> None:
+    """``chart`` as a PNG."""
+    fig = chart(report)
+    import matplotlib.pyplot as plt  # after ``chart`` chose the backend
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)

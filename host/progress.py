@@ -1,5 +1,6 @@
 """Progress of a host run: its counters, shown as a bar on a terminal (plain log lines otherwise)
-and read by the health reporter (``status.json``)."""
+and read by the health reporter (``status.json``), with a short history of the samples done (the
+fleet's chart of progress over time: ``fleet/report.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,41 @@ import threading
 import time
 from typing import Any
 
+from host.status import iso_time
+
 log = logging.getLogger("runners.tpu_host")
 LOG_EVERY_S = 30.0
 RATE_WINDOW_S = 60.0
+HISTORY_POINTS = 240     # the most (time, samples done) points status.json carries
+HISTORY_SPACING_S = 1.0  # between points at first (doubled each time the history fills)
+
+
+class SamplesHistory:
+    """Samples done over a run as at most ``limit`` (time, samples) points spread over the whole
+    run however long: about one per ``spacing_s``; when full, every other point goes and the
+    spacing doubles. A point is a change the run made (the newest when the next comes after the
+    spacing), so a burst (a window's outputs come at once) keeps its top; the cost of a sample is
+    one comparison."""
+
+    def __init__(self, limit: int = HISTORY_POINTS, spacing_s: float = HISTORY_SPACING_S):
+        self.limit = limit
+        self.spacing_s = spacing_s
+        self.points: list[tuple[float, int]] = []
+        self.newest: tuple[float, int] | None = None  # the latest change, not a point yet
+
+    def add(self, at: float, samples: int) -> None:
+        """A change: ``samples`` done at ``at`` (seconds since the epoch)."""
+        if self.newest is not None and (not self.points or at - self.points[-1][0] >= self.spacing_s):
+            if len(self.points) >= self.limit:
+                del self.points[1::2]  # the first point stays: the curve starts where the run did
+                self.spacing_s *= 2
+            self.points.append(self.newest)
+        self.newest = (at, samples)
+
+    def document(self, now: float, samples: int) -> list[list[Any]]:
+        """``[[time, samples], ...]``: the points, the newest change, and ``now``'s count."""
+        newest = [self.newest] if self.newest is not None and self.newest not in self.points[-1:] else []
+        return [[iso_time(at), n] for at, n in self.points + newest] + [[iso_time(now), samples]]
 
 
 class Progress:
@@ -26,6 +59,7 @@ class Progress:
         self._start = self._last_log = time.monotonic()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, self.tokens)
         self._lock = threading.Lock()
+        self.history = SamplesHistory()  # wall times: status.json's readers are on other machines
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -57,14 +91,26 @@ class Progress:
         with self._lock:
             self._recent.append((now, self.tokens))
         self._rate_last_minute(now)  # prunes: the window's history stays bounded
+        self._moved()
         self._report()
 
     def sample_elsewhere(self) -> None:
         self.elsewhere += 1
+        self._moved()
 
     def sample_skipped(self) -> None:
         self.skipped += 1
+        self._moved()
         self._report()
+
+    def samples_done(self) -> int:
+        """Stream records this machine is past: stored by earlier runs, computed, skipped, or
+        computed by another process of the machine."""
+        return self.before["samples"] + self.samples + self.skipped + self.elsewhere
+
+    def _moved(self) -> None:
+        with self._lock:  # the heartbeat thread reads the history
+            self.history.add(time.time(), self.samples_done())
 
     def _report(self) -> None:
         if self._bar is not None:
@@ -83,16 +129,19 @@ class Progress:
 
     def snapshot(self) -> dict[str, Any]:
         """The counters of ``status.json``: this machine's totals (earlier runs included), rates of
-        this process."""
+        this process, and ``samples_history`` of this process's run."""
         now = time.monotonic()
         b = self.before
-        return {"samples_done": b["samples"] + self.samples + self.skipped + self.elsewhere,
+        done = self.samples_done()
+        with self._lock:
+            history = self.history.document(time.time(), done)
+        return {"samples_done": done,
                 "samples_total": self.samples_total,
                 "tokens_done": b["tokens"] + self.tokens,
                 "tokens_per_s": {"last_minute": round(self._rate_last_minute(now), 1),
                                  "since_start": round(self._rate(), 1)},
                 "shards": b["shards"] + self.shards, "truncated": b["truncated"] + self.truncated,
-                "skipped": b["skipped"] + self.skipped}
+                "skipped": b["skipped"] + self.skipped, "samples_history": history}
 
     def close(self) -> None:
         if self._bar is not None:

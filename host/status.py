@@ -9,6 +9,8 @@ slow upload never delays a local heartbeat. A stale ``updated_at`` means a dead 
   starting -> loading -> running <-> compiling, then completed | stopped (a signal) | failed
 
 ``failed`` carries the one-line ``error``, written before the process exits non-zero.
+``samples_history`` (``host/progress.py``) is the run's samples done over time, for the fleet's
+chart: ``status.json`` itself is only the newest snapshot.
 """
 
 from __future__ import annotations
@@ -166,8 +168,10 @@ class HealthReporter:
 
     def document(self) -> dict[str, Any]:
         stats = self.compile_stats
+        counters = dict(self.counters())
+        samples_history = counters.pop("samples_history", None)  # long: last, after the state history
         return {**self._identity, "state": self.state, "updated_at": utc_now(), "error": self.error,
-                **self.counters(),
+                **counters,
                 "compile_s": round(self.compile_s, 3), "compiles": self.compiles,
                 "compile_phases_s": ({phase: round(s, 3) for phase, s in stats.seconds.items()}
                                      if stats is not None else None),
@@ -177,7 +181,8 @@ class HealthReporter:
                 "store": self.store_stats() if self.store_stats is not None else None,
                 **(device_report(self.devices) if self.devices else
                    {"backend": None, "device_kind": None, "device_count": None, "device_memory": []}),
-                "history": list(self._history)}
+                "history": list(self._history),
+                **({"samples_history": samples_history} if samples_history is not None else {})}
 
     def write(self) -> None:
         """Writes ``status.json`` locally and hands it to the uploader (which keeps the newest)."""

@@ -91,13 +91,15 @@ def test_exit_code_1_while_running_0_when_all_completed(tmp_path):
     assert watched.returncode == 0 and watched.stdout.count("machine  state") == 1
 
 
-def test_samples_over_time_from_the_shard_history(fleet_dir):
+def test_progress_over_time_from_files_without_a_samples_history(fleet_dir):
     from fleet.config import FleetConfig
     from fleet.machines import read_fleet
-    from fleet.report import samples_over_time
+    from fleet.report import progress_curves
     files = read_fleet(FleetConfig(name="t", output=str(fleet_dir), num_machines=5))
-    times, counts = samples_over_time(files)
-    assert counts == list(range(2, 2 * 11 + 1, 2)) and times == sorted(times)
+    computed, stored = progress_curves(files, None)  # no launch record: from the first shard
+    assert stored[0] == (0, 0) and stored[-1][1] == 2 * 11 and stored == sorted(stored)
+    # the newest counts (10 + 4 + 6 + 2), at their heartbeats, after the shards
+    assert computed[0] == (0, 0) and computed[-1][1] == 22 and computed == sorted(computed)
 
 
 def write_usage(out: pathlib.Path, machines: dict[int, list[tuple[float, float | None]]],
