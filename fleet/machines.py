@@ -147,8 +147,9 @@ def computed_curve(files: MachineFiles) -> list[Point]:
     decreasing."""
     status = files.status or {}
     points = _history(status)
-    if status.get("updated_at") and status.get("samples_done") is not None:
-        points.append((parse_time(status["updated_at"]), status["samples_done"]))
+    newest = status.get("samples_computed", status.get("samples_done"))  # (older files: done only)
+    if status.get("updated_at") and newest is not None:
+        points.append((parse_time(status["updated_at"]), newest))
     curve, top = [], 0
     for at, count in sorted(points + stored_curve(files)):
         top = max(top, count)

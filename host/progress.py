@@ -54,6 +54,9 @@ class Progress:
         # This process's work; what earlier runs stored comes from the checkpoint (``resume_from``).
         self.samples = self.tokens = self.shards = self.truncated = self.skipped = 0
         self.elsewhere = 0  # records another process of the machine computed and stores
+        # Sequences the forward computed, and those of them an earlier run stored (a resumed window
+        # recomputes from its start): computed and not yet passed on is a window being filled.
+        self.computed = self.recomputing = 0
         self.before = {"samples": 0, "tokens": 0, "shards": 0, "truncated": 0, "skipped": 0}
         self.samples_total: int | None = None  # the stream's records (or --max_samples), once counted
         self._start = self._last_log = time.monotonic()
@@ -103,6 +106,21 @@ class Progress:
         self._moved()
         self._report()
 
+    def batch_computed(self, count: int) -> None:
+        """The forward finished a batch of ``count`` sequences (before its window is emitted)."""
+        self.computed += count
+        self._moved()
+
+    def resume_window(self, stored: int) -> None:
+        """The run restarts ``stored`` records before its checkpoint (its window's start): their
+        outputs are computed again and dropped."""
+        self.recomputing = stored
+
+    def samples_computed(self) -> int:
+        """``samples_done`` plus the samples computed and not yet passed on (a window in progress)."""
+        ahead = self.computed - self.samples - self.elsewhere - self.recomputing
+        return self.samples_done() + max(0, ahead)
+
     def samples_done(self) -> int:
         """Stream records this machine is past: stored by earlier runs, computed, skipped, or
         computed by another process of the machine."""
@@ -110,7 +128,7 @@ class Progress:
 
     def _moved(self) -> None:
         with self._lock:  # the heartbeat thread reads the history
-            self.history.add(time.time(), self.samples_done())
+            self.history.add(time.time(), self.samples_computed())
 
     def _report(self) -> None:
         if self._bar is not None:
@@ -132,10 +150,10 @@ class Progress:
         this process, and ``samples_history`` of this process's run."""
         now = time.monotonic()
         b = self.before
-        done = self.samples_done()
+        done, computed = self.samples_done(), self.samples_computed()
         with self._lock:
-            history = self.history.document(time.time(), done)
-        return {"samples_done": done,
+            history = self.history.document(time.time(), computed)
+        return {"samples_done": done, "samples_computed": computed,
                 "samples_total": self.samples_total,
                 "tokens_done": b["tokens"] + self.tokens,
                 "tokens_per_s": {"last_minute": round(self._rate_last_minute(now), 1),

@@ -153,12 +153,14 @@ class StopFlag:
 
 class RunObserver(ForwardObserver):
     """The forward as the runner watches it: compiles go to ``status.json``, batches to the
-    profiler (if one was asked for)."""
+    profiler (if one was asked for), computed batches to the progress (the fleet's chart)."""
 
-    def __init__(self, health: HealthReporter, profiler: BatchProfiler | None, stats: StoreStats):
+    def __init__(self, health: HealthReporter, profiler: BatchProfiler | None, stats: StoreStats,
+                 progress: Progress):
         self.health = health
         self.profiler = profiler
         self.stats = stats
+        self.progress = progress
 
     def compiling(self, rows: int, length: int):
         return self.health.compiling(rows, length)
@@ -168,6 +170,9 @@ class RunObserver(ForwardObserver):
 
     def host_side(self, stage: str):
         return self.stats.stage(stage)
+
+    def computed(self, count: int) -> None:
+        self.progress.batch_computed(count)
 
 
 def run_host(config: HostConfig) -> int:
@@ -333,6 +338,7 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     window_start = restart - restart % extraction.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":
         check_lengths(stream, window_start, config.max_samples, config.max_seq_length)
+    progress.resume_window(done - window_start)
     records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
@@ -342,7 +348,7 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     extractor = extraction.extractor
     profiler = BatchProfiler(config.profile_dir, config.profile_batches) if config.profile_dir else None
     stats = StoreStats()
-    extractor.observer = RunObserver(health, profiler, stats)
+    extractor.observer = RunObserver(health, profiler, stats, progress)
     health.devices = [d for d in extractor.mesh.devices.flat if d.process_index == jax.process_index()]
     health.store_stats = stats.snapshot
     health.set_state(RUNNING)

@@ -149,6 +149,9 @@ class ForwardObserver:
         off the devices, the forward already finished) and ``split`` (cut per sequence)."""
         return contextlib.nullcontext()
 
+    def computed(self, count: int) -> None:
+        """A batch of ``count`` sequences is back on the host (its window may still be filling)."""
+
 
 def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
@@ -407,6 +410,7 @@ class Extractor:
             for arrays in results:
                 if arrays is not None:
                     check_float16_range(arrays)
+        self.observer.computed(batch.count)
         return results
 
     def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:

@@ -53,6 +53,20 @@ def test_status_json_carries_the_history_to_the_computed_curve(tmp_path):
     assert [n for _, n in curve] == [1, 2, 3, 3, 3] and curve == sorted(curve)
 
 
+def test_a_windows_batches_count_as_computed_before_the_window_is_emitted():
+    progress = Progress()
+    progress.before["samples"] = 3  # an earlier run stored 3 records; this one resumed its window at 1
+    progress.resume_window(2)
+    progress.batch_computed(2)      # records 1 and 2, already stored
+    assert (progress.samples_done(), progress.samples_computed()) == (3, 3)
+    progress.batch_computed(2)      # records 3 and 4
+    assert (progress.samples_done(), progress.samples_computed()) == (3, 5)
+    progress.sample_done(10)        # the window emitted: the stored two dropped, the new two passed on
+    progress.sample_done(10)
+    assert (progress.samples_done(), progress.samples_computed()) == (5, 5)
+    assert progress.snapshot()["samples_computed"] == 5
+
+
 def test_computed_rises_before_anything_is_stored_from_the_launch():
     # machine 0 has computed 8 samples and stored none; machine 1 wrote an older status.json
     # (no samples_history): its count at its last write, and what its shards stored

@@ -65,7 +65,8 @@ def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_stream
     stream = read_streams(arc_streams, 2)[1]
     checkpoint = json.loads((tmp_path / "machine_001" / "checkpoint.json").read_text())
     assert final["machine_id"] == 1 and final["error"] is None
-    assert final["samples_done"] == final["samples_total"] == len(stream)
+    assert final["samples_done"] == final["samples_total"] == final["samples_computed"] == len(stream)
+    assert all(s["samples_computed"] >= s["samples_done"] for s in seen if "samples_computed" in s)
     assert final["tokens_done"] == sum(r["num_tokens"] for r in stream)
     assert final["shards"] == checkpoint["total_shards"] > 1
     assert final["truncated"] == sum(r["truncated"] for r in stream) and final["skipped"] == 0
