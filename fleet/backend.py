@@ -1,7 +1,8 @@
 """The one small interface every place machines run behind: create, exists, is it alive, delete.
 
 ``launch``, ``supervise`` and ``teardown`` are written once against it; a backend module only
-knows its engine (local processes, Cloud TPU queued resources, a Kubernetes Indexed Job).
+knows its engine (local processes, Cloud TPU queued resources, a Kubernetes Indexed Job, a
+Dataflow job).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from common.cli import UserError
 from fleet.config import FleetConfig
@@ -47,6 +48,11 @@ class Backend(abc.ABC):
     # True: ``launch`` writes the user's files and creates machines only when asked (``--apply``),
     # since the user may submit those files with the engine's own tools instead.
     creates_on_request = False
+    # True: the engine runs the machines as one job that retries their work itself (dataflow):
+    # ``supervise`` waits for the job to end (``wait_for_job``), then merges; ``status`` shows the
+    # job (``job_status``).
+    one_job = False
+    delete_words = ("delete", "deleted")  # what ``teardown`` says it does to the machines
 
     def __init__(self, config: FleetConfig):
         self.config = config
@@ -98,6 +104,15 @@ class Backend(abc.ABC):
         self.delete([machine])
         self.create([machine])
 
+    def job_status(self) -> tuple[str, bool] | None:
+        """Where ``one_job``: the job in one line, and whether it has ended (None: no job yet)."""
+        return None
+
+    def wait_for_job(self, look: Callable[[], None]) -> None:
+        """Where ``one_job``: calls ``look`` at every look until the job ends; ``UserError`` if it
+        did not end done."""
+        raise NotImplementedError
+
 
 def error_line(e: BaseException) -> str:
     """An exception as one short line (its message's first line, or its type)."""
@@ -105,17 +120,25 @@ def error_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def make_backend(config: FleetConfig) -> Backend:
-    if config.backend == "local":
+def backend_class(name: str) -> type[Backend]:
+    """The class of ``--backend name`` (imported only when asked for: each has its own client)."""
+    if name == "local":
         from fleet.local import LocalBackend
-        return LocalBackend(config)
-    if config.backend == "tpu-vm":
+        return LocalBackend
+    if name == "tpu-vm":
         from fleet.tpu_vm import TpuVmBackend
-        return TpuVmBackend(config)
-    if config.backend == "gke":
+        return TpuVmBackend
+    if name == "gke":
         from fleet.gke import GkeBackend
-        return GkeBackend(config)
-    raise UserError(f"unknown backend {config.backend!r} (choose from local, tpu-vm, gke)")
+        return GkeBackend
+    if name == "dataflow":
+        from fleet.dataflow import DataflowBackend
+        return DataflowBackend
+    raise UserError(f"unknown backend {name!r} (choose from local, tpu-vm, gke, dataflow)")
+
+
+def make_backend(config: FleetConfig) -> Backend:
+    return backend_class(config.backend)(config)
 
 
 def _cloud_error_types() -> tuple[type, ...]:

@@ -12,10 +12,11 @@ import time
 from common.cli import UserError
 from common.extras import require
 from common.files import join, read_optional, write_bytes
-from fleet.backend import Backend, make_backend
+from fleet.backend import Backend, backend_class, error_line, make_backend
 from fleet.config import FleetConfig, resolve
 from fleet import usage
-from fleet.machines import ALL_COMPLETED, ANY_LIMIT, UNDER_LIMIT, Limit, exit_code, fleet_views, read_fleet
+from fleet.machines import (ALL_COMPLETED, ANY_LIMIT, LAUNCH_RECORD, NEEDS_ATTENTION, UNDER_LIMIT, Limit, exit_code,
+                            fleet_views, read_fleet, read_launched_at)
 from fleet.merge import merge
 from fleet.report import FleetReport, fleet_report, plain_table, rich_table, status_document, write_chart
 from fleet.runner import check_runner_flags
@@ -25,7 +26,6 @@ from host.states import COMPLETED
 from host.status import utc_now
 
 log = logging.getLogger("runners.fleet")
-RECORD_FILE = "fleet.json"
 
 
 def check_output(config: FleetConfig) -> None:
@@ -97,7 +97,7 @@ def _write_record(config: FleetConfig) -> None:
     record = {"name": config.name, "backend": config.backend, "num_machines": config.num_machines,
               "streams_dir": config.streams_dir, "output": config.output, "runner": list(config.runner),
               "launched_at": utc_now()}
-    write_bytes(join(config.fleet_dir(), RECORD_FILE), (json.dumps(record, indent=2) + "\n").encode())
+    write_bytes(join(config.fleet_dir(), LAUNCH_RECORD), (json.dumps(record, indent=2) + "\n").encode())
 
 
 def _resolve_if_possible(config: FleetConfig, teardown: bool = False) -> tuple[FleetConfig, dict | None]:
@@ -116,21 +116,24 @@ def status(config: FleetConfig, watch: bool, chart: str | None, as_json: bool = 
         require("matplotlib", "charts", "status --chart")
     config, manifest = _resolve_if_possible(config)
     limit = _runner_limit(config)
+    engine = make_backend(config) if backend_class(config.backend).one_job else None
     if not watch:
-        return _show_status(config, manifest, limit, chart, as_json)
+        return _show_status(config, manifest, limit, chart, as_json, engine)
     if sys.stdout.isatty() and not as_json:
+        from rich.console import Group
         from rich.live import Live
         with Live(auto_refresh=False) as live:
             while True:
                 report = _report(config, manifest, limit)
-                live.update(rich_table(report), refresh=True)
+                job = _job_status(engine)
+                live.update(Group(rich_table(report), job[0]) if job else rich_table(report), refresh=True)
                 if chart:
                     write_chart(report, chart)
                 if exit_code(report.views) == ALL_COMPLETED:
                     return ALL_COMPLETED
                 time.sleep(config.interval)
     while True:
-        code = _show_status(config, manifest, limit, chart, as_json)
+        code = _show_status(config, manifest, limit, chart, as_json, engine)
         if code == ALL_COMPLETED:
             return code
         time.sleep(config.interval)
@@ -141,7 +144,7 @@ def _runner_limit(config: FleetConfig) -> Limit:
     from those ``launch`` recorded in ``_fleet/fleet.json``; ``ANY_LIMIT`` when neither says."""
     runner = config.runner
     if not runner:
-        record = read_optional(join(config.fleet_dir(), RECORD_FILE))
+        record = read_optional(join(config.fleet_dir(), LAUNCH_RECORD))
         runner = tuple(json.loads(record).get("runner", ())) if record is not None else ()
     if not runner:
         return ANY_LIMIT
@@ -152,23 +155,41 @@ def _report(config: FleetConfig, manifest: dict | None, limit: Limit) -> FleetRe
     files = read_fleet(config)
     now = time.time()
     return fleet_report(fleet_views(files, manifest, now, limit), files, Ledger.read(config), now,
-                        config.price_per_hour)
+                        config.price_per_hour, read_launched_at(config))
 
 
 def _show_status(config: FleetConfig, manifest: dict | None, limit: Limit, chart: str | None,
-                 as_json: bool) -> int:
+                 as_json: bool, engine: Backend | None = None) -> int:
+    """The table (or document); with ``engine`` (a ``one_job`` backend), its job's line after it. A
+    job that ended before every machine completed needs attention, whatever their files say."""
     report = _report(config, manifest, limit)
-    print(json.dumps(status_document(report), indent=2) if as_json else plain_table(report), flush=True)
+    job = _job_status(engine)
+    if as_json:
+        print(json.dumps({**status_document(report), **({"job": job[0]} if job else {})}, indent=2), flush=True)
+    else:
+        print(plain_table(report) + (f"\n{job[0]}" if job else ""), flush=True)
     if chart:
         write_chart(report, chart)
-    return exit_code(report.views)
+    code = exit_code(report.views)
+    return NEEDS_ATTENTION if job and job[1] and code != ALL_COMPLETED else code
+
+
+def _job_status(engine: Backend | None) -> tuple[str, bool] | None:
+    """The engine's job in one line, and whether it ended; a refused call is a line too (the
+    machines' table stands without it)."""
+    if engine is None:
+        return None
+    try:
+        return engine.job_status()
+    except Exception as e:
+        return f"{engine.config.backend}: cannot read the job: {error_line(e)}", False
 
 
 def _existing_or_error(config: FleetConfig, backend: Backend) -> set[int]:
     existing = backend.existing()
-    if not existing and read_optional(join(config.fleet_dir(), RECORD_FILE)) is None:
+    if not existing and read_optional(join(config.fleet_dir(), LAUNCH_RECORD)) is None:
         raise UserError(f"fleet {config.name!r} was never launched: no {backend.where}, and no "
-                        f"{join(config.fleet_dir(), RECORD_FILE)}")
+                        f"{join(config.fleet_dir(), LAUNCH_RECORD)}")
     return existing
 
 
@@ -180,6 +201,11 @@ def supervise(config: FleetConfig, index_path: str | None) -> int:
         _existing_or_error(config, backend)
     log.info("supervising fleet %s: %d machines on %s, a look every %g s", config.name,
              config.num_machines, config.backend, config.interval)
+    if backend.one_job:  # the engine retries the work; its job's end is ours to wait for
+        ledger = Ledger.read(config)
+        backend.wait_for_job(lambda: usage.record(config, backend, ledger))
+        log.info("the job is done; merging")
+        return _merge(config, manifest, index_path, host.max_samples)
     gave_up = Supervisor(config, backend, manifest, host.max_samples).run()
     if gave_up:
         raise UserError(f"machine(s) {', '.join(f'{i:03d}' for i in gave_up)} did not complete and are "
@@ -205,15 +231,16 @@ def teardown(config: FleetConfig, dry_run: bool) -> int:
     config, _ = _resolve_if_possible(config, teardown=True)
     backend = make_backend(config)
     existing = sorted(_existing_or_error(config, backend))
+    verb, done = backend.delete_words
     if dry_run:
-        print(f"would delete {len(existing)} machine(s) of fleet {config.name}: {backend.where}"
+        print(f"would {verb} {len(existing)} machine(s) of fleet {config.name}: {backend.where}"
               + (f": {', '.join(f'{i:03d}' for i in existing)}" if existing else ""))
         return 0
     asked_at = time.time()
     backend.delete(existing)
     ledger = Ledger.read(config)
     usage.deleted(config, ledger, list(ledger.lives), asked_at)
-    print(f"fleet {config.name}: deleted {len(existing)} machine(s) ({backend.where}); the output "
+    print(f"fleet {config.name}: {done} {len(existing)} machine(s) ({backend.where}); the output "
           f"under {config.output} is kept")
     return 0
 

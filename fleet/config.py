@@ -2,7 +2,7 @@
 
 Flags override the file; the file overrides the defaults. The file's keys are the flag names;
 ``runner:`` holds ``runners.tpu_host`` flags (passed through unchanged, after the fleet's own),
-and the sections ``local:``, ``tpu_vm:`` and ``gke:`` may group their backend's settings:
+and the sections ``local:``, ``tpu_vm:``, ``gke:`` and ``dataflow:`` may group their backend's settings:
 
     name: qwen7b-fineweb
     num_machines: 32
@@ -28,9 +28,10 @@ from common.cli import UserError, add_config_flags, config_from_namespace, flag
 from common.files import join
 from common.settings_file import config_path, read_required, read_settings, setting_words
 
-BACKENDS = ("local", "tpu-vm", "gke")
+BACKENDS = ("local", "tpu-vm", "gke", "dataflow")
 PROVISIONING = ("spot", "reserved", "on-demand")
-SECTIONS = ("local", "tpu_vm", "gke")
+TPU_TYPES = ("v5e", "v5p", "v6e")  # the TPUs of Dataflow's TPU workers
+SECTIONS = ("local", "tpu_vm", "gke", "dataflow")
 # The runner flags the fleet sets itself, per machine and backend.
 FLEET_OWNED = ("machine_id", "streams_dir", "dataset_stream", "output_dir", "upload_to_gcs",
                "gcs_bucket", "gcs_prefix")
@@ -48,14 +49,14 @@ class FleetConfig:
                                     "(default: the manifest's)")
     streams_dir: str | None = flag(None, "the prepare pipeline's output: stream_NNN.jsonl + manifest.json")
     output: str | None = flag(None, "where the machines write machine_NNN/: gs://BUCKET/PREFIX for "
-                              "tpu-vm and gke, a local directory for local")
+                              "tpu-vm, gke and dataflow, a local directory for local")
     backend: str = flag("local", "where the machines run", choices=BACKENDS)
     runner: tuple[str, ...] = flag((), "runners.tpu_host flags, passed through unchanged (on the "
                                    "command line: after --)", parse=shlex.split)
     # local
     max_parallel: int = flag(4, "local: runner processes at once (the others wait for a free slot)")
     # tpu-vm
-    project: str | None = flag(None, "tpu-vm: Google Cloud project")
+    project: str | None = flag(None, "tpu-vm, dataflow: Google Cloud project")
     zone: str | None = flag(None, "tpu-vm: zone of the TPUs, e.g. us-central2-b")
     accelerator_type: str = flag("v4-8", "tpu-vm: TPU type of each machine (one host each)")
     runtime_version: str = flag("tpu-ubuntu2204-base", "tpu-vm: TPU VM software version")
@@ -64,7 +65,8 @@ class FleetConfig:
     tpu_api_endpoint: str | None = flag(None, "tpu-vm: Cloud TPU API endpoint (default: Google's)")
     jax_requirement: str = flag("jax[tpu]", "tpu-vm: what the startup script pip-installs for the TPU")
     # gke
-    image: str | None = flag(None, "gke: container image with this project installed (jax[tpu] included)")
+    image: str | None = flag(None, "gke, dataflow: container image with this project installed (jax[tpu] "
+                             "included; dataflow: built on a Beam SDK image, entrypoint /opt/apache/beam/boot)")
     namespace: str = flag("default", "gke: namespace of the Job (or JobSets)")
     gke_accelerator: str = flag("tpu-v5-lite-podslice", "gke: node selector "
                                 "cloud.google.com/gke-tpu-accelerator")
@@ -78,6 +80,22 @@ class FleetConfig:
     gke_spot: bool = flag(True, "gke: schedule on spot nodes (cloud.google.com/gke-spot)")
     grace_period_s: int = flag(120, "gke: termination grace period: the runner's SIGTERM flush (one "
                                "shard stored and uploaded) must fit in it")
+    # dataflow
+    region: str | None = flag(None, "dataflow: region of the job, e.g. us-central1")
+    tpu_type: str = flag("v5e", "dataflow: TPU of each worker", choices=TPU_TYPES)
+    topology: str | None = flag(None, "dataflow: TPU topology of each worker, single-host only (v5e, v6e: "
+                                "1x1, 2x2, 2x4; v5p: 2x2x1; default: the largest)")
+    reservation: str | None = flag(None, "dataflow: the TPU reservation the workers consume (NAME, or "
+                                   "projects/P/reservations/NAME); needs --worker_zone, its zone")
+    worker_zone: str | None = flag(None, "dataflow: zone of the workers (default: Dataflow picks one in --region)")
+    max_workers: int | None = flag(None, "dataflow: most TPU workers at once (default: one per machine "
+                                   "of the job)")
+    temp_location: str | None = flag(None, "dataflow: gs:// folder for the job's temporary and staged "
+                                     "files (default {output}/_fleet/dataflow_tmp)")
+    dataflow_endpoint: str | None = flag(None, "dataflow: Dataflow API endpoint (default: Google's)")
+    beam_options: tuple[str, ...] = flag((), "dataflow: more Beam pipeline options for the job, passed "
+                                         "through, e.g. '--service_account_email SA --disk_size_gb 200'",
+                                         parse=shlex.split)
     # supervise
     interval: float = flag(30.0, "seconds between two looks at the fleet (status --watch, supervise)")
     stall_timeout: float = flag(900.0, "supervise: restart a machine STALLED for longer than this (s)")
@@ -115,7 +133,7 @@ class FleetConfig:
                                     f"cannot see this computer's files), got {getattr(self, field)!r}")
         if self.num_machines is not None and self.num_machines < 1:
             raise UserError(f"--num_machines must be at least 1, got {self.num_machines}")
-        for field in ("max_parallel", "tpu_chips", "grace_period_s"):
+        for field in ("max_parallel", "tpu_chips", "grace_period_s", "max_workers"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise UserError(f"--{field} must be at least 1")
         if not 1 <= self.gke_coordinator_port <= 65535:

@@ -1,6 +1,6 @@
 """Launch, watch, recover and finish N extraction hosts from one command.
 
-    python -m runners.fleet launch    --config fleet.yaml [--backend local|tpu-vm|gke] [--dry_run] [--apply]
+    python -m runners.fleet launch    --config fleet.yaml [--backend local|tpu-vm|gke|dataflow] [--dry_run] [--apply]
     python -m runners.fleet status    --config fleet.yaml [--watch] [--json] [--chart fleet.png]
     python -m runners.fleet supervise --config fleet.yaml
     python -m runners.fleet merge     --config fleet.yaml
@@ -22,9 +22,10 @@ COMMANDS = {
     "launch": "create the machines that do not exist yet (idempotent)",
     "status": "a table of every machine from its status.json / checkpoint.json (exit 0 all "
               "completed, 1 running, 2 failed, stalled, stopped or missing)",
-    "supervise": "recreate machines that are gone, until all complete; then merge",
+    "supervise": "recreate machines that are gone, until all complete (dataflow: wait for the job to "
+                 "end); then merge",
     "merge": "the merged index + merged_metadata.json, checked complete against the manifest",
-    "teardown": "delete what launch created for this fleet (never the output)",
+    "teardown": "delete what launch created for this fleet (dataflow: cancel its job); never the output",
 }
 
 
