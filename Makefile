@@ -11,8 +11,9 @@ DEMO_SAMPLES ?= 64
 # The demo's fleet: two machines as local processes, side by side.
 DEMO_FLEET = --name demo --backend local --streams_dir $(DEMO_DIR)/streams --output $(DEMO_DIR)/activations \
 	--max_parallel 2 --interval 5
+# A heartbeat every 5 s: status --watch and the chart's computed curve follow the run as it goes.
 DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 6,12,18 --activation_dtype float16 \
-	--max_seq_length 2048 --shard_size_gb 0.05
+	--max_seq_length 2048 --shard_size_gb 0.05 --heartbeat_s 5
 
 .PHONY: install demo test lint bench clean
 

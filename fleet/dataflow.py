@@ -153,6 +153,9 @@ class DataflowBackend(Backend):
                    "--worker_machine_type", self.machine_type,
                    "--dataflow_service_options", accelerator_option(self.accelerator, self.topology, c.reservation),
                    "--experiments", "no_use_multiple_sdk_containers", "--number_of_worker_harness_threads", "1",
+                   # Every worker from the start (a few machine elements are little backlog to
+                   # scale up on); autoscaling still lets idle ones go at the job's tail.
+                   "--num_workers", str(min(c.max_workers or len(machines), len(machines))),
                    "--max_num_workers", str(c.max_workers or len(machines))]
         if c.worker_zone:
             options += ["--worker_zone", c.worker_zone]

@@ -11,13 +11,15 @@ preconditions), and deletes it when it ends. An attempt that finds the lease:
 * not renewed for ``lease_s``: the holder is dead (a crashed worker), and this attempt takes the
   lease over (conditional on the generation it watched).
 
-Holding the lease is not enough to commit: a holder can stall past ``lease_s`` (a paused VM) and
-wake up after another attempt took over. So the commit point, ``checkpoint.json``, is *fenced*:
-on taking the lease, the attempt rewrites it (same bytes, or a new empty checkpoint; conditional
-on the generation it read), so that every generation an earlier attempt knows is gone, and every
-later write of it is conditional on this attempt's own last generation. A stale attempt's next
-commit therefore fails (``LeaseLost``), and everything it wrote past the checkpoint is a file
-the holder's resume removes. The argument in full: docs/fleet.md#exactly-once-on-dataflow.
+A holder counts its lease from before each renewal was sent and gives it up (``LeaseLost``) after
+two thirds of ``lease_s`` without one, so it stops writing before any watcher may take over. That
+is a bound on delays, not a proof against a process that stalls for longer between a check and a
+write; so the commit point, ``checkpoint.json``, is also *fenced*: on taking the lease the attempt
+rewrites it under its own name (the object's ``owner`` metadata; a new empty checkpoint where
+there is none), conditional on the generation it read, and every later write of it is conditional
+on this attempt's own last generation. A stale attempt's next commit is refused, whatever it
+stalled on. ``metadata.json`` is fenced the same way. The argument in full, with what is left:
+docs/fleet.md#exactly-once-on-dataflow.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import uuid
 from typing import Callable
 
 from common.cli import UserError
-from host.storage import GcsStore, PreconditionFailed, StorageError
 from host.status import utc_now
+from host.storage import GcsStore, PreconditionFailed, StorageError
 
 log = logging.getLogger(__name__)
 LEASE_FILE = "lease.json"
 MIN_LEASE_S = 3.0  # renewed every lease_s / 3: GCS takes about one write per second per object
+HELD_FRACTION = 2 / 3  # of lease_s since its last renewal was sent, a holder still writes
 
 
 class LeaseHeld(UserError):
@@ -45,7 +48,13 @@ class LeaseHeld(UserError):
 
 
 class LeaseLost(UserError):
-    """This attempt's lease was taken over: it must not commit again."""
+    """This attempt's lease was taken over: it must not write again."""
+
+
+def lease_store(bucket: str, prefix: str, lease_s: float) -> GcsStore:
+    """The store of the lease's own requests: short timeouts, so that a slow request cannot
+    outlast the lease it renews."""
+    return GcsStore(bucket, prefix, retries=3, backoff_s=0.2, timeout_s=max(1.0, lease_s / 6))
 
 
 class MachineLease:
@@ -59,10 +68,11 @@ class MachineLease:
         self.attempt = uuid.uuid4().hex[:12]
         self.clock, self.sleep = clock, sleep
         self.generation: int | None = None          # of lease.json, as this attempt last wrote it
+        self.commit_file: str | None = None         # the first file fenced
         self.fenced: dict[str, int] = {}            # fenced file -> its generation (0: absent)
-        self.lost: str | None = None                # why this attempt may no longer commit
+        self.lost: str | None = None                # why this attempt may no longer write
         self.on_lost: list[Callable[[], None]] = []  # called once, when the loss is found
-        self._renewed_at = clock()
+        self._renewed_at = clock()                   # when the last successful renewal was sent
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -101,23 +111,30 @@ class MachineLease:
             self.sleep(max(0.05, min(holder["lease_s"] / 6, 10.0)))
 
     def _write_lease(self, generation: int) -> bool:
+        sent = self.clock()  # the lease runs from the request, not from its answer
         try:
-            self.generation = self.store.put_if_generation(LEASE_FILE, self._document(), generation)
+            self.generation = self.store.put_if_generation(LEASE_FILE, self._document(), generation, self.attempt)
         except PreconditionFailed:
             return False
-        self._renewed_at = self.clock()
+        self._renewed_at = sent
         return True
 
-    def fence(self, name: str, initial: bytes) -> bytes | None:
-        """Takes the commit file ``name`` over: rewrites it as it is (or creates it as ``initial``),
-        conditional on the generation read, so that no earlier attempt's next write of it can
-        succeed; returns the bytes it held (None: it did not exist). Call once the lease is held,
+    def fence(self, name: str, initial: bytes | None) -> bytes | None:
+        """Takes file ``name`` over: rewrites it as it is under this attempt's name (or creates it
+        as ``initial``; ``None``: leaves it absent), conditional on the generation read, so that no
+        earlier attempt's next conditional write of it succeeds; returns the bytes it held (None:
+        it did not exist). The first file fenced is the commit point. Call once the lease is held,
         before reading or removing anything else."""
+        self.check()
+        self.commit_file = self.commit_file or name
         current = self.store.read_with_generation(name)
         data, generation = current if current is not None else (None, 0)
+        if data is None and initial is None:
+            self.fenced[name] = 0
+            return None
         try:
             self.fenced[name] = self.store.put_if_generation(name, data if data is not None else initial,
-                                                             generation)
+                                                             generation, self.attempt)
         except PreconditionFailed:
             self._lose(f"{name} changed while this attempt took the machine over")
             self.check()
@@ -125,18 +142,33 @@ class MachineLease:
 
     # -- holding it ------------------------------------------------------------------------------
     def write(self, name: str, data: bytes) -> None:
-        """Writes a fenced file, conditional on this attempt's last generation of it."""
+        """Writes a fenced file, conditional on this attempt's last generation of it. Refused on
+        the commit file: another attempt committed, this one has lost. Refused on another fenced
+        file: a stale attempt wrote it, and if the commit file is still this attempt's, this
+        write replaces that one."""
         self.check()
         try:
-            self.fenced[name] = self.store.put_if_generation(name, data, self.fenced[name])
+            self.fenced[name] = self.store.put_if_generation(name, data, self.fenced[name], self.attempt)
+            return
         except PreconditionFailed:
-            self._lose(f"{name} was written by another attempt")
+            if name == self.commit_file:
+                self._lose(f"{name} was written by another attempt")
+                self.check()
+        self.verify()
+        self.fenced[name] = self.store.put_if_generation(name, data, self.store.generation(name), self.attempt)
+
+    def verify(self) -> None:
+        """``check``, then asks GCS: the commit file must still be at this attempt's generation."""
+        self.check()
+        if self.store.generation(self.commit_file) != self.fenced[self.commit_file]:
+            self._lose(f"{self.commit_file} was written by another attempt")
             self.check()
 
     def check(self) -> None:
-        """Raises ``LeaseLost`` once this attempt may no longer write."""
-        if self.lost is None and self.clock() - self._renewed_at > self.lease_s:
-            self._lose(f"its lease could not be renewed for {self.lease_s:.0f} s")
+        """Raises ``LeaseLost`` once this attempt may no longer write: the lease was taken over,
+        or its last renewal was sent too long ago for a watcher not to have taken it."""
+        if self.lost is None and self.clock() - self._renewed_at > HELD_FRACTION * self.lease_s:
+            self._lose(f"its lease was not renewed for {HELD_FRACTION * self.lease_s:.0f} s")
         if self.lost is not None:
             raise LeaseLost(f"machine {self.machine_id:03d}: this attempt ({self.attempt}) lost the machine "
                             f"({self.lost}); it stops, and what it wrote past the checkpoint is removed by "
@@ -156,12 +188,11 @@ class MachineLease:
         self._renewer.start()
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
+        while not self._stop.wait(self.lease_s / 3) and self.lost is None:
             try:
                 if not self._write_lease(self.generation):
                     self._lose("another attempt took its lease over")
-                    return
-            except StorageError as e:  # unreachable for now: ``check`` gives up after lease_s
+            except StorageError as e:  # ``check`` gives up once the lease may have gone
                 log.warning("machine %03d: lease renewal failed (%s); retrying", self.machine_id, e)
 
     def release(self) -> None:

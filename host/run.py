@@ -46,7 +46,7 @@ from host.allocator import one_malloc_arena
 from host.checkpoint import Checkpoint, covers, load_checkpoint
 from host.compilation_cache import CompileStats, enable_compilation_cache
 from host.config import HostConfig
-from host.lease import MachineLease
+from host.lease import MachineLease, lease_store
 from host.machine_id import resolve_machine_id
 from host.machine_status import MachineStatus, mark_failed
 from host.profiling import BatchProfiler
@@ -58,7 +58,7 @@ from host.storage import GcsStore
 from host.store_stats import StoreStats
 from host.stream import check_lengths, count_records, runner_stream, stream_records
 from host.watchdog import Placement, run_watched
-from host.writer import CHECKPOINT_FILE, ShardSettings, ShardWriter
+from host.writer import CHECKPOINT_FILE, METADATA_FILE, ShardSettings, ShardWriter
 from model.attention import attention_for
 from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
@@ -83,8 +83,10 @@ def prepare_machine_dir(path: str) -> None:
         raise UserError(f"output directory {path!r} is not writable: {e.strerror}") from None
 
 
-def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) -> list[str]:
-    """Deletes shard and index files numbered past the checkpoint, and temporary files."""
+def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int,
+                   guard: Callable[[], None] = lambda: None) -> list[str]:
+    """Deletes shard and index files numbered past the checkpoint, and temporary files; ``guard``
+    runs before each remote delete (a lease's check)."""
     removed = []
     for rel in _local_files(machine_dir):
         match = SHARD_FILE.fullmatch(rel) or INDEX_FILE.fullmatch(rel)
@@ -95,6 +97,7 @@ def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int) 
     if store:
         for name in store.names(r"(index/)?shard_\d{4}(_arrays|_stats)?\.(pkl(\.gz)?|parquet)"):
             if int(re.search(r"\d{4}", name).group()) > total_shards:
+                guard()
                 store.delete(name)
                 removed.append(store.url(name))
     return removed
@@ -112,8 +115,9 @@ def _local_files(machine_dir: str) -> list[str]:
 def initial_checkpoint(config: HostConfig, store: GcsStore | None, lease: MachineLease | None = None) -> Checkpoint:
     """The local checkpoint, else the uploaded one (a preempted VM may lose its disk), else new.
     Under a lease, the uploaded one, fenced (``host/lease.py``): another attempt may have moved it."""
-    if lease is not None:
+    if lease is not None:  # the commit point first: from here no earlier attempt commits
         remote = lease.fence(CHECKPOINT_FILE, Checkpoint().to_json().encode())
+        lease.fence(METADATA_FILE, None)
         return Checkpoint.from_json(remote.decode(), store.url(CHECKPOINT_FILE)) if remote else Checkpoint()
     local = load_checkpoint(os.path.join(config.process_dir, CHECKPOINT_FILE))
     if local is not None:
@@ -219,10 +223,11 @@ def run_process(config: HostConfig, placement: Placement | None = None,
         health.on_document = MachineStatus(config.machine_dir, config.process_id, config.num_processes,
                                            machine_store).publish
     stop = StopFlag()
+    held: list[MachineLease] = []  # this attempt's lease (--lease_s), let go after its last status
     try:
         with health.reporting():
             try:
-                finished = _run(config, health, progress, stop, extraction)
+                finished = _run(config, health, progress, stop, extraction, held)
             except Exception as e:
                 if isinstance(e, Stopped) or stop.signal is None or stop.graceful:
                     raise
@@ -239,6 +244,8 @@ def run_process(config: HostConfig, placement: Placement | None = None,
         stopped = True
     finally:
         stop.restore()  # after the final status: a second signal must not cut its write short
+        for lease in held:
+            lease.release()
         progress.close()
         compile_stats.close()
     # Not 0 where the engine must run it again (Kubernetes counts an exit 0 as the pod's work done).
@@ -276,27 +283,26 @@ def _store(config: HostConfig, prefix: str) -> GcsStore | None:
 
 
 def _run(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag,
-         extraction: OrderedExtraction | None = None) -> bool:
+         extraction: OrderedExtraction | None, held: list[MachineLease]) -> bool:
     """Resume, compute, store; True when the stream is done, False when a signal stopped it."""
     stream = runner_stream(config)
     first_part = stream.parts[0].path
     if "://" not in first_part and not os.path.exists(first_part):
         raise UserError(f"no stream file for machine {config.machine_id}: {first_part}")
     store = _store(config, config.process_prefix)
-    lease = take_machine(config, store)  # before this attempt writes anything there
-    try:
-        return _run_held(config, health, progress, stop, stream, store, lease, extraction)
-    finally:
-        if lease is not None:
-            lease.release()
+    lease = take_machine(config)  # before this attempt writes anything there
+    if lease is not None:
+        held.append(lease)  # released by run_process, after the final status.json
+    return _run_held(config, health, progress, stop, stream, store, lease, extraction)
 
 
-def take_machine(config: HostConfig, store: GcsStore | None) -> MachineLease | None:
+def take_machine(config: HostConfig) -> MachineLease | None:
     """With ``--lease_s``: this attempt's lease on the machine, held and renewing (``LeaseHeld``
     if a live attempt has it)."""
     if config.lease_s is None:
         return None
-    lease = MachineLease(store, config.machine_id, config.lease_s)
+    lease = MachineLease(lease_store(config.gcs_bucket, config.process_prefix, config.lease_s),
+                         config.machine_id, config.lease_s)
     lease.acquire()
     lease.start_renewing()
     return lease
@@ -304,10 +310,12 @@ def take_machine(config: HostConfig, store: GcsStore | None) -> MachineLease | N
 
 def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, stop: StopFlag, stream,
               store: GcsStore | None, lease: MachineLease | None, loaded: OrderedExtraction | None) -> bool:
-    health.store = store  # status.json goes beside checkpoint.json from now on
-    if lease is not None:  # a stale attempt's last words stay local
-        lease.on_lost.append(lambda: setattr(health, "store", None))
+    if lease is None:
+        health.store = store  # status.json goes beside checkpoint.json from now on
     checkpoint = initial_checkpoint(config, store, lease)
+    if lease is not None:  # once the machine is this attempt's; a stale attempt's last words stay local
+        health.store = store
+        lease.on_lost.append(lambda: setattr(health, "store", None))
     progress.resume_from(checkpoint)
     done = checkpoint.total_samples_processed
     completed = checkpoint.status == COMPLETED and covers(checkpoint.max_samples, done, config.max_samples)
@@ -329,7 +337,7 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
         print(f"machine {config.machine_id}: "
               f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize)}")
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
-    rejected = _back_to_checkpoint(config, store, checkpoint)
+    rejected = _back_to_checkpoint(config, store, checkpoint, lease)
     extraction = loaded or OrderedExtraction(extract_config(config))
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
@@ -395,10 +403,14 @@ def extract_config(config: HostConfig) -> ExtractConfig:
         sites=config.sites)
 
 
-def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint) -> RejectedLog:
+def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint,
+                        lease: MachineLease | None = None) -> RejectedLog:
     """Removes what an interrupted run left past the checkpoint (orphan shards and indexes,
     locally and on GCS; ``rejected.jsonl`` lines it does not count); returns the rejected log."""
-    removed = remove_orphans(config.process_dir, store, checkpoint.total_shards)
+    if lease is not None:
+        lease.verify()  # the checkpoint is still this attempt's: nothing it deletes is another's commit
+    removed = remove_orphans(config.process_dir, store, checkpoint.total_shards,
+                             lease.check if lease is not None else lambda: None)
     if removed:
         log.info("removed %d file(s) left by an interrupted run: %s", len(removed), ", ".join(removed))
     rejected = RejectedLog(config.process_dir, store)

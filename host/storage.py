@@ -72,14 +72,16 @@ class Crc32c:
 class GcsStore:
     """Objects under ``gs://bucket/prefix/``; every call retried on transient failures."""
 
-    def __init__(self, bucket: str, prefix: str, retries: int = 5, backoff_s: float = 1.0):
+    def __init__(self, bucket: str, prefix: str, retries: int = 5, backoff_s: float = 1.0,
+                 timeout_s: float = TIMEOUT_S):
         self.bucket_name = bucket
         self.prefix = prefix.strip("/")
         self.retries = retries
         self.backoff_s = backoff_s
+        self.timeout_s = timeout_s  # per request
         self._client = gcs_client()
         self._bucket = self._client.bucket(bucket)
-        if not self._call("check of the bucket", lambda: self._bucket.exists(retry=None, timeout=TIMEOUT_S)):
+        if not self._call("check of the bucket", lambda: self._bucket.exists(retry=None, timeout=timeout_s)):
             raise StorageError(f"GCS bucket {bucket!r} does not exist (or is not visible to these "
                                "credentials)")
 
@@ -113,24 +115,53 @@ class GcsStore:
         """Uploads and verifies (size and MD5 read back); returns the ``gs://`` URL."""
         blob = self._bucket.blob(self._key(name))
         self._call(f"upload of {self.url(name)}",
-                   lambda: blob.upload_from_string(data, retry=None, timeout=TIMEOUT_S))
+                   lambda: blob.upload_from_string(data, retry=None, timeout=self.timeout_s))
         return self.verify(name, len(data), md5=md5_base64(data))
 
-    def put_if_generation(self, name: str, data: bytes, generation: int) -> int:
-        """Writes ``data`` only if the object's generation is still ``generation`` (0: only if
-        it does not exist); returns the new generation. Raises ``PreconditionFailed`` if another
-        writer came first. A retried request whose first try was applied finds its own bytes
-        there: that counts as done (the bytes are what this call asked for)."""
+    def put_if_generation(self, name: str, data: bytes, generation: int, owner: str) -> int:
+        """Writes ``data`` as ``owner``'s (the object's ``owner`` metadata) only if the object's
+        generation is still ``generation`` (0: only if it does not exist); returns the new
+        generation. Raises ``PreconditionFailed`` if another writer came first. A retried request
+        whose first try was applied finds the object as this call wrote it, owner included: that
+        counts as done (a writer of the same bytes under another owner does not)."""
         blob = self._bucket.blob(self._key(name))
+        blob.metadata = {"owner": owner}
         try:
             self._call(f"conditional upload of {self.url(name)}", lambda: blob.upload_from_string(
-                data, if_generation_match=generation, retry=None, timeout=TIMEOUT_S))
+                data, if_generation_match=generation, retry=None, timeout=self.timeout_s))
         except PreconditionFailed:
             current = self.read_with_generation(name)
-            if current is None or current[0] != data:
+            if current is None or current[0] != data or self.owner(name, current[1]) != owner:
                 raise
             return current[1]
         return int(blob.generation)
+
+    def owner(self, name: str, generation: int) -> str | None:
+        """The ``owner`` a ``put_if_generation`` gave generation ``generation`` of the object
+        (None: another generation is there now, or no owner)."""
+        from google.api_core import exceptions as gexc
+        blob = self._bucket.blob(self._key(name))
+
+        def fetch() -> str | None:
+            try:
+                blob.reload(retry=None, timeout=self.timeout_s)
+            except gexc.NotFound:
+                return None
+            return (blob.metadata or {}).get("owner") if int(blob.generation) == generation else None
+        return self._call(f"check of {self.url(name)}", fetch)
+
+    def generation(self, name: str) -> int:
+        """The object's generation (0: it does not exist): one metadata request."""
+        from google.api_core import exceptions as gexc
+        blob = self._bucket.blob(self._key(name))
+
+        def fetch() -> int:
+            try:
+                blob.reload(retry=None, timeout=self.timeout_s)
+            except gexc.NotFound:
+                return 0
+            return int(blob.generation)
+        return self._call(f"check of {self.url(name)}", fetch)
 
     def read_with_generation(self, name: str) -> tuple[bytes, int] | None:
         """The object's bytes and the generation they belong to, or None if it does not exist."""
@@ -140,10 +171,10 @@ class GcsStore:
         def fetch() -> tuple[bytes, int] | None:
             while True:  # the metadata, then the bytes of that very generation (else again)
                 try:
-                    blob.reload(retry=None, timeout=TIMEOUT_S)
+                    blob.reload(retry=None, timeout=self.timeout_s)
                     generation = int(blob.generation)
                     return blob.download_as_bytes(if_generation_match=generation, retry=None,
-                                                  timeout=TIMEOUT_S), generation
+                                                  timeout=self.timeout_s), generation
                 except gexc.NotFound:
                     return None
                 except gexc.PreconditionFailed:
@@ -158,7 +189,7 @@ class GcsStore:
 
         def remove() -> bool:
             try:
-                blob.delete(if_generation_match=generation, retry=None, timeout=TIMEOUT_S)
+                blob.delete(if_generation_match=generation, retry=None, timeout=self.timeout_s)
             except gexc.NotFound:
                 return False
             return True
@@ -171,12 +202,12 @@ class GcsStore:
         """Uploads a local file, streamed in ``UPLOAD_CHUNK_BYTES`` requests (``verify`` checks it)."""
         blob = self._bucket.blob(self._key(name), chunk_size=UPLOAD_CHUNK_BYTES)
         self._call(f"upload of {self.url(name)}",
-                   lambda: blob.upload_from_filename(path, retry=None, timeout=TIMEOUT_S))
+                   lambda: blob.upload_from_filename(path, retry=None, timeout=self.timeout_s))
 
     def verify(self, name: str, size: int, md5: str | None = None, crc32c: str | None = None) -> str:
         """Reads the object's metadata back: its size and checksum must be the local bytes'."""
         remote = self._bucket.blob(self._key(name))
-        self._call(f"check of {self.url(name)}", lambda: remote.reload(retry=None, timeout=TIMEOUT_S))
+        self._call(f"check of {self.url(name)}", lambda: remote.reload(retry=None, timeout=self.timeout_s))
         expected = {"md5": md5, "crc32c": crc32c}
         found = {"md5": remote.md5_hash, "crc32c": remote.crc32c}
         kinds = [kind for kind, value in expected.items() if value is not None]
@@ -195,8 +226,8 @@ class GcsStore:
         target = self._bucket.blob(self._key(name))
         sources = ([target] if size_after > len(data) else []) + [self._bucket.blob(self._key(part))]
         self._call(f"compose of {self.url(name)}",
-                   lambda: target.compose(sources, retry=None, timeout=TIMEOUT_S))
-        self._call(f"check of {self.url(name)}", lambda: target.reload(retry=None, timeout=TIMEOUT_S))
+                   lambda: target.compose(sources, retry=None, timeout=self.timeout_s))
+        self._call(f"check of {self.url(name)}", lambda: target.reload(retry=None, timeout=self.timeout_s))
         if target.size != size_after:
             raise StorageError(f"append to {self.url(name)} did not verify: {target.size} bytes, "
                                f"expected {size_after}")
@@ -210,7 +241,7 @@ class GcsStore:
 
         def fetch() -> int | None:
             try:
-                blob.reload(retry=None, timeout=TIMEOUT_S)
+                blob.reload(retry=None, timeout=self.timeout_s)
             except gexc.NotFound:
                 return None
             return blob.size
@@ -223,7 +254,7 @@ class GcsStore:
 
         def fetch() -> bytes | None:
             try:
-                return blob.download_as_bytes(retry=None, timeout=TIMEOUT_S)
+                return blob.download_as_bytes(retry=None, timeout=self.timeout_s)
             except gexc.NotFound:
                 return None
         return self._call(f"download of {self.url(name)}", fetch)
@@ -232,10 +263,19 @@ class GcsStore:
         """Names (relative to the prefix) of the objects whose name matches ``pattern``."""
         prefix = self._key("")
         blobs = self._call("listing", lambda: list(self._client.list_blobs(
-            self.bucket_name, prefix=prefix, retry=None, timeout=TIMEOUT_S)))
+            self.bucket_name, prefix=prefix, retry=None, timeout=self.timeout_s)))
         names = [b.name[len(prefix):] for b in blobs]
         return sorted(n for n in names if re.fullmatch(pattern, n))
 
     def delete(self, name: str) -> None:
+        """Deletes the object; one already gone counts as deleted (a retried request whose first
+        try was applied, or another attempt's cleanup)."""
+        from google.api_core import exceptions as gexc
         blob = self._bucket.blob(self._key(name))
-        self._call(f"delete of {self.url(name)}", lambda: blob.delete(retry=None, timeout=TIMEOUT_S))
+
+        def remove() -> None:
+            try:
+                blob.delete(retry=None, timeout=self.timeout_s)
+            except gexc.NotFound:
+                pass
+        self._call(f"delete of {self.url(name)}", remove)

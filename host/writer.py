@@ -405,11 +405,9 @@ class ShardWriter:
             files = {METADATA_FILE: (json.dumps(metadata, indent=2) + "\n").encode(),
                      CHECKPOINT_FILE: c.to_json().encode()}
             for name, data in files.items():
-                if self.lease is not None and name == CHECKPOINT_FILE:
-                    self.lease.write(name, data)  # the commit point is fenced (host/lease.py)
+                if self.lease is not None:
+                    self.lease.write(name, data)  # both fenced; the checkpoint is the commit point
                 elif self.store:
-                    if self.lease is not None:
-                        self.lease.check()
                     self.store.upload(name, data)
                 write_atomically(os.path.join(s.machine_dir, name), data)
 

@@ -88,8 +88,8 @@ def machines_to_run(job: ExtractJobConfig, num_machines: int) -> list[int]:
 
 def for_tpu_workers(options) -> None:
     """On Dataflow: one SDK process per VM, one harness thread (the TPU opens once)."""
-    if options.view_as(StandardOptions).runner != "DataflowRunner":
-        return
+    if "dataflow" not in (options.view_as(StandardOptions).runner or "").lower():
+        return  # (Beam takes DataflowRunner, dataflow, or the class's path)
     debug = options.view_as(DebugOptions)
     if not debug.lookup_experiment(TPU_WORKER_EXPERIMENT):
         debug.add_experiment(TPU_WORKER_EXPERIMENT)

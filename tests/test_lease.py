@@ -1,14 +1,16 @@
 """The machine lease (host/lease.py) against the GCS emulator with generation preconditions: a dead
-holder is taken over after ``lease_s``, a released lease at once, and a holder that stalled past its
-lease (it believes it still holds it) cannot commit once another attempt took the checkpoint over.
-Time is a fake clock here; tests/test_pipeline_extract.py runs the real thing."""
+holder is taken over after ``lease_s``, a released lease at once; a holder that stalled past its
+lease (it believes it still holds it) can neither commit, nor write metadata, nor clean up once
+another attempt took the checkpoint over, even when a lost answer makes it retry a write the other
+attempt rewrote byte for byte. Time is a fake clock here; tests/test_pipeline_extract.py runs the
+real thing."""
 
 import pytest
 
 from host.lease import LEASE_FILE, LeaseLost, MachineLease
-from host.storage import GcsStore
+from host.storage import GcsStore, PreconditionFailed
 
-CHECKPOINT = "checkpoint.json"
+CHECKPOINT, METADATA = "checkpoint.json", "metadata.json"
 
 
 class Clock:
@@ -71,3 +73,46 @@ def test_a_stalled_holder_cannot_commit_after_a_takeover(store):
     assert store.read_with_generation(CHECKPOINT)[0] == b"shard 2, by the holder"
     stalled.release()  # not its lease any more: left alone
     assert store.read_with_generation(LEASE_FILE) is not None
+
+
+def test_a_write_whose_answer_was_lost_counts_as_done(gcs):
+    store = GcsStore("acts", "job/machine_001", retries=2, backoff_s=0.0)
+    gcs.fault("POST", r"job/machine_001/checkpoint\.json", action="apply_then_fail")
+    generation = store.put_if_generation(CHECKPOINT, b"shard 1", 0, "attempt-a")  # retried: 412, then read back
+    assert store.read_with_generation(CHECKPOINT) == (b"shard 1", generation)
+
+
+def test_the_same_bytes_under_another_owner_are_not_this_writers(store):
+    first = store.put_if_generation(CHECKPOINT, b"shard 1", 0, "attempt-a")
+    assert store.put_if_generation(CHECKPOINT, b"shard 1", 0, "attempt-a") == first  # its own: done
+    store.put_if_generation(CHECKPOINT, b"shard 1", first, "attempt-b")  # b fences: same bytes, b's
+    with pytest.raises(PreconditionFailed):
+        store.put_if_generation(CHECKPOINT, b"shard 1", 0, "attempt-a")  # a's retry finds b's, not its own
+
+
+def test_metadata_is_fenced_too_and_a_stale_attempt_cannot_clean_up(store):
+    stalled_clock, clock = Clock(), Clock()
+    stalled = lease(store, stalled_clock)
+    stalled.acquire()
+    stalled.fence(CHECKPOINT, b"new")
+    stalled.fence(METADATA, None)
+    holder = lease(store, clock)
+    holder.acquire()
+    holder.fence(CHECKPOINT, b"new")
+    holder.fence(METADATA, None)
+    stalled.write(METADATA, b"stale totals")  # absent when the holder fenced it: this one lands...
+    holder.write(METADATA, b"holder totals")  # ...and the holder's, its commit point still its own, replaces it
+    assert store.read_with_generation(METADATA)[0] == b"holder totals"
+    with pytest.raises(LeaseLost):
+        stalled.write(METADATA, b"stale again")
+    with pytest.raises(LeaseLost):
+        stalled.verify()  # what it would run before removing files past its checkpoint
+
+
+def test_a_holder_gives_up_before_a_watcher_may_take_over(store):
+    clock = Clock()
+    holder = lease(store, clock)
+    holder.acquire()
+    clock.now = 2.1  # over two thirds of its 3 s lease since the last renewal was sent
+    with pytest.raises(LeaseLost, match="not renewed for 2 s"):
+        holder.check()

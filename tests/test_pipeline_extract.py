@@ -5,27 +5,31 @@ Beam retries, a speculative copy running beside the holder, and a killed, resubm
 
 The faults are placed by counting requests, not by timing: machine 1's checkpoint is written once
 when an attempt takes the machine (the fence) and once per commit, so its third write is the
-second commit, after the first shard is committed.
+second commit, after the first shard is committed; an attempt is kept alive, past its first
+commit, by holding the upload of its second shard.
 """
 
 import io
+import logging
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.extract import DEFAULT_LEASE_S, TPU_WORKER_EXPERIMENT
+from pipeline.extract import DEFAULT_LEASE_S, TPU_WORKER_EXPERIMENT, parse
 from tests.conftest import REPO, run_in_process, run_prepare, wait_for
 from tests.test_fleet_errors import upload_streams
+from transforms.machines import ExtractMachine
 from transforms.prepare import PrepareConfig
 
 SECOND_COMMIT = dict(method="POST", object_pattern=r"job/machine_001/checkpoint\.json", after=2)
-
+SECOND_SHARD = dict(method="POST", object_pattern=r"job/machine_001/shard_0002\.pkl\.gz")  # its upload
 
 @pytest.fixture(scope="module")
 def three_streams(qwen_tokenizer_dir, tmp_path_factory):
@@ -95,9 +99,16 @@ def stored(gcs, prefix: str = "job") -> dict[str, object]:
                        for b in gcs.client().list_blobs("acts", prefix=f"{prefix}/")})
 
 
-def job_args(streams: str, runner_flags: list[str], *beam: str) -> list[str]:
+def committed(gcs, machine: int) -> int:
+    """Shards machine_NNN's checkpoint on GCS lists (0 without one)."""
+    blob = gcs.client().bucket("acts").blob(f"job/machine_{machine:03d}/checkpoint.json")
+    return json.loads(blob.download_as_bytes())["total_shards"] if blob.exists() else 0
+
+
+def job_args(streams: str, runner_flags: list[str], *extra: str) -> list[str]:
+    """pipeline.extract's command line (``extra``: Beam options, or flags that override these)."""
     return ["--streams_dir", streams, "--output", "gs://acts/job", "--name", "ref", *runner_flags, "--lease_s", "3",
-            *beam]
+            *extra]
 
 
 def spawn(module: str, *args: str) -> subprocess.Popen:
@@ -122,13 +133,15 @@ def test_a_failed_attempt_is_retried_by_beam_and_resumes(expected, streams, runn
     assert stored(gcs) == expected
 
 
-def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_flags, gcs, tmp_path):
+def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_flags, gcs, tmp_path, caplog):
     machine = ["--machine_id", "1", "--streams_dir", streams, "--upload_to_gcs", "--gcs_bucket", "acts",
                "--gcs_prefix", "job/machine_{machine_id:03d}", "--delete_local_after_upload", *runner_flags,
-               "--lease_s", "3"]
-    gcs.fault(**SECOND_COMMIT, action="hold")  # the holder stays alive, renewing, in its second commit
-    holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"))
-    wait_for(lambda: gcs.held() == 1 or holder.poll() is not None, what="the holder's second commit")
+               "--lease_s", "10"]  # renewed every 3.3 s: a machine under load keeps it (nothing waits it out)
+    gcs.fault(**SECOND_SHARD, action="hold")  # the holder stays alive, renewing, after its first commit
+    # One upload at a time: nothing past the held shard reaches GCS, so what is there stays put.
+    holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"), "--upload_threads", "1")
+    wait_for(lambda: (gcs.held() == 1 and committed(gcs, 1) == 1) or holder.poll() is not None,
+             what="the holder's first commit, and its second shard held")
     before = stored(gcs)
     copy = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "b"))
     _, err = copy.communicate(timeout=120)
@@ -136,17 +149,29 @@ def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_f
     assert err.strip().splitlines()[-1].startswith("runners.tpu_host: error: machine 001 is held by another "
                                                    "attempt"), err[-2000:]
     assert stored(gcs) == before  # the copy wrote nothing
-    gcs.release()
-    _, err = holder.communicate(timeout=240)
+    # In a Beam worker the copy waits for the holder instead (a failure would spend a retry).
+    job, host, _ = parse(job_args(streams, runner_flags, "--lease_s", "10"))
+    copy_fn = ExtractMachine(host, str(tmp_path))
+    copy_fn.setup()
+    done: list[int] = []
+    waiting = threading.Thread(target=lambda: done.extend(copy_fn.process(1)))
+    with caplog.at_level(logging.WARNING, logger="pipeline.extract"):
+        waiting.start()
+        wait_for(lambda: "machine 001 is held by another attempt" in caplog.text, what="the copy's wait")
+        assert stored(gcs) == before
+        gcs.release()
+        _, err = holder.communicate(timeout=240)
+        waiting.join(timeout=240)
+    copy_fn.teardown()
     assert holder.returncode == 0, err[-3000:]
-    after = stored(gcs)
-    assert {k: v for k, v in expected.items() if k.startswith("machine_001/")} == after
+    assert done == [1]  # the machine, completed by the holder, found so by the copy
+    assert {k: v for k, v in expected.items() if k.startswith("machine_001/")} == stored(gcs)
 
 
 def test_a_killed_job_resubmitted_ends_as_if_uninterrupted(expected, streams, runner_flags, gcs):
-    gcs.fault(**SECOND_COMMIT, action="hold")
+    gcs.fault(**SECOND_SHARD, action="hold")
     job = spawn("pipeline.extract", *job_args(streams, runner_flags))
-    wait_for(lambda: gcs.held() == 1 or job.poll() is not None, what="machine 1's second commit")
+    wait_for(lambda: gcs.held() == 1 or job.poll() is not None, what="machine 1's second shard")
     os.killpg(job.pid, signal.SIGKILL)  # the whole job, its lease of machine 1 still on GCS
     job.wait()
     gcs.release()

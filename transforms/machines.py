@@ -8,7 +8,8 @@ the ordered extraction, size-triggered shards, index, statistics, ``status.json`
 model its worker loaded once in ``setup``, in a scratch directory of its own per attempt.
 Because an engine may retry an attempt or run a speculative copy of it, each attempt holds the
 machine through a lease on GCS and commits through its fenced checkpoint (``host/lease.py``):
-a second live attempt stops before writing anything; a stale one cannot commit. ``Merge`` waits
+a second live attempt stops before writing anything (here it then waits for the holder to end,
+rather than spend one of the work item's retries); a stale one cannot commit. ``Merge`` waits
 for every machine and runs the fleet's merge (``fleet/merge.py``): the merged index,
 ``merged_metadata.json`` and the completeness verdict.
 """
@@ -19,6 +20,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import time
 from typing import Iterator, Sequence
 
 import apache_beam as beam
@@ -46,20 +48,33 @@ class ExtractMachine(beam.DoFn):
         self.extraction.setup()  # once per worker process: the model stays loaded for every machine
 
     def process(self, machine: int) -> Iterator[int]:
-        from host.run import run_process
-        scratch = tempfile.mkdtemp(prefix=f"machine_{machine:03d}-", dir=self.scratch_dir)
-        config = dataclasses.replace(self.host, machine_id=machine, output_dir=scratch)
-        try:
-            code = run_process(config, extraction=self.extraction)
-        except UserError as e:  # a duplicate attempt, a lost lease, a bad stream: one line in the log
-            log.error("machine %03d: %s", machine, e)
-            raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)  # every shard is on GCS, verified
+        while (code := self._attempt(machine)) is None:
+            # A live attempt holds the machine (a speculative copy, or a retry beside an attempt
+            # its engine lost sight of): failing would spend one of the work item's few retries.
+            # Its end is this attempt's: the machine completed (this run then finds it so), or
+            # its lease released or expired (this run takes it over).
+            time.sleep(self.host.lease_s / 3)
         if code != 0:
             raise RuntimeError(f"machine {machine:03d} stopped before its stream's end (exit status {code}); "
                                "a retry resumes it from its checkpoint")
         yield machine
+
+    def _attempt(self, machine: int) -> int | None:
+        """One run of the machine: its exit status, or None if a live attempt holds it."""
+        from host.lease import LeaseHeld
+        from host.run import run_process
+        scratch = tempfile.mkdtemp(prefix=f"machine_{machine:03d}-", dir=self.scratch_dir)
+        config = dataclasses.replace(self.host, machine_id=machine, output_dir=scratch)
+        try:
+            return run_process(config, extraction=self.extraction)
+        except LeaseHeld as e:
+            log.warning("%s; waiting for it to end", e)
+            return None
+        except UserError as e:  # a lost lease, a bad stream, GCS unreachable: one line in the log
+            log.error("machine %03d: %s", machine, e)
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # every shard is on GCS, verified
 
     def teardown(self) -> None:
         if self.extraction is not None:
