@@ -30,6 +30,7 @@ from common.files import join, read_optional, write_bytes
 from fleet.backend import ABSENT, ALIVE, GONE, PENDING, Backend, Health, Incarnation, error_line
 from fleet.machines import FINAL, parse_time, read_machine
 from host.status import utc_now
+from pipeline.extract import TPU_WORKER_EXPERIMENT
 
 log = logging.getLogger("runners.fleet")
 JOB_FILE = "dataflow_job.json"
@@ -152,7 +153,7 @@ class DataflowBackend(Backend):
                    "--sdk_container_image", c.image, "--sdk_location", "container",
                    "--worker_machine_type", self.machine_type,
                    "--dataflow_service_options", accelerator_option(self.accelerator, self.topology, c.reservation),
-                   "--experiments", "no_use_multiple_sdk_containers", "--number_of_worker_harness_threads", "1",
+                   "--experiments", TPU_WORKER_EXPERIMENT, "--number_of_worker_harness_threads", "1",
                    # Every worker from the start (a few machine elements are little backlog to
                    # scale up on); autoscaling still lets idle ones go at the job's tail.
                    "--num_workers", str(min(c.max_workers or len(machines), len(machines))),

@@ -139,28 +139,27 @@ class GcsStore:
     def owner(self, name: str, generation: int) -> str | None:
         """The ``owner`` a ``put_if_generation`` gave generation ``generation`` of the object
         (None: another generation is there now, or no owner)."""
+        blob = self._metadata(name)
+        if blob is None or int(blob.generation) != generation:
+            return None
+        return (blob.metadata or {}).get("owner")
+
+    def generation(self, name: str) -> int:
+        """The object's generation (0: it does not exist): one metadata request."""
+        blob = self._metadata(name)
+        return 0 if blob is None else int(blob.generation)
+
+    def _metadata(self, name: str):
+        """The object with its metadata loaded (one request), or None if it does not exist."""
         from google.api_core import exceptions as gexc
         blob = self._bucket.blob(self._key(name))
 
-        def fetch() -> str | None:
+        def fetch():
             try:
                 blob.reload(retry=None, timeout=self.timeout_s)
             except gexc.NotFound:
                 return None
-            return (blob.metadata or {}).get("owner") if int(blob.generation) == generation else None
-        return self._call(f"check of {self.url(name)}", fetch)
-
-    def generation(self, name: str) -> int:
-        """The object's generation (0: it does not exist): one metadata request."""
-        from google.api_core import exceptions as gexc
-        blob = self._bucket.blob(self._key(name))
-
-        def fetch() -> int:
-            try:
-                blob.reload(retry=None, timeout=self.timeout_s)
-            except gexc.NotFound:
-                return 0
-            return int(blob.generation)
+            return blob
         return self._call(f"check of {self.url(name)}", fetch)
 
     def read_with_generation(self, name: str) -> tuple[bytes, int] | None:
@@ -236,16 +235,8 @@ class GcsStore:
 
     def size(self, name: str) -> int | None:
         """The object's size in bytes, or None if it does not exist."""
-        from google.api_core import exceptions as gexc
-        blob = self._bucket.blob(self._key(name))
-
-        def fetch() -> int | None:
-            try:
-                blob.reload(retry=None, timeout=self.timeout_s)
-            except gexc.NotFound:
-                return None
-            return blob.size
-        return self._call(f"check of {self.url(name)}", fetch)
+        blob = self._metadata(name)
+        return None if blob is None else blob.size
 
     def download(self, name: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
