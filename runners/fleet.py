@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
     parsers["status"].add_argument("--watch", action="store_true", help="redraw every --interval seconds")
     parsers["status"].add_argument("--json", action="store_true",
                                    help="print the status as one JSON document (machines, fleet, usage)")
-    parsers["status"].add_argument("--chart", help="also write a PNG: progress per machine, fleet samples over time")
+    parsers["status"].add_argument("--chart", help="also write a PNG: progress per machine, fleet samples "
+                                   "computed and stored since launch")
     for name in ("supervise", "merge"):
         parsers[name].add_argument("--index", help="merged index path (default {output}/index.parquet)")
     command = argv[0] if argv else None
