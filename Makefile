@@ -78,6 +78,7 @@ bench: install
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py
 	$(PY) benchmarks/merge_sidecars.py
+	$(PY) benchmarks/token_selection.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

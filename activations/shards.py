@@ -3,6 +3,10 @@
     {key: [{"sample_idx": id, "sample_id": id, "activation": np.ndarray [num_tokens, width],
             "shape": (num_tokens, width), "text_preview": str, "source": str}, ...], ...}
 
+Stored with a token selection (``runners.tpu_host --tokens``), each entry also holds
+``"positions"`` (np.int32 [rows]: which tokens of the sample its rows are) and, pooled,
+``"pooled": "mean"`` (its one row is the mean of those tokens).
+
 A key is a layer number ``L`` for block L's output (the residual stream, ``width`` = hidden size),
 or, for another activation site, its full TransformerLens hook name, e.g. ``"blocks.12.hook_mlp_out"``
 or ``"blocks.12.attn.hook_z"`` (``model.sites``). Every key's list holds the same samples in the
@@ -93,14 +97,21 @@ def shard_filename(shard_id: int, compressed: bool = True) -> str:
     return f"shard_{shard_id:04d}.pkl" + (".gz" if compressed else "")
 
 
-def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey]) -> dict[ArrayKey, list[dict]]:
+def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey],
+               pooled: str | None = None) -> dict[ArrayKey, list[dict]]:
     """The shard document for extracted samples (``sample_id``, ``source``, ``text_preview``,
     ``activations: {key: array}``), keyed in the given order. Arrays that are already contiguous
-    (the extractor's are) go in as they are, not copied."""
+    (the extractor's are) go in as they are, not copied. A sample stored with a token selection
+    (its ``positions``) says which tokens its rows are (``positions``: int32, one array for every
+    key), and with ``pooled`` that its one row is their mean (``pooled``: ``"mean"``)."""
+    def selection(s: dict[str, Any]) -> dict[str, Any]:
+        if s.get("positions") is None:
+            return {}
+        return {"positions": s["positions"], **({"pooled": pooled} if pooled else {})}
     return {key: [{"sample_idx": s["sample_id"], "sample_id": s["sample_id"],
                    "activation": _contiguous(s["activations"][key]),
                    "shape": tuple(s["activations"][key].shape),
-                   "text_preview": s["text_preview"], "source": s["source"]} for s in samples]
+                   "text_preview": s["text_preview"], "source": s["source"], **selection(s)} for s in samples]
             for key in keys}
 
 

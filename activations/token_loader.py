@@ -9,7 +9,10 @@ shard, for training sparse autoencoders, transcoders and probes.
 ``layers`` holds array keys (``model.sites``): a layer number for block outputs, or the hook name
 of any stored site (``"blocks.12.hook_mlp_out"``, ``"blocks.12.attn.hook_z"``), each at its own
 width; ``"blocks.12.hook_resid_post"`` is key 12. ``normalize`` scales each key by the run's
-statistics (``index_stats.parquet``): ``mean_norm`` or ``standardize``.
+statistics (``index_stats.parquet``): ``mean_norm`` or ``standardize``. ``tokens`` reads only the
+tokens of a selection (``activations.selection``: ``assistant,-special``, ``last``, ...), from
+what the index's tokens table says each stored row is (``activations.stored_tokens``); a pooled
+one (``mean:assistant``) gives one row a sample, the mean of its selected tokens.
 
 How: the epoch's blocks (runs of neighbouring arrays, one ranged read per key: see
 ``token_plan``) are read in a random order by a pool of threads, ``read_ahead`` blocks ahead of
@@ -22,7 +25,9 @@ position by position; see ``token_plan``).
 Memory: the buffer (``buffer_tokens`` x (the keys' widths summed x 4 + 20) bytes, allocated
 once) plus ``read_ahead + 1`` blocks (each at most ``block_bytes`` of shard, or one array if
 larger, held compressed, decoded and, from float16 / bfloat16, converted), plus the plan (~50
-bytes a sample and 16 a key) and, when token ids are used, 4 bytes a token.
+bytes a sample and 16 a key) and, when token ids are used, 4 bytes a token; with a selection
+(read or stored), the index's tokens table as flat arrays (about 9 bytes a role run, 4 a special
+token and 4 a stored position).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ import numpy as np
 from activations.reader import CorruptShardError, decode_array, storage_dtype
 from activations.token_buffer import TokenBuffer
 from activations.token_ids import TokenIds, load_token_ids, machine_streams
+from activations.selection import parse_selection
 from activations.site_stats import Moments
+from activations.stored_tokens import NO_POSITION, kept_rows, read_stored_tokens
 from activations.token_plan import StoredArrays, blocks, stored_arrays, stored_moments
 from common.cli import UserError
 from common.files import read_range
@@ -69,6 +76,8 @@ class LoaderConfig:
     read_ahead: int = 6            # blocks read ahead of the consumer
     block_bytes: int = 8 << 20     # a read covers neighbouring arrays up to this many bytes
     normalize: str = "none"        # none | mean_norm | standardize, per key by the stored statistics
+    tokens: str | None = None      # a token selection (activations.selection), e.g. assistant,-special;
+                                   # pooled (mean): one row a sample, position -1
 
     def validate(self) -> None:
         if isinstance(self.layers, (str, int)):
@@ -93,6 +102,7 @@ class LoaderConfig:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.dtype not in STORED_DTYPES:
             raise UserError(f"dtype must be one of {', '.join(STORED_DTYPES)}, got {self.dtype!r}")
+        parse_selection(self.tokens)
 
     @property
     def keys(self) -> tuple[ArrayKey, ...]:
@@ -144,7 +154,7 @@ class LoaderStats:
     tokens_read: int = 0             # tokens stored in the samples read, before the filters
     tokens_returned: int = 0
     dropped: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"first_positions": 0, "token_ids": 0})
+        default_factory=lambda: {"selection": 0, "first_positions": 0, "token_ids": 0})
     peak_buffered_tokens: int = 0    # the most tokens the shuffle buffer ever held
 
 
@@ -165,8 +175,15 @@ class TokenLoader:
         config.validate()  # before reading anything
         self.config = config
         self.stored = stored if stored is not None else stored_arrays(config.index, config.keys)
+        self.selection = parse_selection(config.tokens)
+        self.pooled_store = self.stored.selection is not None and self.stored.selection.pooled
+        if self.pooled_store and (config.exclude_first_positions or config.exclude_token_ids):
+            raise UserError(f"the store holds one pooled row a sample (--tokens {self.stored.selection}): it has no "
+                            "token positions or ids to leave out")
+        # What each stored row is, where the store or the read selects tokens.
+        self.tokens = (read_stored_tokens(config.index) if self.selection or self.stored.selection else None)
         self.token_ids = self._token_ids(self.stored) if config.needs_token_ids else None
-        self.kept_tokens = self._kept_tokens(self.stored)   # [samples] tokens left after the filters
+        self.kept_tokens = self._kept_tokens(self.stored)   # [samples] rows left after the selection and filters
         self.scaling = {}  # key -> (shift, scale), when normalising
         if config.normalize != "none":
             moments = stored_moments(config.index, config.keys)
@@ -241,21 +258,42 @@ class TokenLoader:
     def _token_ids(self, stored: StoredArrays) -> TokenIds:
         machines = sorted(set(stored.machine_id.tolist()))
         streams = machine_streams(machines, stored.metadata.get("machines", []), self.config.streams_dir)
-        return load_token_ids(stored.sample_id, stored.machine_id, stored.num_tokens, streams)
+        return load_token_ids(stored.sample_id, stored.machine_id, stored.sample_tokens, streams)
+
+    @property
+    def pools(self) -> bool:
+        """Whether the read pools each sample's selected rows into one."""
+        return self.selection is not None and self.selection.pooled
 
     def _kept_tokens(self, arrays: StoredArrays) -> np.ndarray:
-        if not self.config.exclude_token_ids:
+        if self.tokens is None and not self.config.exclude_token_ids:
             return np.maximum(arrays.num_tokens - self.config.exclude_first_positions, 0)
-        return np.array([len(self._kept_positions(s, n)) for s, n in
-                         zip(arrays.sample_id.tolist(), arrays.num_tokens.tolist())], dtype=np.int64)
+        kept = np.array([len(self._kept(row)[0]) for row in range(len(arrays))], dtype=np.int64)
+        return np.minimum(kept, 1) if self.pools else kept
 
-    def _kept_positions(self, sample_id: int, num_tokens: int) -> np.ndarray:
-        """[kept] int64: the positions of the sample's tokens that pass the filters."""
-        first = min(self.config.exclude_first_positions, num_tokens)
-        if not self.config.exclude_token_ids:
-            return np.arange(first, num_tokens)
-        excluded = np.isin(self.token_ids[sample_id][first:], self.config.exclude_token_ids)
-        return np.flatnonzero(~excluded) + first
+    def _kept(self, row: int) -> tuple[np.ndarray | slice, np.ndarray, dict[str, int]]:
+        """(which of a stored sample's rows pass the selection and the filters: a slice where only
+        leading ones go, their token positions, how many went for each reason)."""
+        a, c = self.stored, self.config
+        sample_id, rows = int(a.sample_id[row]), int(a.num_tokens[row])
+        if self.tokens is None and not c.exclude_token_ids:
+            first = min(c.exclude_first_positions, rows)
+            return slice(first, rows), np.arange(first, rows), {"first_positions": first}
+        if self.tokens is None:
+            kept, positions = np.arange(rows), np.arange(rows)
+        else:
+            kept, positions = kept_rows(self.selection, self.tokens, sample_id, self.pooled_store)
+        dropped = {"selection": rows - len(kept)}
+        if self.pooled_store:  # rows without positions (the filters are refused for them)
+            return kept, positions, dropped
+        late = positions >= c.exclude_first_positions
+        dropped["first_positions"] = int((~late).sum())
+        kept, positions = kept[late], positions[late]
+        if c.exclude_token_ids:
+            allowed = ~np.isin(self.token_ids[sample_id][positions], c.exclude_token_ids)
+            dropped["token_ids"] = int((~allowed).sum())
+            kept, positions = kept[allowed], positions[allowed]
+        return kept, positions, dropped
 
     def _layout(self) -> dict[Any, tuple[tuple[int, ...], np.dtype]]:
         out_dtype = storage_dtype(self.config.dtype)
@@ -289,20 +327,22 @@ class TokenLoader:
                              (a.num_tokens[i], a.width[key]), path.endswith(".gz"),
                              f"{path} at byte {offsets[i]} (sample {a.sample_id[i]}, {describe_key(key)})")
                 for i in range(start, stop)]
-        pieces, dropped = [], {"first_positions": 0, "token_ids": 0}
+        pieces, dropped = [], dict.fromkeys(LoaderStats().dropped, 0)
         for k, row in enumerate(range(start, stop)):
-            sample_id, n = int(a.sample_id[row]), int(a.num_tokens[row])
-            positions = self._kept_positions(sample_id, n)
-            first = min(n, c.exclude_first_positions)
-            dropped["first_positions"] += first
-            dropped["token_ids"] += n - first - len(positions)
-            # A slice when only leading tokens go: a view, not a copy.
-            rows = positions if c.exclude_token_ids else slice(first, n)
+            sample_id = int(a.sample_id[row])
+            rows, positions, gone = self._kept(row)  # rows: a slice where only leading ones go (a view)
+            for reason, n in gone.items():
+                dropped[reason] += n
             piece = {key: self._converted(key, per_key[key][k][rows]) for key in c.keys}
+            if self.pools:  # the mean of the selected rows, in float64: one row, or none
+                piece = {key: values.mean(axis=0, dtype=np.float64, keepdims=True).astype(values.dtype)
+                         if len(values) else values for key, values in piece.items()}
+                positions = np.full(min(1, len(positions)), NO_POSITION, np.int64)
             piece["positions"] = positions
             piece["sample_ids"] = np.full(len(positions), sample_id, dtype=np.int64)
             if c.with_token_ids:
-                piece["token_ids"] = self.token_ids[sample_id][positions]
+                ids = self.token_ids[sample_id]  # a pooled row's: NO_POSITION
+                piece["token_ids"] = np.where(positions >= 0, ids[np.maximum(positions, 0)], NO_POSITION)
             pieces.append(piece)
         return _Block(pieces, fetched, int(a.num_tokens[start:stop].sum()), dropped)
 

@@ -16,12 +16,15 @@ import json
 from typing import Any, Sequence
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from activations.index import arrays_path, merged_metadata_path, read_parquet, stats_path
+from activations.index import arrays_path, merged_metadata_path, read_index_file, read_parquet, stats_path
 from activations.reader import coalesced_reads, frame_keys
+from activations.selection import Selection
 from activations.site_stats import STATS_SCHEMA, Moments, table_moments
+from activations.stored_tokens import read_stored_tokens, store_selection
 from common.cli import UserError
 from common.files import read_optional
 from model.sites import RESID_POST, ArrayKey, describe_key, key_parts, normalized_key
@@ -39,12 +42,14 @@ class StoredArrays:
     position: np.ndarray      # [rows] int64: place in the shard's lists
     sample_id: np.ndarray     # [rows] int64
     machine_id: np.ndarray    # [rows] int64
-    num_tokens: np.ndarray    # [rows] int64: stored tokens (the arrays' first dimension)
+    num_tokens: np.ndarray    # [rows] int64: stored rows (the arrays' first dimension): tokens, or selected ones
+    sample_tokens: np.ndarray  # [rows] int64: the sample's tokens (the index's num_tokens)
     offset: dict[ArrayKey, np.ndarray]   # key -> [rows] int64: byte offset of the array (its gzip member)
     length: dict[ArrayKey, np.ndarray]   # key -> [rows] int64
     dtype: dict[ArrayKey, str]           # key -> stored dtype name
     width: dict[ArrayKey, int]           # key -> the arrays' last dimension
     metadata: dict[str, Any]             # merged_metadata.json beside the index ({} if absent)
+    selection: Selection | None = None   # the token selection the store was made with (None: every token)
 
     def __len__(self) -> int:
         return len(self.sample_id)
@@ -78,8 +83,14 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
         raise UserError(f"{', '.join(map(describe_key, missing))} not stored under this index (it has "
                         f"{', '.join(map(describe_key, _stored_keys(index)))})")
     first = frames[keys[0]]
+    metadata = _merged_metadata(index)
+    selection = store_selection(metadata)
+    rows = samples["num_tokens"]
+    if selection is not None:  # the store holds the rows of its selection: as many as the tokens table says
+        stored = read_stored_tokens(index)
+        rows = pd.Series(stored.rows, index=stored.ids)
     for key, frame in frames.items():
-        _check_key(key, frame, first, keys[0], samples)
+        _check_key(key, frame, first, keys[0], samples, rows)
     shard_paths, shard = np.unique(first["shard_path"].to_numpy(), return_inverse=True)
     shapes = {k: np.stack(f["shape"].to_numpy()) for k, f in frames.items()}  # [rows, 2] each
     return StoredArrays(
@@ -87,11 +98,12 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
         position=first["position"].to_numpy(np.int64), sample_id=first["sample_id"].to_numpy(np.int64),
         machine_id=samples.loc[first["sample_id"], "machine_id"].to_numpy(np.int64),
         num_tokens=shapes[keys[0]][:, 0].astype(np.int64),
+        sample_tokens=samples.loc[first["sample_id"], "num_tokens"].to_numpy(np.int64),
         offset={k: f["byte_offset"].to_numpy(np.int64) for k, f in frames.items()},
         length={k: f["byte_length"].to_numpy(np.int64) for k, f in frames.items()},
         dtype={k: _only(f["dtype"], k, "dtypes") for k, f in frames.items()},
         width={k: _only(s[:, 1], k, "widths") for k, s in shapes.items()},
-        metadata=_merged_metadata(index))
+        metadata=metadata, selection=selection)
 
 
 def _key_rows(arrays: pa.Table, key: ArrayKey) -> pa.Table:
@@ -121,8 +133,9 @@ def _only(values, key: ArrayKey, what: str):
     return distinct[0]
 
 
-def _check_key(key: ArrayKey, frame, first, first_key: ArrayKey, samples) -> None:
-    """Every sample of the index has this key's array, beside the first key's, of its length."""
+def _check_key(key: ArrayKey, frame, first, first_key: ArrayKey, samples, rows) -> None:
+    """Every sample of the index has this key's array, beside the first key's, of its stored
+    length (``rows``, by sample id: its tokens, or the rows its selection kept)."""
     what = describe_key(key)
     if len(frame) != len(samples) or not frame["sample_id"].isin(samples.index).all():
         absent = samples.index.difference(frame["sample_id"])
@@ -132,17 +145,17 @@ def _check_key(key: ArrayKey, frame, first, first_key: ArrayKey, samples) -> Non
     if not (frame["sample_id"].to_numpy() == first["sample_id"].to_numpy()).all():
         raise UserError(f"{what}'s arrays are not stored beside {describe_key(first_key)}'s")
     lengths = np.stack(frame["shape"].to_numpy())[:, 0]
-    expected = samples.loc[frame["sample_id"], "num_tokens"].to_numpy()
+    expected = rows.reindex(frame["sample_id"]).to_numpy()
     if not (lengths == expected).all():
         bad = frame["sample_id"].to_numpy()[lengths != expected][0]
-        raise UserError(f"sample {bad}: its {what} array's length differs from num_tokens in the index")
+        raise UserError(f"sample {bad}: its {what} array's length differs from the rows the index says it stored")
 
 
 def stored_moments(index: str, keys: Sequence[ArrayKey]) -> dict[ArrayKey, Moments]:
     """The statistics of ``keys`` over the whole run (``index_stats.parquet`` beside the index)."""
     path = stats_path(index)
     try:
-        moments = table_moments(read_parquet(path, schema=STATS_SCHEMA))
+        moments = table_moments(read_index_file(path, STATS_SCHEMA))  # with its groups' rows, if any
     except FileNotFoundError:
         raise UserError(f"no statistics at {path!r} (index written before they existed, or its shards have "
                         "none): merge the index again with pipeline.index") from None

@@ -46,7 +46,7 @@ from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from transforms.ids import stable_hash
 from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 from transforms.rejections import RejectedRecord
-from transforms.samples import samples_from_record
+from transforms.samples import SampleFormat, samples_from_record
 from transforms.sources import read_source_file, resolve_source_files
 from transforms.streams import stream_record
 from transforms.tokenize import load_tokenizer, tokenize_samples
@@ -74,7 +74,7 @@ def plain_loop(config: PrepareConfig) -> int:
     for source in resolve_source_files(config.dataset, config.dataset_config, config.dataset_split):
         for item in read_source_file(source):
             try:
-                samples = samples_from_record(item, config.format, config.text_field)
+                samples = samples_from_record(item, SampleFormat(config.format, config.text_field))
             except RejectedRecord:
                 continue
             for sample in samples:

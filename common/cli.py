@@ -60,6 +60,14 @@ def int_list(text: str) -> tuple[int, ...]:
                                          f"got {text!r}") from None
 
 
+def name_list(text: str) -> tuple[str, ...]:
+    """One word of a list flag of names: ``"label,topic"`` -> ``("label", "topic")``."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected names separated by commas, got {text!r}")
+    return names
+
+
 class _Concatenate(argparse.Action):
     """A list flag takes one or more words, each parsed to a tuple: ``6 12 18``, ``6,12,18`` and
     ``6,12 18`` all give ``(6, 12, 18)``."""

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from common.cli import UserError
+from common.roles import runs_problem, special_problem
 
 STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
 
@@ -93,4 +94,13 @@ def parse_stream_line(line: str, where: str) -> dict[str, Any]:
     answer_start = record.get("answer_start", 0)
     if type(answer_start) is not int or answer_start < 0:
         raise StreamFormatError(f"{where}: answer_start must be an integer >= 0")
+    # Written by prepare since roles existed; a stream from before has neither.
+    problem = (runs_problem(record["roles"], len(ids)) if "roles" in record else None) or (
+        special_problem(record["special"], len(ids)) if "special" in record else None)
+    if problem:
+        raise StreamFormatError(f"{where}: {problem}")
+    columns = record.get("columns", {})
+    if not isinstance(columns, dict) or not all(v is None or isinstance(v, (bool, int, float, str))
+                                                for v in columns.values()):
+        raise StreamFormatError(f"{where}: columns must be an object of scalar values")
     return record

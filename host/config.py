@@ -6,8 +6,10 @@ import dataclasses
 import math
 import os
 
+from activations.selection import parse_selection, selection_flag
 from activations.shards import DEFAULT_COMPRESSION_LEVEL
-from common.cli import AUTO, UserError, flag, int_list, int_or_auto
+from activations.site_stats import ROLE_GROUPING
+from common.cli import AUTO, UserError, flag, int_list, int_or_auto, name_list
 from host.lease import MIN_LEASE_S
 from host.machine_id import machine_id_flag
 from model.config import STORED_DTYPES
@@ -99,6 +101,13 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
                               "and the index's ablation column")
     ablation_means: str | None = flag(None, "means.npz written by runners.ablate (local or gs://), for an "
                                       "--ablate with mode=mean")
+    tokens: str | None = flag(None, "store only the rows of these tokens, a selection (e.g. assistant,-special | "
+                              "last | last:user | mean:assistant: docs/datasets.md#token-selection); the forward "
+                              "still runs on every token, only the selected rows leave the device (default: every "
+                              "token)", parse=selection_flag)
+    stats_by: tuple[str, ...] = flag((), "also keep the per-site statistics per group: role (each token's role) "
+                                     "and/or a column the streams keep (pipeline.prepare --keep_columns), e.g. "
+                                     "role,label", parse=name_list)
 
     def validate(self) -> None:
         if self.machine_id != "auto" and self.machine_id < 0:
@@ -147,6 +156,10 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
             if self.num_processes not in (None, 1) or self.distributed == "on":
                 raise UserError("--lease_s holds a one-process machine; a multi-host slice is not "
                                 "leased (Dataflow TPU workers are single-host)")
+        if len(set(self.stats_by)) != len(self.stats_by):
+            raise UserError(f"--stats_by names a grouping twice: {','.join(self.stats_by)}")
+        if ROLE_GROUPING in self.stats_by and self.tokens and parse_selection(self.tokens).pooled:
+            raise UserError(f"--stats_by role with --tokens {self.tokens}: a pooled row has no single role")
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise UserError(f"--heartbeat_s must be a positive number of seconds, got {self.heartbeat_s}")
 

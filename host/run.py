@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from activations.reader import storage_dtype
+from activations.selection import parse_selection
+from activations.site_stats import ROLE_GROUPING
 from common.cli import UserError
 from common.files import read_optional
 from host import distributed
@@ -69,7 +71,7 @@ from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExt
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
-INDEX_FILE = re.compile(r"index/shard_(\d{4})(_arrays|_stats)?\.parquet")
+INDEX_FILE = re.compile(r"index/shard_(\d{4})(_arrays|_stats|_tokens)?\.parquet")
 
 
 def prepare_machine_dir(path: str) -> None:
@@ -95,7 +97,7 @@ def remove_orphans(machine_dir: str, store: GcsStore | None, total_shards: int,
             os.remove(os.path.join(machine_dir, rel))
             removed.append(rel)
     if store:
-        for name in store.names(r"(index/)?shard_\d{4}(_arrays|_stats)?\.(pkl(\.gz)?|parquet)"):
+        for name in store.names(r"(index/)?shard_\d{4}(_arrays|_stats|_tokens)?\.(pkl(\.gz)?|parquet)"):
             if int(re.search(r"\d{4}", name).group()) > total_shards:
                 guard()
                 store.delete(name)
@@ -350,6 +352,8 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
+    if first is not None:
+        check_record_fits(config, first)
     if loaded is None:
         health.set_state(LOADING)
         extraction.setup()
@@ -390,6 +394,22 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     return finished
 
 
+def check_record_fits(config: HostConfig, record: dict[str, Any]) -> None:
+    """``UserError``, before the model loads, where the stream's records lack what ``--tokens`` or
+    ``--stats_by`` need: token roles (a stream prepared before they existed), a kept column."""
+    selection = parse_selection(config.tokens)
+    if selection is not None:
+        selection.positions(record.get("roles"), record.get("special"), record["num_tokens"])
+    for name in config.stats_by:
+        if name == ROLE_GROUPING and record.get("roles") is None:
+            raise UserError(f"--stats_by role: sample {record['sample_id']} has no token roles (its stream was "
+                            "prepared before roles existed): prepare it again")
+        if name != ROLE_GROUPING and name not in (record.get("columns") or {}):
+            kept = ", ".join(record.get("columns") or {}) or "none"
+            raise UserError(f"--stats_by {name}: the stream's records keep no column {name!r} (they keep: {kept}; "
+                            "pipeline.prepare --keep_columns keeps them)")
+
+
 def extract_config(config: HostConfig) -> ExtractConfig:
     """The extraction these runner flags ask for (what the model computes, not where it goes)."""
     return ExtractConfig(
@@ -400,7 +420,7 @@ def extract_config(config: HostConfig) -> ExtractConfig:
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
-        sites=config.sites)
+        sites=config.sites, tokens=config.tokens)
 
 
 def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint,
@@ -480,7 +500,9 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
             "activation_dtype": config.activation_dtype,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "ablate": intervention.name if intervention else None,
-            "ablation_means": _digest(config.ablation_means) if intervention and intervention.needs_means else None}
+            "ablation_means": _digest(config.ablation_means) if intervention and intervention.needs_means else None,
+            # Checkpoints from before these read None: every token stored, no groups.
+            "tokens": config.tokens, "stats_by": list(config.stats_by) or None}
 
 
 def _digest(path: str) -> str:
@@ -500,7 +522,7 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream:
                          memory_budget_bytes=int(config.store_memory_gb * 1e9),
                          compression_threads=config.resolved_compression_threads,
                          upload_threads=config.upload_threads, sites=extractor.sites,
-                         num_experts=extractor.config.num_experts)
+                         num_experts=extractor.config.num_experts, pooled=extractor.pool, stats_by=config.stats_by)
 
 
 def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) -> dict[str, Any]:
@@ -519,4 +541,5 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) 
             "moe_dispatch": extractor.moe_dispatch_kind, "num_experts": extractor.config.num_experts,
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1,
-            "ablation": ablation, "ablation_means": config.ablation_means if ablation else None}
+            "ablation": ablation, "ablation_means": config.ablation_means if ablation else None,
+            "tokens": config.tokens, "stats_by": list(config.stats_by)}

@@ -35,9 +35,11 @@ import os
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
 from activations.index import (arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index,
-                               stats_filename)
-from activations.site_stats import Moments, merged_moments, stats_table
+                               stats_filename, tokens_filename, tokens_index)
+from activations.site_stats import ROLE_GROUPING, Moments, StatsKey, grouped_moments, merged_moments, stats_table
 from activations.shards import (DEFAULT_COMPRESSOR, CompressedArray, Segment, activation_bytes,
                                 array_locations, gzip_member_compressor, shard_dict, shard_filename,
                                 shard_segments, stored_segments)
@@ -47,6 +49,8 @@ from host.rejected import RejectedLog
 from host.status import utc_now
 from host.storage import Crc32c, GcsStore
 from host.store_stats import StoreStats
+from common.cli import UserError
+from common.roles import role_codes
 from model.sites import DEFAULT_SITES, EXPERT_INDICES, ArrayKey, array_keys, key_parts
 
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
@@ -74,6 +78,8 @@ class ShardSettings:
     upload_threads: int = 4
     sites: tuple[str, ...] = DEFAULT_SITES  # stored at every layer (model.sites)
     num_experts: int = 0  # a mixture of experts' (its statistics count each expert's tokens)
+    pooled: str | None = None  # a selection pooled into one row a sample (activations.selection): its pooling
+    stats_by: tuple[str, ...] = ()  # statistics also grouped by role and/or kept columns (site_stats)
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -151,8 +157,10 @@ class ShardWriter:
 
     def add(self, sample: dict[str, Any]) -> None:
         self._buffer_bytes += activation_bytes(sample)
-        sample = {**sample, "moments": {key: self._measuring.submit(self._moments, array, key)
-                                        for key, array in sample["activations"].items()}}
+        row_roles, labels = self._groups(sample)
+        sample = {**sample, "rows": len(next(iter(sample["activations"].values()))),
+                  "moments": {key: self._measuring.submit(self._moments, array, key, row_roles, labels)
+                              for key, array in sample["activations"].items()}}
         if self._compressing is not None:
             sample = {**sample, "activations": {
                 layer: CompressedArray.of(array, self._compress_member, self._compressing)
@@ -275,11 +283,13 @@ class ShardWriter:
                                        s.activation_dtype, s.ablation)
         count, tokens = len(samples), sum(x["num_tokens"] for x in samples)
         first_id, last_id = samples[0]["sample_id"], samples[-1]["sample_id"]
-        per_sample = [{key: future.result() for key, future in x["moments"].items()} for x in samples]
+        per_sample = [{k: m for future in x["moments"].values() for k, m in future.result().items()}
+                      for x in samples]
         with stats.stage("index"):  # merged in sample order: the same shard gives the same bytes
             moments = stats_table(merged_moments(per_sample))
+            tokens_table = tokens_index(samples, [x["rows"] for x in samples])
         with stats.stage("encode"):
-            document = shard_dict(samples, s.keys)
+            document = shard_dict(samples, s.keys, s.pooled)
             samples.clear()  # from here the arrays live in ``document`` only, and go with it
             segments, entries = shard_segments(document)
             del document
@@ -291,7 +301,8 @@ class ShardWriter:
         with stats.stage("index"):
             indexes = {index_filename(shard_id): parquet_bytes(sample_index),
                        arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, shard_path)),
-                       stats_filename(shard_id): parquet_bytes(moments)}
+                       stats_filename(shard_id): parquet_bytes(moments),
+                       tokens_filename(shard_id): parquet_bytes(tokens_table)}
             for index_name, index in indexes.items():
                 write_atomically(os.path.join(s.machine_dir, index_name), index)
         entry = {"shard_id": shard_id, "filename": name, "local_path": local_path, "gcs_path": None,
@@ -300,10 +311,26 @@ class ShardWriter:
                  "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id}
         return WrittenShard(shard_id, name, local_path, size, crc, indexes, entry)
 
-    def _moments(self, array, key: ArrayKey) -> Moments:
+    def _groups(self, sample: dict[str, Any]) -> tuple[np.ndarray | None, list[tuple[str, Any]]]:
+        """What a sample's statistics are grouped by (``stats_by``): its rows' role codes (None
+        without the role grouping), and (column, value) of each kept column grouped by."""
+        by = self.settings.stats_by
+        row_roles = None
+        if ROLE_GROUPING in by:
+            if sample.get("roles") is None:
+                raise UserError(f"--stats_by role: sample {sample['sample_id']} has no token roles (its stream was "
+                                "prepared before roles existed): prepare it again")
+            row_roles = role_codes(sample["roles"])
+            if sample.get("positions") is not None:
+                row_roles = row_roles[sample["positions"]]
+        columns = sample.get("columns") or {}
+        return row_roles, [(name, columns.get(name)) for name in by if name != ROLE_GROUPING]
+
+    def _moments(self, array, key: ArrayKey, row_roles: np.ndarray | None = None,
+                 labels: list[tuple[str, Any]] = ()) -> dict[StatsKey, Moments]:
         experts = self.settings.num_experts if key_parts(key)[0] == EXPERT_INDICES else 0
         with self.stats.stage("stats"):
-            return Moments.of(array, experts)
+            return grouped_moments(array, key, experts, row_roles, labels)
 
     def _timed_compressor(self) -> Callable[[Segment], bytes]:
         member, stats = gzip_member_compressor(DEFAULT_COMPRESSOR, self.settings.compression_level), self.stats

@@ -169,25 +169,40 @@ def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mes
 
 def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...],
                        mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
-                       moe_dispatch: str = "auto"):
-    """jit(params, input_ids, lengths, ablation) -> {site: [len(layers), B, S, width]} for each of
-    ``sites`` (``model.sites``); otherwise as ``make_forward``."""
-    forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype, moe_dispatch)
+                       moe_dispatch: str = "auto", pool: str | None = None):
+    """jit(params, input_ids, lengths, ablation[, select]) -> {site: [len(layers), B, S, width]} for
+    each of ``sites`` (``model.sites``); otherwise as ``make_forward``. With ``select`` (positions
+    [B, K], counts [B]: each row's first ``counts`` positions are its selected tokens), only those
+    rows: [len(layers), B, K, width], or with ``pool`` ("mean") their mean: [len(layers), B, 1, width]."""
+    forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype, moe_dispatch,
+                           pool)
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
+
+
+def selected_rows(values: jax.Array, positions: jax.Array, counts: jax.Array, pool: str | None) -> jax.Array:
+    """The selected rows of ``values`` [L, B, S, W]: [L, B, K, W] gathered at ``positions`` [B, K]
+    (exact), or with ``pool`` their mean over each row's first ``counts`` [B], in float32: [L, B, 1, W]."""
+    picked = jnp.take_along_axis(values, positions[None, :, :, None], axis=2)  # [L, B, K, W]
+    if pool is None:
+        return picked
+    valid = jnp.arange(positions.shape[1])[None, :] < counts[:, None]  # [B, K]
+    total = jnp.sum(jnp.where(valid[None, :, :, None], picked.astype(jnp.float32), 0.0), axis=2, keepdims=True)
+    return total / jnp.maximum(counts, 1).astype(jnp.float32)[None, :, None, None]  # [L, B, 1, W]
 
 
 def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
-                 moe_dispatch: str = "auto"):
+                 moe_dispatch: str = "auto", pool: str | None = None):
     """The un-jitted forward of ``make_sites_forward``. Blocks past the last one a site needs are
     not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
-    rest), so block outputs alone compile to the graph they always did."""
+    rest), so block outputs alone compile to the graph they always did. A selection picks its rows
+    on the device, before the cast to ``out_dtype``: only they leave it."""
     model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config),
                     residual_dtype, mlp_hidden=MLP_POST in sites, moe_dispatch=moe_dispatch,
                     routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites))
     num_layers = blocks_needed(sites, layers)
 
-    def forward(params, input_ids, lengths, ablation):
+    def forward(params, input_ids, lengths, ablation, select=None):
         seq = input_ids.shape[1]
         positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
         apply = functools.partial(model.apply, {"params": params}, input_ids, positions,
@@ -205,6 +220,8 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
             else:
                 per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in layers]
             stacked = jnp.stack(per_layer)  # [len(layers), B, S, width]
+            if select is not None:
+                stacked = selected_rows(stacked, *select, pool)  # [len(layers), B, K or 1, width]
             values[site] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
         return values
 
@@ -220,6 +237,14 @@ def sown_value(block_sites: dict, site: str) -> jax.Array:
         if isinstance(value, dict) and site in value:
             return value[site][0]
     raise KeyError(f"the decoder block sowed no {site!r}")
+
+
+def check_pool(pool: str | None, sites: Sequence[str]) -> None:
+    """``UserError`` for pooling a site of integers (a mixture of experts' expert ids)."""
+    integer = [site for site in sites if SITES[site].integer]
+    if pool is not None and integer:
+        raise UserError(f"--tokens {pool}: {integer[0]} holds expert ids, which have no mean; store it without "
+                        "pooling, or leave it out of --sites")
 
 
 def check_float16_range(activations: dict[ArrayKey, np.ndarray]) -> None:
@@ -253,9 +278,15 @@ def local_blocks(out: jax.Array) -> list[tuple[slice, jax.Array]]:
 @dataclasses.dataclass
 class InFlight:
     """A dispatched batch whose activations are still on the devices."""
-    out: dict[str, jax.Array]  # site -> [len(layers), rows, length, width]
-    lengths: np.ndarray     # [rows]
+    out: dict[str, jax.Array]  # site -> [len(layers), rows, length (or the selection's K), width]
+    lengths: np.ndarray     # [rows]: the rows each sequence keeps (its tokens, or its selected rows)
     count: int              # real sequences (the first rows)
+
+
+def selection_width(counts: Sequence[int], length: int) -> int:
+    """K of a batch's selection: the next power of two over its largest count (at least 1, at most
+    the bucket's length), so that a few shapes compile per bucket."""
+    return min(length, 1 << max(0, max(counts, default=1) - 1).bit_length())
 
 
 @dataclasses.dataclass
@@ -275,9 +306,10 @@ class Extractor:
     residual_dtype: Any = None    # resolve_residual_dtype: float32, or None for the compute dtype
     sites: tuple[str, ...] = DEFAULT_SITES  # model.sites, in block order
     moe_dispatch: str = "auto"    # a mixture of experts' (model.config.MOE_DISPATCHES)
+    pool: str | None = None       # with a selection: mean pools each sequence's selected rows
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
-    _executables: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict, init=False,
-                                                                 repr=False)
+    _executables: dict[tuple[int, int, int | None], Any] = dataclasses.field(default_factory=dict, init=False,
+                                                                             repr=False)
 
     @classmethod
     def load(cls, model_path: str, layers: Sequence[int] | None = None, mesh_type: str = "1d",
@@ -287,12 +319,14 @@ class Extractor:
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
              ablation_means: str | None = None, residual_dtype: str = "float32",
              sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None,
-             moe_dispatch: str = "auto") -> "Extractor":
+             moe_dispatch: str = "auto", pool: str | None = None) -> "Extractor":
         """Loads only the blocks the requested sites and layers need, straight onto the mesh.
         ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
-        from ``model.sites`` (each stored at every layer). ``revision``: of a hub id."""
+        from ``model.sites`` (each stored at every layer). ``revision``: of a hub id. ``pool``:
+        ``mean`` pools each selection (``extract``'s positions) into one row."""
         sites = parse_sites(sites)
+        check_pool(pool, sites)
         resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
         model_dir = resolve_model_dir(model_path, revision)
         config = load_config(model_dir)
@@ -304,7 +338,7 @@ class Extractor:
                             num_layers=blocks_needed(sites, layers), devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
                                     activation_dtype, attention, batches_in_flight, residual_dtype, sites,
-                                    moe_dispatch)
+                                    moe_dispatch, pool)
         extractor.ablation = arrays
         return extractor
 
@@ -313,7 +347,9 @@ class Extractor:
                     max_seq_length: int = 2048, min_bucket: int = 32,
                     activation_dtype: str | None = None, attention: str = "auto",
                     batches_in_flight: int = 2, residual_dtype: str = "float32",
-                    sites: Sequence[str] = DEFAULT_SITES, moe_dispatch: str = "auto") -> "Extractor":
+                    sites: Sequence[str] = DEFAULT_SITES, moe_dispatch: str = "auto",
+                    pool: str | None = None) -> "Extractor":
+        check_pool(pool, parse_sites(sites))
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
@@ -324,7 +360,7 @@ class Extractor:
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
                    ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight,
                    residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites),
-                   moe_dispatch=moe_dispatch)
+                   moe_dispatch=moe_dispatch, pool=pool)
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -350,17 +386,22 @@ class Extractor:
     @functools.cached_property
     def _forward(self):
         return make_sites_forward(self.config, self.dtype, self.layers, self.sites, self.mesh,
-                                  self.activation_dtype, self.attention, self.residual_dtype, self.moe_dispatch)
+                                  self.activation_dtype, self.attention, self.residual_dtype, self.moe_dispatch,
+                                  self.pool)
 
-    def executable(self, rows: int, length: int):
-        """The forward compiled for inputs [rows, length] (compiled on first use)."""
-        key = (rows, length)
+    def executable(self, rows: int, length: int, selected: int | None = None):
+        """The forward compiled for inputs [rows, length] (compiled on first use); with
+        ``selected``, for a selection of that many positions a row (``selection_width``)."""
+        key = (rows, length, selected)
         if key not in self._executables:
             sharding = batch_sharding(self.mesh)
             ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
             lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
+            select = () if selected is None else ((jax.ShapeDtypeStruct((rows, selected), jnp.int32, sharding=sharding),
+                                                   lengths),)
             with self.observer.compiling(rows, length):
-                self._executables[key] = self._forward.lower(self.params, ids, lengths, self.ablation).compile()
+                self._executables[key] = self._forward.lower(self.params, ids, lengths, self.ablation,
+                                                             *select).compile()
         return self._executables[key]
 
     def padded(self, sequences: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -374,18 +415,35 @@ class Extractor:
             lengths[row] = len(seq)
         return ids, lengths
 
-    def dispatch(self, sequences: Sequence[Sequence[int]], length: int) -> InFlight:
+    def selection(self, selected: Sequence[np.ndarray], rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """positions [rows, K] (each row's selected positions, then zeros) and counts [rows] of a
+        batch's selections (``selected``: per sequence, the positions it keeps)."""
+        counts = np.zeros((rows,), np.int32)
+        counts[:len(selected)] = [len(p) for p in selected]
+        positions = np.zeros((rows, selection_width(counts.tolist(), length)), np.int32)  # [B, K]
+        for row, kept in enumerate(selected):
+            positions[row, :len(kept)] = kept
+        return positions, counts
+
+    def dispatch(self, sequences: Sequence[Sequence[int]], length: int,
+                 selected: Sequence[np.ndarray] | None = None) -> InFlight:
         """Places up to ``batch_size`` sequences, padded to ``length``, on the devices and starts
-        their forward, without waiting for it."""
+        their forward, without waiting for it. ``selected``: per sequence, the positions of the
+        rows to keep (only those come back; with ``pool``, their mean)."""
         ids, lengths = self.padded(sequences, length)
         rows = ids.shape[0]
-        forward = self.executable(rows, length)
         sharding = batch_sharding(self.mesh)
+        select, kept = (), lengths
+        if selected is not None:
+            positions, counts = self.selection(selected, rows, length)
+            select = ((placed(positions, sharding), placed(counts, sharding)),)
+            kept = np.minimum(counts, 1) if self.pool else counts
+        forward = self.executable(rows, length, None if selected is None else positions.shape[1])
         with self.observer.batch(rows, length):
-            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), self.ablation)
+            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), self.ablation, *select)
         for _, data in (block for site_out in out.values() for block in local_blocks(site_out)):
             data.copy_to_host_async()  # starts the transfer as soon as the forward ends
-        return InFlight(out, lengths, len(sequences))
+        return InFlight(out, kept, len(sequences))
 
     def collect(self, batch: InFlight) -> list[dict[ArrayKey, np.ndarray] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per
@@ -413,8 +471,11 @@ class Extractor:
         self.observer.computed(batch.count)
         return results
 
-    def extract(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:
+    def extract(self, items: Iterable[tuple[T, Sequence[int]] | tuple[T, Sequence[int], np.ndarray]]
+                ) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:
         """(key, input_ids) pairs -> (key, {array key: [num_tokens, width]}), batched by length bucket.
+        Items (key, input_ids, positions) keep only the rows at ``positions`` ([selected, width]),
+        or with ``pool`` their mean ([1, width], or [0, width] where none is selected).
 
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
         than ``max_seq_length`` raises ``ValueError``. Up to ``batches_in_flight`` batches are
@@ -422,8 +483,9 @@ class Extractor:
         """
         in_flight: collections.deque[tuple[list[T], InFlight]] = collections.deque()
         for batch in self.batches(items):
-            in_flight.append(([key for key, _ in batch.items],
-                              self.dispatch([ids for _, ids in batch.items], batch.length)))
+            selected = [item[2] for item in batch.items] if len(batch.items[0]) == 3 else None
+            in_flight.append(([item[0] for item in batch.items],
+                              self.dispatch([item[1] for item in batch.items], batch.length, selected)))
             if len(in_flight) >= self.batches_in_flight:
                 yield from self._collected(*in_flight.popleft())
         while in_flight:
@@ -432,9 +494,9 @@ class Extractor:
     def batches(self, items: Iterable[tuple[T, Sequence[int]]]) -> Iterator[Batch]:
         """The batches ``extract`` computes, in order: each full one as soon as it fills, then the
         partial ones (``dispatch`` pads their rows, see ``padded_rows``)."""
-        bucketer: Bucketer[tuple[T, Sequence[int]]] = Bucketer(self.buckets, self.batch_size)
-        for key, ids in items:
-            yield from bucketer.add((key, ids), len(ids))
+        bucketer: Bucketer[tuple] = Bucketer(self.buckets, self.batch_size)
+        for item in items:
+            yield from bucketer.add(item, len(item[1]))
         yield from bucketer.flush()
 
     def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict[int, np.ndarray] | None]]:

@@ -3,6 +3,8 @@
     python -m pipeline.export --format saelens --index index.parquet --layers 12 --output_dir sae_cache/
     python -m pipeline.export --format saelens --index index.parquet --layers 12 \
         --sites ln2.hook_normalized,hook_mlp_out --output_dir transcoder_cache/   # a transcoder's pair
+    python -m pipeline.export --format saelens --index index.parquet --layers 12 \
+        --tokens assistant,-special --output_dir assistant_sae_cache/             # assistant tokens only
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.reader import CorruptShardError
+from activations.selection import parse_selection, selection_flag
 from activations.saelens_export import SaeLensLayout, check_output, column_names, export_info, export_saelens
 from activations.token_loader import LoaderConfig, TokenLoader, row_bytes
 from activations.token_plan import stored_arrays
@@ -61,6 +64,9 @@ class ExportConfig:
     exclude_token_ids: tuple[int, ...] = flag((), "leave out tokens with these ids (e.g. Qwen2.5's "
                                               "151643,151644,151645)", parse=int_list)
     exclude_first_positions: int = flag(0, "leave out each sample's first K tokens (attention sinks)")
+    tokens: str | None = flag(None, "export only the tokens of a selection, e.g. assistant,-special for an "
+                              "assistant-only SAE (docs/datasets.md#token-selection; not a pooled one: SAELens "
+                              "trains on tokens)", parse=selection_flag)
     buffer_gb: float = flag(1.0, "shuffle buffer size: tokens are drawn from this many GB of float32 rows")
     read_threads: int = flag(4, "threads reading and decompressing shards")
     max_file_gb: float = flag(0.5, "start a new Arrow file past this size")
@@ -85,6 +91,9 @@ class ExportConfig:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
         if not (self.buffer_gb > 0 and self.max_file_gb > 0):
             raise UserError("--buffer_gb and --max_file_gb must be positive")
+        if self.tokens is not None and parse_selection(self.tokens).pooled:
+            raise UserError(f"--tokens {self.tokens}: a pooled selection gives one vector a sample, not tokens "
+                            "SAELens trains on (read it with activations.token_loader)")
 
 
 def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
@@ -101,7 +110,7 @@ def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
                         exclude_first_positions=config.exclude_first_positions,
                         exclude_token_ids=config.exclude_token_ids, with_token_ids=True,
                         streams_dir=config.streams_dir, max_tokens=config.max_tokens,
-                        read_threads=config.read_threads)
+                        read_threads=config.read_threads, tokens=config.tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -114,6 +123,9 @@ def main(argv: list[str]) -> int:
     check_output(config.output_dir, config.overwrite)
     names = column_names(config.keys, config.hook_name)
     stored = stored_arrays(config.index, config.keys)  # its widths decide the batch
+    if stored.selection is not None and stored.selection.pooled:
+        raise UserError(f"{config.index} holds one pooled row a sample (--tokens {stored.selection}), not tokens "
+                        "SAELens trains on (read it with activations.token_loader)")
     loader = TokenLoader(loader_config(config, row_bytes(stored.width.values())), stored)
     layout = SaeLensLayout(config.context_size, stored.width, names)
     log.info("exporting %d tokens of %d samples (columns %s) to %s", loader.total_tokens,

@@ -42,8 +42,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # The two real-model files are apart (the first and third go to one worker): both are bound by
 # memory bandwidth, and side by side each takes twice as long.
 LONGEST_FIRST = ("test_real_qwen.py", "test_ablate.py", "test_real_gemma.py", "test_moe.py", "test_families.py",
-                 "test_multihost.py", "test_interventions.py", "test_family_runs.py", "test_host.py",
-                 "test_pipeline_extract.py")
+                 "test_multihost.py", "test_interventions.py", "test_family_runs.py", "test_conversations.py",
+                 "test_host.py", "test_pipeline_extract.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

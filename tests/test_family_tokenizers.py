@@ -13,8 +13,8 @@ from tests.conftest import read_streams, run_prepare
 from transforms.arc import SYSTEM_PROMPT
 from transforms.prepare import PrepareConfig, resolve_plan
 from transforms.samples import Sample
-from transforms.tokenize import (fold_system, load_tokenizer, plain_rendering, prompt_conventions,
-                                 render_prompt, tokenize_samples)
+from transforms.spans import plain_rendering
+from transforms.tokenize import fold_system, load_tokenizer, prompt_conventions, render_prompt, tokenize_samples
 
 CHAT = Sample(1, "t:0", messages=(("system", "Be brief."), ("user", "2+2?")))
 TEXT = Sample(2, "doc", text="Hi")
@@ -148,7 +148,7 @@ def test_a_template_that_renders_nothing_is_one_line_for_arc_only(tmp_path):
 
 
 def test_plain_rendering_without_a_template(family_dirs):
-    assert plain_rendering(CHAT.messages) == "Be brief.\n\n2+2?\n\n"
+    assert plain_rendering(CHAT.messages).text == "Be brief.\n\n2+2?\n\n"
     assert render_prompt(load_tokenizer(family_dirs["base"]), CHAT) == "Be brief.\n\n2+2?\n\n"
 
 

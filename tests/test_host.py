@@ -45,13 +45,14 @@ def shard_contents(machine_dir: pathlib.Path) -> dict:
 
 
 def index_rows(machine_dir: pathlib.Path) -> list[dict]:
-    """The rows of a machine's per-shard index and arrays files (shard paths as file names)."""
+    """The rows of a machine's per-shard index, arrays and tokens files (shard paths as file names)."""
     rows = []
     for path in sorted((machine_dir / "index").glob("shard_????*.parquet")):
         if path.name.endswith("_stats.parquet"):
             continue
         for row in pq.read_table(path).to_pylist():
-            row["shard_path"] = os.path.basename(row["shard_path"])
+            if "shard_path" in row:  # not in the tokens table
+                row["shard_path"] = os.path.basename(row["shard_path"])
             rows.append(row)
     return rows
 

@@ -33,7 +33,8 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     assert set(names) == {"checkpoint.json", "metadata.json", "status.json", *shards,
                           *(f"index/{s.replace('.pkl.gz', '.parquet')}" for s in shards),
                           *(f"index/{s.replace('.pkl.gz', '_arrays.parquet')}" for s in shards),
-                          *(f"index/{s.replace('.pkl.gz', '_stats.parquet')}" for s in shards)}
+                          *(f"index/{s.replace('.pkl.gz', '_stats.parquet')}" for s in shards),
+                          *(f"index/{s.replace('.pkl.gz', '_tokens.parquet')}" for s in shards)}
     assert not list(machine.glob("shard_*"))  # deleted after verified upload
     remote = json.loads(gcs.client().bucket("acts").blob("activations/machine_000/metadata.json")
                         .download_as_bytes())

@@ -163,7 +163,8 @@ def test_manifest_records_how_the_prompts_were_built(arc1_runs):
 def test_verification_report_shows_prompts_and_tokens(arc1_runs):
     report = (arc1_runs[0] / "tokenization_verification.txt").read_text()
     assert report.count("=== sample_id") == 3
-    assert "<|im_start|>user" in report and "151644: '<|im_start|>'" in report
+    assert "<|im_start|>user" in report and "151644 template *: '<|im_start|>'" in report
+    assert " system   " in report and " user     " in report  # each token's role
 
 
 def test_bad_records_go_to_rejected_and_good_ones_through(tmp_path, qwen_tokenizer_dir):

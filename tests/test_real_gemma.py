@@ -90,3 +90,20 @@ def test_its_stream_overflows_float16_and_the_extractor_refuses_to_store_that(re
     with pytest.raises(UserError, match=f"--activation_dtype float16: layer {MIDDLE} holds values past float16's"):
         checks.our_activations(real_float32, [real_prompts[0][:32]], length=32, layers=[MIDDLE],
                                activation_dtype="float16")
+
+
+def test_the_real_gemma3_vocabulary_splits_a_conversation_into_roles(real_model_dir):
+    """The real Gemma 3 tokenizer (its SentencePiece vocabulary, ``<start_of_turn>`` and
+    ``<end_of_turn>`` among its special tokens) under Gemma 3's instruction template, copied from
+    its tokenizer config (fixtures/chat_templates; the base checkpoint ships none)."""
+    from fixtures.family_tokenizers import CHAT_TEMPLATES
+    from tests.test_roles import CONVERSATION, role_view
+    from transformers import AutoTokenizer
+    from transforms.samples import Sample
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)  # its own: load_tokenizer's is shared
+    tokenizer.chat_template = (CHAT_TEMPLATES / "gemma3.jinja").read_text()
+    assert role_view(tokenizer, Sample(1, "c", messages=CONVERSATION, generation_prompt=False)) == [
+        ("_*", "<bos>"), ("_*", "<start_of_turn>"), ("_", "user\n"), ("S", "You are terse."), ("_", "\n\n"),
+        ("U", "Hi there!"), ("_*", "<end_of_turn>"), ("_", "\n"), ("_*", "<start_of_turn>"), ("_", "model\n"),
+        ("A", "Hello."), ("_*", "<end_of_turn>"), ("_", "\n"), ("_*", "<start_of_turn>"), ("_", "user\n"),
+        ("U", "Again?"), ("_*", "<end_of_turn>"), ("_", "\n")]

@@ -110,7 +110,7 @@ def test_filters_drop_first_positions_and_token_ids_and_count_them(stored):
     assert sorted(order) == expected and loader.total_tokens == len(expected)
     assert not any(np.isin(b.token_ids, excluded).any() for b in batches)
     first = sum(min(2, len(a)) for (s, layer), a in arrays.items() if layer == 1)
-    assert loader.stats.dropped == {"first_positions": first,
+    assert loader.stats.dropped == {"selection": 0, "first_positions": first,
                                     "token_ids": len(all_tokens(arrays)) - first - len(expected)}
 
 

@@ -38,6 +38,6 @@ def test_truncation_keeps_the_first_tokens_and_marks_it(qwen_tokenizer):
 def test_tokenize_transform_in_a_pipeline(qwen_tokenizer_dir):
     with BeamTestPipeline(runner=FnApiRunner()) as p:
         ids = (p | beam.Create([TEXT, CHAT])
-               | TokenizeSamples(qwen_tokenizer_dir, max_seq_length=3)
-               | beam.Map(lambda s: (s.sample_id, s.input_ids[:2], s.truncated)))
+               | TokenizeSamples(qwen_tokenizer_dir, max_seq_length=3)).samples
+        ids = (ids | beam.Map(lambda s: (s.sample_id, s.input_ids[:2], s.truncated)))
         assert_that(ids, equal_to([(2, (9707, 1879), False), (1, (151644, 8948), True)]))

@@ -6,7 +6,9 @@ the host runner drives it directly, without importing Beam).
 through the bucketed, sharded forward and emits the results **in input order**, so that a consumer
 (the host runner) can cut shards that each hold a contiguous run of the stream. Records longer than
 ``max_seq_length`` follow ``long_samples`` (``transforms/long_samples.py``); a skipped one is
-emitted in its place as ``Tagged(REJECTED, its rejection)``.
+emitted in its place as ``Tagged(REJECTED, its rejection)``. With a token selection (``tokens``,
+``activations.selection``), each record's selected positions are worked out from its roles and
+only those rows (or their mean) come back from the devices.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
+from activations.selection import Selection, parse_selection
 from model.settings import ModelRunSettings, SiteSettings
 from transforms.long_samples import fit_record, rejection
 
@@ -43,32 +48,42 @@ class ExtractConfig(ModelRunSettings, SiteSettings):
     batches_in_flight: int = 2             # dispatched before the oldest is copied back
     ablation: str | None = None            # an intervention to extract under (model.interventions)
     ablation_means: str | None = None      # its means file, for mode=mean
+    tokens: str | None = None              # store only these tokens (activations.selection); None: all
 
 
-def activation_record(record: dict[str, Any], activations: dict[Any, Any]) -> dict[str, Any]:
+def activation_record(record: dict[str, Any], activations: dict[Any, Any],
+                      positions: np.ndarray | None = None) -> dict[str, Any]:
     """The output of one sample (as computed, see ``fit_record``): its identity, whether it was
-    truncated, and ``{key: array [num_tokens, width]}`` (keys: ``model.sites.array_keys``)."""
+    truncated, what its tokens are (``roles``, ``special``: None for a stream from before them),
+    its kept ``columns``, and ``{key: array [rows, width]}`` (keys: ``model.sites.array_keys``):
+    a row per token, or with a selection a row per selected token (``positions``, None for every
+    token), or one pooled row."""
     return {"sample_id": record["sample_id"], "source": record["source"],
             "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
             "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
-            "activations": activations}
+            "roles": record.get("roles"), "special": record.get("special"), "columns": record.get("columns"),
+            "positions": positions, "activations": activations}
 
 
-def extract_in_order(extractor, records: Sequence[dict[str, Any]],
-                     long_samples: str = "truncate") -> Iterator[dict[str, Any] | Tagged]:
+def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples: str = "truncate",
+                     selection: Selection | None = None) -> Iterator[dict[str, Any] | Tagged]:
     """For each record in input order: its activation record, ``Tagged(REJECTED, ...)`` if
     ``long_samples`` skips it, or ``Tagged(ELSEWHERE, ...)`` if another process computed it.
-    Computed bucket by bucket."""
+    Computed bucket by bucket; with a ``selection``, only its rows leave the devices."""
     limit = extractor.buckets[-1]
     fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
-    results = dict(extractor.extract((i, r["input_ids"]) for i, r in enumerate(fitted) if r is not None))
+    kept = {i: selection.positions(r.get("roles"), r.get("special"), r["num_tokens"])
+            for i, r in enumerate(fitted) if r is not None} if selection else {}
+    items = ((i, r["input_ids"], kept[i]) if selection else (i, r["input_ids"])
+             for i, r in enumerate(fitted) if r is not None)
+    results = dict(extractor.extract(items))
     for i, (record, fit) in enumerate(zip(records, fitted)):
         if fit is None:
             yield Tagged(REJECTED, rejection(record, limit))
         elif (activations := results.pop(i)) is None:
             yield Tagged(ELSEWHERE, {"sample_id": record["sample_id"]})
         else:
-            yield activation_record(fit, activations)
+            yield activation_record(fit, activations, kept.get(i))
 
 
 class OrderedExtraction:
@@ -76,6 +91,7 @@ class OrderedExtraction:
 
     def __init__(self, config: ExtractConfig):
         self.config = config
+        self.selection = parse_selection(config.tokens)
         self.extractor = None
         self._pending: list[dict[str, Any]] = []
 
@@ -88,7 +104,8 @@ class OrderedExtraction:
                                         batches_in_flight=c.batches_in_flight,
                                         ablation=c.ablation, ablation_means=c.ablation_means,
                                         residual_dtype=c.residual_dtype, sites=c.sites,
-                                        revision=c.model_revision)
+                                        revision=c.model_revision,
+                                        pool=self.selection.pool if self.selection else None)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""
@@ -114,7 +131,7 @@ class OrderedExtraction:
     def drain(self) -> Iterator[dict[str, Any] | Tagged]:
         """Computes and yields every pending record."""
         records, self._pending = self._pending, []
-        yield from extract_in_order(self.extractor, records, self.config.long_samples)
+        yield from extract_in_order(self.extractor, records, self.config.long_samples, self.selection)
 
     def discard_pending(self) -> int:
         """Drops records not computed yet (on preemption they are redone after resume)."""

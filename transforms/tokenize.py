@@ -22,6 +22,12 @@ probing the tokenizer itself, whatever its family) and applied to every sample:
 ``max_seq_length`` keeps the first tokens and marks the sample ``truncated`` (with its
 ``original_num_tokens``). A sample's answer (ARC with ``--include_answers``) is encoded on its own
 and appended to the prompt's tokens, so that its span starts exactly at ``answer_start``.
+
+Every token gets its role (``common/roles.py``): a chat's from where each message's content lies
+in the rendered text (``transforms/spans.py``) and the tokenizer's offset mapping; a plain text's
+tokens are ``text``; a BOS or EOS put around a text by the tokenizer's settings, and an ARC
+answer's tokens (``assistant``), are known by construction. Tokens whose id is one of the
+tokenizer's special tokens are listed in ``special``.
 """
 
 from __future__ import annotations
@@ -34,9 +40,15 @@ import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 import apache_beam as beam
+import numpy as np
+from apache_beam import pvalue
 
 from common.cli import UserError
-from transforms.samples import Sample
+from common.roles import ASSISTANT, ROLE_CODES, TEMPLATE, TEXT, runs_of_codes
+from transforms.ids import split_sample_id
+from transforms.rejections import RejectedRecord, count_rejection, rejection
+from transforms.samples import REJECTED_TAG, Sample
+from transforms.spans import Rendering, plain_rendering, template_rendering, token_role_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +60,9 @@ class TokenizedSample:
     truncated: bool
     original_num_tokens: int  # before truncation
     answer_start: int | None = None  # first answer token (may lie past a truncation)
+    roles: tuple[tuple[str, int], ...] = ()  # each token's role, as runs (common/roles.py)
+    special: tuple[int, ...] = ()  # positions of the tokenizer's special tokens
+    columns: tuple[tuple[str, Any], ...] = ()  # the kept columns' (name, value)
 
 
 @functools.lru_cache(maxsize=4)
@@ -82,6 +97,12 @@ class PromptConventions:
     end_ids: tuple[int, ...]  # what the settings put after a text (plain texts only)
     template_bos: tuple[int, str] | None  # (id, token) the template's rendering starts with
     template_error: str | None = None  # why the template cannot render a chat (a UserError line)
+    special_ids: frozenset[int] = frozenset()  # the tokenizer's special tokens (BOS, EOS, end of turn, ...)
+
+    @functools.cached_property
+    def special_array(self) -> np.ndarray:
+        """``special_ids`` as a sorted int64 array (for ``np.isin``)."""
+        return np.array(sorted(self.special_ids), np.int64)
 
     def manifest_record(self, chat: bool) -> dict[str, Any]:
         """What happened to the prompts of a run of chats (``chat``) or plain texts, for
@@ -141,23 +162,15 @@ def fold_system(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], .
     return (("user", system),) + rest
 
 
-def plain_rendering(messages: Sequence[tuple[str, str]]) -> str:
-    """A chat for a tokenizer without a chat template (a base model): every turn's text in order,
-    no role names, each followed by a blank line. For ARC: the system text, a blank line, the
-    user text (ending with the question), a blank line; the answer (``--include_answers``)
-    follows as the next paragraph."""
-    return "".join(f"{content}\n\n" for _, content in messages)
-
-
 # The date Llama 3.1-3.3's templates write into the prompt ("Today Date: ..."): they read
 # ``date_string`` where given, else today's date, which would make a sample's ids depend on the
 # day it was prepared.
 PROMPT_DATE = "01 Jan 2024"
 
 
-def _apply_template(tokenizer, messages: Sequence[tuple[str, str]]) -> str:
+def _apply_template(tokenizer, messages: Sequence[tuple[str, str]], generation_prompt: bool = True) -> str:
     chat = [{"role": role, "content": content} for role, content in messages]
-    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt,
                                          date_string=PROMPT_DATE)
 
 
@@ -192,11 +205,20 @@ def _template_bos(tokenizer, rendered: str, bos: tuple[int, str] | None) -> tupl
 def probe_conventions(tokenizer) -> PromptConventions:
     """The ``PromptConventions`` of a tokenizer, from its behaviour on probe texts and chats."""
     bos, end_ids = settings_specials(tokenizer)
+    specials = special_ids(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
-        return PromptConventions(False, False, bos, end_ids, None)
+        return PromptConventions(False, False, bos, end_ids, None, special_ids=specials)
     folded, rendered, error = _probe_template(tokenizer)
     template_bos = _template_bos(tokenizer, rendered, bos) if rendered is not None else None
-    return PromptConventions(True, folded, bos, end_ids, template_bos, error)
+    return PromptConventions(True, folded, bos, end_ids, template_bos, error, specials)
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens: those its settings name (BOS, EOS, pad, ...) and
+    the added tokens it marks special (end-of-turn markers and the like)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(getattr(tokenizer, "all_special_ids", [])) | {i for i, token in added.items()
+                                                                    if getattr(token, "special", False)}
 
 
 _CONVENTIONS: weakref.WeakKeyDictionary[Any, PromptConventions] = weakref.WeakKeyDictionary()
@@ -211,18 +233,32 @@ def prompt_conventions(tokenizer) -> PromptConventions:
     return conventions
 
 
-def render_prompt(tokenizer, sample: Sample) -> str:
-    """The text to tokenize: the chat rendered by the tokenizer's template (folding the system
-    turn where it refuses one) or plainly without a template, or the plain text."""
+def render_sample(tokenizer, sample: Sample) -> Rendering:
+    """The text to tokenize and where each message's content lies in it: the chat rendered by the
+    tokenizer's template (folding the system turn where it refuses one) or plainly without a
+    template, or the plain text (no spans: all of it is text). ``RejectedRecord`` for a conversation
+    the template refuses (it raises: roles out of the order it takes) or rewrites
+    (``transforms/spans.py``)."""
     if sample.messages is None:
-        return sample.text
+        return Rendering(sample.text, ())
     conventions = prompt_conventions(tokenizer)
     if not conventions.chat_template:
         return plain_rendering(sample.messages)
     if conventions.template_error is not None:
         raise UserError(conventions.template_error)
-    messages = fold_system(sample.messages) if conventions.system_folded else sample.messages
-    return _apply_template(tokenizer, messages)
+    fold = fold_system if conventions.system_folded else tuple
+
+    def render(messages: Sequence[tuple[str, str]]) -> str:
+        try:
+            return _apply_template(tokenizer, messages, sample.generation_prompt)
+        except Exception as e:  # jinja2's TemplateError from raise_exception, or anything a template does
+            raise RejectedRecord("template_refused", (str(e).splitlines() or [type(e).__name__])[0]) from None
+    return template_rendering(render, sample.messages, fold)
+
+
+def render_prompt(tokenizer, sample: Sample) -> str:
+    """The text to tokenize (``render_sample``'s)."""
+    return render_sample(tokenizer, sample).text
 
 
 def with_bos(ids: list[int], conventions: PromptConventions) -> list[int]:
@@ -235,31 +271,83 @@ def with_bos(ids: list[int], conventions: PromptConventions) -> list[int]:
     return [conventions.bos[0]] + ids
 
 
-def encode_prompts(tokenizer, samples: Sequence[Sample], prompts: Sequence[str]) -> list[list[int]]:
-    """The ids of rendered samples, in one encoding call: BOS by ``with_bos``, and the settings'
-    end tokens after plain texts only."""
+def encode_with_offsets(tokenizer, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
+    """(ids, character offsets of each token [tokens, 2]) of many texts in one call, without
+    special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise UserError(f"tokenizer {_name(tokenizer)!r} is not a fast (Rust) tokenizer: token roles need its "
+                        "offset mapping")
+    return [(e.ids, np.array(e.offsets, np.int64).reshape(-1, 2))
+            for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A prompt's tokens as encoded (BOS by ``with_bos``, the settings' end tokens after a plain
+    text) with each token's role code (``common.roles.ROLE_CODES``)."""
+    ids: list[int]
+    roles: np.ndarray  # [tokens] uint8
+
+
+def encode_prompts(tokenizer, samples: Sequence[Sample], renderings: Sequence[Rendering]) -> list[Encoded]:
+    """The tokens of rendered samples and their roles: plain texts in one offset-free encoding
+    call, chats in one call with offsets. BOS by ``with_bos``, and the settings' end tokens after
+    plain texts only; both ``template``."""
     conventions = prompt_conventions(tokenizer)
-    encoded = encode_batch(tokenizer, list(prompts), add_special_tokens=False)
-    return [with_bos(ids, conventions) + (list(conventions.end_ids) if s.messages is None else [])
-            for s, ids in zip(samples, encoded)]
+    chats = [i for i, s in enumerate(samples) if s.messages is not None]
+    texts = [i for i, s in enumerate(samples) if s.messages is None]
+    encoded: dict[int, Encoded] = {}
+    for i, ids in zip(texts, encode_batch(tokenizer, [renderings[i].text for i in texts], add_special_tokens=False)):
+        encoded[i] = Encoded(ids, np.full(len(ids), ROLE_CODES[TEXT], np.uint8))
+    for i, (ids, offsets) in zip(chats, encode_with_offsets(tokenizer, [renderings[i].text for i in chats])):
+        encoded[i] = Encoded(ids, token_role_codes(offsets, renderings[i].spans))
+    out, template = [], ROLE_CODES[TEMPLATE]
+    for i, sample in enumerate(samples):
+        ids, roles = encoded[i].ids, encoded[i].roles
+        full = with_bos(ids, conventions)
+        after = list(conventions.end_ids) if sample.messages is None else []
+        roles = np.concatenate([np.full(len(full) - len(ids), template, np.uint8), roles,
+                                np.full(len(after), template, np.uint8)])
+        out.append(Encoded(full + after, roles))
+    return out
 
 
-def tokenize_samples(tokenizer, samples: Sequence[Sample],
-                     max_seq_length: int | None) -> list[TokenizedSample]:
-    """Tokenizes a batch (one encoding call for the prompts, one for the answers), in order."""
-    prompts = [render_prompt(tokenizer, s) for s in samples]
-    ids = encode_prompts(tokenizer, samples, prompts)
+def tokenize_samples(tokenizer, samples: Sequence[Sample], max_seq_length: int | None,
+                     rejected: list[tuple[Sample, RejectedRecord]] | None = None) -> list[TokenizedSample]:
+    """Tokenizes a batch (one encoding call for the plain texts, one for the chats, one for the
+    answers), in order, each token with its role and special tokens marked. A sample that cannot be
+    rendered (``render_sample``) raises, or with ``rejected`` is left out and listed there."""
+    renderings = []
+    for sample in samples:
+        try:
+            renderings.append(render_sample(tokenizer, sample))
+        except RejectedRecord as e:
+            if rejected is None:
+                raise
+            rejected.append((sample, e))
+            renderings.append(None)
+    if rejected:
+        samples = [s for s, r in zip(samples, renderings) if r is not None]
+        renderings = [r for r in renderings if r is not None]
+    encoded = encode_prompts(tokenizer, samples, renderings)
     answered = [i for i, s in enumerate(samples) if s.answer is not None]
     answers = dict(zip(answered, encode_batch(tokenizer, [samples[i].answer for i in answered],
                                               add_special_tokens=False))) if answered else {}
+    specials = prompt_conventions(tokenizer).special_array
     out = []
-    for i, (sample, prompt, tokens) in enumerate(zip(samples, prompts, ids)):
-        answer_start = len(tokens) if i in answers else None
-        tokens = tokens + answers.get(i, [])
+    for i, (sample, rendering, prompt) in enumerate(zip(samples, renderings, encoded)):
+        answer = answers.get(i, [])
+        answer_start = len(prompt.ids) if i in answers else None
+        tokens = prompt.ids + answer
+        roles = np.concatenate([prompt.roles, np.full(len(answer), ROLE_CODES[ASSISTANT], np.uint8)])
         truncated = max_seq_length is not None and len(tokens) > max_seq_length
         kept = tokens[:max_seq_length] if truncated else tokens
-        out.append(TokenizedSample(sample.sample_id, sample.source, prompt + (sample.answer or ""),
-                                   tuple(kept), truncated, len(tokens), answer_start))
+        special = np.flatnonzero(np.isin(np.asarray(kept, np.int64), specials))
+        out.append(TokenizedSample(
+            sample.sample_id, sample.source, rendering.text + (sample.answer or ""), tuple(kept), truncated,
+            len(tokens), answer_start, roles=tuple(map(tuple, runs_of_codes(roles[:len(kept)]))),
+            special=tuple(special.tolist()), columns=sample.columns))
     return out
 
 
@@ -283,12 +371,19 @@ class _TokenizeFn(beam.DoFn):
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._tokenizer = load_tokenizer(self._tokenizer_name)
 
-    def process(self, batch: list[Sample]) -> Iterator[TokenizedSample]:
-        yield from tokenize_samples(self._tokenizer, batch, self._max_seq_length)
+    def process(self, batch: list[Sample]) -> Iterator[Any]:
+        rejected: list[tuple[Sample, RejectedRecord]] = []
+        yield from tokenize_samples(self._tokenizer, batch, self._max_seq_length, rejected)
+        for sample, error in rejected:
+            count_rejection(error.reason)
+            file_index, row, _ = split_sample_id(sample.sample_id)
+            preview = [{"role": role, "content": content} for role, content in sample.messages or ()]
+            yield pvalue.TaggedOutput(REJECTED_TAG, rejection(error, sample.origin, file_index, row, preview))
 
 
 class TokenizeSamples(beam.PTransform):
-    """``Sample``s -> ``TokenizedSample``s, in batches (one encoding call each). Run in the
+    """``Sample``s -> ``TokenizedSample``s (main output ``samples``) and the dead-letter dicts of
+    conversations the chat template refuses (``rejected``), in batches (one encoding call each). Run in the
     launching process (the local runner's default), a batch is spread over every core by the Rust
     tokenizer's threads; in Beam's worker processes, one per core, each encodes on one thread."""
 
@@ -302,7 +397,8 @@ class TokenizeSamples(beam.PTransform):
     def expand(self, samples):
         return (samples
                 | "Batch" >> beam.BatchElements(**self._batching)
-                | "Encode" >> beam.ParDo(_TokenizeFn(self._tokenizer, self._max_seq_length)))
+                | "Encode" >> beam.ParDo(_TokenizeFn(self._tokenizer, self._max_seq_length)).with_outputs(
+                    REJECTED_TAG, main="samples"))
 
 
 def decoded_pieces(tokenizer, input_ids: Iterable[int]) -> list[str]:

@@ -1,0 +1,106 @@
+"""Conversation datasets through the prepare pipeline: the chat and pair formats, every token's role
+in the stream record, kept columns typed once and carried, and what is refused: a conversation the
+chat template refuses (rejected with its reason), a column no record has, a chat dataset with a
+tokenizer without a template (one line each, nothing written)."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from common.cli import UserError
+from common.roles import role_names
+from fixtures.family_tokenizers import CHAT_SUFFIX, build_family_tokenizer
+from tests.conftest import read_streams, run_in_process, run_prepare
+from transforms.prepare import PrepareConfig, resolve_plan
+
+RECORDS = [
+    {"id": "ok", "label": 1, "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Yo."}]},
+    {"id": "refused", "label": 0, "messages": [{"role": "user", "content": "A"}, {"role": "user", "content": "B"}]},
+    {"id": "robot", "label": 0, "messages": [{"role": "robot", "content": "beep"}]},
+    {"id": "typed", "label": "x", "messages": [{"role": "user", "content": "Hi?"}]},
+    {"id": "sharegpt", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Q?"},
+                                         {"from": "gpt", "value": "A."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """The byte-level fixture with Gemma 3's real template: it refuses turns that do not alternate."""
+    return str(build_family_tokenizer("gemma3" + CHAT_SUFFIX, tmp_path_factory.mktemp("gemma3")))
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_a_chat_dataset_becomes_streams_with_roles_columns_and_its_rejections(gemma3, tmp_path):
+    dataset = write_jsonl(tmp_path / "chats.jsonl", RECORDS)
+    out = run_prepare(PrepareConfig(dataset=dataset, tokenizer=gemma3, num_machines=1, output_dir=str(tmp_path / "s"),
+                                    keep_columns=("label",), messages_field="messages"))
+    records = {r["source"]: r for r in read_streams(out, 1)[0]}
+    assert sorted(records) == ["ok"]  # the ShareGPT record has no "messages" column: rejected below
+    ok = records["ok"]
+    assert ok["columns"] == {"label": 1} and ok["text_preview"].startswith("<bos><start_of_turn>user\nHi?")
+    roles = role_names(ok["roles"])
+    assert "".join(chr(t) for t, r in zip(ok["input_ids"], roles) if r == "user") == "Hi?"
+    assert "".join(chr(t) for t, r in zip(ok["input_ids"], roles) if r == "assistant") == "Yo."
+    assert [roles[p] for p in ok["special"]] == ["template"] * 5  # <bos>, two turns' start and end
+    rejected = [json.loads(line) for line in (out / "rejected" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in rejected] == [
+        (1, "template_refused"), (2, "unknown_role"), (3, "column_type"), (4, "missing_field")]
+    assert "Conversation roles must alternate" in rejected[0]["detail"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "chat" and manifest["keep_columns"] == {"label": "int64"}
+    assert manifest["rejected"] == 4 and manifest["prompts"]["chat_template"]
+    report = (out / "tokenization_verification.txt").read_text()
+    assert "(position id role, * special: piece)" in report and " assistant : 'Y'" in report
+
+
+def test_sharegpt_conversations_and_parquet_column_types(qwen_tokenizer_dir, tmp_path):
+    table = pa.table({"conversations": [RECORDS[4]["conversations"]] * 2, "score": [0.5, None],
+                      "flag": [True, False]})
+    pq.write_table(table, tmp_path / "data.parquet")
+    out = run_prepare(PrepareConfig(dataset=str(tmp_path / "data.parquet"), tokenizer=qwen_tokenizer_dir,
+                                    num_machines=1, output_dir=str(tmp_path / "s"), keep_columns=("flag", "score")))
+    first, second = read_streams(out, 1)[0]
+    assert (first["columns"], second["columns"]) == ({"flag": True, "score": 0.5}, {"flag": False, "score": None})
+    assert [role for role, _ in first["roles"]] == ["template", "system", "template", "user", "template",
+                                                    "assistant", "template"]
+    assert json.loads((out / "manifest.json").read_text())["keep_columns"] == {"flag": "bool", "score": "float64"}
+
+
+def test_pairs_render_plainly_without_a_template_and_through_one_with(qwen_tokenizer_dir, tmp_path):
+    base = str(build_family_tokenizer("base", tmp_path / "base"))
+    dataset = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q?", "response": "A."}])
+    plain = run_prepare(PrepareConfig(dataset=dataset, tokenizer=base, num_machines=1, output_dir=str(tmp_path / "p")))
+    record, = read_streams(plain, 1)[0]
+    assert record["text_preview"] == "Q?\n\nA.\n\n"
+    assert record["roles"] == [["template", 1], ["user", 2], ["template", 2], ["assistant", 2], ["template", 2]]
+    asked = run_prepare(PrepareConfig(dataset=dataset, tokenizer=qwen_tokenizer_dir, num_machines=1,
+                                      output_dir=str(tmp_path / "q"), response_field=""))
+    record, = read_streams(asked, 1)[0]
+    assert record["text_preview"].endswith("<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+    assert [role for role, _ in record["roles"]][-2:] == ["user", "template"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(keep_columns=("labl",)), "--keep_columns labl: no record of the dataset has a value in that column"),
+    (dict(keep_columns=("source",)), "--keep_columns source: the stream record or the index has a column of that name"),
+    (dict(keep_columns=("label", "label")), "--keep_columns names a column twice"),
+    (dict(tokenizer="base"), "--format chat renders each conversation with the tokenizer's chat template"),
+])
+def test_bad_input_is_one_line_before_anything_is_written(qwen_tokenizer_dir, tmp_path, extra, message):
+    dataset = write_jsonl(tmp_path / "chats.jsonl", RECORDS[:1])
+    tokenizer = str(build_family_tokenizer("base", tmp_path / "base")) if extra.get("tokenizer") else qwen_tokenizer_dir
+    flags = [f"--{name}={','.join(value) if isinstance(value, tuple) else tokenizer}" for name, value in extra.items()
+             if name != "tokenizer"]
+    result = run_in_process("pipeline.prepare", "--dataset", dataset, "--tokenizer", tokenizer,
+                            "--output_dir", str(tmp_path / "out"), *flags)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=message.split(":")[0]):
+        resolve_plan(PrepareConfig(dataset=dataset, tokenizer=tokenizer, **{k: v for k, v in extra.items()
+                                                                            if k != "tokenizer"}))
