@@ -40,6 +40,9 @@ SCHEMA = pa.schema([
 ])
 
 
+# The types a dataset's kept column may have (pipeline.prepare --keep_columns), as index columns.
+KEPT_COLUMN_TYPES = {"bool": pa.bool_(), "int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
+
 # What each stored sample's tokens are (common/roles.py), one row per sample: its tokens, ``roles`` as runs (null
 # for a stream prepared before roles existed), the positions of ``special`` tokens, each role's token
 # count, and which tokens the stored rows are (``positions``: null where every token is stored; the
@@ -51,6 +54,7 @@ TOKENS_SCHEMA = pa.schema([
     ("special", pa.list_(pa.int32())),
     *((name, pa.int32()) for name in ROLE_COUNT_COLUMNS), ("special_tokens", pa.int32()),
     ("positions", pa.list_(pa.int32())), ("rows", pa.int32()),
+    ("selection", pa.string()),  # the runner's --tokens (activations.selection); null: every token stored
 ])
 
 # One row per (sample, layer): where that activation's bytes are inside the shard file.
@@ -83,8 +87,9 @@ def tokens_filename(shard_id: int) -> str:
     return f"index/shard_{shard_id:04d}_tokens.parquet"
 
 
-def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int]) -> pa.Table:
-    """The ``TOKENS_SCHEMA`` rows of one shard's samples (each stored with ``rows`` rows)."""
+def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selection: str | None = None) -> pa.Table:
+    """The ``TOKENS_SCHEMA`` rows of one shard's samples, each stored with ``rows`` rows by the
+    token ``selection`` (None: every token)."""
     def runs(s):
         return None if s.get("roles") is None else [{"role": r, "count": c} for r, c in s["roles"]]
     counts = [role_counts(s["roles"]) if s.get("roles") is not None else None for s in samples]
@@ -95,7 +100,7 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int]) -> pa.T
         **{f"{role}_tokens": [None if c is None else c[role] for c in counts] for role in ROLES},
         "special_tokens": [None if s.get("special") is None else len(s["special"]) for s in samples],
         "positions": [None if s.get("positions") is None else s["positions"].tolist() for s in samples],
-        "rows": list(rows),
+        "rows": list(rows), "selection": [selection] * len(samples),
     }, schema=TOKENS_SCHEMA)
 
 
@@ -115,11 +120,13 @@ def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
 
 
 def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: int, shard_path: str,
-                layers: Sequence[int], hidden_size: int, dtype: str, ablation: str | None = None) -> pa.Table:
+                layers: Sequence[int], hidden_size: int, dtype: str, ablation: str | None = None,
+                column_types: dict[str, str] | None = None) -> pa.Table:
     """The index rows of one shard; ``position`` is the sample's place in each layer's list. The
     dataset's kept columns (a sample's ``columns``, ``pipeline.prepare --keep_columns``) follow
-    as columns of their own, typed by their values (all null in a shard: Arrow's null type, which
-    the merge gives the other shards' type)."""
+    as columns of their own, of their ``column_types`` (``KEPT_COLUMN_TYPES`` names; a column not
+    there is typed by its values, all null: Arrow's null type, which the merge gives the other
+    shards' type, or the one the runs recorded)."""
     n = len(samples)
     table = pa.table({
         "sample_id": [s["sample_id"] for s in samples], "machine_id": [machine_id] * n,
@@ -132,7 +139,8 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
     }, schema=SCHEMA)
     names = list(dict.fromkeys(name for s in samples for name in (s.get("columns") or {})))
     for name in names:
-        table = table.append_column(name, pa.array([(s.get("columns") or {}).get(name) for s in samples]))
+        kind = KEPT_COLUMN_TYPES.get((column_types or {}).get(name))
+        table = table.append_column(name, pa.array([(s.get("columns") or {}).get(name) for s in samples], kind))
     return table
 
 
@@ -210,14 +218,21 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
                                                  "layers", "sites", "dtype", "compute_dtype", "residual_dtype",
                                                  "hidden_size", "num_hidden_layers", "model", "model_type",
-                                                 "stream", "ablation", "tokens", "stats_by", "gcs_bucket",
-                                                 "gcs_prefix")} for m in machines]}
+                                                 "stream", "ablation", "tokens", "stats_by", "columns",
+                                                 "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 
 def merged_metadata_path(output: str) -> str:
     """``index.parquet`` -> ``merged_metadata.json`` in the same folder."""
     folder = output.rsplit("/", 1)[0] if "/" in output else "."
     return join(folder, "merged_metadata.json")
+
+
+def index_beside_arrays(arrays: str) -> str:
+    """``index_arrays.parquet`` -> ``index.parquet``: the per-sample index an arrays table is beside."""
+    if not arrays.endswith("_arrays.parquet"):
+        raise UserError(f"{arrays!r} is not a per-array index (<stem>_arrays.parquet): pass the merged index too")
+    return arrays[:-len("_arrays.parquet")] + ".parquet"
 
 
 def arrays_path(output: str) -> str:
@@ -273,8 +288,19 @@ def collect_index(activations_dir: str) -> CollectedIndex:
     for path in metadata_files:
         with open_read(path) as f:
             machines.append(json.load(f))
-    return CollectedIndex(merge_index_files(index_files), index_files, arrays_files, machines, stats_files,
-                          tokens_files)
+    table = typed_columns(merge_index_files(index_files), machines)
+    return CollectedIndex(table, index_files, arrays_files, machines, stats_files, tokens_files)
+
+
+def typed_columns(table: pa.Table, machines: Sequence[dict[str, Any]]) -> pa.Table:
+    """The merged index with each kept column that no shard had a value in (Arrow's null type)
+    given the type its runs recorded (``metadata.json``'s ``columns``)."""
+    recorded = {name: kind for m in machines for name, kind in (m.get("columns") or {}).items()}
+    for i, field in enumerate(table.schema):
+        if pa.types.is_null(field.type) and recorded.get(field.name) in KEPT_COLUMN_TYPES:
+            kind = KEPT_COLUMN_TYPES[recorded[field.name]]
+            table = table.set_column(i, pa.field(field.name, kind), table.column(i).cast(kind))
+    return table
 
 
 def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import pickle
 import zlib
 from typing import IO, Any, Iterable, Iterator, Sequence
@@ -22,8 +21,9 @@ from typing import IO, Any, Iterable, Iterator, Sequence
 import numpy as np
 from isal import igzip, isal_zlib
 
+from activations.index import index_beside_arrays
 from common.cli import UserError
-from common.files import open_read, read_optional, read_range
+from common.files import open_read, read_range
 from model.sites import ArrayKey, array_key, key_parts, normalized_key
 
 COALESCE_GAP_BYTES = 1 << 20  # nearby arrays of one shard are fetched in one read
@@ -176,32 +176,22 @@ def read_activations(arrays_index: Any, sample_ids: Iterable[int], layers: Itera
     out = _read_arrays(arrays_index, sample_ids, layers)
     if tokens is None:
         return out
-    return _selected(out, tokens, index or _index_beside(arrays_index))
-
-
-def _index_beside(arrays_index: Any) -> str:
-    if not (isinstance(arrays_index, str) and arrays_index.endswith("_arrays.parquet")):
+    if index is None and not isinstance(arrays_index, str):
         raise UserError("a token selection reads the index's tokens table: pass index= (the merged index.parquet)")
-    return arrays_index[:-len("_arrays.parquet")] + ".parquet"
+    return _selected(out, tokens, index or index_beside_arrays(arrays_index))
 
 
 def _selected(arrays: dict[tuple[int, ArrayKey], np.ndarray], tokens: str,
               index: str) -> dict[tuple[int, ArrayKey], np.ndarray]:
-    """Each array's rows that the selection ``tokens`` keeps (pooled: their mean, in the array's dtype)."""
-    from activations.index import merged_metadata_path
-    from activations.selection import parse_selection
+    """Each array's rows that the selection ``tokens`` keeps (pooled: their mean)."""
+    from activations.selection import parse_selection, pooled_row
     from activations.stored_tokens import kept_rows, read_stored_tokens, store_selection
-    selection = parse_selection(tokens)
-    data = read_optional(merged_metadata_path(index))
-    made = store_selection(json.loads(data) if data else {})
+    selection, made = parse_selection(tokens), store_selection(index)
     stored = read_stored_tokens(index, sorted({sample_id for sample_id, _ in arrays}))
     out = {}
     for (sample_id, key), array in arrays.items():
         rows, _ = kept_rows(selection, stored, sample_id, made is not None and made.pooled)
-        picked = array[rows]
-        if selection.pooled:
-            picked = picked.mean(axis=0, dtype=np.float64, keepdims=True).astype(array.dtype) if len(picked) else picked
-        out[(sample_id, key)] = picked
+        out[(sample_id, key)] = pooled_row(array[rows]) if selection.pooled else array[rows]
     return out
 
 

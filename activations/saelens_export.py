@@ -227,8 +227,8 @@ def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str) 
             "context_size": layout.context_size, "hook_name_template": hook_template,
             "layers": [layer_names(k, depth, layout.widths[k], hook_template) for k in c.keys],
             "seed": c.seed, "samples": len(loader.stored),
-            "tokens": c.tokens,
-            "stored_tokens": None if loader.stored.selection is None else str(loader.stored.selection),
+            "selection": c.tokens,  # read with (activations.selection); the store's own below
+            "stored_selection": None if loader.stored.selection is None else str(loader.stored.selection),
             "exclude_first_positions": c.exclude_first_positions,
             "exclude_token_ids": list(c.exclude_token_ids), "max_tokens": c.max_tokens,
             "token_ids_from": "streams: " + (c.streams_dir or "the stream paths recorded by each runner")}
@@ -259,6 +259,6 @@ def describe(summary: dict[str, Any]) -> str:
             f"{summary['context_size']} tokens ({summary['tokens']} tokens of {summary['samples']} samples), "
             f"{order}; a row may span two samples, never padded. Left out: {dropped['last_partial_row']} "
             f"tokens short of a last row; of the samples read, {dropped['selection']} tokens outside the "
-            f"selection ({summary['tokens'] or 'every token'}), {dropped['first_positions']} first positions "
+            f"selection ({summary['selection'] or 'every token'}), {dropped['first_positions']} first positions "
             f"and {dropped['token_ids']} excluded token ids. Token ids from the {summary['token_ids_from']}. "
             f"Index: {summary['index']}.")

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from common.cli import UserError
-from common.roles import ROLE_CODES, ROLES, role_codes
+from common.roles import ROLE_CODES, ROLES, missing_roles, role_codes
 
 ENDS = ("first", "last")
 MEAN = "mean"
@@ -72,15 +72,19 @@ class Selection:
         return self.positions_of(None if roles is None else role_codes(roles), special, num_tokens)
 
     def positions_of(self, codes: np.ndarray | None, special: Sequence[int] | np.ndarray | None,
-                     num_tokens: int) -> np.ndarray:
-        """``positions`` from each token's role code (``common.roles.role_codes``) instead of runs."""
+                     num_tokens: int, among: np.ndarray | None = None) -> np.ndarray:
+        """``positions`` from each token's role code (``common.roles.role_codes``) instead of runs;
+        ``among``: only these positions are there to select (a store's stored rows), so that
+        ``first`` and ``last`` are the first and last of them."""
         if codes is None and self.needs_roles:
-            raise UserError(f"--tokens {self}: the sample has no token roles (its stream was prepared before "
-                            "roles existed): prepare it again")
+            raise missing_roles(f"--tokens {self}")
         if special is None and self.exclude_special:
             raise UserError(f"--tokens {self}: the sample does not record its special tokens (its stream was "
                             "prepared before they were): prepare it again")
         keep = np.ones(num_tokens, bool)
+        if among is not None:
+            keep[:] = False
+            keep[np.asarray(among, np.int64)] = True
         for role in self.excluded:
             keep &= codes != ROLE_CODES[role]
         if self.exclude_special:
@@ -134,7 +138,7 @@ def parse_selection(text: str | None) -> Selection | None:
                 roles.append(_role(arg, term))
         else:
             roles.append(_role(term, term))
-    both = sorted(set(roles) & set(excluded))
+    both = sorted(set(roles + [role for _, role in ends if role]) & set(excluded))
     if both:
         raise UserError(f"--tokens {text!r}: {both[0]} is both selected and left out")
     return Selection(tuple(sorted(set(roles), key=ROLES.index)),
@@ -145,3 +149,12 @@ def parse_selection(text: str | None) -> Selection | None:
 def selection_flag(text: str) -> str:
     """``--tokens``: the expression, checked, in canonical form."""
     return str(parse_selection(text))
+
+
+def pooled_row(values: np.ndarray) -> np.ndarray:
+    """[1, width]: the mean of a sample's selected rows [k, width] (in float64, returned in their
+    dtype), or the [0, width] rows themselves when none is selected. Integers (expert ids) have no
+    mean: a ``UserError``."""
+    if np.issubdtype(values.dtype, np.integer):
+        raise UserError("--tokens mean: these arrays hold expert ids, which have no mean; read them without pooling")
+    return values.mean(axis=0, dtype=np.float64, keepdims=True).astype(values.dtype) if len(values) else values

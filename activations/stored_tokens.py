@@ -3,16 +3,17 @@ special tokens and which tokens its rows are, from ``index_tokens.parquet`` besi
 index (``activations.index.TOKENS_SCHEMA``), and the rows a selection keeps (``kept_rows``).
 
 A store made with a selection (``runners.tpu_host --tokens``) holds some rows of each sample
-(``positions``); a pooled one a single row, the mean of its selected tokens. Reading with a
-selection keeps the stored rows whose tokens the selection picks: reading an every-token store
-with a selection gives exactly the rows a store made with it holds. A pooled store is read as it
-is, without another selection.
+(``positions``); a pooled one a single row, the mean of its selected tokens (the table's
+``selection`` says which). Reading with a selection applies it to the stored tokens: reading an
+every-token store with a selection gives exactly the rows a store made with it holds, and on a
+selected store ``first`` and ``last`` are the first and last stored tokens. A pooled store is read
+as it is, without another selection.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -94,14 +95,18 @@ def read_stored_tokens(index: str, sample_ids: Sequence[int] | None = None) -> S
         Ragged.of(table["special"]), Ragged.of(table["positions"]))
 
 
-def store_selection(metadata: dict[str, Any]) -> Selection | None:
-    """The selection a store was made with (``merged_metadata.json``'s machines; None: every
-    token); ``UserError`` if its machines stored different ones."""
-    made = {m.get("tokens") for m in metadata.get("machines", [])}
+def store_selection(index: str) -> Selection | None:
+    """The token selection a store was made with (``runners.tpu_host --tokens``), from the tokens
+    table beside the merged ``index`` (None: every token, or a store from before the table);
+    ``UserError`` if its samples were stored with different ones."""
+    try:
+        made = pc.unique(read_index_file(tokens_path(index), TOKENS_SCHEMA).column("selection")).to_pylist()
+    except FileNotFoundError:
+        return None
     if len(made) > 1:
-        raise UserError(f"the store's machines stored different token selections ({sorted(map(str, made))}): "
-                        "read them one machine at a time")
-    return parse_selection(made.pop()) if made else None
+        raise UserError(f"the store's machines stored different token selections "
+                        f"({', '.join(str(m) if m else 'every token' for m in made)}): read them one machine at a time")
+    return parse_selection(made[0]) if made else None
 
 
 def kept_rows(selection: Selection | None, stored: StoredTokens, sample_id: int,
@@ -119,6 +124,6 @@ def kept_rows(selection: Selection | None, stored: StoredTokens, sample_id: int,
     positions = np.arange(num_tokens) if positions is None else positions.astype(np.int64)
     if selection is None:
         return np.arange(rows), positions
-    wanted = selection.positions_of(stored.role_codes(i), stored.special[i], num_tokens)
+    wanted = selection.positions_of(stored.role_codes(i), stored.special[i], num_tokens, among=positions)
     keep = np.flatnonzero(np.isin(positions, wanted))
     return keep, positions[keep]

@@ -43,7 +43,7 @@ import numpy as np
 from activations.reader import CorruptShardError, decode_array, storage_dtype
 from activations.token_buffer import TokenBuffer
 from activations.token_ids import TokenIds, load_token_ids, machine_streams
-from activations.selection import parse_selection
+from activations.selection import parse_selection, pooled_row
 from activations.site_stats import Moments
 from activations.stored_tokens import NO_POSITION, kept_rows, read_stored_tokens
 from activations.token_plan import StoredArrays, blocks, stored_arrays, stored_moments
@@ -181,7 +181,7 @@ class TokenLoader:
             raise UserError(f"the store holds one pooled row a sample (--tokens {self.stored.selection}): it has no "
                             "token positions or ids to leave out")
         # What each stored row is, where the store or the read selects tokens.
-        self.tokens = (read_stored_tokens(config.index) if self.selection or self.stored.selection else None)
+        self.tokens = self.stored.tokens or (read_stored_tokens(config.index) if self.selection else None)
         self.token_ids = self._token_ids(self.stored) if config.needs_token_ids else None
         self.kept_tokens = self._kept_tokens(self.stored)   # [samples] rows left after the selection and filters
         self.scaling = {}  # key -> (shift, scale), when normalising
@@ -334,9 +334,8 @@ class TokenLoader:
             for reason, n in gone.items():
                 dropped[reason] += n
             piece = {key: self._converted(key, per_key[key][k][rows]) for key in c.keys}
-            if self.pools:  # the mean of the selected rows, in float64: one row, or none
-                piece = {key: values.mean(axis=0, dtype=np.float64, keepdims=True).astype(values.dtype)
-                         if len(values) else values for key, values in piece.items()}
+            if self.pools:  # the mean of the selected rows: one row, or none
+                piece = {key: pooled_row(values) for key, values in piece.items()}
                 positions = np.full(min(1, len(positions)), NO_POSITION, np.int64)
             piece["positions"] = positions
             piece["sample_ids"] = np.full(len(positions), sample_id, dtype=np.int64)

@@ -24,7 +24,7 @@ from activations.index import arrays_path, merged_metadata_path, read_index_file
 from activations.reader import coalesced_reads, frame_keys
 from activations.selection import Selection
 from activations.site_stats import STATS_SCHEMA, Moments, table_moments
-from activations.stored_tokens import read_stored_tokens, store_selection
+from activations.stored_tokens import StoredTokens, read_stored_tokens, store_selection
 from common.cli import UserError
 from common.files import read_optional
 from model.sites import RESID_POST, ArrayKey, describe_key, key_parts, normalized_key
@@ -50,6 +50,7 @@ class StoredArrays:
     width: dict[ArrayKey, int]           # key -> the arrays' last dimension
     metadata: dict[str, Any]             # merged_metadata.json beside the index ({} if absent)
     selection: Selection | None = None   # the token selection the store was made with (None: every token)
+    tokens: StoredTokens | None = None   # the index's tokens table, for a store made with a selection
 
     def __len__(self) -> int:
         return len(self.sample_id)
@@ -83,9 +84,7 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
         raise UserError(f"{', '.join(map(describe_key, missing))} not stored under this index (it has "
                         f"{', '.join(map(describe_key, _stored_keys(index)))})")
     first = frames[keys[0]]
-    metadata = _merged_metadata(index)
-    selection = store_selection(metadata)
-    rows = samples["num_tokens"]
+    selection, stored, rows = store_selection(index), None, samples["num_tokens"]
     if selection is not None:  # the store holds the rows of its selection: as many as the tokens table says
         stored = read_stored_tokens(index)
         rows = pd.Series(stored.rows, index=stored.ids)
@@ -103,7 +102,7 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
         length={k: f["byte_length"].to_numpy(np.int64) for k, f in frames.items()},
         dtype={k: _only(f["dtype"], k, "dtypes") for k, f in frames.items()},
         width={k: _only(s[:, 1], k, "widths") for k, s in shapes.items()},
-        metadata=metadata, selection=selection)
+        metadata=_merged_metadata(index), selection=selection, tokens=stored)
 
 
 def _key_rows(arrays: pa.Table, key: ArrayKey) -> pa.Table:

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from common.cli import UserError
+
 SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE = "system", "user", "assistant", "tool", "text", "template"
 ROLES = (SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE)
 MESSAGE_ROLES = (SYSTEM, USER, ASSISTANT, TOOL)  # the roles of a conversation's messages
@@ -84,12 +86,19 @@ def role_counts(runs: Sequence[Sequence[Any]]) -> dict[str, int]:
     return counts
 
 
+def missing_roles(what: str, sample_id: int | None = None) -> UserError:
+    """The one-line error of ``what`` (a flag) needing the token roles a sample lacks."""
+    sample = "the sample" if sample_id is None else f"sample {sample_id}"
+    return UserError(f"{what}: {sample} has no token roles (its stream was prepared before roles existed): "
+                     "prepare it again")
+
+
 def runs_problem(runs: Any, num_tokens: int) -> str | None:
     """What is wrong with a record's ``roles`` (None: nothing)."""
     if not isinstance(runs, list):
         return "roles must be a list of [role, count] pairs"
     for run in runs:
-        if (not isinstance(run, list) or len(run) != 2 or run[0] not in ROLE_CODES
+        if (not isinstance(run, list) or len(run) != 2 or not isinstance(run[0], str) or run[0] not in ROLE_CODES
                 or type(run[1]) is not int or run[1] < 1):
             return f"roles holds {run!r}: each run is [role, count >= 1], a role among {', '.join(ROLES)}"
     total = sum(count for _, count in runs)

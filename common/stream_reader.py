@@ -109,19 +109,28 @@ def _open(path: str) -> IO[bytes]:
         raise UserError(f"cannot open stream {path!r}: {str(e).splitlines()[0]}") from None
 
 
-def manifest_entries(streams_dir: str) -> dict[int, Mapping[str, Any]]:
-    """The machine entries of the prepare manifest in ``streams_dir``, by machine ({} without one)."""
+def manifest_document(streams_dir: str) -> dict[str, Any]:
+    """The prepare manifest in ``streams_dir`` ({} without one)."""
     path = join(streams_dir, "manifest.json")
     try:
         data = read_optional(path)
     except Exception as e:
         raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    if data is None:
+    try:
+        return json.loads(data) if data is not None else {}
+    except ValueError as e:
+        raise UserError(f"{path} is not a manifest of pipeline.prepare ({e!r})") from None
+
+
+def manifest_entries(streams_dir: str) -> dict[int, Mapping[str, Any]]:
+    """The machine entries of the prepare manifest in ``streams_dir``, by machine ({} without one)."""
+    document = manifest_document(streams_dir)
+    if not document:
         return {}
     try:
-        return {int(e["machine"]): e for e in json.loads(data)["machines"]}
+        return {int(e["machine"]): e for e in document["machines"]}
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path} is not a manifest of pipeline.prepare ({e!r})") from None
+        raise UserError(f"{join(streams_dir, 'manifest.json')} is not a manifest of pipeline.prepare ({e!r})") from None
 
 
 def machine_stream(streams_dir: str, machine: int, entry: Mapping[str, Any] | None = None) -> Stream:

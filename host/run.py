@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from activations.reader import storage_dtype
 from activations.selection import parse_selection
 from activations.site_stats import ROLE_GROUPING
+from common.roles import missing_roles
 from common.cli import UserError
 from common.files import read_optional
 from host import distributed
@@ -58,7 +59,7 @@ from host.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
 from host.status import STATUS_FILE, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.store_stats import StoreStats
-from host.stream import check_lengths, count_records, runner_stream, stream_records
+from host.stream import check_lengths, count_records, kept_column_types, runner_stream, stream_records
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, METADATA_FILE, ShardSettings, ShardWriter
 from model.attention import attention_for
@@ -352,8 +353,9 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
     first = next(records, None)  # validates the resume point before loading the model
+    columns = kept_column_types(config)
     if first is not None:
-        check_record_fits(config, first)
+        check_record_fits(config, first, columns)
     if loaded is None:
         health.set_state(LOADING)
         extraction.setup()
@@ -364,8 +366,8 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     health.devices = [d for d in extractor.mesh.devices.flat if d.process_index == jax.process_index()]
     health.store_stats = stats.snapshot
     health.set_state(RUNNING)
-    writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"], stream.name), checkpoint, store,
-                         rejected, on_stored=progress.shard_stored, stats=stats, lease=lease)
+    writer = ShardWriter(_shard_settings(config, extractor, settings["ablate"], stream.name, columns), checkpoint,
+                         store, rejected, on_stored=progress.shard_stored, stats=stats, lease=lease)
     stop.graceful = True  # from here a signal stores what was computed, then stops
     if stop.signal is not None:  # (one may have come just before)
         raise Stopped(f"received {signal.Signals(stop.signal).name} before any sample was computed")
@@ -394,20 +396,23 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     return finished
 
 
-def check_record_fits(config: HostConfig, record: dict[str, Any]) -> None:
+def check_record_fits(config: HostConfig, record: dict[str, Any], columns: dict[str, str]) -> None:
     """``UserError``, before the model loads, where the stream's records lack what ``--tokens`` or
-    ``--stats_by`` need: token roles (a stream prepared before they existed), a kept column."""
+    ``--stats_by`` need: token roles (a stream prepared before they existed), a kept column (of
+    ``columns``' types, where the manifest says: a float column has a group per value)."""
     selection = parse_selection(config.tokens)
     if selection is not None:
         selection.positions(record.get("roles"), record.get("special"), record["num_tokens"])
     for name in config.stats_by:
         if name == ROLE_GROUPING and record.get("roles") is None:
-            raise UserError(f"--stats_by role: sample {record['sample_id']} has no token roles (its stream was "
-                            "prepared before roles existed): prepare it again")
+            raise missing_roles("--stats_by role", record["sample_id"])
         if name != ROLE_GROUPING and name not in (record.get("columns") or {}):
             kept = ", ".join(record.get("columns") or {}) or "none"
             raise UserError(f"--stats_by {name}: the stream's records keep no column {name!r} (they keep: {kept}; "
                             "pipeline.prepare --keep_columns keeps them)")
+        if columns.get(name) == "float64":
+            raise UserError(f"--stats_by {name}: a float64 column would give a group per value; group by a "
+                            "categorical column (bool, int64 or string)")
 
 
 def extract_config(config: HostConfig) -> ExtractConfig:
@@ -514,18 +519,21 @@ def _digest(path: str) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
-def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream: str) -> ShardSettings:
+def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream: str,
+                    columns: dict[str, str]) -> ShardSettings:
     return ShardSettings(config.machine_id, os.path.abspath(config.process_dir), int(config.shard_size_gb * 1e9),
                          config.compress_shards, extractor.layers, extractor.config.hidden_size,
                          config.activation_dtype, config.delete_local_after_upload,
-                         config.compression_level, _metadata(config, extractor, ablation, stream), ablation,
+                         config.compression_level, _metadata(config, extractor, ablation, stream, columns), ablation,
                          memory_budget_bytes=int(config.store_memory_gb * 1e9),
                          compression_threads=config.resolved_compression_threads,
                          upload_threads=config.upload_threads, sites=extractor.sites,
-                         num_experts=extractor.config.num_experts, pooled=extractor.pool, stats_by=config.stats_by)
+                         num_experts=extractor.config.num_experts, selection=config.tokens,
+                         stats_by=config.stats_by, column_types=tuple(columns.items()))
 
 
-def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) -> dict[str, Any]:
+def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str,
+              columns: dict[str, str]) -> dict[str, Any]:
     return {"machine_id": config.machine_id, "shard_size_gb": config.shard_size_gb,
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "upload_to_gcs": config.upload_to_gcs, "gcs_bucket": config.gcs_bucket,
@@ -542,4 +550,6 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str) 
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1,
             "ablation": ablation, "ablation_means": config.ablation_means if ablation else None,
-            "tokens": config.tokens, "stats_by": list(config.stats_by)}
+            "tokens": config.tokens, "stats_by": list(config.stats_by),
+            # The streams' kept columns and their types (from the manifest), where it says.
+            **({"columns": columns} if columns else {})}

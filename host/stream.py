@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from common.cli import UserError
 from common.stream_format import StreamFormatError, parse_stream_line
-from common.stream_reader import Stream, machine_stream, manifest_entries, open_stream
+from common.stream_reader import Stream, machine_stream, manifest_document, manifest_entries, open_stream
 from host.progress import Progress
 from transforms.long_samples import SampleTooLong, too_long_message
 
@@ -26,6 +26,15 @@ def runner_stream(config: HostConfig) -> Stream:
         return open_stream(config.dataset_stream)
     entry = manifest_entries(config.streams_dir).get(config.machine_id)
     return machine_stream(config.streams_dir, config.machine_id, entry)
+
+
+def kept_column_types(config: HostConfig) -> dict[str, str]:
+    """The types of the columns the streams keep (``pipeline.prepare --keep_columns``), from the
+    manifest of ``--streams_dir`` ({} without one, or for an explicit ``--dataset_stream``: the
+    index then types each column by its values)."""
+    if not config.streams_dir:
+        return {}
+    return dict(manifest_document(config.streams_dir).get("keep_columns") or {})
 
 
 def stream_records(stream: Stream, start: int, limit: int | None,

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from activations.selection import parse_selection
 from activations.index import (arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index,
                                stats_filename, tokens_filename, tokens_index)
 from activations.site_stats import ROLE_GROUPING, Moments, StatsKey, grouped_moments, merged_moments, stats_table
@@ -49,8 +50,7 @@ from host.rejected import RejectedLog
 from host.status import utc_now
 from host.storage import Crc32c, GcsStore
 from host.store_stats import StoreStats
-from common.cli import UserError
-from common.roles import role_codes
+from common.roles import missing_roles, role_codes
 from model.sites import DEFAULT_SITES, EXPERT_INDICES, ArrayKey, array_keys, key_parts
 
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
@@ -78,13 +78,19 @@ class ShardSettings:
     upload_threads: int = 4
     sites: tuple[str, ...] = DEFAULT_SITES  # stored at every layer (model.sites)
     num_experts: int = 0  # a mixture of experts' (its statistics count each expert's tokens)
-    pooled: str | None = None  # a selection pooled into one row a sample (activations.selection): its pooling
+    selection: str | None = None  # the token selection stored (activations.selection); None: every token
     stats_by: tuple[str, ...] = ()  # statistics also grouped by role and/or kept columns (site_stats)
+    column_types: tuple[tuple[str, str], ...] = ()  # the streams' kept columns and their types (the manifest's)
 
     @property
     def keys(self) -> list[ArrayKey]:
         """The shard document's keys, in order."""
         return array_keys(self.sites, self.layers)
+
+    @property
+    def pooled(self) -> str | None:
+        """The selection's pooling (``mean``: one row a sample), if any."""
+        return self.selection and parse_selection(self.selection).pool
 
 
 @dataclasses.dataclass
@@ -280,14 +286,14 @@ class ShardWriter:
         shard_path = self.store.url(name) if self.store else local_path
         with stats.stage("index"):
             sample_index = shard_index(samples, s.machine_id, shard_id, shard_path, s.layers, s.hidden_size,
-                                       s.activation_dtype, s.ablation)
+                                       s.activation_dtype, s.ablation, dict(s.column_types))
         count, tokens = len(samples), sum(x["num_tokens"] for x in samples)
         first_id, last_id = samples[0]["sample_id"], samples[-1]["sample_id"]
         per_sample = [{k: m for future in x["moments"].values() for k, m in future.result().items()}
                       for x in samples]
         with stats.stage("index"):  # merged in sample order: the same shard gives the same bytes
             moments = stats_table(merged_moments(per_sample))
-            tokens_table = tokens_index(samples, [x["rows"] for x in samples])
+            tokens_table = tokens_index(samples, [x["rows"] for x in samples], s.selection)
         with stats.stage("encode"):
             document = shard_dict(samples, s.keys, s.pooled)
             samples.clear()  # from here the arrays live in ``document`` only, and go with it
@@ -318,8 +324,7 @@ class ShardWriter:
         row_roles = None
         if ROLE_GROUPING in by:
             if sample.get("roles") is None:
-                raise UserError(f"--stats_by role: sample {sample['sample_id']} has no token roles (its stream was "
-                                "prepared before roles existed): prepare it again")
+                raise missing_roles("--stats_by role", sample["sample_id"])
             row_roles = role_codes(sample["roles"])
             if sample.get("positions") is not None:
                 row_roles = row_roles[sample["positions"]]

@@ -256,6 +256,7 @@ def test_saelens_reads_an_assistant_only_export(every_token, streams, tmp_path):
                             "--context_size", "16", "--seed", "none", "--tokens", "assistant,-special",
                             "--output_dir", str(out), "--no_progress")
     assert result.returncode == 0, result.stderr
+    assert json.loads((out / "activation_export.json").read_text())["selection"] == "assistant,-special"
     got, ids = one_epoch(activations_store(str(out), "blocks.3.hook_resid_post", context=16))
     every_sample = pq.read_table(every_token)["sample_id"].to_pylist()
     expected, where = loader_rows(every_token, "assistant,-special", every_sample)
@@ -307,3 +308,16 @@ def test_the_documented_diff_in_means_query_gives_the_difference_of_the_label_me
     for layer, direction in rows:
         expected = moments[GroupKey(layer, "label", "1")].mean - moments[GroupKey(layer, "label", "0")].mean
         np.testing.assert_allclose(direction, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_reading_a_selected_store_selects_among_its_stored_tokens(every_token, selected, streams):
+    """On a store of assistant tokens, `last` is the last stored token, not the sample's (a template
+    token that was never stored): the same as last:assistant read from every token, less specials."""
+    index = merged_one(selected["assistant,-special"], streams)
+    machine0 = [r["sample_id"] for r in read_streams(streams, 2)[0]]
+    ours = read_activations(index.replace(".parquet", "_arrays.parquet"), machine0, [3], tokens="last")
+    full = read_activations(every_token.replace(".parquet", "_arrays.parquet"), machine0, [3],
+                            tokens="assistant,-special")
+    assert all(ours[pair].tobytes() == full[pair][-1:].tobytes() for pair in full)
+    export = json.loads((pathlib.Path(index).parent / "index.parquet").with_name("merged_metadata.json").read_text())
+    assert {m["tokens"] for m in export["machines"]} == {"assistant,-special"}

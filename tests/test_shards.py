@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from activations.index import merge_index_files, shard_index, write_index
+from activations.index import merge_index_files, shard_index, typed_columns, write_index
 from activations.reader import UnsafeShardError, load_shard, loads_shard
 from activations.shards import (DEFAULT_COMPRESSION_LEVEL, DEFAULT_COMPRESSOR, CompressedArray, encode_shard,
                                 gzip_member_compressor, shard_dict, shard_filename, shard_segments,
@@ -93,6 +93,22 @@ def test_indexes_written_before_the_truncation_columns_still_merge(tmp_path):
     merged = merge_index_files([str(tmp_path / "old.parquet"), str(tmp_path / "new.parquet")]).to_pylist()
     assert [(r["sample_id"], r["truncated"], r["original_num_tokens"]) for r in merged] == [
         (7, None, None), (100, False, 1)]
+
+
+def test_kept_columns_are_typed_columns_of_the_index_even_where_a_shard_has_no_value(tmp_path):
+    def shard(shard_id, labels, **kw):
+        rows = [{**s, "sample_id": 10 * shard_id + i, "columns": {"label": label, "topic": "t"}}
+                for i, (s, label) in enumerate(zip(samples(len(labels)), labels))]
+        path = str(tmp_path / f"{shard_id}.parquet")
+        write_index(shard_index(rows, 0, shard_id, "/x", (2,), 4, "float32", **kw), path)
+        return path
+    typed = merge_index_files([shard(1, [None], column_types={"label": "int64"}), shard(2, [3, None])])
+    assert typed.schema.field("label").type == pa.int64() and typed["label"].to_pylist() == [None, 3, None]
+    assert typed.column_names[-2:] == ["label", "topic"]  # after the index's own columns
+    untyped = merge_index_files([shard(3, [None]), shard(4, [None])])  # no manifest said: by the values
+    assert untyped.schema.field("label").type == pa.null()
+    recorded = typed_columns(untyped, [{"machine_id": 0, "columns": {"label": "float64", "topic": "string"}}])
+    assert recorded.schema.field("label").type == pa.float64() and recorded["topic"].to_pylist() == ["t", "t"]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])

@@ -75,7 +75,7 @@ def conversation(messages: Any) -> tuple[tuple[str, str], ...]:
             name, content = message["from"], message.get("value")
         else:
             raise RejectedRecord("missing_field", f"{where} has neither 'role' nor 'from'")
-        role = ROLE_NAMES.get(name.lower() if isinstance(name, str) else name)
+        role = ROLE_NAMES.get(name.lower()) if isinstance(name, str) else None
         if role is None:
             raise RejectedRecord("unknown_role", f"{where} has role {name!r} (known: {', '.join(ROLE_NAMES)})")
         turns.append((role, _text(content, where)))

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from activations.index import KEPT_COLUMN_TYPES
 from common.cli import UserError
 from transforms.rejections import RejectedRecord
 from transforms.sources import SourceFile, read_source_file
 
-COLUMN_TYPES = ("bool", "int64", "float64", "string")
+COLUMN_TYPES = tuple(KEPT_COLUMN_TYPES)
 # Names a kept column cannot take: the stream record's and the per-sample index's own columns.
+# ``role`` is the statistics' grouping by token role (runners.tpu_host --stats_by role).
 RESERVED = ("sample_id", "input_ids", "num_tokens", "truncated", "original_num_tokens", "answer_start",
             "source", "text_preview", "roles", "special", "columns", "machine_id", "shard_id", "shard_path",
-            "position", "layers", "hidden_size", "dtype", "ablation")
+            "position", "layers", "hidden_size", "dtype", "ablation", "role")
 
 
 def check_names(names: Sequence[str]) -> None:
@@ -50,6 +52,8 @@ def value_type(value: Any) -> str | None:
 
 def _arrow_type_name(arrow_type) -> str | None:
     import pyarrow as pa
+    if pa.types.is_dictionary(arrow_type):  # a categorical column (pandas' category): its values' type
+        arrow_type = arrow_type.value_type
     if pa.types.is_boolean(arrow_type):
         return "bool"
     if pa.types.is_integer(arrow_type):
@@ -89,13 +93,14 @@ def column_types(files: Sequence[SourceFile], names: Sequence[str]) -> dict[str,
 
 
 def _parquet_types(source: SourceFile, names: Sequence[str]) -> dict[str, str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
     from common.files import open_read
     with open_read(source.path) as f:
         schema = pq.ParquetFile(f).schema_arrow  # the footer only
     out = {}
     for name in names:
-        if name in schema.names:
+        if name in schema.names and not pa.types.is_null(schema.field(name).type):  # null: no value here
             kind = _arrow_type_name(schema.field(name).type)
             if kind is None:
                 raise UserError(f"--keep_columns {name}: {source.path} has it as {schema.field(name).type}, not a "
