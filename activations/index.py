@@ -97,7 +97,7 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selecti
         "sample_id": [s["sample_id"] for s in samples], "num_tokens": [s["num_tokens"] for s in samples],
         "roles": [runs(s) for s in samples],
         "special": [None if s.get("special") is None else list(s["special"]) for s in samples],
-        **{f"{role}_tokens": [None if c is None else c[role] for c in counts] for role in ROLES},
+        **{name: [None if c is None else c[role] for c in counts] for role, name in zip(ROLES, ROLE_COUNT_COLUMNS)},
         "special_tokens": [None if s.get("special") is None else len(s["special"]) for s in samples],
         "positions": [None if s.get("positions") is None else s["positions"].tolist() for s in samples],
         "rows": list(rows), "selection": [selection] * len(samples),

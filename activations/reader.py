@@ -185,12 +185,12 @@ def _selected(arrays: dict[tuple[int, ArrayKey], np.ndarray], tokens: str,
               index: str) -> dict[tuple[int, ArrayKey], np.ndarray]:
     """Each array's rows that the selection ``tokens`` keeps (pooled: their mean)."""
     from activations.selection import parse_selection, pooled_row
-    from activations.stored_tokens import kept_rows, read_stored_tokens, store_selection
-    selection, made = parse_selection(tokens), store_selection(index)
+    from activations.stored_tokens import kept_rows, read_stored_tokens
+    selection = parse_selection(tokens)
     stored = read_stored_tokens(index, sorted({sample_id for sample_id, _ in arrays}))
     out = {}
     for (sample_id, key), array in arrays.items():
-        rows, _ = kept_rows(selection, stored, sample_id, made is not None and made.pooled)
+        rows, _ = kept_rows(selection, stored, sample_id)
         out[(sample_id, key)] = pooled_row(array[rows]) if selection.pooled else array[rows]
     return out
 

@@ -4,8 +4,8 @@
             "shape": (num_tokens, width), "text_preview": str, "source": str}, ...], ...}
 
 Stored with a token selection (``runners.tpu_host --tokens``), each entry also holds
-``"positions"`` (np.int32 [rows]: which tokens of the sample its rows are) and, pooled,
-``"pooled": "mean"`` (its one row is the mean of those tokens).
+``"positions"`` (np.int32: which tokens of the sample its rows are, one per row; pooled, the
+tokens its one row averages) and, pooled, ``"pooled": "mean"``.
 
 A key is a layer number ``L`` for block L's output (the residual stream, ``width`` = hidden size),
 or, for another activation site, its full TransformerLens hook name, e.g. ``"blocks.12.hook_mlp_out"``

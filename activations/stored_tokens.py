@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from activations.index import TOKENS_SCHEMA, read_index_file, tokens_path
+from activations.index import TOKENS_SCHEMA, read_index_file, read_parquet, tokens_path
 from activations.selection import Selection, parse_selection
 from common.cli import UserError
 from common.roles import ROLES
@@ -58,6 +58,7 @@ class StoredTokens:
     run_counts: Ragged       # ... and their lengths
     special: Ragged          # positions of special tokens
     positions: Ragged        # the stored rows' positions (None: every token)
+    selection: Selection | None = None  # the selection they were stored with (None: every token)
 
     def find(self, sample_id: int) -> int:
         i = int(np.searchsorted(self.ids, sample_id))
@@ -76,8 +77,7 @@ def read_stored_tokens(index: str, sample_ids: Sequence[int] | None = None) -> S
     """The tokens table beside the merged ``index`` (of ``sample_ids``, else every sample)."""
     path = tokens_path(index)
     try:
-        table = read_index_file(path, TOKENS_SCHEMA).select(["sample_id", "num_tokens", "roles", "special",
-                                                             "positions", "rows"])
+        table = read_index_file(path, TOKENS_SCHEMA)
     except FileNotFoundError:
         raise UserError(f"no {path!r}: the store was written before token roles were stored, or its index was "
                         "merged before; merge it again with pipeline.index (a store from before roles can be "
@@ -92,30 +92,33 @@ def read_stored_tokens(index: str, sample_ids: Sequence[int] | None = None) -> S
         Ragged.of(table["roles"], lambda flat: pc.index_in(flat.field("role"), value_set=codes)
                   .to_numpy(zero_copy_only=False).astype(np.uint8)),
         Ragged.of(table["roles"], lambda flat: flat.field("count").to_numpy(zero_copy_only=False).astype(np.int64)),
-        Ragged.of(table["special"]), Ragged.of(table["positions"]))
+        Ragged.of(table["special"]), Ragged.of(table["positions"]), _one_selection(table["selection"]))
 
 
 def store_selection(index: str) -> Selection | None:
     """The token selection a store was made with (``runners.tpu_host --tokens``), from the tokens
-    table beside the merged ``index`` (None: every token, or a store from before the table);
-    ``UserError`` if its samples were stored with different ones."""
+    table beside the merged ``index`` (its one column read; None: every token, or a store from
+    before the table); ``UserError`` if its samples were stored with different ones."""
     try:
-        made = pc.unique(read_index_file(tokens_path(index), TOKENS_SCHEMA).column("selection")).to_pylist()
+        return _one_selection(read_parquet(tokens_path(index), columns=["selection"])["selection"])
     except FileNotFoundError:
         return None
+
+
+def _one_selection(column: pa.ChunkedArray) -> Selection | None:
+    made = pc.unique(column).to_pylist()
     if len(made) > 1:
         raise UserError(f"the store's machines stored different token selections "
                         f"({', '.join(str(m) if m else 'every token' for m in made)}): read them one machine at a time")
     return parse_selection(made[0]) if made else None
 
 
-def kept_rows(selection: Selection | None, stored: StoredTokens, sample_id: int,
-              pooled_store: bool) -> tuple[np.ndarray, np.ndarray]:
+def kept_rows(selection: Selection | None, stored: StoredTokens, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(which of a sample's stored rows a read ``selection`` keeps, their token positions);
     pooled rows have position ``NO_POSITION``."""
     i = stored.find(sample_id)
     rows, num_tokens = int(stored.rows[i]), int(stored.num_tokens[i])
-    if pooled_store:
+    if stored.selection is not None and stored.selection.pooled:
         if selection is not None:
             raise UserError(f"--tokens {selection}: this store holds one pooled row a sample; read it without a "
                             "selection")

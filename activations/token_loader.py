@@ -282,7 +282,7 @@ class TokenLoader:
         if self.tokens is None:
             kept, positions = np.arange(rows), np.arange(rows)
         else:
-            kept, positions = kept_rows(self.selection, self.tokens, sample_id, self.pooled_store)
+            kept, positions = kept_rows(self.selection, self.tokens, sample_id)
         dropped = {"selection": rows - len(kept)}
         if self.pooled_store:  # rows without positions (the filters are refused for them)
             return kept, positions, dropped

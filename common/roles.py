@@ -20,7 +20,7 @@ summing to the sample's length (the stream record's ``roles``); special tokens a
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,21 +28,9 @@ from common.cli import UserError
 
 SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE = "system", "user", "assistant", "tool", "text", "template"
 ROLES = (SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE)
-MESSAGE_ROLES = (SYSTEM, USER, ASSISTANT, TOOL)  # the roles of a conversation's messages
 ROLE_CODES = {role: code for code, role in enumerate(ROLES)}  # role -> its code in role arrays
 
 Runs = list[list[Any]]  # [[role, count], ...]
-
-
-def runs_of(roles: Iterable[str]) -> Runs:
-    """Per-token roles as runs ``[[role, count], ...]``."""
-    runs: Runs = []
-    for role in roles:
-        if runs and runs[-1][0] == role:
-            runs[-1][1] += 1
-        else:
-            runs.append([role, 1])
-    return runs
 
 
 def runs_of_codes(codes: np.ndarray) -> Runs:

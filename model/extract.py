@@ -415,7 +415,8 @@ class Extractor:
             lengths[row] = len(seq)
         return ids, lengths
 
-    def selection(self, selected: Sequence[np.ndarray], rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def selection_arrays(self, selected: Sequence[np.ndarray], rows: int, length: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
         """positions [rows, K] (each row's selected positions, then zeros) and counts [rows] of a
         batch's selections (``selected``: per sequence, the positions it keeps)."""
         counts = np.zeros((rows,), np.int32)
@@ -435,7 +436,7 @@ class Extractor:
         sharding = batch_sharding(self.mesh)
         select, kept = (), lengths
         if selected is not None:
-            positions, counts = self.selection(selected, rows, length)
+            positions, counts = self.selection_arrays(selected, rows, length)
             select = ((placed(positions, sharding), placed(counts, sharding)),)
             kept = np.minimum(counts, 1) if self.pool else counts
         forward = self.executable(rows, length, None if selected is None else positions.shape[1])

@@ -86,21 +86,20 @@ def test_pairs_render_plainly_without_a_template_and_through_one_with(qwen_token
     assert [role for role, _ in record["roles"]][-2:] == ["user", "template"]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (dict(keep_columns=("labl",)), "--keep_columns labl: no record of the dataset has a value in that column"),
-    (dict(keep_columns=("source",)), "--keep_columns source: the stream record or the index has a column of that name"),
-    (dict(keep_columns=("label", "label")), "--keep_columns names a column twice"),
-    (dict(tokenizer="base"), "--format chat renders each conversation with the tokenizer's chat template"),
+@pytest.mark.parametrize("columns, base_tokenizer, message", [
+    (("labl",), False, "--keep_columns labl: no record of the dataset has a value in that column"),
+    (("source",), False, "--keep_columns source: the stream record or the index has a column of that name"),
+    (("label", "label"), False, "--keep_columns names a column twice"),
+    ((), True, "--format chat renders each conversation with the tokenizer's chat template"),  # no template
 ])
-def test_bad_input_is_one_line_before_anything_is_written(qwen_tokenizer_dir, tmp_path, extra, message):
+def test_bad_input_is_one_line_before_anything_is_written(qwen_tokenizer_dir, tmp_path, columns, base_tokenizer,
+                                                          message):
     dataset = write_jsonl(tmp_path / "chats.jsonl", RECORDS[:1])
-    tokenizer = str(build_family_tokenizer("base", tmp_path / "base")) if extra.get("tokenizer") else qwen_tokenizer_dir
-    flags = [f"--{name}={','.join(value) if isinstance(value, tuple) else tokenizer}" for name, value in extra.items()
-             if name != "tokenizer"]
+    tokenizer = str(build_family_tokenizer("base", tmp_path / "base")) if base_tokenizer else qwen_tokenizer_dir
+    flags = ["--keep_columns", ",".join(columns)] if columns else []
     result = run_in_process("pipeline.prepare", "--dataset", dataset, "--tokenizer", tokenizer,
                             "--output_dir", str(tmp_path / "out"), *flags)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match=message.split(":")[0]):
-        resolve_plan(PrepareConfig(dataset=dataset, tokenizer=tokenizer, **{k: v for k, v in extra.items()
-                                                                            if k != "tokenizer"}))
+        resolve_plan(PrepareConfig(dataset=dataset, tokenizer=tokenizer, keep_columns=columns))

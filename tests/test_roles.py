@@ -6,7 +6,7 @@ The real Gemma 3 vocabulary's split is in test_real_gemma.py."""
 
 import pytest
 
-from common.roles import role_names, runs_of
+from common.roles import role_names
 from fixtures.family_tokenizers import CHAT_SUFFIX, STYLES, build_family_tokenizer, chat_families
 from transforms.arc import SYSTEM_PROMPT
 from transforms.prepare import tokenized_source
@@ -113,8 +113,8 @@ def tokenizers(tmp_path_factory) -> dict[str, object]:
 def content_texts(tokenizer, sample: Sample) -> list[tuple[str, str]]:
     """(role, text) of each run of one content role's tokens, in token order."""
     out, = tokenize_samples(tokenizer, [sample], None)
-    roles, position, texts = role_names(out.roles), 0, []
-    for role, count in runs_of(roles):
+    position, texts = 0, []
+    for role, count in out.roles:
         if role in ("system", "user", "assistant", "tool"):
             texts.append((role, tokenizer.decode(out.input_ids[position:position + count])))
         position += count

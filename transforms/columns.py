@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from activations.index import KEPT_COLUMN_TYPES
+from activations.site_stats import ROLE_GROUPING
 from common.cli import UserError
 from transforms.rejections import RejectedRecord
 from transforms.sources import SourceFile, read_source_file
@@ -23,7 +24,7 @@ COLUMN_TYPES = tuple(KEPT_COLUMN_TYPES)
 # ``role`` is the statistics' grouping by token role (runners.tpu_host --stats_by role).
 RESERVED = ("sample_id", "input_ids", "num_tokens", "truncated", "original_num_tokens", "answer_start",
             "source", "text_preview", "roles", "special", "columns", "machine_id", "shard_id", "shard_path",
-            "position", "layers", "hidden_size", "dtype", "ablation", "role")
+            "position", "layers", "hidden_size", "dtype", "ablation", ROLE_GROUPING)
 
 
 def check_names(names: Sequence[str]) -> None:

@@ -327,7 +327,7 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample], max_seq_length: int |
                 raise
             rejected.append((sample, e))
             renderings.append(None)
-    if rejected:
+    if None in renderings:
         samples = [s for s, r in zip(samples, renderings) if r is not None]
         renderings = [r for r in renderings if r is not None]
     encoded = encode_prompts(tokenizer, samples, renderings)
