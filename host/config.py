@@ -54,7 +54,8 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
     compress_shards: bool = flag(True, "gzip the shards (shard_NNNN.pkl.gz; --no_compress_shards: .pkl)")
     compression_level: int = flag(DEFAULT_COMPRESSION_LEVEL, "gzip level of the shards' members (isal: "
                                   "0..3); level 1 measured best (benchmarks/shard_compression.py)")
-    compression_threads: int | str = flag(AUTO, "threads compressing shard members: auto (the cores this "
+    compression_threads: int | str = flag(AUTO, "threads compressing shard members and computing their "
+                                          "statistics (raw shards: the statistics alone): auto (the cores this "
                                           f"process may use less one, at most {MAX_AUTO_COMPRESSION_THREADS}) "
                                           "or a number", parse=int_or_auto("a number of threads"))
     store_memory_gb: float = flag(4.0, "activations the store path may hold (GB): the shard filling and "

@@ -198,7 +198,7 @@ def check_model(config: HostConfig) -> None:
     """An unsupported architecture or option, a kernel the model cannot use, a site it lacks or an
     intervention it cannot take fails as one line before anything is created."""
     model = load_config(config.model_dir())
-    attention_for(None, config.attention, model)
+    attention_for(None, config.attention, model, None if config.dtype == "auto" else config.dtype)
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     sites = parse_sites(config.sites)
     check_model_fits(model, sites, config.max_seq_length, layers)

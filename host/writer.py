@@ -7,7 +7,7 @@ lower CPU priority than the forward's), so that several shards are in flight at 
   compress (``compression_threads``, compressed shards) each array's gzip member, started as the
           sample arrives, so compression keeps pace with the forward instead of coming in a
           burst per shard; the array is released once compressed.
-  stats   (the compression threads, or one of its own for raw shards) each array's float64
+  stats   (the compression threads, or as many of its own for raw shards) each array's float64
           moments (``activations.site_stats``), started as the sample arrives.
   write   (one thread, shards in order) the shard's pickle streamed to its local file (its
           arrays' members, or for raw shards the arrays from the extractor's own buffers:
@@ -144,8 +144,11 @@ class ShardWriter:
         self._writing = _pool(1, "shard-write")
         self._compressing = _pool(settings.compression_threads, "shard-compress") if settings.compress else None
         self._compress_member = self._timed_compressor() if settings.compress else None
-        # Statistics are computed beside compression (or in a thread of their own for raw shards).
-        self._measuring = self._compressing or _pool(1, "shard-stats")
+        # Statistics are computed beside compression, or for raw shards by as many threads of
+        # their own: on one thread they held an accelerator's raw output to ~0.6 GB/s
+        # (docs/benchmarks.md#the-accelerator-path). Each array's moments are merged in sample
+        # order, so the thread count never changes what is stored.
+        self._measuring = self._compressing or _pool(settings.compression_threads, "shard-stats")
         self._uploading = _pool(settings.upload_threads, "shard-upload") if store else None
         self._committing = _pool(1, "shard-commit")
         self._commits: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -159,6 +162,7 @@ class ShardWriter:
                                         "bytes": self._held}
         self.stats.settings = {"memory_budget_gb": round(settings.memory_budget_bytes / 1e9, 3),
                                "compression_threads": settings.compression_threads if settings.compress else 0,
+                               "statistics_threads": settings.compression_threads,
                                "upload_threads": settings.upload_threads if store else 0}
 
     def add(self, sample: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""Causal attention kernels: one-shot (with a KV cache), tiled (flash-style, the CPU's choice) and
-fused (``jax.nn.dot_product_attention``, the accelerators'), each with an optional sliding window
-and attention-logit soft-capping, and the masks they take.
+"""Causal attention kernels: one-shot (with a KV cache), tiled (flash-style, the CPU's choice),
+fused (``jax.nn.dot_product_attention``: XLA's fusion, TPU's choice) and cudnn (the same call with
+cuDNN's flash attention, the GPU's choice), each with an optional sliding window (soft-capping:
+the one-shot and tiled kernels only), and the masks they take.
 
 Axis names: B batch, S query positions, T key positions, K key/value heads, G query heads per
 kv head, D head_dim. Every kernel takes q [B, S, K, G, D] and k, v [B, T, K, D].
@@ -163,10 +164,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                     precision: jax.lax.Precision, scale: float | None = None,
-                    window: int | None = None) -> jax.Array:
-    """Causal self-attention through ``jax.nn.dot_product_attention`` (a fused kernel where the
-    backend has one: cuDNN on GPU; XLA's fusion elsewhere): mask [B, S, S] (causal, padding keys
-    masked) -> [B, S, K, G, D].
+                    window: int | None = None, implementation: str | None = None) -> jax.Array:
+    """Causal self-attention through ``jax.nn.dot_product_attention``: mask [B, S, S] (causal,
+    padding keys masked) -> [B, S, K, G, D]. ``implementation``: None for XLA's fusion (every
+    backend), ``cudnn`` for cuDNN's flash attention (GPU, bfloat16 or float16 operands).
 
     The kernel takes the causal structure, each row's length and the window instead of a mask,
     so it can skip masked tiles; the length is read off the mask (the keys some query may attend
@@ -180,13 +181,43 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     with jax.default_matmul_precision("highest" if precision == jax.lax.Precision.HIGHEST else None):
         out = jax.nn.dot_product_attention(q.reshape(b, s, kv_heads * groups, d), k, v, is_causal=True,
                                            key_value_seq_lengths=lengths, scale=scale,
-                                           local_window_size=None if window is None else (window - 1, 0))
+                                           local_window_size=None if window is None else (window - 1, 0),
+                                           implementation=implementation)
     return out.reshape(b, s, kv_heads, groups, d)  # [B, S, N, D] -> [B, S, K, G, D]
 
 
-def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig | None = None) -> str:
-    """``auto``: the per-tile loop on CPU (``causal_attention``), the fused kernel on TPU and GPU,
-    except for a model with soft-capped attention logits, which the fused kernel cannot do."""
+# cuDNN's flash attention: the operand dtypes it takes, and its largest head size (on Hopper and
+# later; 128 before), a multiple of 8 (jax._src.cudnn.fused_attention_stablehlo).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype) -> str | None:
+    """Why cuDNN's flash attention cannot run this model here (None: it can). ``platform``: the
+    mesh's (None: not known yet, not checked); ``dtype``: the compute dtype (None: not checked)."""
+    if platform is not None and platform != "gpu":
+        return f"cuDNN's flash attention runs on GPUs only, and this backend is {platform}"
+    if dtype is not None and jnp.dtype(dtype).name not in CUDNN_DTYPES:
+        return (f"cuDNN's flash attention takes bfloat16 or float16 operands, and the compute dtype is "
+                f"{jnp.dtype(dtype).name}")
+    if config is not None and config.attn_logit_softcap is not None:
+        return (f"cuDNN's flash attention has no attention-logit soft-capping, which {config.model_type} needs "
+                f"(attn_logit_softcapping {config.attn_logit_softcap})")
+    if config is not None and (config.head_dim % 8 or config.head_dim > CUDNN_MAX_HEAD_DIM):
+        return (f"cuDNN's flash attention takes head sizes that are multiples of 8 up to {CUDNN_MAX_HEAD_DIM}, "
+                f"and {config.model_type}'s is {config.head_dim}")
+    return None
+
+
+def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig | None = None,
+                  dtype=None) -> str:
+    """The kernel ``choice`` resolves to on ``mesh`` (None: not built yet) for a model of
+    ``config`` computing in ``dtype`` (None: not known yet); ``UserError`` for one it cannot use.
+
+    ``auto``: the per-tile loop on CPU (``causal_attention``: it keeps scores in cache); on GPU,
+    cuDNN's flash attention where it applies (bfloat16, no soft-capping), else XLA's fused kernel;
+    on TPU XLA's fused kernel; the tiled loop for a model with soft-capped attention logits,
+    which neither fused kernel can do (docs/benchmarks.md#the-accelerator-path measured them)."""
     if choice not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {choice!r} (choose from {', '.join(ATTENTION_KINDS)})")
     capped = config is not None and config.attn_logit_softcap is not None
@@ -194,7 +225,15 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
         raise UserError(f"--attention fused: jax.nn.dot_product_attention has no attention-logit "
                         f"soft-capping, which {config.model_type} needs (attn_logit_softcapping "
                         f"{config.attn_logit_softcap}); use --attention tiled or auto")
+    platform = None if mesh is None else mesh.devices.flat[0].platform
+    if choice == "cudnn":
+        problem = cudnn_problem(platform, config, dtype)
+        if problem:
+            raise UserError(f"--attention cudnn: {problem}; use --attention auto")
     if choice != "auto":
         return choice
-    cpu = mesh is None or mesh.devices.flat[0].platform == "cpu"
-    return "tiled" if cpu or capped else "fused"
+    if platform in (None, "cpu") or capped:
+        return "tiled"
+    if platform == "gpu" and dtype is not None and cudnn_problem(platform, config, dtype) is None:
+        return "cudnn"
+    return "fused"

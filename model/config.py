@@ -23,7 +23,7 @@ import os
 from common.cli import UserError
 
 # The attention kernels of a forward without a cache (``model.attention.attention_for``).
-ATTENTION_KINDS = ("auto", "tiled", "fused")
+ATTENTION_KINDS = ("auto", "tiled", "fused", "cudnn")
 # How a mixture of experts sends tokens to its experts (``model.moe``): auto picks by the expert count.
 MOE_DISPATCHES = ("auto", "dense", "grouped")
 MESH_TYPES = ("1d", "2d")  # data parallel | data x model (``model.sharding.make_mesh``)

@@ -171,7 +171,7 @@ class Attention(nn.Module):
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # where the batch lives; causal attention then runs per device
-    attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused (fused_attention)
+    attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused | cudnn (fused_attention)
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, o_proj returns it
     window: int | None = None   # this layer's sliding window (None: every earlier key)
 
@@ -213,11 +213,12 @@ class Attention(nn.Module):
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
         divisor = None if prescaled else divisor
         precision = precision_for(self.dtype)
-        if cache is None and self.attention == "fused":
+        if cache is None and self.attention in ("fused", "cudnn"):
             # The kernel scales by 1/sqrt(D) unless told otherwise.
             default = c.query_pre_attn_scalar in (None, c.head_dim)
             scale = 1.0 if prescaled else (None if default else 1 / divisor)
-            out = fused_attention(q, k, v, mask, precision, scale, self.window)
+            out = fused_attention(q, k, v, mask, precision, scale, self.window,
+                                  "cudnn" if self.attention == "cudnn" else None)
         elif cache is None:
             out = causal_attention(q, k, v, mask, precision, self.mesh, accumulate, divisor,
                                    c.attn_logit_softcap, self.window)
@@ -381,7 +382,7 @@ class Decoder(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # the mesh the batch is sharded over, if any (see causal_attention)
     chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
-    attention: str = "tiled"         # tiled | fused: see model.attention.attention_for
+    attention: str = "tiled"         # tiled | fused | cudnn: see model.attention.attention_for
     residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
     mlp_hidden: bool = False         # the blocks sow the MLP's hidden activation too (``sites``)
     moe_dispatch: str = "auto"       # how a mixture of experts dispatches tokens (model.config.MOE_DISPATCHES)

@@ -197,7 +197,7 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
     not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
     rest), so block outputs alone compile to the graph they always did. A selection picks its rows
     on the device, before the cast to ``out_dtype``: only they leave it."""
-    model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config),
+    model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config, dtype),
                     residual_dtype, mlp_hidden=MLP_POST in sites, moe_dispatch=moe_dispatch,
                     routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites))
     num_layers = blocks_needed(sites, layers)
@@ -331,7 +331,8 @@ class Extractor:
         model_dir = resolve_model_dir(model_path, revision)
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
-        attention_for(None, attention, config)  # a kernel the model cannot use fails before it loads
+        # A kernel the model cannot use fails before it loads.
+        attention_for(None, attention, config, None if dtype == "auto" else DTYPES.get(dtype))
         check_model_fits(config, sites, max_seq_length, layers)
         arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
@@ -353,7 +354,7 @@ class Extractor:
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
-        attention_for(loaded.mesh, attention, loaded.config)
+        attention_for(loaded.mesh, attention, loaded.config, loaded.dtype)
         check_model_fits(loaded.config, parse_sites(sites), max_seq_length, layers)
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
@@ -381,7 +382,7 @@ class Extractor:
     @property
     def attention_kind(self) -> str:
         """The attention kernel ``attention`` resolves to on this mesh (tiled | fused)."""
-        return attention_for(self.mesh, self.attention, self.config)
+        return attention_for(self.mesh, self.attention, self.config, self.dtype)
 
     @functools.cached_property
     def _forward(self):

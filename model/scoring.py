@@ -95,7 +95,7 @@ class InterventionModel:
                                                max_seq_length, attention=attention, residual_dtype=residual_dtype,
                                                moe_dispatch=moe_dispatch)
         self.model = Decoder(c, loaded.dtype, loaded.mesh, chunk_tokens_for(loaded.mesh),
-                             attention_for(loaded.mesh, attention, c), self.extractor.residual_dtype,
+                             attention_for(loaded.mesh, attention, c, loaded.dtype), self.extractor.residual_dtype,
                              moe_dispatch=moe_dispatch)
         # Scores are float32 whatever the compute dtype: the final norm and LM head run on
         # float32 values of the weights, at full matmul precision (a KL is a small difference).

@@ -42,10 +42,11 @@ class ModelSettings:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelRunSettings(ModelSettings):
     batch_size: int = flag(8, "sequences per device per forward (global batch = this x data axis)")
-    attention: str = flag(AUTO, "attention kernel: auto (tiled on CPU, fused on TPU/GPU; tiled for "
-                          "soft-capped attention, Gemma 2) | tiled (per-row tiles with an online softmax) | "
-                          "fused (jax.nn.dot_product_attention with causal masking, per-row lengths and "
-                          "the sliding window)", choices=ATTENTION_KINDS)
+    attention: str = flag(AUTO, "attention kernel: auto (tiled on CPU; on GPU cudnn for bfloat16, else fused; "
+                          "fused on TPU; tiled for soft-capped attention, Gemma 2) | tiled (per-row tiles with an "
+                          "online softmax) | fused (jax.nn.dot_product_attention, XLA's fusion, with causal "
+                          "masking, per-row lengths and the sliding window) | cudnn (the same through cuDNN's "
+                          "flash attention: GPU, bfloat16)", choices=ATTENTION_KINDS)
     moe_dispatch: str = flag(AUTO, "how a mixture of experts computes its experts: auto (by the expert count: "
                              "dense where experts <= 2 x experts per token) | dense (every expert on every token, "
                              "masked) | grouped (tokens sorted by expert, a grouped matmul: only the routed "
