@@ -79,6 +79,7 @@ bench: install
 	$(PY) benchmarks/residual_dtype.py
 	$(PY) benchmarks/merge_sidecars.py
 	$(PY) benchmarks/token_selection.py
+	$(PY) benchmarks/generation_throughput.py
 	$(PY) benchmarks/accelerator.py --tiny  # on a GPU or TPU host: without --tiny
 
 clean:

@@ -186,15 +186,27 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.reshape(b, s, kv_heads, groups, d)  # [B, S, N, D] -> [B, S, K, G, D]
 
 
-# cuDNN's flash attention: the operand dtypes it takes, and its largest head size (on Hopper and
-# later; 128 before), a multiple of 8 (jax._src.cudnn.fused_attention_stablehlo).
+# cuDNN's flash attention: the operand dtypes it takes, and its largest head size, a multiple of 8:
+# 256 from Hopper (compute capability 9.0) on, 128 before (jax._src.cudnn.fused_attention_stablehlo).
 CUDNN_DTYPES = ("bfloat16", "float16")
-CUDNN_MAX_HEAD_DIM = 256
+CUDNN_MAX_HEAD_DIM, CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER = 256, 128
 
 
-def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype) -> str | None:
+def cudnn_max_head_dim(mesh: Mesh | None) -> int:
+    """The largest head size cuDNN's flash attention takes on ``mesh``'s GPUs (unknown: Hopper's)."""
+    capability = getattr(mesh.devices.flat[0], "compute_capability", None) if mesh is not None else None
+    try:
+        older = capability is not None and float(capability) < 9.0
+    except (TypeError, ValueError):
+        older = False
+    return CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER if older else CUDNN_MAX_HEAD_DIM
+
+
+def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype,
+                  max_head_dim: int = CUDNN_MAX_HEAD_DIM) -> str | None:
     """Why cuDNN's flash attention cannot run this model here (None: it can). ``platform``: the
-    mesh's (None: not known yet, not checked); ``dtype``: the compute dtype (None: not checked)."""
+    mesh's (None: not known yet, not checked); ``dtype``: the compute dtype (None: not checked);
+    ``max_head_dim``: the GPUs' (``cudnn_max_head_dim``)."""
     if platform is not None and platform != "gpu":
         return f"cuDNN's flash attention runs on GPUs only, and this backend is {platform}"
     if dtype is not None and jnp.dtype(dtype).name not in CUDNN_DTYPES:
@@ -203,9 +215,9 @@ def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype) -> 
     if config is not None and config.attn_logit_softcap is not None:
         return (f"cuDNN's flash attention has no attention-logit soft-capping, which {config.model_type} needs "
                 f"(attn_logit_softcapping {config.attn_logit_softcap})")
-    if config is not None and (config.head_dim % 8 or config.head_dim > CUDNN_MAX_HEAD_DIM):
-        return (f"cuDNN's flash attention takes head sizes that are multiples of 8 up to {CUDNN_MAX_HEAD_DIM}, "
-                f"and {config.model_type}'s is {config.head_dim}")
+    if config is not None and (config.head_dim % 8 or config.head_dim > max_head_dim):
+        return (f"cuDNN's flash attention takes head sizes that are multiples of 8 up to {max_head_dim} on these "
+                f"GPUs, and {config.model_type}'s is {config.head_dim}")
     return None
 
 
@@ -226,14 +238,15 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
                         f"soft-capping, which {config.model_type} needs (attn_logit_softcapping "
                         f"{config.attn_logit_softcap}); use --attention tiled or auto")
     platform = None if mesh is None else mesh.devices.flat[0].platform
+    limit = cudnn_max_head_dim(mesh)
     if choice == "cudnn":
-        problem = cudnn_problem(platform, config, dtype)
+        problem = cudnn_problem(platform, config, dtype, limit)
         if problem:
             raise UserError(f"--attention cudnn: {problem}; use --attention auto")
     if choice != "auto":
         return choice
     if platform in (None, "cpu") or capped:
         return "tiled"
-    if platform == "gpu" and dtype is not None and cudnn_problem(platform, config, dtype) is None:
+    if platform == "gpu" and dtype is not None and cudnn_problem(platform, config, dtype, limit) is None:
         return "cudnn"
     return "fused"

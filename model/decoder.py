@@ -167,6 +167,15 @@ def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide:
                    config.norm_weight_in_float32, name=name)
 
 
+def cache_written(cache: jax.Array, new: jax.Array, index) -> jax.Array:
+    """``cache`` [B, T, K, D] with ``new`` [B, S, K, D] written from slot ``index``: a scalar (every
+    row from the same slot: a prefill) or [B] (each row from its own: a decoding step, each row at
+    its own position)."""
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, index, 0, 0))
+    return jax.vmap(lambda rows, x, i: jax.lax.dynamic_update_slice(rows, x, (i, 0, 0)))(cache, new, index)
+
+
 class Attention(nn.Module):
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
@@ -208,8 +217,7 @@ class Attention(nn.Module):
             q = q / divisor
             q, k, v = q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype)
         if cache is not None:  # write this step's keys/values, attend over the whole cache
-            k = jax.lax.dynamic_update_slice(cache[0], k, (0, cache_index, 0, 0))  # [B, T, K, D]
-            v = jax.lax.dynamic_update_slice(cache[1], v, (0, cache_index, 0, 0))
+            k, v = cache_written(cache[0], k, cache_index), cache_written(cache[1], v, cache_index)  # [B, T, K, D]
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
         divisor = None if prescaled else divisor
         precision = precision_for(self.dtype)
@@ -428,6 +436,8 @@ class Decoder(nn.Module):
 
         input_ids, positions: [B, S]; mask: [B, S, T] (True = may attend; without caches it must
         be causal, e.g. ``model.attention.causal_mask``; sliding windows are applied per layer);
+        ``caches``: each block's keys and values [B, T, K, D] (slot = position), written from slot
+        ``cache_index`` (a scalar, or [B]: each row's own);
         ``ablation``: ``model.interventions.ablation_arrays`` (each array's first axis the block),
         or None. Returns (outputs of each block computed: list of [B, S, H] in the residual
         dtype, new caches).

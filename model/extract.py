@@ -332,7 +332,7 @@ class Extractor:
         config = load_config(model_dir)
         layers = validate_layers(range(config.num_hidden_layers) if layers is None else layers, config)
         # A kernel the model cannot use fails before it loads.
-        attention_for(None, attention, config, None if dtype == "auto" else DTYPES.get(dtype))
+        attention_for(None, attention, config, resolve_dtype(dtype))
         check_model_fits(config, sites, max_seq_length, layers)
         arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,

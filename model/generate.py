@@ -1,13 +1,25 @@
-"""Greedy decoding with a key/value cache, for the verification report.
+"""Decoding with a key/value cache on the device: batched, greedy or sampled, the step loop inside
+one compiled program.
 
-The prompt is run once (prefill, padded to its length bucket) writing every block's keys and
-values into a cache of ``cache_length`` positions; each new token then runs one position through
-the blocks, attending to the cache up to its own position (on a sliding layer, no further back
-than its window: ``model.attention.windowed``).
+A batch of prompts (right-padded to their length bucket) is run once (prefill), writing every
+block's keys and values into a cache of ``cache_length`` positions; then a ``lax.while_loop``
+chooses each row's next token, runs one position of every row through the blocks (each row at
+its own position: its prompt's length plus the step, its keys and values written at that slot),
+and stops when every row has met a stop token or the token limit. A row attends to the cache up to
+its own position (on a sliding layer, no further back than its window:
+``model.attention.windowed``); slots past a row's prompt that the prefill filled with padding are
+overwritten before the row reaches them. No host round trip per token: one compile per (rows,
+prompt bucket, new tokens, sampling), one transfer of the continuations at the end.
+
+Sampling draws each row's token from a key made of the seed, the row's sample id and the step
+alone, so a sample's draws do not depend on the batch it is in, on the machine split or on a
+resume (the logits they are drawn from may differ by rounding where a batch's shape changes the
+kernels: not in float32 on the CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -16,14 +28,88 @@ import jax.numpy as jnp
 import numpy as np
 
 from common.cli import UserError
-from model.buckets import bucket_for, bucket_lengths
 from model.attention import causal_mask
+from model.buckets import bucket_for, bucket_lengths
 from model.config import DecoderConfig
 from model.decoder import Decoder
 
+STOP_TOKEN, LENGTH = "stop_token", "length"  # why a continuation ended (a stop string: the host's cut)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen: greedy (``temperature`` 0), or drawn from the softmax of the
+    logits over ``temperature``, among the ``top_k`` most likely (0: all) and the fewest whose
+    probabilities reach ``top_p`` (1: all); ``seed`` with each sample's id gives its draws."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def problem(self) -> str | None:
+        """What is wrong with these settings (None: nothing)."""
+        if not self.temperature >= 0:
+            return f"temperature must be >= 0 (0: greedy), got {self.temperature}"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < 0:
+            return f"top_k must be >= 0 (0: every token), got {self.top_k}"
+        if self.greedy and (self.top_p != 1 or self.top_k):
+            return "top_p and top_k choose among sampled tokens: give a temperature above 0"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """What the model wrote after one prompt: its tokens (a stop token included) and why it
+    ended (``STOP_TOKEN`` or ``LENGTH``)."""
+    tokens: list[int]
+    finish: str
+
+
+def id_words(sample_ids: Sequence[int]) -> np.ndarray:
+    """[rows, 2] uint32: each sample id's 64 bits as two words (a key folds 32 bits at a time)."""
+    ids = np.asarray([int(i) & (2**64 - 1) for i in sample_ids], dtype=np.uint64)
+    return np.stack([(ids >> np.uint64(32)).astype(np.uint32), (ids & np.uint64(2**32 - 1)).astype(np.uint32)],
+                    axis=-1)
+
+
+def row_key(words: jax.Array, step: jax.Array) -> jax.Array:
+    """The key of one row's draw at ``step``: a fixed key folded with the seed's and the sample
+    id's words ``words`` [4] (``id_words`` of each), then the step."""
+    key = jax.random.key(0)
+    for word in (*words, step):
+        key = jax.random.fold_in(key, word)
+    return key
+
+
+def chosen_tokens(logits: jax.Array, keys: jax.Array | None, sampling: Sampling) -> jax.Array:
+    """The next token of each row: logits [B, V] -> [B] int32 (greedy: the argmax)."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)  # [B, V] most likely first
+        ranked = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        # A token is kept while the probability before it is short of top_p: the first always is.
+        kept = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+        ranked = jnp.where(kept, ranked, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(len(logits))[:, None], order].set(ranked)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
 
 class Generator:
-    """Greedy generation for one prompt at a time (batch 1), compiled once per prompt bucket."""
+    """Continuations of batches of prompts, compiled once per (rows, prompt bucket, new tokens,
+    sampling without its seed, stop-list width)."""
 
     def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
                  residual_dtype: Any = None):
@@ -41,48 +127,114 @@ class Generator:
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
 
-    def _empty_cache(self):
+    def cache_bytes(self, rows: int) -> int:
+        """Bytes of the key/value cache of a batch of ``rows``."""
         c = self.config
-        shape = (1, self.cache_length, c.num_key_value_heads, c.head_dim)  # [B, T, K, D]
-        return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-                for _ in range(c.num_hidden_layers)]
+        return 2 * c.num_hidden_layers * rows * self.cache_length * c.num_key_value_heads * c.head_dim \
+            * jnp.dtype(self.dtype).itemsize
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _prefill(self, params, input_ids, length, caches):
-        """input_ids [1, P] padded -> (logits [V] at the last real token, caches)."""
-        p = input_ids.shape[1]
-        mask = causal_mask(length[None], p)  # [1, P, P]
+    def _empty_cache(self, rows: int):
+        c = self.config
+        shape = (rows, self.cache_length, c.num_key_value_heads, c.head_dim)  # [B, T, K, D]
+        return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_hidden_layers)]
+
+    def _logits(self, params, hidden):
+        """Next-token logits [B, V] of the last block's outputs [B, H]."""
+        return self.model.apply({"params": params}, hidden, method=Decoder.logits)
+
+    def _prefill(self, params, input_ids, lengths):
+        """input_ids [B, P] right-padded, lengths [B] -> (logits [B, V] at each row's last real
+        token, caches)."""
+        rows, p = input_ids.shape
+        mask = causal_mask(lengths, p)  # [B, P, P]
         # Attend over the whole cache: keys past P are masked out for the prompt's queries.
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, self.cache_length - p)))  # [1, P, T]
-        positions = jnp.arange(p)[None]
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, self.cache_length - p)))  # [B, P, T]
+        positions = jnp.broadcast_to(jnp.arange(p), (rows, p))
         outputs, caches = self.model.apply({"params": params}, input_ids, positions, mask,
-                                           self.config.num_hidden_layers, caches, 0)
-        last = jax.lax.dynamic_index_in_dim(outputs[-1][0], length - 1, keepdims=False)  # [H]
-        return self.model.apply({"params": params}, last, method=Decoder.logits), caches
+                                           self.config.num_hidden_layers, self._empty_cache(rows), 0)
+        last = jnp.take_along_axis(outputs[-1], jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, H]
+        return self._logits(params, last), caches
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _step(self, params, token, position, caches):
-        """One new token at ``position`` -> (logits [V], caches)."""
-        mask = (jnp.arange(self.cache_length) <= position)[None, None, :]  # [1, 1, T]
-        outputs, caches = self.model.apply({"params": params}, token.reshape(1, 1),
-                                           position.reshape(1, 1), mask,
-                                           self.config.num_hidden_layers, caches, position)
-        return self.model.apply({"params": params}, outputs[-1][0, 0], method=Decoder.logits), caches
+    def _step(self, params, tokens, positions, caches):
+        """Each row's new token [B] at its own position [B] -> (logits [B, V], caches)."""
+        mask = (jnp.arange(self.cache_length)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, T]
+        outputs, caches = self.model.apply({"params": params}, tokens[:, None], positions[:, None], mask,
+                                           self.config.num_hidden_layers, caches, positions)
+        return self._logits(params, outputs[-1][:, 0]), caches
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int,
-                 stop_ids: Sequence[int] = ()) -> list[int]:
-        """The greedy continuation of ``prompt`` (stop token included if reached)."""
-        if len(prompt) + max_new_tokens > self.cache_length:
-            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the "
-                             f"cache of {self.cache_length}")
-        padded = np.zeros((1, bucket_for(len(prompt), self.buckets)), np.int32)
-        padded[0, :len(prompt)] = prompt
-        logits, caches = self._prefill(self.params, padded, jnp.int32(len(prompt)), self._empty_cache())
-        generated: list[int] = []
-        for position in range(len(prompt), len(prompt) + max_new_tokens):
-            token = int(jnp.argmax(logits))
-            generated.append(token)
-            if token in stop_ids or len(generated) == max_new_tokens:
-                break
-            logits, caches = self._step(self.params, jnp.int32(token), jnp.int32(position), caches)
-        return generated
+    @functools.partial(jax.jit, static_argnums=(0, 5, 6))
+    def _generate(self, params, input_ids, lengths, words, max_new_tokens: int, sampling: Sampling, stop_ids):
+        """-> (tokens [B, N] (0 past each row's end), counts [B]); rows of length 0 write nothing.
+        ``words`` [B, 4]: each row's seed and sample id words; ``stop_ids`` [S] (-1: none);
+        ``sampling``: its seed is not read (``words`` carry it), so seeds share one compile."""
+        rows = input_ids.shape[0]
+
+        def chosen(logits, step, out, done, counts):
+            """Each row's token at ``step``, recorded: (tokens, out, done, counts)."""
+            keys = None if sampling.greedy else jax.vmap(lambda w: row_key(w, step))(words)
+            tokens = jnp.where(done, 0, chosen_tokens(logits, keys, sampling))  # [B]
+            out = jax.lax.dynamic_update_slice(out, tokens[:, None], (0, step))
+            counts = counts + (~done).astype(jnp.int32)
+            done = done | jnp.isin(tokens, stop_ids) | (step + 1 >= max_new_tokens)
+            return tokens, out, done, counts
+
+        logits, caches = self._prefill(params, input_ids, lengths)
+        out = jnp.zeros((rows, max_new_tokens), jnp.int32)
+        first = chosen(logits, jnp.int32(0), out, lengths == 0, jnp.zeros((rows,), jnp.int32))
+
+        def running(state):
+            step, _, _, _, done, _ = state
+            return (step < max_new_tokens) & ~jnp.all(done)
+
+        def advance(state):
+            """Runs the last tokens through the blocks (each at its row's position), then
+            chooses the next: no forward follows the last token chosen."""
+            step, tokens, caches, out, done, counts = state
+            logits, caches = self._step(params, tokens, lengths + step - 1, caches)
+            tokens, out, done, counts = chosen(logits, step, out, done, counts)
+            return step + 1, tokens, caches, out, done, counts
+
+        state = jax.lax.while_loop(running, advance, (jnp.int32(1), first[0], caches, *first[1:]))
+        return state[3], state[5]
+
+    def continuations(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      stop_ids: Sequence[int] = (), sampling: Sampling = Sampling(),
+                      sample_ids: Sequence[int] | None = None) -> list[Continuation]:
+        """Each prompt's continuation, up to ``max_new_tokens`` (a stop token included where one
+        ends it), computed together. ``sample_ids``: each prompt's, which with the seed make its
+        random draws (default: the prompts' order). The draws do not depend on the batch; the
+        logits they are drawn from may, by rounding, where the batch's shape changes the kernels
+        (float32 on this CPU: not at all, ``tests/test_generation.py``)."""
+        if sampling.problem():
+            raise ValueError(sampling.problem())
+        if not prompts:
+            return []
+        if not all(prompts):
+            raise ValueError("an empty prompt: there is nothing to continue")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.cache_length:
+            raise ValueError(f"a prompt of {longest} + {max_new_tokens} new tokens exceeds the cache of "
+                             f"{self.cache_length}")
+        rows = 1 << max(0, len(prompts) - 1).bit_length()  # a few shapes compile: powers of two
+        ids = np.zeros((rows, bucket_for(longest, self.buckets)), np.int32)  # [B, P]
+        lengths = np.zeros((rows,), np.int32)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt
+            lengths[row] = len(prompt)
+        words = np.zeros((rows, 4), np.uint32)  # [B, 4]: the seed's two words, the sample id's two
+        words[:, :2] = id_words([sampling.seed])
+        words[:len(prompts), 2:] = id_words(sample_ids if sample_ids is not None else range(len(prompts)))
+        stops = np.full((1 << max(0, len(set(stop_ids)) - 1).bit_length(),), -1, np.int32)  # -1: no token
+        stops[:len(set(stop_ids))] = sorted(set(stop_ids))
+        tokens, counts = jax.device_get(self._generate(self.params, ids, lengths, words, max_new_tokens,
+                                                       dataclasses.replace(sampling, seed=0), stops))
+        stop_set = set(stop_ids)
+        out = []
+        for row in range(len(prompts)):
+            written = tokens[row, :counts[row]].tolist()
+            out.append(Continuation(written, STOP_TOKEN if written and written[-1] in stop_set else LENGTH))
+        return out
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """The greedy continuation of one prompt (stop token included if reached)."""
+        return self.continuations([prompt], max_new_tokens, stop_ids)[0].tokens

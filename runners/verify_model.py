@@ -1,5 +1,5 @@
-"""Writes ``model_generation_verification.txt``: greedy continuations of a few ARC prompts,
-a NaN/Inf check and per-layer activation statistics.
+"""Writes ``model_generation_verification.txt``: greedy continuations of a few ARC prompts (decoded
+together on the device, ``model.generate``), a NaN/Inf check and per-layer activation statistics.
 
     python -m runners.verify_model --model_path DIR --tokenizer DIR [--num_prompts 3]
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import load_config
 from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
-from model.generate import Generator
+from model.generate import STOP_TOKEN, Generator
 from model.loading import load_model
 from model.report import PromptResult, report_text
 from model.settings import ModelSettings, SiteSettings
@@ -84,12 +84,14 @@ def main(argv: list[str]) -> int:
                           residual_dtype=extractor.residual_dtype)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
     stop_ids = stop_token_ids(model_dir, tokenizer)
+    continuations = generator.continuations([s.input_ids for s in prompts], config.max_new_tokens, stop_ids,
+                                            sample_ids=[s.sample_id for s in prompts])  # one batch, on the device
     results = []
-    for sample in prompts:
-        generated = generator.generate(sample.input_ids, config.max_new_tokens, stop_ids)
+    for sample, continuation in zip(prompts, continuations):
+        generated = continuation.tokens
         log.info("%s: %d prompt tokens, %d generated", sample.source, len(sample.input_ids), len(generated))
         results.append(PromptResult(sample.source, list(sample.input_ids), sample.prompt, generated,
-                                    tokenizer.decode(generated), bool(generated) and generated[-1] in stop_ids,
+                                    tokenizer.decode(generated), continuation.finish == STOP_TOKEN,
                                     activations[sample.sample_id]))
     with open(config.output, "w") as f:
         f.write(report_text(config.model_path, jnp.dtype(dtype).name, results, extractor.residual_dtype_name))

@@ -146,7 +146,7 @@ def greedy_agreement(loaded: LoadedModel, model_dir: str, prompts) -> list[tuple
     where its top two logits are within 1e-4 (``agreeing_prefix``): either token is right there."""
     import torch
     generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=MAX_PROMPT + NEW_TOKENS)
-    continuations = [generator.generate(prompt, NEW_TOKENS) for prompt in prompts]
+    continuations = [c.tokens for c in generator.continuations(prompts, NEW_TOKENS)]  # one batch
     del generator
     reference = load_reference(model_dir, "float32")
     results = []

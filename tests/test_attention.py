@@ -57,9 +57,10 @@ def test_token_chunks_divide_positions_and_stay_near_512_tokens():
     assert token_chunks(2039, 4) == 1  # a prime length: only 1-position chunks would divide it
 
 
-def fake_mesh(platform: str):
-    """What ``attention_for`` reads of a mesh: its devices' platform (no such device here)."""
-    return type("Mesh", (), {"devices": np.array([type("Device", (), {"platform": platform})()])})()
+def fake_mesh(platform: str, **device):
+    """What ``attention_for`` reads of a mesh: its devices' platform (no such device here) and
+    ``device``'s other attributes (a GPU's compute_capability)."""
+    return type("Mesh", (), {"devices": np.array([type("Device", (), {"platform": platform, **device})()])})()
 
 
 def tiny_config(family: str, **overrides):
@@ -88,14 +89,19 @@ def test_auto_picks_cudnn_on_gpu_for_bfloat16_and_xla_fused_otherwise():
     ("cpu", "llama", jnp.bfloat16, "cuDNN's flash attention runs on GPUs only, and this backend is cpu"),
     ("gpu", "llama", jnp.float32, "takes bfloat16 or float16 operands, and the compute dtype is float32"),
     ("gpu", "gemma2", jnp.bfloat16, "has no attention-logit soft-capping, which gemma2 needs"),
-    ("gpu", "odd_head", jnp.bfloat16, "head sizes that are multiples of 8 up to 256, and llama's is 20"),
+    ("gpu", "odd_head", jnp.bfloat16, "multiples of 8 up to 256 on these GPUs, and llama's is 20"),
+    ("a100", "wide_head", jnp.bfloat16, "multiples of 8 up to 128 on these GPUs, and llama's is 256"),
 ])
 def test_cudnn_refuses_in_one_line_what_it_cannot_run(mesh, config, dtype, problem):
     from common.cli import UserError
     from model.attention import attention_for
-    config = tiny_config("llama", head_dim=20) if config == "odd_head" else tiny_config(config)
+    heads = {"odd_head": 20, "wide_head": 256}
+    config = tiny_config("llama", head_dim=heads[config]) if config in heads else tiny_config(config)
+    mesh = fake_mesh("gpu", compute_capability="8.0") if mesh == "a100" else fake_mesh(mesh)
     with pytest.raises(UserError, match=f"^--attention cudnn: .*{problem}.*; use --attention auto$"):
-        attention_for(fake_mesh(mesh), "cudnn", config, dtype)
+        attention_for(mesh, "cudnn", config, dtype)
+    if mesh.devices.flat[0].platform == "gpu" and dtype == jnp.bfloat16 and config.attn_logit_softcap is None:
+        assert attention_for(mesh, "auto", config, dtype) == "fused"  # auto takes the kernel that runs
 
 
 def test_cudnn_on_this_cpu_is_one_line_before_anything_compiles(tiny_checkpoints):

@@ -1,4 +1,5 @@
-"""Greedy generation: stopping at a stop token (tests/test_families.py compares the tokens with
+"""Decoding on the device: stopping at a stop token, batches equal single prompts, sampled draws
+that depend on the seed and the sample alone (tests/test_families.py compares greedy tokens with
 transformers' generate(do_sample=False) for every family)."""
 
 import jax.numpy as jnp
@@ -6,17 +7,75 @@ import pytest
 
 from fixtures.hf_reference import random_sequences
 from fixtures.tiny_models import SMALL_VOCAB, write_checkpoint
-from model.generate import Generator
+from model.generate import LENGTH, STOP_TOKEN, Generator, Sampling
 from model.loading import load_model
 
 pytestmark = pytest.mark.slow
+SAMPLED = Sampling(temperature=0.8, top_p=0.95, seed=7)
 
 
-def test_stops_at_a_stop_token(tmp_path):
-    path = write_checkpoint(tmp_path / "m", seed=3, initializer_range=0.5, vocab_size=SMALL_VOCAB)
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory):
+    # A sliding window of 16 shorter than the prompts: each row's window moves with its own position.
+    path = write_checkpoint(tmp_path_factory.mktemp("gen") / "m", family="mistral", seed=3, initializer_range=0.5)
     loaded = load_model(path, jnp.float32, with_head=True)
-    generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=64)
+    return Generator(loaded.config, loaded.params, jnp.float32, cache_length=96)
+
+
+def test_stops_at_a_stop_token(generator):
     prompt = random_sequences([7], seed=1, vocab=SMALL_VOCAB)[0]
     free = generator.generate(prompt, 10)
     stopped = generator.generate(prompt, 10, stop_ids=[free[3]])
     assert stopped == free[:free.index(free[3]) + 1]
+
+
+def test_a_batch_of_8_continues_each_prompt_as_alone_and_stops_each_row_on_its_own(generator):
+    prompts = random_sequences([7, 30, 1, 19, 40, 12, 25, 3], seed=4, vocab=SMALL_VOCAB)
+    alone = [generator.continuations([p], 24)[0] for p in prompts]
+    assert [c.finish for c in alone] == [LENGTH] * 8 and all(len(c.tokens) == 24 for c in alone)
+    assert generator.continuations(prompts, 24) == alone
+    stop = alone[1].tokens[5]  # row 1 stops at its 6th token (others where they write it, if they do)
+    stopped = generator.continuations(prompts, 24, stop_ids=[stop])
+    for free, cut in zip(alone, stopped):
+        end = free.tokens.index(stop) + 1 if stop in free.tokens else 24
+        assert cut.tokens == free.tokens[:end]
+        assert cut.finish == (STOP_TOKEN if stop in free.tokens else LENGTH)
+    assert stopped[1].finish == STOP_TOKEN and len(stopped[1].tokens) <= 6
+
+
+def test_sampled_draws_depend_on_the_seed_and_the_sample_alone(generator):
+    prompts = random_sequences([9, 21, 14, 5], seed=6, vocab=SMALL_VOCAB)
+    ids = [11, 2**62 + 5, 3, 2**40]
+    together = generator.continuations(prompts, 20, sampling=SAMPLED, sample_ids=ids)
+    alone = [generator.continuations([p], 20, sampling=SAMPLED, sample_ids=[i])[0] for p, i in zip(prompts, ids)]
+    assert together == alone  # batch composition changes nothing
+    reordered = generator.continuations(prompts[::-1], 20, sampling=SAMPLED, sample_ids=ids[::-1])
+    assert reordered == together[::-1]
+    greedy = generator.continuations(prompts, 20)
+    assert together != greedy  # it samples
+    other_seed = generator.continuations(prompts, 20, sampling=Sampling(temperature=0.8, top_p=0.95, seed=8),
+                                         sample_ids=ids)
+    assert other_seed != together
+    # Every bit of the seed counts (a key of 2**32 + 7 is not the key of 7).
+    wide = generator.continuations(prompts, 20, sampling=Sampling(temperature=0.8, top_p=0.95, seed=2**32 + 7),
+                                   sample_ids=ids)
+    assert wide != together
+    # The same prompt under two sample ids draws two continuations.
+    twice = generator.continuations([prompts[0], prompts[0]], 20, sampling=SAMPLED, sample_ids=[1, 2])
+    assert twice[0] != twice[1]
+
+
+def test_top_k_1_is_greedy_and_the_settings_are_checked(generator):
+    prompts = random_sequences([9, 21], seed=8, vocab=SMALL_VOCAB)
+    assert generator.continuations(prompts, 12, sampling=Sampling(temperature=1.0, top_k=1)) == \
+        generator.continuations(prompts, 12)
+    assert Sampling(temperature=-1).problem() == "temperature must be >= 0 (0: greedy), got -1"
+    assert Sampling(temperature=1, top_p=0).problem() == "top_p must be in (0, 1], got 0"
+    assert "give a temperature above 0" in Sampling(top_p=0.9).problem()
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        generator.continuations(prompts, 4, sampling=Sampling(temperature=1, top_k=-2))
+    with pytest.raises(ValueError, match="a prompt of 90 \\+ 10 new tokens exceeds the cache of 96"):
+        generator.continuations([[1] * 90], 10)
+    with pytest.raises(ValueError, match="an empty prompt"):
+        generator.continuations([[1, 2], []], 10)
+    assert generator.continuations([], 10) == []
