@@ -127,12 +127,6 @@ class Generator:
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
 
-    def cache_bytes(self, rows: int) -> int:
-        """Bytes of the key/value cache of a batch of ``rows``."""
-        c = self.config
-        return 2 * c.num_hidden_layers * rows * self.cache_length * c.num_key_value_heads * c.head_dim \
-            * jnp.dtype(self.dtype).itemsize
-
     def _empty_cache(self, rows: int):
         c = self.config
         shape = (rows, self.cache_length, c.num_key_value_heads, c.head_dim)  # [B, T, K, D]
