@@ -26,12 +26,15 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from common.cli import UserError
 from model.attention import causal_mask
 from model.buckets import bucket_for, bucket_lengths
 from model.config import DecoderConfig
 from model.decoder import Decoder
+from model.extract import placed
+from model.sharding import batch_sharding
 
 STOP_TOKEN, LENGTH = "stop_token", "length"  # why a continuation ended (a stop string: the host's cut)
 
@@ -112,10 +115,12 @@ class Generator:
     sampling without its seed, stop-list width)."""
 
     def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
-                 residual_dtype: Any = None):
+                 residual_dtype: Any = None, mesh: Mesh | None = None):
         """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
         None: the compute dtype). The cache holds keys and values in the compute dtype; with
-        learned positions it may not outgrow their table."""
+        learned positions it may not outgrow their table. ``mesh``: the one ``params`` live on
+        (``model.loading.load_model``'s): a batch's rows, and their caches, are split over its
+        ``data`` axis (None: one device)."""
         if config.positions == "learned" and cache_length > config.max_position_embeddings:
             raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
                             f"{config.max_position_embeddings} tokens (pass --max_seq_length "
@@ -124,13 +129,26 @@ class Generator:
         self.params = params
         self.dtype = dtype
         self.cache_length = cache_length
+        self.mesh = mesh
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
 
     def _empty_cache(self, rows: int):
         c = self.config
         shape = (rows, self.cache_length, c.num_key_value_heads, c.head_dim)  # [B, T, K, D]
-        return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_hidden_layers)]
+        return [(self._rows_split(jnp.zeros(shape, self.dtype)), self._rows_split(jnp.zeros(shape, self.dtype)))
+                for _ in range(c.num_hidden_layers)]
+
+    def _rows_split(self, x: jax.Array) -> jax.Array:
+        """``x`` [B, ...] with its rows over the mesh's ``data`` axis (unchanged without a mesh)."""
+        return x if self.mesh is None else jax.lax.with_sharding_constraint(x, batch_sharding(self.mesh))
+
+    def batch_rows(self, count: int) -> int:
+        """Rows of a batch of ``count`` prompts: the next power of two (a few shapes compile), at
+        least the data axis and a multiple of it."""
+        data = 1 if self.mesh is None else self.mesh.shape["data"]
+        rows = max(data, 1 << max(0, count - 1).bit_length())
+        return -(-rows // data) * data
 
     def _logits(self, params, hidden):
         """Next-token logits [B, V] of the last block's outputs [B, H]."""
@@ -209,7 +227,7 @@ class Generator:
         if longest + max_new_tokens > self.cache_length:
             raise ValueError(f"a prompt of {longest} + {max_new_tokens} new tokens exceeds the cache of "
                              f"{self.cache_length}")
-        rows = 1 << max(0, len(prompts) - 1).bit_length()  # a few shapes compile: powers of two
+        rows = self.batch_rows(len(prompts))
         ids = np.zeros((rows, bucket_for(longest, self.buckets)), np.int32)  # [B, P]
         lengths = np.zeros((rows,), np.int32)
         for row, prompt in enumerate(prompts):
@@ -220,6 +238,8 @@ class Generator:
         words[:len(prompts), 2:] = id_words(sample_ids if sample_ids is not None else range(len(prompts)))
         stops = np.full((1 << max(0, len(set(stop_ids)) - 1).bit_length(),), -1, np.int32)  # -1: no token
         stops[:len(set(stop_ids))] = sorted(set(stop_ids))
+        if self.mesh is not None:  # each device receives its rows
+            ids, lengths, words = (placed(x, batch_sharding(self.mesh)) for x in (ids, lengths, words))
         tokens, counts = jax.device_get(self._generate(self.params, ids, lengths, words, max_new_tokens,
                                                        dataclasses.replace(sampling, seed=0), stops))
         stop_set = set(stop_ids)

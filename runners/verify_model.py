@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length,
                                       residual_dtype=config.residual_dtype, sites=config.sites)
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
-                          residual_dtype=extractor.residual_dtype)
+                          residual_dtype=extractor.residual_dtype, mesh=loaded.mesh)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
     stop_ids = stop_token_ids(model_dir, tokenizer)
     continuations = generator.continuations([s.input_ids for s in prompts], config.max_new_tokens, stop_ids,

@@ -145,7 +145,8 @@ def greedy_agreement(loaded: LoadedModel, model_dir: str, prompts) -> list[tuple
     greedy continuation, 32 decoding steps for the price of one forward. The comparison stops
     where its top two logits are within 1e-4 (``agreeing_prefix``): either token is right there."""
     import torch
-    generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=MAX_PROMPT + NEW_TOKENS)
+    generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=MAX_PROMPT + NEW_TOKENS,
+                          mesh=loaded.mesh)
     continuations = [c.tokens for c in generator.continuations(prompts, NEW_TOKENS)]  # one batch
     del generator
     reference = load_reference(model_dir, "float32")

@@ -2,6 +2,7 @@
 that depend on the seed and the sample alone (tests/test_families.py compares greedy tokens with
 transformers' generate(do_sample=False) for every family)."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -15,11 +16,19 @@ SAMPLED = Sampling(temperature=0.8, top_p=0.95, seed=7)
 
 
 @pytest.fixture(scope="module")
-def generator(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     # A sliding window of 16 shorter than the prompts: each row's window moves with its own position.
-    path = write_checkpoint(tmp_path_factory.mktemp("gen") / "m", family="mistral", seed=3, initializer_range=0.5)
-    loaded = load_model(path, jnp.float32, with_head=True)
-    return Generator(loaded.config, loaded.params, jnp.float32, cache_length=96)
+    return write_checkpoint(tmp_path_factory.mktemp("gen") / "m", family="mistral", seed=3, initializer_range=0.5)
+
+
+def generator_on(path, **mesh):
+    loaded = load_model(path, jnp.float32, with_head=True, **mesh)
+    return Generator(loaded.config, loaded.params, jnp.float32, cache_length=96, mesh=loaded.mesh)
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint):
+    return generator_on(checkpoint, devices=jax.devices()[:1])
 
 
 def test_stops_at_a_stop_token(generator):
@@ -79,3 +88,16 @@ def test_top_k_1_is_greedy_and_the_settings_are_checked(generator):
     with pytest.raises(ValueError, match="an empty prompt"):
         generator.continuations([[1, 2], []], 10)
     assert generator.continuations([], 10) == []
+
+
+@pytest.mark.parametrize("mesh", [dict(), dict(mesh_type="2d", model_axis_size=2)])
+def test_rows_split_over_a_mesh_continue_as_on_one_device(checkpoint, generator, mesh):
+    """8 devices: the batch's rows (5 prompts padded to 8) over the data axis, and on a 2d mesh
+    the projections split over 2 model devices too."""
+    split = generator_on(checkpoint, **mesh)
+    assert split.mesh.shape["data"] == (8 if not mesh else 4) and split.batch_rows(5) == 8
+    prompts = random_sequences([7, 30, 1, 19, 40], seed=9, vocab=SMALL_VOCAB)
+    assert split.continuations(prompts, 16) == generator.continuations(prompts, 16)
+    ids = [5, 6, 7, 8, 9]
+    assert split.continuations(prompts, 16, sampling=SAMPLED, sample_ids=ids) == \
+        generator.continuations(prompts, 16, sampling=SAMPLED, sample_ids=ids)
