@@ -21,10 +21,12 @@ import pyarrow.parquet as pq
 
 from common.cli import UserError
 from common.files import join, open_read, write_bytes
-from common.roles import ROLES, role_counts
+from common.roles import GENERATED, ROLES, role_counts
 from host.states import COMPLETED
 from model.sites import RESID_POST, key_parts
 
+GENERATION_FIELDS = (pa.field("prompt_tokens", pa.int32()), pa.field("generated_tokens", pa.int32()),
+                     pa.field("finish_reason", pa.string()))
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
     ("shard_path", pa.string()), ("position", pa.int32()), ("num_tokens", pa.int32()),
@@ -37,6 +39,10 @@ SCHEMA = pa.schema([
     # The intervention the activations were extracted under (runners.tpu_host --ablate); null for
     # the unablated model, and in indexes written before the column existed.
     ("ablation", pa.string()),
+    # A continuation the model wrote (runners.tpu_host --generate): the prompt's tokens, the
+    # continuation's (num_tokens is their sum) and why it ended (model.generate's STOP_TOKEN |
+    # LENGTH). Written by generating runs only (null in other indexes, and in merged ones).
+    *GENERATION_FIELDS,
 ])
 
 
@@ -48,6 +54,7 @@ KEPT_COLUMN_TYPES = {"bool": pa.bool_(), "int64": pa.int64(), "float64": pa.floa
 # count, and which tokens the stored rows are (``positions``: null where every token is stored; the
 # positions pooled where a selection is pooled into one row) and how many rows each array has.
 ROLE_COUNT_COLUMNS = tuple(f"{role}_tokens" for role in ROLES)
+GENERATED_COUNT_COLUMN = f"{GENERATED}_tokens"  # written by generating runs only (null in other tables)
 TOKENS_SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("num_tokens", pa.int32()),
     ("roles", pa.list_(pa.struct([("role", pa.string()), ("count", pa.int32())]))),
@@ -87,13 +94,15 @@ def tokens_filename(shard_id: int) -> str:
     return f"index/shard_{shard_id:04d}_tokens.parquet"
 
 
-def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selection: str | None = None) -> pa.Table:
+def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selection: str | None = None,
+                 generated: bool = False) -> pa.Table:
     """The ``TOKENS_SCHEMA`` rows of one shard's samples, each stored with ``rows`` rows by the
-    token ``selection`` (None: every token)."""
+    token ``selection`` (None: every token); the count of ``generated`` tokens only for a run that
+    generates (a run that does not writes the table it always did)."""
     def runs(s):
         return None if s.get("roles") is None else [{"role": r, "count": c} for r, c in s["roles"]]
     counts = [role_counts(s["roles"]) if s.get("roles") is not None else None for s in samples]
-    return pa.table({
+    table = pa.table({
         "sample_id": [s["sample_id"] for s in samples], "num_tokens": [s["num_tokens"] for s in samples],
         "roles": [runs(s) for s in samples],
         "special": [None if s.get("special") is None else list(s["special"]) for s in samples],
@@ -102,6 +111,7 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selecti
         "positions": [None if s.get("positions") is None else s["positions"].tolist() for s in samples],
         "rows": list(rows), "selection": [selection] * len(samples),
     }, schema=TOKENS_SCHEMA)
+    return table if generated else table.drop_columns([GENERATED_COUNT_COLUMN])
 
 
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
@@ -136,7 +146,11 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
         "source": [s["source"] for s in samples], "text_preview": [s["text_preview"] for s in samples],
         "truncated": [bool(s["truncated"]) for s in samples],
         "original_num_tokens": [s["original_num_tokens"] for s in samples], "ablation": [ablation] * n,
-    }, schema=SCHEMA)
+    }, schema=pa.schema([field for field in SCHEMA if field not in GENERATION_FIELDS]))
+    if any(s.get("generation") for s in samples):  # a generating run's shard
+        generation = [s["generation"] for s in samples]
+        for field, key in zip(GENERATION_FIELDS, ("prompt_tokens", "num_tokens", "finish")):
+            table = table.append_column(field, pa.array([g[key] for g in generation], field.type))
     names = list(dict.fromkeys(name for s in samples for name in (s.get("columns") or {})))
     for name in names:
         kind = KEPT_COLUMN_TYPES.get((column_types or {}).get(name))

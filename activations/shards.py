@@ -103,7 +103,9 @@ def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey],
     ``activations: {key: array}``), keyed in the given order. Arrays that are already contiguous
     (the extractor's are) go in as they are, not copied. A sample stored with a token selection
     (its ``positions``) says which tokens its rows are (``positions``: int32, one array for every
-    key), and with ``pooled`` that its one row is their mean (``pooled``: ``"mean"``)."""
+    key), and with ``pooled`` that its one row is their mean (``pooled``: ``"mean"``). A sample the
+    model continued (``runners.tpu_host --generate``) carries its ``generation``: ``prompt_tokens``,
+    ``token_ids`` (the continuation), ``num_tokens`` and ``finish``."""
     def selection(s: dict[str, Any]) -> dict[str, Any]:
         if s.get("positions") is None:
             return {}
@@ -111,7 +113,8 @@ def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey],
     return {key: [{"sample_idx": s["sample_id"], "sample_id": s["sample_id"],
                    "activation": _contiguous(s["activations"][key]),
                    "shape": tuple(s["activations"][key].shape),
-                   "text_preview": s["text_preview"], "source": s["source"], **selection(s)} for s in samples]
+                   "text_preview": s["text_preview"], "source": s["source"], **selection(s),
+                   **({"generation": s["generation"]} if s.get("generation") else {})} for s in samples]
             for key in keys}
 
 

@@ -7,7 +7,10 @@ Every token gets one role (``ROLES``):
 * ``text``: a plain text (FineWeb-style records);
 * ``template``: everything else: what the chat template writes around contents (role headers,
   separators, end-of-turn markers, a default system prompt, a generation prompt), and a BOS or EOS
-  that the tokenizer's settings put around a text.
+  that the tokenizer's settings put around a text;
+* ``generated``: a continuation the model wrote after the stream's tokens (``runners.tpu_host
+  --generate``), its stop token included: apart from ``assistant``, which is what the dataset's
+  conversations say an assistant wrote.
 
 ``special`` marks the tokens that are the tokenizer's special tokens (BOS, end-of-turn markers,
 pad), whatever their role. How roles are worked out is ``transforms/spans.py``; the rule for a
@@ -27,7 +30,8 @@ import numpy as np
 from common.cli import UserError
 
 SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE = "system", "user", "assistant", "tool", "text", "template"
-ROLES = (SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE)
+GENERATED = "generated"  # written by the model itself (runners.tpu_host --generate): last, so earlier codes hold
+ROLES = (SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE, GENERATED)
 ROLE_CODES = {role: code for code, role in enumerate(ROLES)}  # role -> its code in role arrays
 
 Runs = list[list[Any]]  # [[role, count], ...]

@@ -13,7 +13,7 @@ from common.cli import AUTO, UserError, flag, int_list, int_or_auto, name_list
 from host.lease import MIN_LEASE_S
 from host.machine_id import machine_id_flag
 from model.config import STORED_DTYPES
-from model.settings import ModelRunSettings, ProfileSettings, SiteSettings
+from model.settings import GenerationSettings, ModelRunSettings, ProfileSettings, SiteSettings
 from transforms.long_samples import POLICIES
 
 # JAX's own variable, where a user has set it; else a per-user directory.
@@ -32,7 +32,7 @@ def spare_cores() -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
+class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSettings):
     machine_id: int | str = flag(help="this host's machine number N (reads stream_{N:03d}.jsonl, or its "
                                  "parts stream_{N:03d}/part-*.jsonl), or "
                                  "auto: from JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else the "
@@ -157,6 +157,12 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings):
             if self.num_processes not in (None, 1) or self.distributed == "on":
                 raise UserError("--lease_s holds a one-process machine; a multi-host slice is not "
                                 "leased (Dataflow TPU workers are single-host)")
+        self.validate_generation(self.max_seq_length)
+        if self.generate is not None and self.ablate:
+            raise UserError("--generate with --ablate: the model would write without the intervention it is "
+                            "extracted under; generating under an intervention is not supported yet")
+        if self.generate is not None and (self.multi_process or self.distributed == "on"):
+            raise UserError("--generate runs on one-process machines only, not yet on a multi-host slice")
         if len(set(self.stats_by)) != len(self.stats_by):
             raise UserError(f"--stats_by names a grouping twice: {','.join(self.stats_by)}")
         if ROLE_GROUPING in self.stats_by and self.tokens and parse_selection(self.tokens).pooled:

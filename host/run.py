@@ -347,8 +347,8 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     # as in an uninterrupted run and the shards come out bit-identical.
     data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
     window_start = restart - restart % extraction.window_for(config.batch_size * data_axis)
-    if config.long_samples == "error":
-        check_lengths(stream, window_start, config.max_samples, config.max_seq_length)
+    if config.long_samples == "error":  # a prompt must leave room for its continuation
+        check_lengths(stream, window_start, config.max_samples, config.max_seq_length - (config.generate or 0))
     progress.resume_window(done - window_start)
     records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)
@@ -425,7 +425,8 @@ def extract_config(config: HostConfig) -> ExtractConfig:
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
-        sites=config.sites, tokens=config.tokens)
+        sites=config.sites, tokens=config.tokens, generate=config.generate, temperature=config.temperature,
+        top_p=config.top_p, top_k=config.top_k, seed=config.seed)
 
 
 def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint,
@@ -507,7 +508,18 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
             "ablate": intervention.name if intervention else None,
             "ablation_means": _digest(config.ablation_means) if intervention and intervention.needs_means else None,
             # Checkpoints from before these read None: every token stored, no groups.
-            "tokens": config.tokens, "stats_by": list(config.stats_by) or None}
+            "tokens": config.tokens, "stats_by": list(config.stats_by) or None,
+            # Checkpoints from before --generate read None: nothing generated.
+            "generate": generation_settings(config)}
+
+
+def generation_settings(config: HostConfig) -> dict[str, Any] | None:
+    """What ``--generate`` writes with (None: no generation), recorded in the checkpoint and
+    ``metadata.json``: a resume must continue every prompt the same way."""
+    if config.generate is None:
+        return None
+    return {"max_new_tokens": config.generate, "temperature": config.temperature, "top_p": config.top_p,
+            "top_k": config.top_k, "seed": config.seed}
 
 
 def _digest(path: str) -> str:
@@ -529,7 +541,8 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream:
                          compression_threads=config.resolved_compression_threads,
                          upload_threads=config.upload_threads, sites=extractor.sites,
                          num_experts=extractor.config.num_experts, selection=config.tokens,
-                         stats_by=config.stats_by, column_types=tuple(columns.items()))
+                         stats_by=config.stats_by, column_types=tuple(columns.items()),
+                         generating=config.generate is not None)
 
 
 def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str,
@@ -550,6 +563,6 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str,
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1,
             "ablation": ablation, "ablation_means": config.ablation_means if ablation else None,
-            "tokens": config.tokens, "stats_by": list(config.stats_by),
+            "tokens": config.tokens, "stats_by": list(config.stats_by), "generate": generation_settings(config),
             # The streams' kept columns and their types (from the manifest), where it says.
             **({"columns": columns} if columns else {})}

@@ -319,8 +319,9 @@ class Extractor:
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
              ablation_means: str | None = None, residual_dtype: str = "float32",
              sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None,
-             moe_dispatch: str = "auto", pool: str | None = None) -> "Extractor":
-        """Loads only the blocks the requested sites and layers need, straight onto the mesh.
+             moe_dispatch: str = "auto", pool: str | None = None, whole_model: bool = False) -> "Extractor":
+        """Loads only the blocks the requested sites and layers need (``whole_model``: every block
+        and the head, for ``model.generate`` on the same weights), straight onto the mesh.
         ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
         from ``model.sites`` (each stored at every layer). ``revision``: of a hub id. ``pool``:
@@ -336,7 +337,8 @@ class Extractor:
         check_model_fits(config, sites, max_seq_length, layers)
         arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
-                            num_layers=blocks_needed(sites, layers), devices=devices)
+                            num_layers=None if whole_model else blocks_needed(sites, layers), with_head=whole_model,
+                            devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
                                     activation_dtype, attention, batches_in_flight, residual_dtype, sites,
                                     moe_dispatch, pool)

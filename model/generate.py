@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from typing import Any, Sequence
 
 import jax
@@ -34,36 +36,10 @@ from model.buckets import bucket_for, bucket_lengths
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import placed
+from model.sampling import GREEDY, Sampling
 from model.sharding import batch_sharding
 
 STOP_TOKEN, LENGTH = "stop_token", "length"  # why a continuation ended (a stop string: the host's cut)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How each next token is chosen: greedy (``temperature`` 0), or drawn from the softmax of the
-    logits over ``temperature``, among the ``top_k`` most likely (0: all) and the fewest whose
-    probabilities reach ``top_p`` (1: all); ``seed`` with each sample's id gives its draws."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def problem(self) -> str | None:
-        """What is wrong with these settings (None: nothing)."""
-        if not self.temperature >= 0:
-            return f"temperature must be >= 0 (0: greedy), got {self.temperature}"
-        if not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < 0:
-            return f"top_k must be >= 0 (0: every token), got {self.top_k}"
-        if self.greedy and (self.top_p != 1 or self.top_k):
-            return "top_p and top_k choose among sampled tokens: give a temperature above 0"
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +186,7 @@ class Generator:
         return state[3], state[5]
 
     def continuations(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      stop_ids: Sequence[int] = (), sampling: Sampling = Sampling(),
+                      stop_ids: Sequence[int] = (), sampling: Sampling = GREEDY,
                       sample_ids: Sequence[int] | None = None) -> list[Continuation]:
         """Each prompt's continuation, up to ``max_new_tokens`` (a stop token included where one
         ends it), computed together. ``sample_ids``: each prompt's, which with the seed make its
@@ -252,3 +228,17 @@ class Generator:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
         """The greedy continuation of one prompt (stop token included if reached)."""
         return self.continuations([prompt], max_new_tokens, stop_ids)[0].tokens
+
+
+def stop_token_ids(model_dir: str, tokenizer=None) -> list[int]:
+    """Where a continuation ends: the end-of-sequence ids of the model's generation_config.json
+    and config.json (an instruct model lists its end-of-turn token there: Qwen's <|im_end|>,
+    Llama 3's <|eot_id|>, Gemma's <end_of_turn>), and the ``tokenizer``'s EOS where one is given."""
+    ids = [getattr(tokenizer, "eos_token_id", None)]
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            ids += value if isinstance(value, list) else [value]
+    return sorted({i for i in ids if isinstance(i, int)})

@@ -2,6 +2,7 @@
 
 ``ModelSettings`` says which model and how its numbers are computed (dtype, residual stream,
 mesh); ``ModelRunSettings`` adds how batches are run (batch size, attention kernel);
+``GenerationSettings`` whether and how each prompt is continued first (``model.generate``);
 ``ProfileSettings`` which batches are traced; ``SiteSettings`` which activation sites are stored
 (``model.sites``). ``runners.tpu_host``'s ``HostConfig`` and
 ``runners.ablate``'s ``AblationConfig`` extend ``ModelRunSettings`` and ``ProfileSettings``;
@@ -74,3 +75,38 @@ class ProfileSettings:
     def validate_profiling(self) -> None:
         if self.profile_batches < 1:
             raise UserError(f"--profile_batches must be at least 1, got {self.profile_batches}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationSettings:
+    generate: int | None = flag(None, "continue each prompt with up to N tokens the model writes (on the device, "
+                                "batched), then store prompt + continuation; the continuation's tokens have the "
+                                "role generated (docs/runner.md#generation)")
+    temperature: float = flag(0.0, "with --generate: 0 picks the most likely token (greedy); above 0 samples "
+                              "from the softmax of logits / temperature")
+    top_p: float = flag(1.0, "with --generate and a temperature: sample among the fewest tokens whose "
+                        "probabilities reach top_p (1: all)")
+    top_k: int = flag(0, "with --generate and a temperature: sample among the top_k most likely tokens (0: all)")
+    seed: int = flag(0, "with --generate and a temperature: the draws of a sample come from this seed and its "
+                     "sample id alone (the same in any batch, machine split or resume)")
+
+    def sampling(self):
+        """The ``model.generate.Sampling`` of these flags."""
+        from model.sampling import Sampling
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+
+    def validate_generation(self, max_seq_length: int) -> None:
+        chosen = [f"--{name}" for name, default in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("seed", 0))
+                  if getattr(self, name) != default]
+        if self.generate is None:
+            if chosen:
+                raise UserError(f"{', '.join(chosen)} choose how --generate writes: pass --generate N")
+            return
+        if self.generate < 1:
+            raise UserError(f"--generate must be at least 1 (new tokens a prompt), got {self.generate}")
+        if self.generate >= max_seq_length:
+            raise UserError(f"--generate {self.generate} leaves no room for a prompt in --max_seq_length "
+                            f"{max_seq_length} (prompt + continuation)")
+        problem = self.sampling().problem()
+        if problem:
+            raise UserError(f"--{problem}")

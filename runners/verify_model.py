@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
-import os
 
 import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import load_config
 from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
-from model.generate import STOP_TOKEN, Generator
+from model.generate import STOP_TOKEN, Generator, stop_token_ids
 from model.loading import load_model
 from model.report import PromptResult, report_text
 from model.settings import ModelSettings, SiteSettings
@@ -48,20 +46,6 @@ def arc_prompts(config: VerifyConfig, tokenizer) -> list:
     if not chosen:
         raise UserError(f"no prompt of {config.dataset} fits in {room} tokens: raise --max_seq_length")
     return chosen
-
-
-def stop_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """Where a continuation ends: the end-of-sequence ids of the model's generation_config.json
-    and config.json (an instruct model lists its end-of-turn token there: Qwen's <|im_end|>,
-    Llama 3's <|eot_id|>, Gemma's <end_of_turn>), and the tokenizer's EOS."""
-    ids = [tokenizer.eos_token_id]
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                value = json.load(f).get("eos_token_id")
-            ids += value if isinstance(value, list) else [value]
-    return sorted({i for i in ids if isinstance(i, int)})
 
 
 def main(argv: list[str]) -> int:

@@ -68,7 +68,8 @@ def test_a_gemma_model_with_its_own_chat_conventions(family_checkpoints, tmp_pat
     end_of_turn = AutoTokenizer.from_pretrained(str(tokenizer)).convert_tokens_to_ids("<end_of_turn>")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end_of_turn]}))
     out = tmp_path / "report.txt"
-    from runners.verify_model import main, stop_token_ids
+    from model.generate import stop_token_ids
+    from runners.verify_model import main
     assert main(["--model_path", str(model), "--tokenizer", str(tokenizer), "--num_prompts", "1",
                  "--max_new_tokens", "6", "--max_seq_length", "2048", "--dtype", "float32",
                  "--output", str(out)]) == 0

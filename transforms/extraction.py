@@ -19,7 +19,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from activations.selection import Selection, parse_selection
-from model.settings import ModelRunSettings, SiteSettings
+from model.hub import resolve_model_dir
+from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
+from transforms.generation import Continuing
 from transforms.long_samples import fit_record, rejection
 
 REJECTED = "rejected"  # the tag of records that were not computed
@@ -36,9 +38,10 @@ class Tagged:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExtractConfig(ModelRunSettings, SiteSettings):
+class ExtractConfig(ModelRunSettings, SiteSettings, GenerationSettings):
     """The model settings (``model.settings``; ``batch_size`` is per device) and what to extract:
-    ``sites`` (``model.sites``) at ``layers``."""
+    ``sites`` (``model.sites``) at ``layers``; with ``generate``, of each prompt continued first
+    (``transforms.generation``)."""
     model_path: str
     layers: tuple[int, ...] | None = None  # None: every layer
     max_seq_length: int = 2048
@@ -62,16 +65,23 @@ def activation_record(record: dict[str, Any], activations: dict[Any, Any],
             "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
             "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
             "roles": record.get("roles"), "special": record.get("special"), "columns": record.get("columns"),
-            "positions": positions, "activations": activations}
+            "generation": record.get("generation"), "positions": positions, "activations": activations}
 
 
 def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples: str = "truncate",
-                     selection: Selection | None = None) -> Iterator[dict[str, Any] | Tagged]:
+                     selection: Selection | None = None,
+                     continuing: Continuing | None = None) -> Iterator[dict[str, Any] | Tagged]:
     """For each record in input order: its activation record, ``Tagged(REJECTED, ...)`` if
     ``long_samples`` skips it, or ``Tagged(ELSEWHERE, ...)`` if another process computed it.
-    Computed bucket by bucket; with a ``selection``, only its rows leave the devices."""
-    limit = extractor.buckets[-1]
+    Computed bucket by bucket; with a ``selection``, only its rows leave the devices. With
+    ``continuing``, each prompt is continued first; ``long_samples`` then applies to the prompt,
+    which must leave room for the continuation."""
+    limit = extractor.buckets[-1] - (continuing.max_new_tokens if continuing else 0)
     fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
+    if continuing:
+        kept = [i for i, r in enumerate(fitted) if r is not None]
+        for i, record in zip(kept, continuing.continued([fitted[i] for i in kept])):
+            fitted[i] = record
     kept = {i: selection.positions(r.get("roles"), r.get("special"), r["num_tokens"])
             for i, r in enumerate(fitted) if r is not None} if selection else {}
     items = ((i, r["input_ids"], kept[i]) if selection else (i, r["input_ids"])
@@ -93,6 +103,7 @@ class OrderedExtraction:
         self.config = config
         self.selection = parse_selection(config.tokens)
         self.extractor = None
+        self.continuing: Continuing | None = None  # with --generate, set up with the model
         self._pending: list[dict[str, Any]] = []
 
     def setup(self) -> None:
@@ -105,7 +116,10 @@ class OrderedExtraction:
                                         ablation=c.ablation, ablation_means=c.ablation_means,
                                         residual_dtype=c.residual_dtype, sites=c.sites,
                                         revision=c.model_revision,
-                                        pool=self.selection.pool if self.selection else None)
+                                        pool=self.selection.pool if self.selection else None,
+                                        whole_model=bool(c.generate))
+        if c.generate:
+            self.continuing = continuing_for(self.extractor, c)
 
     def window_for(self, global_batch: int) -> int:
         """Records computed together: the configured window, else 8 global batches."""
@@ -131,7 +145,8 @@ class OrderedExtraction:
     def drain(self) -> Iterator[dict[str, Any] | Tagged]:
         """Computes and yields every pending record."""
         records, self._pending = self._pending, []
-        yield from extract_in_order(self.extractor, records, self.config.long_samples, self.selection)
+        yield from extract_in_order(self.extractor, records, self.config.long_samples, self.selection,
+                                    self.continuing)
 
     def discard_pending(self) -> int:
         """Drops records not computed yet (on preemption they are redone after resume)."""
@@ -139,4 +154,16 @@ class OrderedExtraction:
         return dropped
 
     def teardown(self) -> None:
-        self.extractor = None
+        self.extractor = self.continuing = None
+
+
+def continuing_for(extractor, config: ExtractConfig) -> Continuing:
+    """How ``config``'s ``generate`` continues each prompt, on ``extractor``'s model (loaded whole,
+    with its head): a batch of the extraction's rows at a time, stopping at the checkpoint's
+    end-of-sequence ids."""
+    from model.generate import Generator, stop_token_ids
+    generator = Generator(extractor.config, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
+                          residual_dtype=extractor.residual_dtype, mesh=extractor.mesh)
+    return Continuing(generator, config.generate, config.sampling(),
+                      tuple(stop_token_ids(resolve_model_dir(config.model_path, config.model_revision))),
+                      extractor.batch_size)

@@ -1,0 +1,145 @@
+"""``runners.tpu_host --generate``: each prompt continued on the device, prompt + continuation
+stored with the continuation's tokens marked ``generated``, exactly once."""
+
+import json
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from activations.reader import load_shard
+from fixtures.hf_reference import load_reference, reference_activations, relative_error
+from host.states import COMPLETED
+from model.generate import Generator, stop_token_ids
+from model.loading import load_model
+from tests.conftest import read_streams
+from tests.test_host import index_rows, long_stream, run_host_cli, run_with_kills, shard_contents
+
+pytestmark = pytest.mark.slow
+NEW = 8
+
+
+def args_for(stream, out, model, *extra):
+    return ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", model, "--output_dir", str(out),
+            "--shard_size_gb", "0.0002", "--batch_size", "2", "--max_seq_length", "96", "--dtype", "float32",
+            "--layers_to_extract", "1,3", "--generate", str(NEW), *extra]
+
+
+@pytest.fixture(scope="module")
+def stream(arc_streams, tmp_path_factory):
+    """Six ARC records (their prompts truncated to leave room for the continuation)."""
+    path = tmp_path_factory.mktemp("gen_stream") / "stream.jsonl"
+    records = read_streams(arc_streams, 2)[0][:6]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy(stream, tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy")
+    result = run_host_cli(*args_for(stream, out, tiny_checkpoints["gqa_tied"]))
+    assert result.returncode == 0, result.stderr
+    return out / "machine_000"
+
+
+def stored(machine_dir) -> dict[int, dict]:
+    """sample id -> its shard entry per layer ({layer: entry})."""
+    out: dict[int, dict] = {}
+    for path in sorted(machine_dir.glob("shard_*.pkl*")):
+        for layer, entries in load_shard(str(path)).items():
+            for entry in entries:
+                out.setdefault(entry["sample_id"], {})[layer] = entry
+    return out
+
+
+def test_greedy_continuations_are_the_models_and_their_activations_transformers(greedy, stream, tiny_checkpoints):
+    model = tiny_checkpoints["gqa_tied"]
+    records = [json.loads(line) for line in stream.read_text().splitlines()]
+    entries = stored(greedy)
+    assert sorted(entries) == sorted(r["sample_id"] for r in records)
+    loaded = load_model(model, jnp.float32, with_head=True, devices=jax.devices()[:1])
+    generator = Generator(loaded.config, loaded.params, jnp.float32, cache_length=96, mesh=loaded.mesh)
+    reference = load_reference(model, "float32")
+    for record in records[:3]:
+        prompt = record["input_ids"][:96 - NEW]  # truncated to leave room for NEW tokens
+        generation = entries[record["sample_id"]][1]["generation"]
+        alone = generator.continuations([prompt], NEW, stop_token_ids(model))[0]
+        assert generation == {"prompt_tokens": len(prompt), "token_ids": alone.tokens,
+                              "num_tokens": len(alone.tokens), "finish": alone.finish}
+        full = prompt + alone.tokens
+        expected = reference_activations(reference, [full])[0]
+        for layer in (1, 3):
+            ours = entries[record["sample_id"]][layer]["activation"]
+            assert ours.shape == (len(full), 64)
+            assert relative_error(ours, expected[layer]) <= 1e-5
+
+
+def test_the_index_and_tokens_table_say_what_the_model_wrote(greedy):
+    index = pq.read_table(greedy / "index" / "shard_0001.parquet").to_pylist()
+    tokens = {r["sample_id"]: r for r in pq.read_table(greedy / "index" / "shard_0001_tokens.parquet").to_pylist()}
+    for row in index:
+        assert row["num_tokens"] == row["prompt_tokens"] + row["generated_tokens"]
+        assert row["finish_reason"] in ("stop_token", "length")
+        assert tokens[row["sample_id"]]["generated_tokens"] == row["generated_tokens"]
+        assert tokens[row["sample_id"]]["roles"][-1] == {"role": "generated", "count": row["generated_tokens"]}
+    metadata = json.loads((greedy / "metadata.json").read_text())
+    assert metadata["generate"] == {"max_new_tokens": NEW, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+
+
+def test_selecting_the_generated_role_stores_exactly_the_continuations_rows(greedy, stream, tiny_checkpoints,
+                                                                          tmp_path):
+    result = run_host_cli(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--tokens", "generated"))
+    assert result.returncode == 0, result.stderr
+    every, selected = stored(greedy), stored(tmp_path / "machine_000")
+    for sample_id, layers in every.items():
+        start = layers[1]["generation"]["prompt_tokens"]
+        for layer, entry in layers.items():
+            picked = selected[sample_id][layer]
+            assert picked["positions"].tolist() == list(range(start, entry["activation"].shape[0]))
+            np.testing.assert_array_equal(picked["activation"], entry["activation"][start:])
+
+
+def test_a_sampled_run_killed_and_resumed_stores_what_an_uninterrupted_one_does(arc_streams, tiny_checkpoints,
+                                                                             tmp_path):
+    long_stream(arc_streams, tmp_path / "long.jsonl", copies=2)
+    sampled = ("--temperature", "0.8", "--top_p", "0.95", "--seed", "3", "--window", "3")
+    baseline = run_host_cli(*args_for(tmp_path / "long.jsonl", tmp_path / "baseline", tiny_checkpoints["gqa_tied"],
+                                      *sampled))
+    assert baseline.returncode == 0, baseline.stderr
+    expected = shard_contents(tmp_path / "baseline" / "machine_000")
+    expected_index = index_rows(tmp_path / "baseline" / "machine_000")
+    out = tmp_path / "killed"
+    at_kills = run_with_kills(args_for(tmp_path / "long.jsonl", out, tiny_checkpoints["gqa_tied"], *sampled),
+                              out / "machine_000", len(expected), random.Random(7), max_kills=2)
+    assert at_kills
+    assert json.loads((out / "machine_000" / "checkpoint.json").read_text())["status"] == COMPLETED
+    assert shard_contents(out / "machine_000") == expected
+    assert index_rows(out / "machine_000") == expected_index
+
+
+def test_a_resume_with_other_generation_settings_is_refused(stream, tiny_checkpoints, tmp_path):
+    first = run_host_cli(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--max_samples", "2"))
+    assert first.returncode == 0, first.stderr
+    args = [a for a in args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"]) if a != str(NEW)]
+    args[args.index("--generate") + 1:args.index("--generate") + 1] = ["4"]
+    again = run_host_cli(*args)
+    refused = "made with other settings (--generate {'max_new_tokens': 8"
+    assert again.returncode == 2 and refused in again.stderr, again.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--generate", "0"], "--generate must be at least 1 (new tokens a prompt), got 0"),
+    (["--generate", "96"], "--generate 96 leaves no room for a prompt in --max_seq_length 96"),
+    (["--temperature", "0.8"], "--temperature choose how --generate writes: pass --generate N"),
+    (["--generate", "4", "--top_p", "0.9"], "--top_p and top_k choose among sampled tokens"),
+    (["--generate", "4", "--ablate", "layer:1"], "--generate with --ablate"),
+])
+def test_bad_generation_flags_are_one_line_before_the_model_loads(stream, tiny_checkpoints, tmp_path, flags,
+                                                                  message):
+    args = [a for a in args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"]) if a not in ("--generate", str(NEW))]
+    result = run_host_cli(*args, *flags)
+    assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr
+    assert not (tmp_path / "machine_000").exists()
