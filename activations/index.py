@@ -26,7 +26,7 @@ from host.states import COMPLETED
 from model.sites import RESID_POST, key_parts
 
 GENERATION_FIELDS = (pa.field("prompt_tokens", pa.int32()), pa.field("generated_tokens", pa.int32()),
-                     pa.field("finish_reason", pa.string()))
+                     pa.field("finish_reason", pa.string()), pa.field("generated_text", pa.string()))
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
     ("shard_path", pa.string()), ("position", pa.int32()), ("num_tokens", pa.int32()),
@@ -40,8 +40,9 @@ SCHEMA = pa.schema([
     # the unablated model, and in indexes written before the column existed.
     ("ablation", pa.string()),
     # A continuation the model wrote (runners.tpu_host --generate): the prompt's tokens, the
-    # continuation's (num_tokens is their sum) and why it ended (model.generate's STOP_TOKEN |
-    # LENGTH). Written by generating runs only (null in other indexes, and in merged ones).
+    # continuation's (num_tokens is their sum), why it ended (model.generate's STOP_TOKEN | LENGTH |
+    # STOP_STRING) and its text (null without a tokenizer). Written by generating runs only (null
+    # in other indexes, and in merged ones).
     *GENERATION_FIELDS,
 ])
 
@@ -149,7 +150,7 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
     }, schema=pa.schema([field for field in SCHEMA if field not in GENERATION_FIELDS]))
     if any(s.get("generation") for s in samples):  # a generating run's shard
         generation = [s["generation"] for s in samples]
-        for field, key in zip(GENERATION_FIELDS, ("prompt_tokens", "num_tokens", "finish")):
+        for field, key in zip(GENERATION_FIELDS, ("prompt_tokens", "num_tokens", "finish", "text")):
             table = table.append_column(field, pa.array([g[key] for g in generation], field.type))
     names = list(dict.fromkeys(name for s in samples for name in (s.get("columns") or {})))
     for name in names:

@@ -69,6 +69,7 @@ from model.extract import (ForwardObserver, check_model_fits, intervention_for, 
 from model.sharding import make_mesh
 from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
+from transforms.generation import generation_tokenizer
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
@@ -199,6 +200,9 @@ def check_model(config: HostConfig) -> None:
     intervention it cannot take fails as one line before anything is created."""
     model = load_config(config.model_dir())
     attention_for(None, config.attention, model, None if config.dtype == "auto" else config.dtype)
+    if config.stop and generation_tokenizer(config.tokenizer, config.model_dir()) is None:
+        raise UserError("--stop finds strings in a continuation's text, which needs a tokenizer: the checkpoint has "
+                        "none, pass --tokenizer")
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     sites = parse_sites(config.sites)
     check_model_fits(model, sites, config.max_seq_length, layers)
@@ -426,7 +430,7 @@ def extract_config(config: HostConfig) -> ExtractConfig:
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
         sites=config.sites, tokens=config.tokens, generate=config.generate, temperature=config.temperature,
-        top_p=config.top_p, top_k=config.top_k, seed=config.seed)
+        top_p=config.top_p, top_k=config.top_k, seed=config.seed, stop=config.stop, tokenizer=config.tokenizer)
 
 
 def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint,
@@ -519,7 +523,7 @@ def generation_settings(config: HostConfig) -> dict[str, Any] | None:
     if config.generate is None:
         return None
     return {"max_new_tokens": config.generate, "temperature": config.temperature, "top_p": config.top_p,
-            "top_k": config.top_k, "seed": config.seed}
+            "top_k": config.top_k, "seed": config.seed, "stop": list(config.stop)}
 
 
 def _digest(path: str) -> str:

@@ -39,7 +39,9 @@ from model.extract import placed
 from model.sampling import GREEDY, Sampling
 from model.sharding import batch_sharding
 
-STOP_TOKEN, LENGTH = "stop_token", "length"  # why a continuation ended (a stop string: the host's cut)
+# Why a continuation ended: a stop token, the token limit, or (cut on the host, which has the text:
+# transforms.generation) a stop string.
+STOP_TOKEN, LENGTH, STOP_STRING = "stop_token", "length", "stop_string"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,19 @@ class ProfileSettings:
             raise UserError(f"--profile_batches must be at least 1, got {self.profile_batches}")
 
 
+def stop_strings(text: str) -> tuple[str, ...]:
+    """One ``--stop`` word: a string, its Python escapes decoded (``\\n`` is a newline)."""
+    import argparse
+    import codecs
+    try:
+        value = codecs.decode(text, "unicode_escape")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"bad escape in {text!r}: {e.reason}") from None
+    if not value:
+        raise argparse.ArgumentTypeError("an empty stop string would end every continuation at once")
+    return (value,)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationSettings:
     generate: int | None = flag(None, "continue each prompt with up to N tokens the model writes (on the device, "
@@ -89,6 +102,11 @@ class GenerationSettings:
     top_k: int = flag(0, "with --generate and a temperature: sample among the top_k most likely tokens (0: all)")
     seed: int = flag(0, "with --generate and a temperature: the draws of a sample come from this seed and its "
                      "sample id alone (the same in any batch, machine split or resume)")
+    stop: tuple[str, ...] = flag((), "with --generate: strings that end a continuation (after the token that "
+                                 "completes one; Python escapes: '\\n\\n'), found in its text (needs a tokenizer)",
+                                 parse=stop_strings)
+    tokenizer: str | None = flag(None, "with --generate: the tokenizer that writes each continuation's text and "
+                                 "finds --stop strings (default: the checkpoint's own, where it has one)")
 
     def sampling(self):
         """The ``model.generate.Sampling`` of these flags."""
@@ -96,7 +114,8 @@ class GenerationSettings:
         return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
 
     def validate_generation(self, max_seq_length: int) -> None:
-        chosen = [f"--{name}" for name, default in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("seed", 0))
+        chosen = [f"--{name}" for name, default in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("seed", 0),
+                                                    ("stop", ()), ("tokenizer", None))
                   if getattr(self, name) != default]
         if self.generate is None:
             if chosen:

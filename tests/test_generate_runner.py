@@ -67,8 +67,8 @@ def test_greedy_continuations_are_the_models_and_their_activations_transformers(
         prompt = record["input_ids"][:96 - NEW]  # truncated to leave room for NEW tokens
         generation = entries[record["sample_id"]][1]["generation"]
         alone = generator.continuations([prompt], NEW, stop_token_ids(model))[0]
-        assert generation == {"prompt_tokens": len(prompt), "token_ids": alone.tokens,
-                              "num_tokens": len(alone.tokens), "finish": alone.finish}
+        assert generation == {"prompt_tokens": len(prompt), "token_ids": alone.tokens,  # no tokenizer: no text
+                              "num_tokens": len(alone.tokens), "finish": alone.finish, "text": None}
         full = prompt + alone.tokens
         expected = reference_activations(reference, [full])[0]
         for layer in (1, 3):
@@ -86,7 +86,8 @@ def test_the_index_and_tokens_table_say_what_the_model_wrote(greedy):
         assert tokens[row["sample_id"]]["generated_tokens"] == row["generated_tokens"]
         assert tokens[row["sample_id"]]["roles"][-1] == {"role": "generated", "count": row["generated_tokens"]}
     metadata = json.loads((greedy / "metadata.json").read_text())
-    assert metadata["generate"] == {"max_new_tokens": NEW, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    assert metadata["generate"] == {"max_new_tokens": NEW, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
+                                    "stop": []}
 
 
 def test_selecting_the_generated_role_stores_exactly_the_continuations_rows(greedy, stream, tiny_checkpoints,
@@ -130,12 +131,47 @@ def test_a_resume_with_other_generation_settings_is_refused(stream, tiny_checkpo
     assert again.returncode == 2 and refused in again.stderr, again.stderr
 
 
+def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_tokenizer_dir, tmp_path):
+    """Each continuation's text is its tokens decoded; a stop string cuts it after the token that
+    completes the string's first occurrence, whatever the model wrote after."""
+    from transforms.tokenize import load_tokenizer
+    tokenizer = load_tokenizer(str(qwen_tokenizer_dir))
+    model, free_dir, cut_dir = tiny_checkpoints["gqa_tied"], tmp_path / "free", tmp_path / "cut"
+    result = run_host_cli(*args_for(stream, free_dir, model, "--tokenizer", str(qwen_tokenizer_dir)))
+    assert result.returncode == 0, result.stderr
+    free = {i: e[1]["generation"] for i, e in stored(free_dir / "machine_000").items()}
+    index = {r["sample_id"]: r for r in pq.read_table(free_dir / "machine_000" / "index" / "shard_0001.parquet")
+             .to_pylist()}
+    for sample_id, generation in free.items():
+        assert generation["text"] == tokenizer.decode(generation["token_ids"])
+        if sample_id in index:
+            assert index[sample_id]["generated_text"] == generation["text"]
+    # A stop string from the middle of one continuation's text (two of its tokens).
+    sample_id, generation = next((i, g) for i, g in free.items() if g["num_tokens"] == NEW)
+    stop = tokenizer.decode(generation["token_ids"][3:5])
+    result = run_host_cli(*args_for(stream, cut_dir, model, "--tokenizer", str(qwen_tokenizer_dir),
+                                    "--stop", stop.encode("unicode_escape").decode()))
+    assert result.returncode == 0, result.stderr
+    entries = stored(cut_dir / "machine_000")
+    for i, generation in free.items():
+        tokens = generation["token_ids"]
+        ends = [k for k in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:k])]
+        cut = entries[i][1]["generation"]
+        assert cut["token_ids"] == tokens[:ends[0]] if ends else tokens
+        assert cut["finish"] == ("stop_string" if ends else generation["finish"])
+        assert entries[i][1]["activation"].shape[0] == cut["prompt_tokens"] + cut["num_tokens"]
+    assert entries[sample_id][1]["generation"]["finish"] == "stop_string"
+    assert len(entries[sample_id][1]["generation"]["token_ids"]) <= 5
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--generate", "0"], "--generate must be at least 1 (new tokens a prompt), got 0"),
     (["--generate", "96"], "--generate 96 leaves no room for a prompt in --max_seq_length 96"),
     (["--temperature", "0.8"], "--temperature choose how --generate writes: pass --generate N"),
     (["--generate", "4", "--top_p", "0.9"], "--top_p and top_k choose among sampled tokens"),
     (["--generate", "4", "--ablate", "layer:1"], "--generate with --ablate"),
+    (["--stop", "###"], "--stop choose how --generate writes: pass --generate N"),
+    (["--generate", "4", "--stop", "###"], "--stop finds strings in a continuation's text, which needs a tokenizer"),
 ])
 def test_bad_generation_flags_are_one_line_before_the_model_loads(stream, tiny_checkpoints, tmp_path, flags,
                                                                   message):

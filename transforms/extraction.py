@@ -21,7 +21,7 @@ import numpy as np
 from activations.selection import Selection, parse_selection
 from model.hub import resolve_model_dir
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
-from transforms.generation import Continuing
+from transforms.generation import Continuing, generation_tokenizer
 from transforms.long_samples import fit_record, rejection
 
 REJECTED = "rejected"  # the tag of records that were not computed
@@ -160,10 +160,12 @@ class OrderedExtraction:
 def continuing_for(extractor, config: ExtractConfig) -> Continuing:
     """How ``config``'s ``generate`` continues each prompt, on ``extractor``'s model (loaded whole,
     with its head): a batch of the extraction's rows at a time, stopping at the checkpoint's
-    end-of-sequence ids."""
+    end-of-sequence ids and ``stop`` strings, the text written by ``generation_tokenizer``'s."""
     from model.generate import Generator, stop_token_ids
+    from transforms.tokenize import load_tokenizer
     generator = Generator(extractor.config, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype, mesh=extractor.mesh)
-    return Continuing(generator, config.generate, config.sampling(),
-                      tuple(stop_token_ids(resolve_model_dir(config.model_path, config.model_revision))),
-                      extractor.batch_size)
+    model_dir = resolve_model_dir(config.model_path, config.model_revision)
+    tokenizer = generation_tokenizer(config.tokenizer, model_dir)
+    return Continuing(generator, config.generate, config.sampling(), tuple(stop_token_ids(model_dir)),
+                      extractor.batch_size, load_tokenizer(tokenizer) if tokenizer else None, config.stop)
