@@ -95,11 +95,16 @@ def tokens_filename(shard_id: int) -> str:
     return f"index/shard_{shard_id:04d}_tokens.parquet"
 
 
-def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selection: str | None = None,
-                 generated: bool = False) -> pa.Table:
+def generating(samples: Sequence[dict[str, Any]]) -> bool:
+    """The samples were continued by the model (``runners.tpu_host --generate``: every sample of
+    such a run is), so their tables carry the generation columns."""
+    return any(s.get("generation") for s in samples)
+
+
+def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selection: str | None = None) -> pa.Table:
     """The ``TOKENS_SCHEMA`` rows of one shard's samples, each stored with ``rows`` rows by the
-    token ``selection`` (None: every token); the count of ``generated`` tokens only for a run that
-    generates (a run that does not writes the table it always did)."""
+    token ``selection`` (None: every token); the count of ``generated`` tokens only for samples the
+    model continued (a run that does not generate writes the table it always did)."""
     def runs(s):
         return None if s.get("roles") is None else [{"role": r, "count": c} for r, c in s["roles"]]
     counts = [role_counts(s["roles"]) if s.get("roles") is not None else None for s in samples]
@@ -112,7 +117,7 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selecti
         "positions": [None if s.get("positions") is None else s["positions"].tolist() for s in samples],
         "rows": list(rows), "selection": [selection] * len(samples),
     }, schema=TOKENS_SCHEMA)
-    return table if generated else table.drop_columns([GENERATED_COUNT_COLUMN])
+    return table if generating(samples) else table.drop_columns([GENERATED_COUNT_COLUMN])
 
 
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
@@ -148,7 +153,7 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
         "truncated": [bool(s["truncated"]) for s in samples],
         "original_num_tokens": [s["original_num_tokens"] for s in samples], "ablation": [ablation] * n,
     }, schema=pa.schema([field for field in SCHEMA if field not in GENERATION_FIELDS]))
-    if any(s.get("generation") for s in samples):  # a generating run's shard
+    if generating(samples):
         generation = [s["generation"] for s in samples]
         for field, key in zip(GENERATION_FIELDS, ("prompt_tokens", "num_tokens", "finish", "text")):
             table = table.append_column(field, pa.array([g[key] for g in generation], field.type))

@@ -198,9 +198,10 @@ def run_host(config: HostConfig) -> int:
 def check_model(config: HostConfig) -> None:
     """An unsupported architecture or option, a kernel the model cannot use, a site it lacks or an
     intervention it cannot take fails as one line before anything is created."""
-    model = load_config(config.model_dir())
+    model_dir = config.model_dir()
+    model = load_config(model_dir)
     attention_for(None, config.attention, model, None if config.dtype == "auto" else config.dtype)
-    if config.stop and generation_tokenizer(config.tokenizer, config.model_dir()) is None:
+    if config.stop and generation_tokenizer(config.tokenizer, model_dir) is None:
         raise UserError("--stop finds strings in a continuation's text, which needs a tokenizer: the checkpoint has "
                         "none, pass --tokenizer")
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
@@ -545,8 +546,7 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream:
                          compression_threads=config.resolved_compression_threads,
                          upload_threads=config.upload_threads, sites=extractor.sites,
                          num_experts=extractor.config.num_experts, selection=config.tokens,
-                         stats_by=config.stats_by, column_types=tuple(columns.items()),
-                         generating=config.generate is not None)
+                         stats_by=config.stats_by, column_types=tuple(columns.items()))
 
 
 def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str,

@@ -81,7 +81,6 @@ class ShardSettings:
     selection: str | None = None  # the token selection stored (activations.selection); None: every token
     stats_by: tuple[str, ...] = ()  # statistics also grouped by role and/or kept columns (site_stats)
     column_types: tuple[tuple[str, str], ...] = ()  # the streams' kept columns and their types (the manifest's)
-    generating: bool = False  # the run continues each prompt (--generate): its tables say so
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -298,7 +297,7 @@ class ShardWriter:
                       for x in samples]
         with stats.stage("index"):  # merged in sample order: the same shard gives the same bytes
             moments = stats_table(merged_moments(per_sample))
-            tokens_table = tokens_index(samples, [x["rows"] for x in samples], s.selection, s.generating)
+            tokens_table = tokens_index(samples, [x["rows"] for x in samples], s.selection)
         with stats.stage("encode"):
             document = shard_dict(samples, s.keys, s.pooled)
             samples.clear()  # from here the arrays live in ``document`` only, and go with it

@@ -109,7 +109,7 @@ class GenerationSettings:
                                  "finds --stop strings (default: the checkpoint's own, where it has one)")
 
     def sampling(self):
-        """The ``model.generate.Sampling`` of these flags."""
+        """The ``model.sampling.Sampling`` of these flags."""
         from model.sampling import Sampling
         return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
 

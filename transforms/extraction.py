@@ -79,8 +79,8 @@ def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples:
     limit = extractor.buckets[-1] - (continuing.max_new_tokens if continuing else 0)
     fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
     if continuing:
-        kept = [i for i, r in enumerate(fitted) if r is not None]
-        for i, record in zip(kept, continuing.continued([fitted[i] for i in kept])):
+        computed = [i for i, r in enumerate(fitted) if r is not None]
+        for i, record in zip(computed, continuing.continued([fitted[i] for i in computed])):
             fitted[i] = record
     kept = {i: selection.positions(r.get("roles"), r.get("special"), r["num_tokens"])
             for i, r in enumerate(fitted) if r is not None} if selection else {}
