@@ -39,8 +39,9 @@ class PreconditionFailed(StorageError):
 def _transient(error: Exception) -> bool:
     from google.api_core import exceptions as gexc
     import requests
+    # ChunkedEncodingError: the connection broke mid-answer (a server restarting, a dropped link)
     return isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                              ConnectionError, TimeoutError, gexc.TooManyRequests,
+                              requests.exceptions.ChunkedEncodingError, ConnectionError, TimeoutError, gexc.TooManyRequests,
                               gexc.InternalServerError, gexc.BadGateway, gexc.ServiceUnavailable,
                               gexc.GatewayTimeout))
 

@@ -111,6 +111,16 @@ def test_emulator_stopped_mid_run_fails_clearly_then_resumes(arc_streams, tiny_c
     assert [n for n in remote if n.startswith("shard_")] == [s["filename"] for s in checkpoint["shards"]]
 
 
+def test_answers_broken_off_mid_body_are_retried(gcs):
+    from host.storage import GcsStore
+    store = GcsStore("acts", "m", retries=2, backoff_s=0.0)
+    gcs.fault("POST", r"m/shard_0000\.pkl\.gz", action="cut")  # stored, then the answer breaks off
+    gcs.fault("GET", r"m/shard_0000\.pkl\.gz", action="cut")   # the verifying read breaks off too
+    assert store.upload("shard_0000.pkl.gz", b"0123456789") == "gs://acts/m/shard_0000.pkl.gz"
+    assert gcs._faults(None, method="GET")["fired"] == 2
+    assert gcs.client().bucket("acts").blob("m/shard_0000.pkl.gz").download_as_bytes() == b"0123456789"
+
+
 def test_the_emulator_restarts_on_a_new_port_when_its_own_was_taken(gcs):
     gcs.client().bucket("acts").blob("kept").upload_from_string(b"kept")
     gcs.stop()
