@@ -14,6 +14,11 @@ DEMO_FLEET = --name demo --backend local --streams_dir $(DEMO_DIR)/streams --out
 # A heartbeat every 5 s: status --watch and the chart's computed curve follow the run as it goes.
 DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 6,12,18 --activation_dtype float16 \
 	--max_seq_length 2048 --shard_size_gb 0.05 --heartbeat_s 5
+# The model answers a few tasks itself: the first 8 of machine 0's stream, those whose prompts leave
+# 128 new tokens within 1024 (the others skipped); what it wrote stored at layer 12, each answer scored.
+DEMO_GENERATE = --machine_id 0 --dataset_stream $(DEMO_DIR)/streams/stream_000.jsonl --model_path $(DEMO_DIR)/model \
+	--output_dir $(DEMO_DIR)/generated --max_samples 8 --long_samples skip --max_seq_length 1024 --generate 128 \
+	--layers_to_extract 12 --tokens generated --batch_size 4
 
 .PHONY: install demo test lint bench clean
 
@@ -40,6 +45,8 @@ demo: install
 	$(PY) -m runners.fleet launch $(DEMO_FLEET) -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet supervise $(DEMO_FLEET) --index $(DEMO_DIR)/index.parquet -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet status $(DEMO_FLEET) --chart $(DEMO_DIR)/fleet.png
+	$(PY) -m runners.tpu_host $(DEMO_GENERATE)
+	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT count(*) AS tasks, count_if(answer_correct) AS answered_correctly, count(answer_rows) AS wrote_a_grid, sum(generated_tokens) AS tokens_written FROM '$(DEMO_DIR)/generated/machine_000/index/shard_*[0-9].parquet'\"))"
 	$(PY) -m runners.verify_model --model_path $(DEMO_DIR)/model --num_prompts 2 --max_new_tokens 128 \
 		--layers_to_extract 6,12,18 --output $(DEMO_DIR)/model_generation_verification.txt
 	@echo "first-token norm / median token norm in the stored shards (median per layer; random weights give ~1):"

@@ -21,12 +21,15 @@ import pyarrow.parquet as pq
 
 from common.cli import UserError
 from common.files import join, open_read, write_bytes
-from common.roles import GENERATED, ROLES, role_counts
+from common.roles import ROLES, WRITTEN_ROLES, role_counts
 from host.states import COMPLETED
 from model.sites import RESID_POST, key_parts
 
 GENERATION_FIELDS = (pa.field("prompt_tokens", pa.int32()), pa.field("generated_tokens", pa.int32()),
-                     pa.field("finish_reason", pa.string()), pa.field("generated_text", pa.string()))
+                     pa.field("finish_reason", pa.string()), pa.field("generated_text", pa.string()),
+                     pa.field("answer_correct", pa.bool_()), pa.field("answer_rows", pa.int32()),
+                     pa.field("answer_cols", pa.int32()))
+GENERATION_KEYS = ("prompt_tokens", "num_tokens", "finish", "text", "answer_correct", "answer_rows", "answer_cols")
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("machine_id", pa.int32()), ("shard_id", pa.int32()),
     ("shard_path", pa.string()), ("position", pa.int32()), ("num_tokens", pa.int32()),
@@ -41,8 +44,11 @@ SCHEMA = pa.schema([
     ("ablation", pa.string()),
     # A continuation the model wrote (runners.tpu_host --generate): the prompt's tokens, the
     # continuation's (num_tokens is their sum), why it ended (model.generate's STOP_TOKEN | LENGTH |
-    # STOP_STRING) and its text (null without a tokenizer). Written by generating runs only (null
-    # in other indexes, and in merged ones).
+    # STOP_STRING) and its text (null without a tokenizer); for an ARC task with a known output,
+    # whether the continuation's first grid block is that output and the block's shape (rows and
+    # columns, null where there is no grid to parse; all three null where nothing was scored:
+    # transforms.arc.scored_answer). Written by generating runs only (null in other indexes, and in
+    # merged ones).
     *GENERATION_FIELDS,
 ])
 
@@ -55,7 +61,7 @@ KEPT_COLUMN_TYPES = {"bool": pa.bool_(), "int64": pa.int64(), "float64": pa.floa
 # count, and which tokens the stored rows are (``positions``: null where every token is stored; the
 # positions pooled where a selection is pooled into one row) and how many rows each array has.
 ROLE_COUNT_COLUMNS = tuple(f"{role}_tokens" for role in ROLES)
-GENERATED_COUNT_COLUMN = f"{GENERATED}_tokens"  # written by generating runs only (null in other tables)
+WRITTEN_COUNT_COLUMNS = tuple(f"{role}_tokens" for role in WRITTEN_ROLES)  # generating runs only (else null)
 TOKENS_SCHEMA = pa.schema([
     ("sample_id", pa.int64()), ("num_tokens", pa.int32()),
     ("roles", pa.list_(pa.struct([("role", pa.string()), ("count", pa.int32())]))),
@@ -103,8 +109,9 @@ def generating(samples: Sequence[dict[str, Any]]) -> bool:
 
 def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selection: str | None = None) -> pa.Table:
     """The ``TOKENS_SCHEMA`` rows of one shard's samples, each stored with ``rows`` rows by the
-    token ``selection`` (None: every token); the count of ``generated`` tokens only for samples the
-    model continued (a run that does not generate writes the table it always did)."""
+    token ``selection`` (None: every token); the counts of ``generated`` and ``thinking`` tokens
+    only for samples the model continued (a run that does not generate writes the table it always
+    did)."""
     def runs(s):
         return None if s.get("roles") is None else [{"role": r, "count": c} for r, c in s["roles"]]
     counts = [role_counts(s["roles"]) if s.get("roles") is not None else None for s in samples]
@@ -117,7 +124,7 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selecti
         "positions": [None if s.get("positions") is None else s["positions"].tolist() for s in samples],
         "rows": list(rows), "selection": [selection] * len(samples),
     }, schema=TOKENS_SCHEMA)
-    return table if generating(samples) else table.drop_columns([GENERATED_COUNT_COLUMN])
+    return table if generating(samples) else table.drop_columns(list(WRITTEN_COUNT_COLUMNS))
 
 
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
@@ -155,8 +162,8 @@ def shard_index(samples: Sequence[dict[str, Any]], machine_id: int, shard_id: in
     }, schema=pa.schema([field for field in SCHEMA if field not in GENERATION_FIELDS]))
     if generating(samples):
         generation = [s["generation"] for s in samples]
-        for field, key in zip(GENERATION_FIELDS, ("prompt_tokens", "num_tokens", "finish", "text")):
-            table = table.append_column(field, pa.array([g[key] for g in generation], field.type))
+        for field, key in zip(GENERATION_FIELDS, GENERATION_KEYS):
+            table = table.append_column(field, pa.array([g.get(key) for g in generation], field.type))
     names = list(dict.fromkeys(name for s in samples for name in (s.get("columns") or {})))
     for name in names:
         kind = KEPT_COLUMN_TYPES.get((column_types or {}).get(name))

@@ -6,7 +6,7 @@ A selection is comma-separated terms:
 
 =================  ====================================================================
 ``ROLE``           the tokens of a role (``system``, ``user``, ``assistant``, ``tool``,
-                   ``text``, ``template``: ``common/roles.py``)
+                   ``text``, ``template``, ``generated``, ``thinking``: ``common/roles.py``)
 ``first``/``last``  the sample's first / last token (of those not excluded)
 ``first:ROLE``     the first / last token of each span of ROLE (a span: consecutive tokens
 ``last:ROLE``      of that role; ``last:user`` is where a probe reads each question)

@@ -10,7 +10,10 @@ Every token gets one role (``ROLES``):
   that the tokenizer's settings put around a text;
 * ``generated``: a continuation the model wrote after the stream's tokens (``runners.tpu_host
   --generate``), its stop token included: apart from ``assistant``, which is what the dataset's
-  conversations say an assistant wrote.
+  conversations say an assistant wrote;
+* ``thinking``: the part of such a continuation inside a thinking section (``<think>`` ...
+  ``</think>`` of Qwen3 and its kind, both markers included), where the tokenizer has those
+  tokens: a chain-of-thought probe selects it apart from the answer (``generated``).
 
 ``special`` marks the tokens that are the tokenizer's special tokens (BOS, end-of-turn markers,
 pad), whatever their role. How roles are worked out is ``transforms/spans.py``; the rule for a
@@ -30,8 +33,10 @@ import numpy as np
 from common.cli import UserError
 
 SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE = "system", "user", "assistant", "tool", "text", "template"
-GENERATED = "generated"  # written by the model itself (runners.tpu_host --generate): last, so earlier codes hold
-ROLES = (SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE, GENERATED)
+# Written by the model itself (runners.tpu_host --generate): last, so earlier codes hold.
+GENERATED, THINKING = "generated", "thinking"
+ROLES = (SYSTEM, USER, ASSISTANT, TOOL, TEXT, TEMPLATE, GENERATED, THINKING)
+WRITTEN_ROLES = (GENERATED, THINKING)  # the roles of a continuation's tokens
 ROLE_CODES = {role: code for code, role in enumerate(ROLES)}  # role -> its code in role arrays
 
 Runs = list[list[Any]]  # [[role, count], ...]

@@ -353,7 +353,7 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
     window_start = restart - restart % extraction.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":  # a prompt must leave room for its continuation
-        check_lengths(stream, window_start, config.max_samples, config.max_seq_length - (config.generate or 0))
+        check_lengths(stream, window_start, config.max_samples, config.max_seq_length, config.generate or 0)
     progress.resume_window(done - window_start)
     records = stream_records(stream, window_start, config.max_samples,
                              (done - 1, checkpoint.last_processed_sample_idx) if done else None)

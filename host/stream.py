@@ -52,17 +52,17 @@ def stream_records(stream: Stream, start: int, limit: int | None,
             yield parse_stream_line(line.text, line.where)
 
 
-def check_lengths(stream: Stream, start: int, limit: int | None, max_seq_length: int) -> None:
-    """``--long_samples error``, before the model loads: the first record from ``start`` over the
-    limit stops the run. A malformed line ends the check (the run reports it when it gets there,
+def check_lengths(stream: Stream, start: int, limit: int | None, max_seq_length: int, new_tokens: int = 0) -> None:
+    """``--long_samples error``, before the model loads: the first record from ``start`` longer
+    than ``max_seq_length`` less the ``new_tokens`` a continuation may add stops the run. A malformed line ends the check (the run reports it when it gets there,
     after storing what comes before it)."""
     for line in stream.lines(start, limit):
         try:
             record = parse_stream_line(line.text, line.where)
         except StreamFormatError:
             return
-        if record["num_tokens"] > max_seq_length:
-            raise SampleTooLong(too_long_message(record, max_seq_length, line.where))
+        if record["num_tokens"] > max_seq_length - new_tokens:
+            raise SampleTooLong(too_long_message(record, max_seq_length - new_tokens, line.where, new_tokens))
 
 
 def count_records(progress: Progress, stream: Stream, max_samples: int | None) -> None:

@@ -42,6 +42,9 @@ from model.sharding import batch_sharding
 # Why a continuation ended: a stop token, the token limit, or (cut on the host, which has the text:
 # transforms.generation) a stop string.
 STOP_TOKEN, LENGTH, STOP_STRING = "stop_token", "length", "stop_string"
+# The share of a device's free memory (after the weights) a batch's key/value cache may take: the
+# rest is the prefill's activations, which the extraction's batch of the same rows needs anyway.
+CACHE_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,30 @@ class Generator:
         self.mesh = mesh
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
+
+    def cache_bytes(self, rows: int) -> int:
+        """Bytes of the key/value cache of ``rows`` rows (keys and values of every layer, each
+        [rows, cache_length, kv heads, head_dim] in the compute dtype)."""
+        c = self.config
+        return (2 * c.num_hidden_layers * rows * self.cache_length * c.num_key_value_heads * c.head_dim
+                * jnp.dtype(self.dtype).itemsize)
+
+    def rows_that_fit(self, requested: int, free_bytes: int) -> int:
+        """Prompts continued together: ``requested``, halved until the cache of a device's share
+        of their rows takes at most ``CACHE_SHARE`` of the ``free_bytes`` it has (after the
+        weights). Fewer rows change no continuation (a sample's does not depend on its batch);
+        where one row per device does not fit, a ``UserError`` says so."""
+        data = 1 if self.mesh is None else self.mesh.shape["data"]
+        rows = requested
+        while rows > 1 and self.cache_bytes(-(-self.batch_rows(rows) // data)) > CACHE_SHARE * free_bytes:
+            rows //= 2
+        need = self.cache_bytes(-(-self.batch_rows(rows) // data))
+        if need > CACHE_SHARE * free_bytes:
+            raise UserError(f"--generate: the key/value cache of one sequence of {self.cache_length} positions "
+                            f"takes {need / 1e9:.2f} GB, more than {CACHE_SHARE:.0%} of the "
+                            f"{free_bytes / 1e9:.2f} GB a device has free after the weights (lower "
+                            "--max_seq_length)")
+        return rows
 
     def _empty_cache(self, rows: int):
         c = self.config
@@ -230,6 +257,16 @@ class Generator:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
         """The greedy continuation of one prompt (stop token included if reached)."""
         return self.continuations([prompt], max_new_tokens, stop_ids)[0].tokens
+
+
+def free_bytes(mesh: Mesh) -> int:
+    """The memory one device of ``mesh`` has free now: its allocator's limit less what is in use
+    (GPU, TPU), or on the CPU the host's available memory shared by its devices."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // len(jax.devices(device.platform)))
 
 
 def stop_token_ids(model_dir: str, tokenizer=None) -> list[int]:

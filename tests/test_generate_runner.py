@@ -16,6 +16,7 @@ from host.states import COMPLETED
 from model.generate import Generator, stop_token_ids
 from model.loading import load_model
 from tests.conftest import read_streams
+from tests.test_continued_records import independent_grid
 from tests.test_host import index_rows, long_stream, run_host_cli, run_with_kills, shard_contents
 
 pytestmark = pytest.mark.slow
@@ -134,7 +135,7 @@ def test_a_resume_with_other_generation_settings_is_refused(stream, tiny_checkpo
 def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_tokenizer_dir, tmp_path):
     """Each continuation's text is its tokens decoded; a stop string cuts it after the token that
     completes the string's first occurrence, whatever the model wrote after."""
-    from transforms.tokenize import load_tokenizer
+    from transforms.tokenize import load_tokenizer, special_ids
     tokenizer = load_tokenizer(str(qwen_tokenizer_dir))
     model, free_dir, cut_dir = tiny_checkpoints["gqa_tied"], tmp_path / "free", tmp_path / "cut"
     result = run_host_cli(*args_for(stream, free_dir, model, "--tokenizer", str(qwen_tokenizer_dir)))
@@ -142,10 +143,24 @@ def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_t
     free = {i: e[1]["generation"] for i, e in stored(free_dir / "machine_000").items()}
     index = {r["sample_id"]: r for r in pq.read_table(free_dir / "machine_000" / "index" / "shard_0001.parquet")
              .to_pylist()}
+    records = {r["sample_id"]: r for r in map(json.loads, stream.read_text().splitlines())}
+    special = special_ids(tokenizer) | set(stop_token_ids(model))
+    tokens_rows = {r["sample_id"]: r for path in sorted((free_dir / "machine_000" / "index").glob("*_tokens.parquet"))
+                   for r in pq.read_table(path).to_pylist()}
     for sample_id, generation in free.items():
         assert generation["text"] == tokenizer.decode(generation["token_ids"])
+        start = generation["prompt_tokens"]
+        assert [p - start for p in tokens_rows[sample_id]["special"] if p >= start] == \
+            [i for i, token in enumerate(generation["token_ids"]) if token in special]
+        # ARC tasks know their output: the continuation is scored against it.
+        grid = independent_grid(generation["text"])
+        assert generation["answer_correct"] is (grid == records[sample_id]["expected_output"])
+        assert (generation["answer_rows"], generation["answer_cols"]) == \
+            ((len(grid), len(grid[0])) if grid and len({len(row) for row in grid}) == 1 else (None, None))
         if sample_id in index:
             assert index[sample_id]["generated_text"] == generation["text"]
+            assert [index[sample_id][k] for k in ("answer_correct", "answer_rows", "answer_cols")] == \
+                [generation[k] for k in ("answer_correct", "answer_rows", "answer_cols")]
     # A stop string from the middle of one continuation's text (two of its tokens).
     sample_id, generation = next((i, g) for i, g in free.items() if g["num_tokens"] == NEW)
     stop = tokenizer.decode(generation["token_ids"][3:5])
@@ -164,6 +179,18 @@ def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_t
     assert len(entries[sample_id][1]["generation"]["token_ids"]) <= 5
 
 
+def test_a_batch_whose_cache_would_not_fit_is_continued_a_few_prompts_at_a_time(tiny_checkpoints):
+    from transforms.extraction import ExtractConfig, OrderedExtraction, continuing_for
+    config = ExtractConfig(model_path=tiny_checkpoints["gqa_tied"], layers=(1,), batch_size=4, max_seq_length=96,
+                           dtype="float32", generate=NEW, mesh_type="1d")
+    extraction = OrderedExtraction(config)
+    extraction.setup()
+    data = extraction.extractor.mesh.shape["data"]
+    assert extraction.continuing.batch_size == extraction.extractor.batch_size == 4 * data  # room enough here
+    one_row_a_device = extraction.continuing.generator.cache_bytes(1)
+    assert continuing_for(extraction.extractor, config, free=2 * one_row_a_device).batch_size == data
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--generate", "0"], "--generate must be at least 1 (new tokens a prompt), got 0"),
     (["--generate", "96"], "--generate 96 leaves no room for a prompt in --max_seq_length 96"),
@@ -179,3 +206,37 @@ def test_bad_generation_flags_are_one_line_before_the_model_loads(stream, tiny_c
     result = run_host_cli(*args, *flags)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr
     assert not (tmp_path / "machine_000").exists()
+
+
+def test_a_prompt_without_room_for_its_continuation_is_one_line_under_long_samples_error(stream, tiny_checkpoints,
+                                                                                        tmp_path):
+    result = run_host_cli(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--long_samples", "error"))
+    first = json.loads(stream.read_text().splitlines()[0])
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
+        f"sample {first['sample_id']} ({stream}:1) has {first['num_tokens']} tokens, more than the {96 - NEW} a "
+        f"prompt may have: --max_seq_length 96 less --generate {NEW} new tokens (--long_samples truncate would "
+        f"continue its first {96 - NEW} tokens; skip would leave it out)"), result.stderr
+    assert not list((tmp_path / "machine_000").glob("shard_*"))
+
+
+def test_a_two_machine_fleet_generates_and_its_merged_index_scores_every_answer(arc_streams, tiny_checkpoints,
+                                                                                 qwen_tokenizer_dir, tmp_path):
+    from tests.conftest import run_in_process
+    model = tiny_checkpoints["gqa_tied"]
+    runner = [a for a in args_for(arc_streams, tmp_path, model, "--tokenizer", str(qwen_tokenizer_dir),
+                                  "--max_samples", "3") if a not in ("--dataset_stream", str(arc_streams))]
+    for machine in ("0", "1"):
+        runner[runner.index("--machine_id") + 1] = machine
+        result = run_in_process("runners.tpu_host", *runner, "--streams_dir", str(arc_streams))
+        assert result.returncode == 0, result.stderr
+    result = run_in_process("runners.fleet", "merge", "--name", "gen", "--streams_dir", str(arc_streams),
+                            "--output", str(tmp_path), "--", "--model_path", model, "--max_samples", "3")
+    assert "fleet gen complete: 2 machines, 6 samples" in result.stdout, result.stdout + result.stderr
+    merged = pq.read_table(tmp_path / "index.parquet").to_pylist()
+    expected = {r["sample_id"]: r["expected_output"] for stream in read_streams(arc_streams, 2) for r in stream}
+    for machine in ("0", "1"):
+        for sample_id, layers in stored(tmp_path / f"machine_00{machine}").items():
+            generation = layers[1]["generation"]
+            row = next(r for r in merged if r["sample_id"] == sample_id)
+            assert row["generated_text"] == generation["text"] and row["finish_reason"] == generation["finish"]
+            assert row["answer_correct"] is (independent_grid(generation["text"]) == expected[sample_id])

@@ -101,3 +101,15 @@ def test_rows_split_over_a_mesh_continue_as_on_one_device(checkpoint, generator,
     ids = [5, 6, 7, 8, 9]
     assert split.continuations(prompts, 16, sampling=SAMPLED, sample_ids=ids) == \
         generator.continuations(prompts, 16, sampling=SAMPLED, sample_ids=ids)
+
+
+def test_the_cache_is_sized_before_compiling_and_a_batch_that_cannot_fit_is_halved(generator):
+    from common.cli import UserError
+    assert generator.cache_bytes(4) == sum(k.nbytes + v.nbytes for k, v in generator._empty_cache(4))
+    one = generator.cache_bytes(1)
+    assert generator.rows_that_fit(8, 16 * one) == 8  # a cache may take half of what is free
+    assert generator.rows_that_fit(8, 15 * one) == 4
+    assert generator.rows_that_fit(8, 2 * one) == 1
+    with pytest.raises(UserError, match="the key/value cache of one sequence of 96 positions takes 0.00 GB, "
+                                        "more than 50% of the 0.00 GB a device has free"):
+        generator.rows_that_fit(8, 2 * one - 1)

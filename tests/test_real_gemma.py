@@ -47,10 +47,11 @@ def test_bfloat16_with_a_float32_stream_is_more_accurate_than_transformers_bfloa
 
 
 def test_greedy_generation_equals_transformers(real_float32, real_model_dir, real_prompts):
-    # One prompt, 32 decoding steps on real weights: another prompt of the same bucket adds seconds to a
-    # tight suite, no new case (a generator's reuse for a second prompt: tests/test_generation.py).
-    [(compared, equal)] = checks.greedy_agreement(real_float32, real_model_dir, real_prompts[:1])
-    assert equal == compared == checks.NEW_TOKENS
+    # The three ARC prompts of different lengths continued in one batch, 32 decoding steps each on real weights.
+    results = checks.greedy_agreement(real_float32, real_model_dir, real_prompts)
+    assert len(results) == 3 and len({len(p) for p in real_prompts}) == 3
+    assert all(equal == compared for compared, equal in results) and results[0][0] == checks.NEW_TOKENS
+    assert sum(compared for compared, _ in results) >= 2 * checks.NEW_TOKENS, results
 
 
 def test_a_corrupt_chunk_is_named_in_one_line_and_nothing_is_written(tmp_path, monkeypatch):

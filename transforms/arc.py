@@ -3,12 +3,15 @@
 Schemas: ARC-AGI (``{"train": [{"input", "output"}...], "test": [{"input"}...]}``) and BARC-style
 (``{"examples": [[input, output], ...]}``, where the last pair is the test). A grid is rendered as
 a fenced block opening with ```` ```grid ````, one row of digits per line. A test's expected output,
-when the task has it, is the answer (``pipeline.prepare --include_answers``): its grid block.
+when the task has it, is the answer (``pipeline.prepare --include_answers``): its grid block, and
+it travels in the stream record (``expected_output``) either way, so that a continuation the model
+writes (``runners.tpu_host --generate``) is scored against it (``scored_answer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from transforms.rejections import RejectedRecord
@@ -130,3 +133,30 @@ def arc_messages(task: ArcTask, test_index: int) -> list[dict[str, str]]:
                  "What is the output grid for the test input? Answer with a ```grid block.")
     return [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": "\n\n".join(parts)}]
+
+
+# A fenced block: its opening fence (any info string: ```grid, or none), its body, its closing fence.
+_FENCED = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def first_grid(text: str) -> Grid | None:
+    """The grid of the first fenced block of ``text`` (rows of digits, one per line; spaces
+    between digits allowed), or None where the first block is not a rectangular grid, or where
+    no block is closed."""
+    match = _FENCED.search(text)
+    if match is None:
+        return None
+    rows = [line.replace(" ", "") for line in match.group(1).strip().splitlines()]
+    if not rows or not all(row.isascii() and row.isdigit() for row in rows) or len({len(r) for r in rows}) != 1:
+        return None
+    return tuple(tuple(int(cell) for cell in row) for row in rows)
+
+
+def scored_answer(text: str, expected: Any) -> dict[str, Any]:
+    """A continuation's ``text`` scored against a task's ``expected`` output grid: whether its
+    first grid block (``first_grid``) is that grid, and the block's rows and columns (None where
+    there is none)."""
+    grid = first_grid(text)
+    return {"answer_correct": grid is not None and grid == parse_grid(expected, "the expected output"),
+            "answer_rows": None if grid is None else len(grid),
+            "answer_cols": None if grid is None else len(grid[0])}

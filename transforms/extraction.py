@@ -14,6 +14,7 @@ only those rows (or their mean) come back from the devices.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -21,8 +22,10 @@ import numpy as np
 from activations.selection import Selection, parse_selection
 from model.hub import resolve_model_dir
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
-from transforms.generation import Continuing, generation_tokenizer
+from transforms.generation import Continuing, generation_tokenizer, thinking_ids
 from transforms.long_samples import fit_record, rejection
+
+log = logging.getLogger(__name__)
 
 REJECTED = "rejected"  # the tag of records that were not computed
 # The tag of records another process of a multi-host machine computed and stores:
@@ -76,8 +79,9 @@ def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples:
     Computed bucket by bucket; with a ``selection``, only its rows leave the devices. With
     ``continuing``, each prompt is continued first; ``long_samples`` then applies to the prompt,
     which must leave room for the continuation."""
-    limit = extractor.buckets[-1] - (continuing.max_new_tokens if continuing else 0)
-    fitted = [fit_record(r, limit, long_samples) for r in records]  # None: skipped
+    new_tokens = continuing.max_new_tokens if continuing else 0
+    limit = extractor.buckets[-1] - new_tokens
+    fitted = [fit_record(r, limit, long_samples, new_tokens) for r in records]  # None: skipped
     if continuing:
         computed = [i for i, r in enumerate(fitted) if r is not None]
         for i, record in zip(computed, continuing.continued([fitted[i] for i in computed])):
@@ -157,15 +161,24 @@ class OrderedExtraction:
         self.extractor = self.continuing = None
 
 
-def continuing_for(extractor, config: ExtractConfig) -> Continuing:
+def continuing_for(extractor, config: ExtractConfig, free: int | None = None) -> Continuing:
     """How ``config``'s ``generate`` continues each prompt, on ``extractor``'s model (loaded whole,
-    with its head): a batch of the extraction's rows at a time, stopping at the checkpoint's
-    end-of-sequence ids and ``stop`` strings, the text written by ``generation_tokenizer``'s."""
-    from model.generate import Generator, stop_token_ids
-    from transforms.tokenize import load_tokenizer
+    with its head): a batch of the extraction's rows at a time, fewer where their key/value cache
+    would not fit the ``free`` bytes of a device (None: measured, ``model.generate.free_bytes``),
+    stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
+    ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
+    from model.generate import Generator, free_bytes, stop_token_ids
+    from transforms.tokenize import load_tokenizer, special_ids
     generator = Generator(extractor.config, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype, mesh=extractor.mesh)
+    rows = generator.rows_that_fit(extractor.batch_size, free_bytes(extractor.mesh) if free is None else free)
+    if rows < extractor.batch_size:
+        log.warning("--generate: %d prompts continued at a time, not %d: the key/value cache of %d would "
+                    "take more than half of a device's free memory", rows, extractor.batch_size,
+                    extractor.batch_size)
     model_dir = resolve_model_dir(config.model_path, config.model_revision)
-    tokenizer = generation_tokenizer(config.tokenizer, model_dir)
-    return Continuing(generator, config.generate, config.sampling(), tuple(stop_token_ids(model_dir)),
-                      extractor.batch_size, load_tokenizer(tokenizer) if tokenizer else None, config.stop)
+    name = generation_tokenizer(config.tokenizer, model_dir)
+    tokenizer = load_tokenizer(name) if name else None
+    return Continuing(generator, config.generate, config.sampling(), tuple(stop_token_ids(model_dir)), rows,
+                      tokenizer, config.stop, special_ids(tokenizer) if tokenizer else frozenset(),
+                      thinking_ids(tokenizer) if tokenizer else None)

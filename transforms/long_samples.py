@@ -5,6 +5,7 @@
   * ``skip``: it is not computed; a rejection (sample id, source, length, reason) takes its place
     in the stream order, so a runner can account for it exactly once.
   * ``error``: the run stops with one line naming the sample.
+With ``--generate N`` the limit is a prompt's: ``max_seq_length - N``, room left for the continuation.
 A causal model's first ``n`` positions do not depend on later tokens, so a truncated sample's
 activations are exactly those of the full sample's first ``n`` positions.
 """
@@ -24,14 +25,19 @@ class SampleTooLong(UserError):
     """A record over the length limit, with ``--long_samples error``."""
 
 
-def too_long_message(record: dict[str, Any], limit: int, where: str | None = None) -> str:
-    return (f"sample {record['sample_id']}{f' ({where})' if where else ''} has "
-            f"{record['num_tokens']} tokens, more than --max_seq_length {limit} "
-            "(--long_samples truncate or skip would go on)")
+def too_long_message(record: dict[str, Any], limit: int, where: str | None = None, new_tokens: int = 0) -> str:
+    """The line of ``--long_samples error``; ``limit`` is a prompt's where ``new_tokens`` follow it."""
+    sample = f"sample {record['sample_id']}{f' ({where})' if where else ''} has {record['num_tokens']} tokens"
+    if not new_tokens:
+        return f"{sample}, more than --max_seq_length {limit} (--long_samples truncate or skip would go on)"
+    return (f"{sample}, more than the {limit} a prompt may have: --max_seq_length {limit + new_tokens} less "
+            f"--generate {new_tokens} new tokens (--long_samples truncate would continue its first {limit} "
+            "tokens; skip would leave it out)")
 
 
-def fit_record(record: dict[str, Any], limit: int, policy: str) -> dict[str, Any] | None:
-    """The record as it will be computed, or None when it is to be skipped.
+def fit_record(record: dict[str, Any], limit: int, policy: str, new_tokens: int = 0) -> dict[str, Any] | None:
+    """The record as it will be computed, or None when it is to be skipped; ``limit`` is a
+    prompt's where ``new_tokens`` will follow it (``--generate``).
 
     A truncated record's ``roles`` and ``special`` are cut with its tokens. Every returned record
     carries ``truncated`` (also when the prepare pipeline truncated it:
@@ -52,7 +58,7 @@ def fit_record(record: dict[str, Any], limit: int, policy: str) -> dict[str, Any
     if policy == "skip":
         return None
     if policy == "error":
-        raise SampleTooLong(too_long_message(record, limit))
+        raise SampleTooLong(too_long_message(record, limit, new_tokens=new_tokens))
     raise ValueError(f"unknown long-sample policy {policy!r} (choose from {', '.join(POLICIES)})")
 
 

@@ -38,6 +38,7 @@ class Sample:
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
     text: str | None = None
     answer: str | None = None  # the expected answer, tokenized after the prompt (a scored span)
+    expected_output: Any = None  # ARC: the test's output grid where the task gives it (scores a continuation)
     generation_prompt: bool = True  # a chat ends with the template's assistant generation prompt
     columns: tuple[tuple[str, Any], ...] = ()  # the kept columns' (name, value)
     origin: str = ""  # where the record was read (file and row), for a rejection after formatting
@@ -78,11 +79,20 @@ def detect_format(record: Any, text_field: str, messages: str | None = None, pro
 
 def arc_samples(item: SourceRecord, include_answers: bool = False) -> list[Sample]:
     """One sample per test input of an ARC task; source = ``task_id:test_index``. With
-    ``include_answers``, the test's expected output (where the task has it) is the answer."""
-    task = parse_arc_task(_object(item), default_id=item.origin, with_outputs=include_answers)
+    ``include_answers``, the test's expected output (where the task has it) is the answer; it is
+    the sample's ``expected_output`` either way (a task whose outputs are malformed keeps none
+    there, and is rejected only with ``include_answers``)."""
+    try:
+        task = parse_arc_task(_object(item), default_id=item.origin, with_outputs=True)
+    except RejectedRecord:
+        if include_answers:
+            raise
+        task = parse_arc_task(_object(item), default_id=item.origin)
+    outputs = task.test_outputs
     return [Sample(make_sample_id(item.file_index, item.row, i), f"{task.task_id}:{i}",
                    messages=tuple((m["role"], m["content"]) for m in arc_messages(task, i)),
-                   answer=arc_answer(task, i) if include_answers else None)
+                   answer=arc_answer(task, i) if include_answers else None,
+                   expected_output=outputs[i] if i < len(outputs) else None)
             for i in range(len(task.test_inputs))]
 
 

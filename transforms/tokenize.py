@@ -63,6 +63,7 @@ class TokenizedSample:
     roles: tuple[tuple[str, int], ...] = ()  # each token's role, as runs (common/roles.py)
     special: tuple[int, ...] = ()  # positions of the tokenizer's special tokens
     columns: tuple[tuple[str, Any], ...] = ()  # the kept columns' (name, value)
+    expected_output: Any = None  # ARC: the test's output grid, where known (transforms.arc.scored_answer)
 
 
 @functools.lru_cache(maxsize=4)
@@ -347,7 +348,7 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample], max_seq_length: int |
         out.append(TokenizedSample(
             sample.sample_id, sample.source, rendering.text + (sample.answer or ""), tuple(kept), truncated,
             len(tokens), answer_start, roles=tuple(map(tuple, runs_of_codes(roles[:len(kept)]))),
-            special=tuple(special.tolist()), columns=sample.columns))
+            special=tuple(special.tolist()), columns=sample.columns, expected_output=sample.expected_output))
     return out
 
 
