@@ -182,6 +182,24 @@ def test_a_killed_job_resubmitted_ends_as_if_uninterrupted(expected, streams, ru
     assert stored(gcs) == expected
 
 
+def test_the_job_generates_what_the_runners_generate(three_streams, runner_flags, streams, gcs, tmp_path):
+    """--generate through the job: each machine's prompts continued (sampled: the draws come from
+    the seed and the sample ids) and stored as three runners.tpu_host runs store them."""
+    flags, out = [*runner_flags, "--generate", "6", "--temperature", "0.8", "--seed", "5"], tmp_path / "reference"
+    for machine in range(3):
+        result = run_in_process("runners.tpu_host", "--machine_id", str(machine), "--streams_dir",
+                                str(three_streams), "--output_dir", str(out), *flags)
+        assert result.returncode == 0, result.stderr
+    merged = run_in_process("runners.fleet", "merge", "--name", "ref", "--streams_dir", str(three_streams),
+                            "--output", str(out), "--", *flags[:2])
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    result = run_in_process("pipeline.extract", *job_args(streams, flags))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stored(gcs) == comparable({str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()})
+    index = pq.read_table(out / "index.parquet").to_pylist()
+    assert len(index) == 15 and all(row["generated_tokens"] >= 1 for row in index)
+
+
 def test_the_dataflow_job_is_built_with_the_tpu_options(arc_streams, tiny_checkpoints, gcs):
     from pipeline.extract import run
     service = "worker_accelerator=type:tpu-v5-lite-podslice;topology:2x4"
