@@ -46,18 +46,22 @@ def runner_flags(tiny_checkpoints):
             "--shard_size_gb", "0.00006", "--compilation_cache_dir", "", "--heartbeat_s", "1"]
 
 
-@pytest.fixture(scope="module")
-def expected(three_streams, runner_flags, tmp_path_factory):
-    """Three runners.tpu_host runs on the same streams (local, no lease), merged by the fleet."""
-    out = tmp_path_factory.mktemp("reference")
+def runners_output(streams, flags, out) -> dict[str, object]:
+    """``comparable`` of three runners.tpu_host runs on ``streams`` (local, no lease) into ``out``,
+    merged by the fleet."""
     for machine in range(3):
         result = run_in_process("runners.tpu_host", "--machine_id", str(machine), "--streams_dir",
-                                str(three_streams), "--output_dir", str(out), *runner_flags)
+                                str(streams), "--output_dir", str(out), *flags)
         assert result.returncode == 0, result.stderr
-    merged = run_in_process("runners.fleet", "merge", "--name", "ref", "--streams_dir", str(three_streams),
-                            "--output", str(out), "--", *runner_flags[:2])
+    merged = run_in_process("runners.fleet", "merge", "--name", "ref", "--streams_dir", str(streams),
+                            "--output", str(out), "--", *flags[:2])
     assert merged.returncode == 0, merged.stdout + merged.stderr
     return comparable({str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()})
+
+
+@pytest.fixture(scope="module")
+def expected(three_streams, runner_flags, tmp_path_factory):
+    return runners_output(three_streams, runner_flags, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture
@@ -186,16 +190,10 @@ def test_the_job_generates_what_the_runners_generate(three_streams, runner_flags
     """--generate through the job: each machine's prompts continued (sampled: the draws come from
     the seed and the sample ids) and stored as three runners.tpu_host runs store them."""
     flags, out = [*runner_flags, "--generate", "6", "--temperature", "0.8", "--seed", "5"], tmp_path / "reference"
-    for machine in range(3):
-        result = run_in_process("runners.tpu_host", "--machine_id", str(machine), "--streams_dir",
-                                str(three_streams), "--output_dir", str(out), *flags)
-        assert result.returncode == 0, result.stderr
-    merged = run_in_process("runners.fleet", "merge", "--name", "ref", "--streams_dir", str(three_streams),
-                            "--output", str(out), "--", *flags[:2])
-    assert merged.returncode == 0, merged.stdout + merged.stderr
+    expected = runners_output(three_streams, flags, out)
     result = run_in_process("pipeline.extract", *job_args(streams, flags))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert stored(gcs) == comparable({str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()})
+    assert stored(gcs) == expected
     index = pq.read_table(out / "index.parquet").to_pylist()
     assert len(index) == 15 and all(row["generated_tokens"] >= 1 for row in index)
 
