@@ -41,9 +41,9 @@ def _transient(error: Exception) -> bool:
     import requests
     # ChunkedEncodingError: the connection broke mid-answer (a server restarting, a dropped link)
     return isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                              requests.exceptions.ChunkedEncodingError, ConnectionError, TimeoutError, gexc.TooManyRequests,
-                              gexc.InternalServerError, gexc.BadGateway, gexc.ServiceUnavailable,
-                              gexc.GatewayTimeout))
+                              requests.exceptions.ChunkedEncodingError, ConnectionError, TimeoutError,
+                              gexc.TooManyRequests, gexc.InternalServerError, gexc.BadGateway,
+                              gexc.ServiceUnavailable, gexc.GatewayTimeout))
 
 
 def md5_base64(data: bytes) -> str:

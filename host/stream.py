@@ -54,8 +54,9 @@ def stream_records(stream: Stream, start: int, limit: int | None,
 
 def check_lengths(stream: Stream, start: int, limit: int | None, max_seq_length: int, new_tokens: int = 0) -> None:
     """``--long_samples error``, before the model loads: the first record from ``start`` longer
-    than ``max_seq_length`` less the ``new_tokens`` a continuation may add stops the run. A malformed line ends the check (the run reports it when it gets there,
-    after storing what comes before it)."""
+    than ``max_seq_length`` less the ``new_tokens`` a continuation may add stops the run. A
+    malformed line ends the check (the run reports it when it gets there, after storing what comes
+    before it)."""
     for line in stream.lines(start, limit):
         try:
             record = parse_stream_line(line.text, line.where)
