@@ -105,7 +105,8 @@ def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey],
     (its ``positions``) says which tokens its rows are (``positions``: int32, one array for every
     key), and with ``pooled`` that its one row is their mean (``pooled``: ``"mean"``). A sample the
     model continued (``runners.tpu_host --generate``) carries its ``generation``: ``prompt_tokens``,
-    ``token_ids`` (the continuation), ``num_tokens``, ``finish`` and ``text``."""
+    ``token_ids`` (the continuation), ``num_tokens``, ``finish``, ``text`` and, for an ARC task
+    it was scored on, ``answer_correct``, ``answer_rows`` and ``answer_cols``."""
     def selection(s: dict[str, Any]) -> dict[str, Any]:
         if s.get("positions") is None:
             return {}

@@ -177,6 +177,8 @@ def route_figures(args, model_dir: str) -> None:
     lines = (work / "streams" / "stream_000.jsonl").read_text().splitlines()
     fitting = [line for line in lines if not json.loads(line)["truncated"]
                and json.loads(line)["num_tokens"] <= 2048 - new][:n]
+    if len(fitting) < n:
+        sys.exit(f"only {len(fitting)} of the first {2 * n} tasks leave room for {new} new tokens within 2048")
     (work / "fitting.jsonl").write_text("\n".join(fitting) + "\n")
     ours += timed_module("runners.tpu_host", *runner, "--dataset_stream", str(work / "fitting.jsonl"),
                          "--output_dir", str(work / "ours"), "--generate", str(new))
@@ -210,7 +212,8 @@ def route_figures(args, model_dir: str) -> None:
                        str(work / "answered_streams" / "stream_000.jsonl"), "--output_dir", str(work / "route")))
     stored = {r["source"]: r["input_ids"] for r in map(json.loads, (work / "answered_streams" / "stream_000.jsonl")
                                                        .read_text().splitlines())}
-    assert len(stored_samples(work / "route" / "machine_000")) == n
+    if len(stored_samples(work / "route" / "machine_000")) != n:
+        sys.exit(f"the route stored {len(stored_samples(work / 'route' / 'machine_000'))} samples, not {n}")
     exact = same = 0
     for record, answer in zip(records, answers):
         wrote = record["input_ids"] + answer

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from common.cli import UserError
+from common.grids import grid_problem
 from common.roles import runs_problem, special_problem
 
 STREAM_FIELDS = ("sample_id", "input_ids", "num_tokens", "source", "text_preview")
@@ -103,13 +104,6 @@ def parse_stream_line(line: str, where: str) -> dict[str, Any]:
     if not isinstance(columns, dict) or not all(v is None or isinstance(v, (bool, int, float, str))
                                                 for v in columns.values()):
         raise StreamFormatError(f"{where}: columns must be an object of scalar values")
-    if "expected_output" in record and not is_grid(record["expected_output"]):
-        raise StreamFormatError(f"{where}: expected_output must be a grid: equal-length lists of digits 0-9")
+    if "expected_output" in record and (problem := grid_problem(record["expected_output"], "expected_output")):
+        raise StreamFormatError(f"{where}: {problem[1]}")
     return record
-
-
-def is_grid(value: Any) -> bool:
-    """``value`` is an ARC grid: a non-empty list of equally long non-empty lists of integers 0-9."""
-    return (isinstance(value, list) and bool(value) and all(isinstance(row, list) and row for row in value)
-            and len({len(row) for row in value}) == 1
-            and all(type(cell) is int and 0 <= cell <= 9 for row in value for cell in row))

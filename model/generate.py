@@ -121,11 +121,14 @@ class Generator:
         return (2 * c.num_hidden_layers * rows * self.cache_length * c.num_key_value_heads * c.head_dim
                 * jnp.dtype(self.dtype).itemsize)
 
-    def rows_that_fit(self, requested: int, free_bytes: int) -> int:
+    def rows_that_fit(self, requested: int, free_bytes: int | None) -> int:
         """Prompts continued together: ``requested``, halved until the cache of a device's share
         of their rows takes at most ``CACHE_SHARE`` of the ``free_bytes`` it has (after the
-        weights). Fewer rows change no continuation (a sample's does not depend on its batch);
-        where one row per device does not fit, a ``UserError`` says so."""
+        weights; None: unknown, ``requested`` as it is). Fewer rows change no continuation (a
+        sample's does not depend on its batch); where one row per device does not fit, a
+        ``UserError`` says so."""
+        if free_bytes is None:
+            return requested
         data = 1 if self.mesh is None else self.mesh.shape["data"]
         rows = requested
         while rows > 1 and self.cache_bytes(-(-self.batch_rows(rows) // data)) > CACHE_SHARE * free_bytes:
@@ -259,14 +262,30 @@ class Generator:
         return self.continuations([prompt], max_new_tokens, stop_ids)[0].tokens
 
 
-def free_bytes(mesh: Mesh) -> int:
+def free_bytes(mesh: Mesh) -> int | None:
     """The memory one device of ``mesh`` has free now: its allocator's limit less what is in use
-    (GPU, TPU), or on the CPU the host's available memory shared by its devices."""
+    (GPU, TPU); on the CPU the host's available memory (``MemAvailable``: free pages and the page
+    cache the kernel can drop) shared by its devices; None where an accelerator's allocator
+    reports no limit (JAX's ``platform`` allocator on a GPU)."""
     device = mesh.devices.flat[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // len(jax.devices(device.platform)))
+    if device.platform != "cpu":
+        return None
+    return host_available_bytes() // len(jax.devices("cpu"))
+
+
+def host_available_bytes() -> int:
+    """The host's ``MemAvailable`` (``/proc/meminfo``), or its free pages where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def stop_token_ids(model_dir: str, tokenizer=None) -> list[int]:

@@ -6,7 +6,8 @@ import pytest
 
 from model.generate import LENGTH, STOP_TOKEN, Continuation
 from transforms.arc import first_grid, grid_block, scored_answer
-from transforms.generation import continued_record, thinking_ids, written_runs
+from common.stream_format import StreamFormatError, parse_stream_line
+from transforms.generation import Continuing, continued_record, thinking_ids, written_runs
 
 OPEN, CLOSE, END = 900, 901, 7  # a thinking section's markers, a stop token
 
@@ -83,9 +84,30 @@ def test_a_planted_correct_answer_is_scored_correct_and_a_wrong_one_not(qwen_tok
     ("```grid\n01\n23\n```", ((0, 1), (2, 3))),
     ("text\n```\n0 1\n2 3\n```", ((0, 1), (2, 3))),  # no info string, spaces between digits
     ("```grid\n01\n23", None),                          # never closed (the limit cut it)
+    ("Here is the ```grid block:\n```grid\n01\n23\n```", ((0, 1), (2, 3))),  # a fence opens a line
+    ("```\n0\t1\n2\t3\n```", ((0, 1), (2, 3))),        # tabs between digits
     ("```python\nx = 1\n```\n```grid\n1\n```", None),   # the first block is no grid
     ("no block", None),
 ])
 def test_first_grid(text, grid):
     assert first_grid(text) == grid
     assert scored_answer(text, [[0, 1], [2, 3]])["answer_correct"] is (grid == ((0, 1), (2, 3)))
+
+
+def test_the_answer_is_what_follows_the_thinking_section_and_there_is_none_inside_it(qwen_tokenizer):
+    tokenizer = qwen_tokenizer.__class__.from_pretrained(qwen_tokenizer.name_or_path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    opening, closing = thinking_ids(tokenizer)
+    continuing = Continuing(None, 8, None, (), 1, tokenizer, thinking=(opening, closing))
+    draft, answer = tokenizer.encode("```grid\n1\n```"), tokenizer.encode("```grid\n2\n```")
+    thought = [opening, *draft, closing, *answer]
+    assert continuing.answer_text([5], thought, tokenizer.decode(thought)) == "```grid\n2\n```"
+    assert continuing.answer_text([5, opening], draft, tokenizer.decode(draft)) == ""  # still thinking
+    assert continuing.answer_text([5], answer, tokenizer.decode(answer)) == "```grid\n2\n```"
+
+
+def test_a_stream_record_expected_output_must_be_a_grid():
+    line = '{"sample_id": 1, "input_ids": [3], "num_tokens": 1, "source": "t:0", "text_preview": "x", '
+    assert parse_stream_line(line + '"expected_output": [[1, 2]]}', "s:1")["expected_output"] == [[1, 2]]
+    with pytest.raises(StreamFormatError, match="s:1: expected_output has rows of different widths \\[1, 2\\]"):
+        parse_stream_line(line + '"expected_output": [[1, 2], [3]]}', "s:1")

@@ -240,3 +240,35 @@ def test_a_two_machine_fleet_generates_and_its_merged_index_scores_every_answer(
             row = next(r for r in merged if r["sample_id"] == sample_id)
             assert row["generated_text"] == generation["text"] and row["finish_reason"] == generation["finish"]
             assert row["answer_correct"] is (independent_grid(generation["text"]) == expected[sample_id])
+
+
+def test_a_prompt_that_opens_a_thinking_section_stores_the_continuation_as_thinking(stream, tiny_checkpoints,
+                                                                                   qwen_tokenizer_dir, tmp_path):
+    """Qwen2.5's vocabulary with Qwen3's <think> and </think> added; each prompt ends with <think>
+    (as a thinking model's chat template leaves it): what the model writes up to </think> is
+    thinking, the rest generated, and an answer is looked for only after the section."""
+    from transforms.tokenize import load_tokenizer
+    tokenizer = load_tokenizer(str(qwen_tokenizer_dir)).__class__.from_pretrained(str(qwen_tokenizer_dir))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    opening, closing = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    records = [json.loads(line) for line in stream.read_text().splitlines()][:3]
+    with open(tmp_path / "thinking.jsonl", "w") as f:
+        for r in records:
+            ids = r["input_ids"][:40] + [opening]
+            f.write(json.dumps({**r, "input_ids": ids, "num_tokens": len(ids), "roles": [["user", len(ids)]],
+                                "special": []}) + "\n")
+    result = run_host_cli(*args_for(tmp_path / "thinking.jsonl", tmp_path, tiny_checkpoints["gqa_tied"],
+                                    "--tokenizer", str(tmp_path / "tokenizer")))
+    assert result.returncode == 0, result.stderr
+    tables = [pq.read_table(p).to_pylist() for p in sorted((tmp_path / "machine_000" / "index").glob("*.parquet"))]
+    tokens = {r["sample_id"]: r for t in tables for r in t if "thinking_tokens" in r}
+    index = {r["sample_id"]: r for t in tables for r in t if "answer_correct" in r}
+    for sample_id, generation in ((i, e[1]["generation"]) for i, e in stored(tmp_path / "machine_000").items()):
+        written = generation["token_ids"]
+        thought = written.index(closing) + 1 if closing in written else len(written)
+        expected = [["user", 41], ["thinking", thought]] + ([["generated", len(written) - thought]]
+                                                             if thought < len(written) else [])
+        assert [[r["role"], r["count"]] for r in tokens[sample_id]["roles"]] == expected
+        assert tokens[sample_id]["thinking_tokens"] == thought
+        assert index[sample_id]["answer_correct"] is False and index[sample_id]["answer_rows"] is None

@@ -46,6 +46,9 @@ def test_skip_and_error():
                                       "max_seq_length": 512, "reason": "too_long"}
     with pytest.raises(SampleTooLong, match="sample 9 has 2500 tokens, more than --max_seq_length 512"):
         fit_record(long, LIMIT, "error")
+    # With --generate 64 the limit is a prompt's: 512 - 64; the entry names both.
+    assert rejection(long, LIMIT - 64, 64) == {"sample_id": 9, "source": "s9", "num_tokens": 2500,
+                                               "max_seq_length": 512, "generate": 64, "reason": "too_long"}
 
 
 def write_stream(path, copies=5):  # with windows of 3, resumes land mid-window

@@ -14,6 +14,7 @@ import dataclasses
 import re
 from typing import Any
 
+from common.grids import grid_problem
 from transforms.rejections import RejectedRecord
 
 SYSTEM_PROMPT = ("You are an expert at solving ARC (Abstraction and Reasoning Corpus) puzzles. "
@@ -37,33 +38,11 @@ def is_arc_record(record: Any) -> bool:
 
 
 def parse_grid(grid: Any, where: str) -> Grid:
-    """A validated grid: a non-empty rectangular list of rows of integers 0..9."""
-    if not isinstance(grid, (list, tuple)) or not grid:
-        raise RejectedRecord("empty_grid", f"{where} is not a non-empty list of rows")
-    rows = []
-    for r, row in enumerate(grid):
-        if not isinstance(row, (list, tuple)) or not row:
-            raise RejectedRecord("empty_grid", f"{where} row {r} is not a non-empty list")
-        # Fast path (whole row at once); the cell-by-cell loop only runs to name the bad cell.
-        if not (_INT_ONLY.issuperset(map(type, row)) and _DIGITS.issuperset(row)):
-            _raise_bad_cell(row, r, where)
-        rows.append(tuple(row))
-    widths = {len(row) for row in rows}
-    if len(widths) != 1:
-        raise RejectedRecord("non_rectangular_grid",
-                             f"{where} has rows of different widths {sorted(widths)}")
-    return tuple(rows)
-
-
-_DIGITS = frozenset(range(10))
-_INT_ONLY = frozenset([int])  # not bool or float, which compare equal to 0/1
-
-
-def _raise_bad_cell(row: Any, r: int, where: str) -> None:
-    for c, cell in enumerate(row):
-        if type(cell) is not int or not 0 <= cell <= 9:
-            raise RejectedRecord("cell_out_of_range",
-                                 f"{where} cell ({r}, {c}) = {cell!r} is not an integer 0..9")
+    """A validated grid (``common.grids``): a non-empty rectangular list of rows of integers 0..9;
+    ``RejectedRecord`` naming what is wrong otherwise."""
+    if problem := grid_problem(grid, where):
+        raise RejectedRecord(*problem)
+    return tuple(tuple(row) for row in grid)
 
 
 def _field(record: dict, key: str, where: str) -> Any:
@@ -135,18 +114,20 @@ def arc_messages(task: ArcTask, test_index: int) -> list[dict[str, str]]:
             {"role": "user", "content": "\n\n".join(parts)}]
 
 
-# A fenced block: its opening fence (any info string: ```grid, or none), its body, its closing fence.
-_FENCED = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
+# A fenced block: an opening fence at a line's start (any info string: ```grid, or none), its body,
+# a closing fence at a line's start. Backticks inside a sentence ("answer with a ```grid block")
+# open nothing.
+_FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
 def first_grid(text: str) -> Grid | None:
-    """The grid of the first fenced block of ``text`` (rows of digits, one per line; spaces
-    between digits allowed), or None where the first block is not a rectangular grid, or where
-    no block is closed."""
+    """The grid of the first fenced block of ``text`` (rows of digits, one per line; spaces or
+    tabs between digits allowed), or None where the first block is not a rectangular grid, or
+    where no block is closed."""
     match = _FENCED.search(text)
     if match is None:
         return None
-    rows = [line.replace(" ", "") for line in match.group(1).strip().splitlines()]
+    rows = ["".join(line.split()) for line in match.group(1).strip().splitlines()]
     if not rows or not all(row.isascii() and row.isdigit() for row in rows) or len({len(r) for r in rows}) != 1:
         return None
     return tuple(tuple(int(cell) for cell in row) for row in rows)

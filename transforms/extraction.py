@@ -93,7 +93,7 @@ def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples:
     results = dict(extractor.extract(items))
     for i, (record, fit) in enumerate(zip(records, fitted)):
         if fit is None:
-            yield Tagged(REJECTED, rejection(record, limit))
+            yield Tagged(REJECTED, rejection(record, limit, new_tokens))
         elif (activations := results.pop(i)) is None:
             yield Tagged(ELSEWHERE, {"sample_id": record["sample_id"]})
         else:
@@ -167,15 +167,15 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     would not fit the ``free`` bytes of a device (None: measured, ``model.generate.free_bytes``),
     stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
     ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
-    from model.generate import Generator, free_bytes, stop_token_ids
+    from model.generate import CACHE_SHARE, Generator, free_bytes, stop_token_ids
     from transforms.tokenize import load_tokenizer, special_ids
     generator = Generator(extractor.config, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype, mesh=extractor.mesh)
     rows = generator.rows_that_fit(extractor.batch_size, free_bytes(extractor.mesh) if free is None else free)
     if rows < extractor.batch_size:
         log.warning("--generate: %d prompts continued at a time, not %d: the key/value cache of %d would "
-                    "take more than half of a device's free memory", rows, extractor.batch_size,
-                    extractor.batch_size)
+                    "take more than %.0f%% of a device's free memory", rows, extractor.batch_size,
+                    extractor.batch_size, 100 * CACHE_SHARE)
     model_dir = resolve_model_dir(config.model_path, config.model_revision)
     name = generation_tokenizer(config.tokenizer, model_dir)
     tokenizer = load_tokenizer(name) if name else None

@@ -49,17 +49,20 @@ class Continuing:
                 if self.tokenizer is not None:
                     continuation = cut_at_stop_strings(continuation, self.tokenizer, self.stop_strings)
                     text = self.tokenizer.decode(continuation.tokens)
-                    answer = self.answer_text(continuation.tokens, text)
+                    answer = self.answer_text(records[i]["input_ids"], continuation.tokens, text)
                 out[i] = continued_record(records[i], continuation, text, self.special_ids | set(self.stop_ids),
                                           self.thinking, answer)
         return out
 
-    def answer_text(self, tokens: Sequence[int], text: str) -> str:
-        """The text of a continuation after its thinking section (all of it where there is none)."""
-        if self.thinking is None or self.thinking[1] not in tokens:
+    def answer_text(self, prompt: Sequence[int], tokens: Sequence[int], text: str) -> str:
+        """The text of a continuation ``tokens`` after ``prompt`` that follows its thinking
+        section: all of it where it has none, nothing where it ends inside one."""
+        if self.thinking is None:
             return text
-        after = len(tokens) - list(reversed(tokens)).index(self.thinking[1])
-        return self.tokenizer.decode(list(tokens[after:]))
+        runs = written_runs(prompt, tokens, self.thinking)
+        if runs[-1][0] == THINKING:
+            return ""
+        return text if len(runs) == 1 else self.tokenizer.decode(list(tokens[len(tokens) - runs[-1][1]:]))
 
 
 def cut_at_stop_strings(continuation, tokenizer, stops: Sequence[str]):

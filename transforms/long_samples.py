@@ -62,7 +62,9 @@ def fit_record(record: dict[str, Any], limit: int, policy: str, new_tokens: int 
     raise ValueError(f"unknown long-sample policy {policy!r} (choose from {', '.join(POLICIES)})")
 
 
-def rejection(record: dict[str, Any], limit: int) -> dict[str, Any]:
-    """The ``rejected.jsonl`` entry of a skipped record."""
-    return {"sample_id": record["sample_id"], "source": record["source"],
-            "num_tokens": record["num_tokens"], "max_seq_length": limit, "reason": TOO_LONG}
+def rejection(record: dict[str, Any], limit: int, new_tokens: int = 0) -> dict[str, Any]:
+    """The ``rejected.jsonl`` entry of a skipped record; ``limit`` is a prompt's where
+    ``new_tokens`` were to follow it (``--generate``: the entry says how many)."""
+    generate = {"generate": new_tokens} if new_tokens else {}
+    return {"sample_id": record["sample_id"], "source": record["source"], "num_tokens": record["num_tokens"],
+            "max_seq_length": limit + new_tokens, **generate, "reason": TOO_LONG}
