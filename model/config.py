@@ -114,6 +114,7 @@ class DecoderConfig:
     sliding_window: int | None = None    # keys a sliding layer's query sees, itself included
     layer_types: tuple[str, ...] = ()    # per block, FULL or SLIDING; () is every block FULL
     sliding_rope: RoPE | None = None     # RoPE of sliding layers when it differs (Gemma 3's local base)
+    nope_layers: tuple[int, ...] = ()    # blocks that do not rotate q and k at all (SmolLM3's no_rope_layers)
     norm_unit_offset: bool = False       # RMSNorm scales by (1 + w), in float32 (Gemma)
     norm_weight_in_float32: bool = False  # RMSNorm's w multiplies the float32 normalised x, one rounding after
                                          # (OLMo 2); off: x is rounded to the dtype first, then scaled (Llama)
@@ -169,7 +170,9 @@ class DecoderConfig:
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
 
     def rope_of(self, layer: int) -> RoPE | None:
-        """Block ``layer``'s rotary embedding."""
+        """Block ``layer``'s rotary embedding (None: the block does not rotate)."""
+        if layer in self.nope_layers:
+            return None
         return self.sliding_rope if self.window(layer) is not None and self.sliding_rope else self.rope
 
 

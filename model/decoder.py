@@ -445,7 +445,7 @@ class Decoder(nn.Module):
         c = self.config
         x = self.embed(input_ids, positions)
         self.sow("sites", "embeddings", x)  # block 0's input
-        tables = {rope: rope_cos_sin(positions, c.rope_dim, rope) if c.positions == "rope" else (None, None)
+        tables = {rope: rope_cos_sin(positions, c.rope_dim, rope) if rope is not None else (None, None)
                   for rope in dict.fromkeys(c.rope_of(i) for i in range(num_layers))}  # cos, sin [B, S, rope_dim]
         outputs, new_caches = [], []
         for i in range(num_layers):

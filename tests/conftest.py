@@ -192,7 +192,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 
 # The families' tiny checkpoints (``fixtures.tiny_models``), and the text model of a multimodal Gemma 3.
 FAMILY_CASES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_multimodal", "gpt2", "gpt_neox",
-                "olmo2", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+                "olmo2", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "olmo3", "smollm3")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""GPT-2, Pythia (GPT-NeoX, parallel and sequential), OLMo 2 and Phi-3 through ``runners.tpu_host``:
+"""GPT-2, Pythia (GPT-NeoX, parallel and sequential), OLMo 2, Phi-3, OLMo 3 and SmolLM3 through
+``runners.tpu_host``:
 every site the model has, at every layer, equals transformers' float64 forward at the same place
 (``model.params.hf_site``) within 1e-5; GPT-2's and Pythia's also equal TransformerLens's own
 hooks of the same names; a site the model lacks, or a sequence past GPT-2's learned positions, is
@@ -18,10 +19,11 @@ from tests.test_host_errors import one_line_error
 from tests.test_multihost import stored
 
 pytestmark = pytest.mark.slow
-# Each with other flags: between them the 2d mesh, the fused kernel (Phi-3's window included) and
-# a bucketed batch of padded rows through learned positions.
+# Each with other flags: between them the 2d mesh, the fused kernel (Phi-3's window, and SmolLM3's
+# windows on its layers without RoPE, included) and a bucketed batch of padded rows through learned
+# positions.
 CASES = {"gpt2": ["--mesh_type", "2d"], "gpt_neox": ["--attention", "fused"], "gpt_neox_sequential": [],
-         "olmo2": [], "phi3": ["--attention", "fused"]}
+         "olmo2": [], "phi3": ["--attention", "fused"], "olmo3": [], "smollm3": ["--attention", "fused"]}
 TRANSFORMER_LENS_SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "mlp.hook_post", "hook_mlp_out",
                           "hook_resid_post")
 
@@ -31,8 +33,7 @@ def checkpoints(family_checkpoints, tmp_path_factory) -> dict[str, str]:
     """case -> checkpoint: the families' tiny models, and a Pythia-shaped one whose blocks are
     sequential (``use_parallel_residual`` off) with a quarter of each head rotated (2 pairs)."""
     from fixtures.tiny_models import write_checkpoint
-    out = {case: family_checkpoints[case, "transformers5"] for case in CASES if case in ("gpt2", "gpt_neox",
-                                                                                            "olmo2", "phi3")}
+    out = {case: family_checkpoints[case, "transformers5"] for case in CASES if case != "gpt_neox_sequential"}
     out["gpt_neox_sequential"] = write_checkpoint(
         tmp_path_factory.mktemp("gpt_neox_sequential"), "gpt_neox", seed=11, bfloat16_exact=True,
         use_parallel_residual=False, hidden_size=64, intermediate_size=80,
@@ -65,7 +66,8 @@ def runs(checkpoints, tmp_path_factory):
 def test_every_site_at_every_layer_equals_transformers(runs, case):
     model_dir, records, got = runs[case]
     sites = sites_of(model_dir)
-    assert (RESID_MID in sites) == (case != "gpt_neox") and (LN2_NORMALIZED in sites) == (case != "olmo2")
+    assert (RESID_MID in sites) == (case != "gpt_neox")
+    assert (LN2_NORMALIZED in sites) == (case not in ("olmo2", "olmo3"))
     assert_equals_transformers(model_dir, records, got, sites)
 
 

@@ -119,11 +119,11 @@ def arc_like(qwen_tokenizer_dir) -> list[list[int]]:
     return [[t % SMALL_VOCAB for t in s.input_ids] for s in itertools.islice(samples, 6)]
 
 
-# Gemma's and OLMo 2's post-norms scale every sublayer output to the stream's size, so on these
+# Gemma's and OLMo 2's (and 3's) post-norms scale every sublayer output to the stream's size, so on these
 # tiny random models their error is mostly the rounding of matmul operands, which both
 # implementations share: 0.51-0.73 of transformers' (docs/model.md, numerics; on the real Gemma 3
 # 270M, 0.01-0.25 past layer 4).
-BFLOAT16_RATIO = {"gemma2": 0.85, "gemma3": 0.85, "gemma3_multimodal": 0.85, "olmo2": 0.85}
+BFLOAT16_RATIO = {"gemma2": 0.85, "gemma3": 0.85, "gemma3_multimodal": 0.85, "olmo2": 0.85, "olmo3": 0.85}
 # A mixture of experts routes a token whose top-k is a near-tie by its rounding: any bfloat16
 # forward sends a few tokens to other experts than float64 does (ours fewer than transformers' on
 # these models), and the largest deviation measures which near-ties flipped. Compared instead: the

@@ -177,6 +177,26 @@ def test_what_the_classic_and_newer_families_switch_on():
     assert config_from_dict(SMOLLM2_135M).kv_groups == 3 and config_from_dict(TINYLLAMA_1_1B).kv_groups == 8
 
 
+def test_olmo_3_windows_three_layers_of_four_and_smollm3_leaves_rope_out_of_every_fourth():
+    # The hub's layout: rope_scaling is the full layers' alone, as Olmo3Config reads it.
+    hub = {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "num_hidden_layers": 8,
+           "rope_theta": 500_000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    olmo3 = config_from_dict(hub)
+    assert olmo3.layer_types == (SLIDING, SLIDING, SLIDING, FULL) * 2 and olmo3.window(0) == 4096
+    assert olmo3.rope == RoPE(500_000.0, "linear", 2.0) and olmo3.sliding_rope == RoPE(500_000.0)
+    assert (olmo3.pre_norms, olmo3.sandwich_norms, olmo3.qk_norm_scope) == (False, True, "projection")
+    assert config_from_dict(transformers_5_layout(hub)) == olmo3
+    smol = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "num_hidden_layers": 8}
+    smollm3 = config_from_dict(smol)
+    assert smollm3.nope_layers == (3, 7) and smollm3.layer_types == () and smollm3.rope == RoPE(2_000_000.0)
+    assert [smollm3.rope_of(i) is None for i in range(8)] == [False, False, False, True] * 2
+    assert config_from_dict({**smol, "no_rope_layers": [1, 0] * 4}).nope_layers == (1, 3, 5, 7)
+    windowed = config_from_dict({**smol, "use_sliding_window": True, "sliding_window": 32})
+    assert windowed.layer_types == (FULL, FULL, FULL, SLIDING) * 2  # transformers' rule: the NoPE layers
+    assert config_from_dict(transformers_5_layout({**smol, "use_sliding_window": True, "sliding_window": 32})) \
+        == windowed
+
+
 def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
     config = config_from_dict(GEMMA_3_4B)
     assert config.model_type == "gemma3" and config.num_hidden_layers == 34 and config.hidden_size == 2560
@@ -190,7 +210,8 @@ def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
     ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
     ("gemma3", "Gemma3ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel"), ("gpt_neox", "GPTNeoXForCausalLM"),
-    ("olmo2", "Olmo2ForCausalLM"), ("phi3", "Phi3ForCausalLM")])
+    ("olmo2", "Olmo2ForCausalLM"), ("phi3", "Phi3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
+    ("smollm3", "SmolLM3ForCausalLM")])
 def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     """A config.json that gives almost nothing: every default is transformers' own."""
     minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}
@@ -240,6 +261,12 @@ def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     ({**LLAMA_3_2_1B, "architectures": ["LlamaForSequenceClassification"]},
      "unsupported architecture 'LlamaForSequenceClassification'"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "has no 'text_config'"),
+    ({"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}},
+     "olmo3 config.json: rope_scaling.rope_type = 'yarn' is not supported"),
+    ({"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "num_hidden_layers": 4,
+      "no_rope_layers": [1, 1, 2, 0]}, "smollm3 config.json: no_rope_layers = \\[1, 1, 2, 0\\] is not supported: "
+                                       "expected 4 entries of 0 or 1"),
 ])
 def test_unsupported_options_are_one_line_errors_naming_the_key(raw, message):
     with pytest.raises(UserError, match=message):

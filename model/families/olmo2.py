@@ -6,6 +6,8 @@ rounds once (Llama's rounds them first), which a bfloat16 forward shows."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from model.config import DecoderConfig
 from model.families.common import Fields, activation, rope, rope_parameters, shapes
 
@@ -19,8 +21,12 @@ DEFAULTS = dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008, num
 def decoder_config(raw: dict) -> DecoderConfig:
     f = Fields(raw, DEFAULTS, "olmo2")
     params, where = rope_parameters(f)
+    return DecoderConfig("olmo2", **shapes(f), rope=rope(f, params, where, f.get("rope_theta")), **olmo2_switches(f))
+
+
+def olmo2_switches(f: Fields) -> dict[str, Any]:
+    """OLMo 2's block (OLMo 3's too): norms on what the sublayers add, q/k normed over the whole
+    projection, the norm weight applied in float32, biases where ``attention_bias``."""
     bias = bool(f.get("attention_bias"))
-    return DecoderConfig("olmo2", **shapes(f), rope=rope(f, params, where, f.get("rope_theta")),
-                         qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_scope="projection",
-                         pre_norms=False, sandwich_norms=True, norm_weight_in_float32=True,
-                         hidden_act=activation(f, "hidden_act"))
+    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_scope="projection", pre_norms=False,
+                sandwich_norms=True, norm_weight_in_float32=True, hidden_act=activation(f, "hidden_act"))
