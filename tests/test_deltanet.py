@@ -1,0 +1,58 @@
+"""The gated delta rule (model/deltanet.py) against transformers' own torch paths, and padding
+kept out of the state."""
+
+import jax
+import numpy as np
+import pytest
+
+from fixtures.hf_reference import relative_error
+from model import deltanet
+
+B, S, HK, HV, DK, DV = 2, 37, 2, 4, 8, 6  # value heads twice the key heads; 37 positions: chunks of 16 do not divide
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(0)
+    q, k = (rng.normal(size=(B, S, HK, DK)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(B, S, HV, DV)).astype(np.float32)
+    g = (-0.3 * np.abs(rng.normal(size=(B, S, HV)))).astype(np.float32)   # log decay <= 0
+    beta = (1 / (1 + np.exp(-rng.normal(size=(B, S, HV))))).astype(np.float32)
+    state = (0.1 * rng.normal(size=(B, HV, DK, DV))).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_both_forms_equal_transformers_torch_paths(inputs, form):
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                             torch_recurrent_gated_delta_rule)
+    q, k, v, g, beta, state = inputs
+    torch_args = [torch.tensor(x) for x in (q, k, v, g, beta)]
+    reference = {"chunked": lambda: torch_chunk_gated_delta_rule(*torch_args, chunk_size=16,
+                                                                 initial_state=torch.tensor(state),
+                                                                 output_final_state=True, use_qk_l2norm_in_kernel=True),
+                 "recurrent": lambda: torch_recurrent_gated_delta_rule(*torch_args, initial_state=torch.tensor(state),
+                                                                       output_final_state=True,
+                                                                       use_qk_l2norm_in_kernel=True)}[form]
+    theirs, their_state = (x.numpy() for x in reference())
+    ours = {"chunked": lambda: deltanet.chunked(q, k, v, g, beta, state, chunk_size=16),
+            "recurrent": lambda: deltanet.recurrent(q, k, v, g, beta, state)}[form]
+    out, final = jax.jit(ours)()
+    assert out.shape == (B, S, HV, DV) and final.shape == (B, HV, DK, DV)
+    assert relative_error(np.asarray(out), theirs) <= 1e-5 and relative_error(np.asarray(final), their_state) <= 1e-5
+
+
+def test_padding_stays_out_of_the_state_and_the_forms_agree(inputs):
+    """Row 0 is 37 tokens, row 1 only 20, its tail padding with gates made inert: each row's
+    real outputs and final state are what it gives alone, in either form."""
+    q, k, v, g, beta, _ = inputs
+    lengths = np.array([S, 20])
+    g_masked, beta_masked = deltanet.masked_gates(g, beta, lengths)
+    chunked = jax.jit(lambda *a: deltanet.chunked(*a, chunk_size=16))(q, k, v, g_masked, beta_masked)
+    recurrent = jax.jit(deltanet.recurrent)(q, k, v, g_masked, beta_masked)
+    for row, n in enumerate(lengths):
+        alone = deltanet.recurrent(*(x[row:row + 1, :n] for x in (q, k, v, g, beta)))
+        for out, final in (chunked, recurrent):
+            assert relative_error(np.asarray(out[row, :n]), np.asarray(alone[0][0])) <= 1e-5
+            assert relative_error(np.asarray(final[row]), np.asarray(alone[1][0])) <= 1e-5
