@@ -27,7 +27,7 @@ from common.cli import UserError
 from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
 from model.config import load_config
-from model.interventions import (BASELINE, Intervention, Means, ablation_arrays, check_expert_blocks,
+from model.interventions import (BASELINE, Intervention, Means, ablation_arrays, check_blocks,
                                  parse_interventions)
 from model.scoring import InterventionModel, scored_tokens
 
@@ -87,7 +87,7 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     check_model_fits(model_config, (), config.max_seq_length)  # before anything is written
     grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
                                model_config.num_attention_heads, model_config.num_experts)
-    check_expert_blocks(grid, model_config)
+    check_blocks(grid, model_config)
     records = read_records(config.stream, config.max_samples, config.max_seq_length)
     if not records:
         raise UserError(f"no records in {config.stream!r}")

@@ -70,6 +70,30 @@ class MoE:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeltaNet:
+    """Gated DeltaNet mixers (``DecoderConfig.deltanet``) in place of attention on ``layers``, as
+    transformers' Qwen3.5 computes them (``model.deltanet``): projections of q, k, v (one fused
+    ``in_proj_qkv``), a causal depthwise convolution of ``conv_kernel`` taps with SiLU over them,
+    L2-normalised q and k, per value head a decay g = -exp(A_log) softplus(a + dt_bias) and a
+    rate beta = sigmoid(b), the gated delta rule, an RMSNorm of each head's output gated by
+    SiLU(z), and ``out_proj``."""
+    layers: tuple[int, ...]
+    num_key_heads: int
+    num_value_heads: int     # a multiple of num_key_heads: each q/k head serves that many value heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """A decoder: embedding, blocks of attention and an MLP, final norm, LM head.
 
@@ -125,6 +149,9 @@ class DecoderConfig:
     clip_qkv: float | None = None        # q, k and v clamped to [-c, c] after their projections (and q/k
                                          # norms) (OLMoE)
     scale_embeddings: bool = False       # embeddings x sqrt(hidden_size), rounded to the dtype (Gemma)
+    attn_output_gate: bool = False       # q_proj writes each head's query and a gate; the head's output is
+                                         # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
+    deltanet: DeltaNet | None = None     # Gated DeltaNet mixers in place of attention on deltanet.layers
 
     @property
     def kv_groups(self) -> int:
@@ -164,6 +191,15 @@ class DecoderConfig:
     def sparse_layers(self) -> tuple[int, ...]:
         """The blocks whose MLP is a mixture of experts."""
         return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The blocks whose mixer is attention."""
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_deltanet(i))
+
+    def is_deltanet(self, layer: int) -> bool:
+        """Whether block ``layer``'s mixer is Gated DeltaNet (else attention)."""
+        return self.deltanet is not None and layer in self.deltanet.layers
 
     def window(self, layer: int) -> int | None:
         """Block ``layer``'s sliding window (None: it attends to every earlier key)."""

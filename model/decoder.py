@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from model import deltanet
 from model.attention import causal_attention, dense_attention, fused_attention, windowed
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
@@ -194,7 +195,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, bias, name: dense(n, bias, name, self.dtype, accumulate)
-        q = project(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(x)  # [B, S, N*D]
+        q = project(c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1), c.qkv_bias, "q_proj")(x)
+        gate = None
+        if c.attn_output_gate:  # per head: its query, then its gate (Qwen3.5)
+            q, gate = jnp.split(q.reshape(b, s, c.num_attention_heads, 2 * c.head_dim), 2, axis=-1)  # [B, S, N, D]
+            q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)  # [B, S, N*D]
         k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x)  # [B, S, K*D]
         v = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
         # q/k norms before RoPE, float32 out with a wide stream (RoPE follows): over the whole
@@ -234,6 +239,9 @@ class Attention(nn.Module):
             out = dense_attention(q, k, v, windowed(mask, positions, self.window), precision, accumulate,
                                   divisor, c.attn_logit_softcap)  # [B, S, K, G, D]
         out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
+        if gate is not None:
+            gated = out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32)).reshape(out.shape)
+            out = gated.astype(self.dtype)
         self.sow("stats", "heads", out)
         if heads is not None:
             keep, fill, mean = heads
@@ -242,6 +250,61 @@ class Attention(nn.Module):
         out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
         self.sow("sites", ATTN_Z, out)
         return project(c.hidden_size, c.o_bias, "o_proj")(out), (k, v)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet mixer (``DecoderConfig.deltanet``; the recurrence: ``model.deltanet``), as
+    transformers' ``Qwen3_5GatedDeltaNet`` computes it. No cache: decoding through it is not
+    implemented (refused before a model loads)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None
+    chunk_size: int = 64
+
+    @nn.compact
+    def __call__(self, x, mask):
+        """x: [B, S, H] in ``dtype``; ``mask`` [B, S, T] (causal_mask's): each row's length is its
+        diagonal's count of real positions. -> [B, S, H]."""
+        c, d = self.config, self.config.deltanet
+        b, s, _ = x.shape
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda n, name: dense(n, False, name, self.dtype, accumulate)
+        conv_dim = 2 * d.key_dim + d.value_dim
+        mixed = project(conv_dim, "in_proj_qkv")(x)                                  # [B, S, C]
+        z = project(d.value_dim, "in_proj_z")(x).reshape(b, s, d.num_value_heads, d.value_head_dim)
+        beta_in = project(d.num_value_heads, "in_proj_b")(x)                           # [B, S, Hv]
+        a = project(d.num_value_heads, "in_proj_a")(x)                                 # [B, S, Hv]
+        weight = self.param("conv1d", nn.initializers.normal(0.02), (conv_dim, 1, d.conv_kernel), self.dtype)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (d.num_value_heads,), self.dtype)
+        a_log = self.param("A_log", nn.initializers.zeros, (d.num_value_heads,), self.dtype)
+        mixed = causal_conv(mixed, weight[:, 0, :])                                   # [B, S, C] in dtype
+        q, k, v = jnp.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
+        q = q.reshape(b, s, d.num_key_heads, d.key_head_dim)
+        k = k.reshape(b, s, d.num_key_heads, d.key_head_dim)
+        v = v.reshape(b, s, d.num_value_heads, d.value_head_dim)
+        beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        lengths = jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)  # [B]
+        g, beta = deltanet.masked_gates(g, beta, lengths)
+        out, _ = deltanet.chunked(q, k, v, g, beta, chunk_size=self.chunk_size)       # [B, S, Hv, Dv] float32
+        out = out.astype(self.dtype)
+        norm_weight = self.param("norm", nn.initializers.ones, (d.value_head_dim,), self.dtype)
+        o32 = out.astype(jnp.float32)
+        normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)).astype(self.dtype)
+        gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
+        return project(c.hidden_size, "out_proj")(out)
+
+
+def causal_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """SiLU of a causal depthwise convolution: x [B, S, C], weight [C, K] -> [B, S, C], each
+    position from itself and the K - 1 before it (zeros before the first), computed in float32
+    and rounded once."""
+    taps = weight.shape[-1]
+    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (taps - 1, 0), (0, 0)))  # [B, S + K - 1, C]
+    w = weight.astype(jnp.float32)
+    out = sum(padded[:, j:j + x.shape[1]] * w[:, j] for j in range(taps))
+    return jax.nn.silu(out).astype(x.dtype)
 
 
 class MLP(nn.Module):
@@ -330,6 +393,7 @@ class DecoderLayer(nn.Module):
     sparse: bool = False        # the MLP is the config's mixture of experts (model.moe)
     moe_dispatch: str = "auto"  # model.config.MOE_DISPATCHES
     routing_sites: bool = False  # sow the router's logits and choice (and the shared expert's output)
+    deltanet: bool = False      # the mixer is Gated DeltaNet (config.deltanet), not attention
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -341,8 +405,12 @@ class DecoderLayer(nn.Module):
         heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
         block_in = x
         attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x
-        attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, name="self_attn")(
-            attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
+        if self.deltanet:
+            attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask), None
+        else:
+            attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window,
+                                            name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,
+                                                              heads, norm)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
         attn_out = _replaced(attn_out, a, "attn")
@@ -405,7 +473,7 @@ class Decoder(nn.Module):
                                             param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
                                     self.residual_dtype, c.window(i), self.mlp_hidden, c.is_sparse(i),
-                                    self.moe_dispatch, self.routing_sites, name=f"layers_{i}")
+                                    self.moe_dispatch, self.routing_sites, c.is_deltanet(i), name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:

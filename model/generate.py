@@ -91,6 +91,13 @@ def chosen_tokens(logits: jax.Array, keys: jax.Array | None, sampling: Sampling)
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
+def check_generates(config: DecoderConfig) -> None:
+    """``UserError`` in one line for a model this decoder cannot continue yet."""
+    if config.deltanet is not None:
+        raise UserError(f"generation through {config.model_type}'s Gated DeltaNet blocks is not implemented yet (their "
+                        "recurrent state is not carried from step to step); extraction is")
+
+
 class Generator:
     """Continuations of batches of prompts, compiled once per (rows, prompt bucket, new tokens,
     sampling without its seed, stop-list width)."""
@@ -102,6 +109,7 @@ class Generator:
         learned positions it may not outgrow their table. ``mesh``: the one ``params`` live on
         (``model.loading.load_model``'s): a batch's rows, and their caches, are split over its
         ``data`` axis (None: one device)."""
+        check_generates(config)
         if config.positions == "learned" and cache_length > config.max_position_embeddings:
             raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
                             f"{config.max_position_embeddings} tokens (pass --max_seq_length "

@@ -160,14 +160,19 @@ def parse_one(spec: str, config: DecoderConfig) -> Intervention:
     if len(found) != 1:
         raise UserError(f"--ablate {spec!r} stands for {len(found)} interventions: name one "
                         "(no * or ranges)")
-    check_expert_blocks(found, config)
+    check_blocks(found, config)
     return found[0]
 
 
-def check_expert_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -> None:
-    """``UserError`` for an expert or route atom on a block whose MLP is dense (Qwen's mlp_only_layers)."""
+def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -> None:
+    """``UserError`` for an expert or route atom on a block whose MLP is dense (Qwen's
+    mlp_only_layers), or a head atom on a block that mixes with Gated DeltaNet (no attention
+    heads: ``attn:L`` removes its mixer)."""
     for intervention in interventions:
         for atom in intervention.atoms:
+            if atom.kind == "head" and config.is_deltanet(atom.layer):
+                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with Gated DeltaNet: "
+                                f"it has no attention heads (attn:{atom.layer} removes its mixer)")
             if atom.kind in ("expert", "route") and not config.is_sparse(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} has a dense MLP, no experts "
                                 f"(its mixtures of experts: blocks {', '.join(map(str, config.sparse_layers))})")

@@ -145,14 +145,17 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     Phi-3's qkv_proj and gate_up_proj, split at load time."""
     c = config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    if fused:
+    if c.is_deltanet(layer):
+        yield from _deltanet(f"{hf}.linear_attn")
+    elif fused:
         for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(0, [q, kv, kv])):
             yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, part)
     else:
         for proj in ("q_proj", "k_proj", "v_proj"):
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
-    yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
-    if c.qk_norm:
+    if not c.is_deltanet(layer):
+        yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
+    if c.qk_norm and not c.is_deltanet(layer):
         for norm in ("q_norm", "k_norm"):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
     if c.is_sparse(layer):
@@ -167,6 +170,17 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
     for ours, theirs in block_norm_names(c).items():
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
+
+
+def _deltanet(hf: str):
+    """A Gated DeltaNet mixer's tensors (``model.decoder.GatedDeltaNet``), all as transformers names
+    them; the convolution's weight [channels, 1, taps] as it is stored."""
+    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        yield from _linear(f"{hf}.{proj}", ("linear_attn", proj), False)
+    yield ("linear_attn", "conv1d"), Source(f"{hf}.conv1d.weight")
+    for name in ("dt_bias", "A_log"):
+        yield ("linear_attn", name), Source(f"{hf}.{name}")
+    yield ("linear_attn", "norm"), Source(f"{hf}.norm.weight")
 
 
 def _gpt2_block(config: DecoderConfig, hf: str, layer: int):
@@ -232,12 +246,15 @@ def block_norm_names(config: DecoderConfig) -> dict[str, str]:
 # ``sigmoid output``: the output's sigmoid); ``normalized input`` is that
 # norm module's input x normalised as the norm does before its weight (x / rms(x), or
 # (x - mean) / std for a LayerNorm), in float32.
-def hf_site(site: str, config: DecoderConfig) -> tuple[str, str]:
-    """Where ``site`` is seen in a Hugging Face block of the model ``config`` describes;
+def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple[str, str]:
+    """Where ``site`` is seen in a Hugging Face block (block ``layer``, where blocks differ: a
+    Gated DeltaNet block's mixer is ``linear_attn``) of the model ``config`` describes;
     ``ValueError`` for a site the model has none of (``model.sites.missing_reason``)."""
     from model import sites
-    if reason := sites.missing_reason(site, config):
+    if reason := sites.missing_reason(site, config, layer):
         raise ValueError(f"{site}: {reason}")
+    if site == sites.ATTN_OUT and layer is not None and config.is_deltanet(layer) and not config.sandwich_norms:
+        return "linear_attn", "output"
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
     router = f"{layout.mlp}.gate"  # returns (logits, top-k weights, top-k indices), over [B*S] tokens
@@ -298,9 +315,17 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, .
             f = fs
         if module in ("router", "shared_expert_gate"):
             return (h, e) if module == "router" else (h, 1)
-    kernels = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
+    gated_q = 2 * q if c.attn_output_gate else q  # each head's query and its gate
+    kernels = {"q_proj": (h, gated_q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
                "up_proj": (h, f), "down_proj": (f, h), "lm_head": (h, c.vocab_size), "embed_tokens": (c.vocab_size, h),
                "embed_positions": (c.max_position_embeddings, h)}
+    if c.deltanet is not None:
+        dn = c.deltanet
+        conv = 2 * dn.key_dim + dn.value_dim
+        kernels.update(in_proj_qkv=(h, conv), in_proj_z=(h, dn.value_dim), in_proj_b=(h, dn.num_value_heads),
+                       in_proj_a=(h, dn.num_value_heads), out_proj=(dn.value_dim, h))
+        if module == "linear_attn":  # the mixer's own parameters
+            return {"conv1d": (conv, 1, dn.conv_kernel), "norm": (dn.value_head_dim,)}.get(leaf, (dn.num_value_heads,))
     if leaf in ("kernel", "embedding"):
         return kernels[module]
     if leaf == "bias" and module in kernels:

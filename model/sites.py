@@ -102,6 +102,11 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site == RESID_MID and not config.has_resid_mid:
         return (f"{config.model_type} has a parallel residual: attention and the MLP both read the block's input, "
                 f"so no stream exists between them (hook_resid_pre, hook_attn_out and hook_mlp_out do)")
+    if site == ATTN_Z and config.deltanet is not None and (layer is None and not config.attention_layers
+                                                           or layer is not None and config.is_deltanet(layer)):
+        where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
+        return (f"{where} mixes with Gated DeltaNet: no attention heads (hook_attn_out is what the mixer adds); "
+                f"its attention blocks are {_spans(config.attention_layers) or 'none'}")
     if site == LN2_NORMALIZED and not config.has_mlp_norm:
         return f"{config.model_type}'s MLP reads the stream without a norm before it (mlp.hook_in is its input)"
     return None

@@ -211,7 +211,7 @@ def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
     ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
     ("gemma3", "Gemma3ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel"), ("gpt_neox", "GPTNeoXForCausalLM"),
     ("olmo2", "Olmo2ForCausalLM"), ("phi3", "Phi3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
-    ("smollm3", "SmolLM3ForCausalLM")])
+    ("smollm3", "SmolLM3ForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM")])
 def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     """A config.json that gives almost nothing: every default is transformers' own."""
     minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}
