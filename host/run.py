@@ -66,7 +66,6 @@ from model.attention import attention_for
 from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
-from model.generate import check_generates
 from model.sharding import make_mesh
 from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
@@ -202,8 +201,6 @@ def check_model(config: HostConfig) -> None:
     model_dir = config.model_dir()
     model = load_config(model_dir)
     attention_for(None, config.attention, model, None if config.dtype == "auto" else config.dtype)
-    if config.generate is not None:
-        check_generates(model)
     if config.stop and generation_tokenizer(config.tokenizer, model_dir) is None:
         raise UserError("--stop finds strings in a continuation's text, which needs a tokenizer: the checkpoint has "
                         "none, pass --tokenizer")

@@ -254,17 +254,21 @@ class Attention(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet mixer (``DecoderConfig.deltanet``; the recurrence: ``model.deltanet``), as
-    transformers' ``Qwen3_5GatedDeltaNet`` computes it. No cache: decoding through it is not
-    implemented (refused before a model loads)."""
+    transformers' ``Qwen3_5GatedDeltaNet`` computes it. Its cache for decoding (``model.generate``)
+    is (the convolution's last K - 1 inputs [B, K - 1, C] in the compute dtype, the recurrent
+    state [B, Hv, Dk, Dv] in float32): a prefill leaves each row's as of its last real token, a
+    step advances every row by one position."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None
     chunk_size: int = 64
 
     @nn.compact
-    def __call__(self, x, mask):
+    def __call__(self, x, mask, cache=None, cache_index=None):
         """x: [B, S, H] in ``dtype``; ``mask`` [B, S, T] (causal_mask's): each row's length is its
-        diagonal's count of real positions. -> [B, S, H]."""
+        diagonal's count of real positions. ``cache``: None (no decoding), or the states a prefill
+        (``cache_index`` a scalar) replaces or a step (``cache_index`` [B], S = 1) advances.
+        -> ([B, S, H], the new cache or None)."""
         c, d = self.config, self.config.deltanet
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
@@ -277,23 +281,37 @@ class GatedDeltaNet(nn.Module):
         weight = self.param("conv1d", nn.initializers.normal(0.02), (conv_dim, 1, d.conv_kernel), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (d.num_value_heads,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (d.num_value_heads,), self.dtype)
-        mixed = causal_conv(mixed, weight[:, 0, :])                                   # [B, S, C] in dtype
+        stepping = cache is not None and jnp.ndim(cache_index) == 1
+        taps = d.conv_kernel - 1
+        if stepping:  # one position a row: the convolution reads the cached inputs before it
+            window = jnp.concatenate([cache[0], mixed], axis=1)                      # [B, K, C]
+            conv_state = window[:, 1:]
+            mixed = causal_conv(window, weight[:, 0, :])[:, -1:]                      # [B, 1, C]
+        else:
+            lengths = jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)  # [B]
+            if cache is not None:  # each row's last K - 1 inputs (zeros before its first)
+                where = lengths[:, None] - taps + jnp.arange(taps)[None, :]             # [B, K - 1]
+                kept = jnp.take_along_axis(mixed, jnp.clip(where, 0, s - 1)[..., None], axis=1)
+                conv_state = jnp.where((where >= 0)[..., None], kept, 0).astype(mixed.dtype)
+            mixed = causal_conv(mixed, weight[:, 0, :])                               # [B, S, C] in dtype
         q, k, v = jnp.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
         q = q.reshape(b, s, d.num_key_heads, d.key_head_dim)
         k = k.reshape(b, s, d.num_key_heads, d.key_head_dim)
         v = v.reshape(b, s, d.num_value_heads, d.value_head_dim)
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-        lengths = jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)  # [B]
-        g, beta = deltanet.masked_gates(g, beta, lengths)
-        out, _ = deltanet.chunked(q, k, v, g, beta, chunk_size=self.chunk_size)       # [B, S, Hv, Dv] float32
+        if stepping:
+            out, state = deltanet.recurrent(q, k, v, g, beta, cache[1])                # [B, 1, Hv, Dv] float32
+        else:
+            g, beta = deltanet.masked_gates(g, beta, lengths)  # padding neither decays nor writes the state
+            out, state = deltanet.chunked(q, k, v, g, beta, chunk_size=self.chunk_size)  # [B, S, Hv, Dv] float32
         out = out.astype(self.dtype)
         norm_weight = self.param("norm", nn.initializers.ones, (d.value_head_dim,), self.dtype)
         o32 = out.astype(jnp.float32)
         normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)).astype(self.dtype)
         gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
-        return project(c.hidden_size, "out_proj")(out)
+        return project(c.hidden_size, "out_proj")(out), None if cache is None else (conv_state, state)
 
 
 def causal_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -406,7 +424,8 @@ class DecoderLayer(nn.Module):
         block_in = x
         attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x
         if self.deltanet:
-            attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask), None
+            attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
+                                                                                      cache_index)
         else:
             attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window,
                                             name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,

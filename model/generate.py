@@ -91,13 +91,6 @@ def chosen_tokens(logits: jax.Array, keys: jax.Array | None, sampling: Sampling)
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
-def check_generates(config: DecoderConfig) -> None:
-    """``UserError`` in one line for a model this decoder cannot continue yet."""
-    if config.deltanet is not None:
-        raise UserError(f"generation through {config.model_type}'s Gated DeltaNet blocks is not implemented yet (their "
-                        "recurrent state is not carried from step to step); extraction is")
-
-
 class Generator:
     """Continuations of batches of prompts, compiled once per (rows, prompt bucket, new tokens,
     sampling without its seed, stop-list width)."""
@@ -109,7 +102,6 @@ class Generator:
         learned positions it may not outgrow their table. ``mesh``: the one ``params`` live on
         (``model.loading.load_model``'s): a batch's rows, and their caches, are split over its
         ``data`` axis (None: one device)."""
-        check_generates(config)
         if config.positions == "learned" and cache_length > config.max_position_embeddings:
             raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
                             f"{config.max_position_embeddings} tokens (pass --max_seq_length "
@@ -123,11 +115,18 @@ class Generator:
         self.buckets = bucket_lengths(cache_length)
 
     def cache_bytes(self, rows: int) -> int:
-        """Bytes of the key/value cache of ``rows`` rows (keys and values of every layer, each
-        [rows, cache_length, kv heads, head_dim] in the compute dtype)."""
-        c = self.config
-        return (2 * c.num_hidden_layers * rows * self.cache_length * c.num_key_value_heads * c.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        """Bytes of the cache of ``rows`` rows (``_empty_cache``'s): keys and values of every
+        attention block, [rows, cache_length, kv heads, head_dim] each in the compute dtype; the
+        convolution's inputs and the recurrent state of every Gated DeltaNet block."""
+        c, itemsize = self.config, jnp.dtype(self.dtype).itemsize
+        attention = 2 * rows * self.cache_length * c.num_key_value_heads * c.head_dim * itemsize
+        total = len(c.attention_layers) * attention
+        if c.deltanet is not None:
+            d = c.deltanet
+            states = rows * ((d.conv_kernel - 1) * (2 * d.key_dim + d.value_dim) * itemsize
+                             + d.num_value_heads * d.key_head_dim * d.value_head_dim * 4)
+            total += len(d.layers) * states
+        return total
 
     def rows_that_fit(self, requested: int, free_bytes: int | None) -> int:
         """Prompts continued together: ``requested``, halved until the cache of a device's share
@@ -150,10 +149,20 @@ class Generator:
         return rows
 
     def _empty_cache(self, rows: int):
+        """Per block: keys and values [B, T, K, D], or a Gated DeltaNet block's states
+        (``model.decoder.GatedDeltaNet``)."""
         c = self.config
         shape = (rows, self.cache_length, c.num_key_value_heads, c.head_dim)  # [B, T, K, D]
-        return [(self._rows_split(jnp.zeros(shape, self.dtype)), self._rows_split(jnp.zeros(shape, self.dtype)))
-                for _ in range(c.num_hidden_layers)]
+        zeros = lambda shape, dtype=self.dtype: self._rows_split(jnp.zeros(shape, dtype))
+        out = []
+        for layer in range(c.num_hidden_layers):
+            if c.is_deltanet(layer):
+                d = c.deltanet
+                out.append((zeros((rows, d.conv_kernel - 1, 2 * d.key_dim + d.value_dim)),            # [B, K-1, C]
+                            zeros((rows, d.num_value_heads, d.key_head_dim, d.value_head_dim), jnp.float32)))
+            else:
+                out.append((zeros(shape), zeros(shape)))
+        return out
 
     def _rows_split(self, x: jax.Array) -> jax.Array:
         """``x`` [B, ...] with its rows over the mesh's ``data`` axis (unchanged without a mesh)."""

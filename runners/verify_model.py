@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import load_config
 from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
-from model.generate import STOP_TOKEN, Generator, check_generates, stop_token_ids
+from model.generate import STOP_TOKEN, Generator, stop_token_ids
 from model.loading import load_model
 from model.report import PromptResult, report_text
 from model.settings import ModelSettings, SiteSettings
@@ -55,7 +55,6 @@ def main(argv: list[str]) -> int:
     dtype = resolve_dtype(config.dtype)
     model_dir = config.model_dir()
     model_config = load_config(model_dir)  # checked before it loads
-    check_generates(model_config)
     check_model_fits(model_config, config.sites, config.max_seq_length,
                      validate_layers(config.layers_to_extract or range(model_config.num_hidden_layers), model_config))
     loaded = load_model(model_dir, dtype, config.mesh_type, with_head=True)

@@ -1,6 +1,7 @@
 """Qwen3.5 (Gated DeltaNet blocks beside gated full attention) through the one decoder: every
 block and site against transformers' float64 forward, prompts of different lengths padded in one
-batch, bfloat16, a 2d mesh; what is not implemented yet refused in one line."""
+batch, bfloat16, a 2d mesh, greedy generation carrying the DeltaNet state; what a DeltaNet block
+lacks refused in one line."""
 
 import jax
 import numpy as np
@@ -74,7 +75,6 @@ def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path,
     (["--sites", "attn.hook_z"], "--sites attn.hook_z: block 0 mixes with Gated DeltaNet: no attention heads"),
     (["--sites", "attn.hook_z", "--layers_to_extract", "2"], None),  # the attention block has heads
     (["--ablate", "head:1.0"], "block 1 mixes with Gated DeltaNet: it has no attention heads (attn:1 removes"),
-    (["--generate", "4"], "generation through qwen3_5's Gated DeltaNet blocks is not implemented yet"),
 ])
 def test_what_a_deltanet_block_lacks_is_refused_before_the_model_loads(checkpoint, tmp_path, flags, message):
     write_stream(tmp_path / "stream.jsonl", checkpoint, count=2)
@@ -87,12 +87,53 @@ def test_what_a_deltanet_block_lacks_is_refused_before_the_model_loads(checkpoin
     assert not (tmp_path / "out").exists()
 
 
-def test_verify_model_refuses_it_before_it_loads(checkpoint, tmp_path):
-    result = run_in_process("runners.verify_model", "--model_path", checkpoint, "--output", str(tmp_path / "r.txt"))
-    errors = [line for line in result.stderr.splitlines() if ": error: " in line]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "generation through qwen3_5's Gated DeltaNet blocks is not implemented yet" in errors[0]
-    assert not (tmp_path / "r.txt").exists()
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory):
+    """Wide weights: peaked, varied logits, so that greedy continuations rarely meet a near tie."""
+    from fixtures.tiny_models import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("qwen3_5_varied"), "qwen3_5", seed=4, initializer_range=0.5)
+
+
+def test_greedy_generation_carries_the_deltanet_state_as_transformers_does(varied):
+    """32 tokens after prompts of 40, 23 and 9 tokens in one batch: each row's convolution
+    inputs and recurrent state taken at its own length by the prefill, then advanced a step at
+    a time; each continuation equals transformers' generate of its prompt alone."""
+    import torch
+    from fixtures.hf_reference import agreeing_prefix
+    from model.generate import Generator
+    from model.loading import load_model
+    loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
+    generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
+    assert generator.cache_bytes(4) == sum(a.nbytes + b.nbytes for a, b in generator._empty_cache(4))
+    prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
+    reference = load_reference(varied, "float32")
+    for prompt, ours in zip(prompts, generator.continuations(prompts, 32)):
+        result = reference.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=32,
+            do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        theirs = result.sequences[0, len(prompt):].tolist()
+        compared, equal = agreeing_prefix(ours.tokens, theirs, result.logits)
+        assert compared == equal == 32 and len(set(theirs)) >= 8, (len(prompt), ours.tokens, theirs)
+
+
+def test_the_runner_stores_what_the_model_wrote_as_transformers_computes_it(checkpoint, tmp_path):
+    """(The narrow weights: the wide ones' values reach ~200, and transformers' DeltaNet computes
+    in float32 even in a float64 model, so its own error there is ~1e-5.)"""
+    from tests.test_generate_runner import stored as stored_entries
+    records = {r["sample_id"]: r for r in write_stream(tmp_path / "stream.jsonl", checkpoint, count=3)}
+    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint,
+                                                        "--generate", "8", "--layers_to_extract", "1,2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = load_reference(checkpoint, "float64")
+    entries = stored_entries(tmp_path / "out" / "machine_000")
+    assert sorted(entries) == sorted(records)
+    for sample_id, layers in entries.items():
+        generation = layers[1]["generation"]
+        assert generation["num_tokens"] == 8 and generation["finish"] == "length"
+        prompt = records[sample_id]["input_ids"][:generation["prompt_tokens"]]  # cut to leave room for 8
+        expected = reference_activations(reference, [prompt + generation["token_ids"]])[0]
+        for layer in (1, 2):
+            assert relative_error(layers[layer]["activation"], expected[layer]) <= 1e-5, (sample_id, layer)
 
 
 def test_the_multimodal_checkpoints_text_config_reads_as_the_text_model(checkpoint):
