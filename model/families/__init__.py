@@ -26,6 +26,8 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "smollm3": (smollm3, smollm3.ARCHITECTURES),
     "qwen3_5_text": (qwen3_5, qwen3_5.ARCHITECTURES),
     "qwen3_5": (qwen3_5, qwen3_5.WRAPPER_ARCHITECTURES),
+    "qwen3_5_moe_text": (qwen3_5, qwen3_5.MOE_ARCHITECTURES),
+    "qwen3_5_moe": (qwen3_5, qwen3_5.MOE_WRAPPER_ARCHITECTURES),
     "phi3": (phi3, phi3.ARCHITECTURES),
     "qwen2_moe": (qwen2_moe, qwen2_moe.ARCHITECTURES),
     "qwen3_moe": (qwen3_moe, qwen3_moe.ARCHITECTURES),
