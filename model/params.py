@@ -104,6 +104,7 @@ class Layout:
     moe_tensors: str = "mlp"            # a mixture of experts' tensors, below the block (gate, experts.E...)
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's, below <moe_tensors>.experts.E
     norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
+    deltanet_fused: bool = False        # DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba: Qwen3-Next)
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -146,7 +147,7 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     c = config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     if c.is_deltanet(layer):
-        yield from _deltanet(f"{hf}.linear_attn")
+        yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c).deltanet_fused)
     elif fused:
         for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(0, [q, kv, kv])):
             yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, part)
@@ -172,15 +173,42 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
 
 
-def _deltanet(hf: str):
-    """A Gated DeltaNet mixer's tensors (``model.decoder.GatedDeltaNet``), all as transformers names
-    them; the convolution's weight [channels, 1, taps] as it is stored."""
-    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-        yield from _linear(f"{hf}.{proj}", ("linear_attn", proj), False)
+def _deltanet(config: DecoderConfig, hf: str, fused: bool = False):
+    """A Gated DeltaNet mixer's tensors (``model.decoder.GatedDeltaNet``), as transformers names
+    them; the convolution's weight [channels, 1, taps] as it is stored. ``fused``: Qwen3-Next's
+    ``in_proj_qkvz`` (per key head: its q, its k, its value heads' v, their z) and ``in_proj_ba``
+    (per key head: its value heads' b, their a), taken apart into ours."""
+    if fused:
+        for proj, part in _fused_deltanet_parts(config.deltanet):
+            yield from _linear(f"{hf}.{'in_proj_ba' if proj in ('in_proj_b', 'in_proj_a') else 'in_proj_qkvz'}",
+                               ("linear_attn", proj), False, part)
+        yield from _linear(f"{hf}.out_proj", ("linear_attn", "out_proj"), False)
+    else:
+        for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            yield from _linear(f"{hf}.{proj}", ("linear_attn", proj), False)
     yield ("linear_attn", "conv1d"), Source(f"{hf}.conv1d.weight")
     for name in ("dt_bias", "A_log"):
         yield ("linear_attn", name), Source(f"{hf}.{name}")
     yield ("linear_attn", "norm"), Source(f"{hf}.norm.weight")
+
+
+def _fused_deltanet_parts(d) -> list[tuple[str, tuple[int, np.ndarray, int]]]:
+    """(our projection, its rows of Qwen3-Next's fused tensor) for in_proj_qkv (all q, all k, all
+    v), in_proj_z, in_proj_b and in_proj_a: the fused rows go per key head j, [q_j, k_j, v_j, z_j]
+    and [b_j, a_j], where v_j, z_j, b_j, a_j belong to its num_value_heads / num_key_heads value heads."""
+    g = d.num_value_heads // d.num_key_heads
+    group = 2 * d.key_head_dim + 2 * g * d.value_head_dim            # rows per key head in in_proj_qkvz
+    starts = np.arange(d.num_key_heads)[:, None] * group             # [Hk, 1]
+    rows = lambda offset, width: (starts + offset + np.arange(width)[None, :]).reshape(-1)
+    qkvz = group * d.num_key_heads
+    q, k = rows(0, d.key_head_dim), rows(d.key_head_dim, d.key_head_dim)
+    v, z = rows(2 * d.key_head_dim, g * d.value_head_dim), rows(2 * d.key_head_dim + g * d.value_head_dim,
+                                                                g * d.value_head_dim)
+    ba_starts = np.arange(d.num_key_heads)[:, None] * 2 * g
+    b, a = ((ba_starts + offset + np.arange(g)[None, :]).reshape(-1) for offset in (0, g))
+    ba = 2 * g * d.num_key_heads
+    return [("in_proj_qkv", (0, np.concatenate([q, k, v]), qkvz)), ("in_proj_z", (0, z, qkvz)),
+            ("in_proj_b", (0, b, ba)), ("in_proj_a", (0, a, ba))]
 
 
 def _gpt2_block(config: DecoderConfig, hf: str, layer: int):
@@ -221,7 +249,9 @@ GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _
 # Mixtral's checkpoints keep its mixture of experts' tensors under ``block_sparse_moe`` (transformers 5's
 # module is ``mlp``), its experts' projections named w1 (gate), w3 (up), w2 (down).
 MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w1", "w3", "w2"))
-LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL}  # every other family: LLAMA
+QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
+LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,  # every other family: LLAMA
+           "qwen3_next": QWEN3_NEXT}
 
 
 def layout_of(config: DecoderConfig) -> Layout:

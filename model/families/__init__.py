@@ -8,7 +8,7 @@ from types import ModuleType
 from common.cli import UserError
 from model.config import DecoderConfig
 from model.families import (gemma2, gemma3, gpt2, gpt_neox, llama, mistral, mixtral, olmo2, olmo3, olmoe, phi3,
-                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, smollm3)
+                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -28,6 +28,7 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "qwen3_5": (qwen3_5, qwen3_5.WRAPPER_ARCHITECTURES),
     "qwen3_5_moe_text": (qwen3_5, qwen3_5.MOE_ARCHITECTURES),
     "qwen3_5_moe": (qwen3_5, qwen3_5.MOE_WRAPPER_ARCHITECTURES),
+    "qwen3_next": (qwen3_next, qwen3_next.ARCHITECTURES),
     "phi3": (phi3, phi3.ARCHITECTURES),
     "qwen2_moe": (qwen2_moe, qwen2_moe.ARCHITECTURES),
     "qwen3_moe": (qwen3_moe, qwen3_moe.ARCHITECTURES),

@@ -12,7 +12,7 @@ gated full attention: ``q_proj`` writes each head's query and a gate, the heads'
 multiplied by sigmoid(gate) before ``o_proj``, q and k RMS-normed per head. Every RMSNorm scales
 by (1 + w) in float32; RoPE rotates the first quarter of each head (``partial_rotary_factor``).
 Text positions are the same on the three M-RoPE axes, so ``mrope_section`` changes nothing here.
-Qwen3-Next is another family (refused)."""
+Qwen3-Next (``model.families.qwen3_next``) is the same decoder with its tensors fused otherwise."""
 
 from __future__ import annotations
 
@@ -48,16 +48,21 @@ def decoder_config(raw: dict) -> DecoderConfig:
                "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
     moe = raw.get("model_type") == "qwen3_5_moe_text"
     f = Fields(raw, MOE_DEFAULTS if moe else DEFAULTS, "qwen3_5_moe" if moe else "qwen3_5")
-    config = shapes(f)
-    n = config["num_hidden_layers"]
-    params, where = rope_parameters(f)
-    bias = bool(f.get("attention_bias"))
     experts = mixture_of_experts(f, "moe_intermediate_size", normalize_top_k=True,
                                  shared_expert_size=f.number("shared_expert_intermediate_size")) if moe else None
+    return hybrid_config(f, experts)
+
+
+def hybrid_config(f: Fields, moe=None) -> DecoderConfig:
+    """Qwen3.5's decoder (Qwen3-Next's too): DeltaNet and gated-attention blocks, (1 + w) norms,
+    partial RoPE; ``moe`` in place of the MLP where given."""
+    config = shapes(f)
+    params, where = rope_parameters(f)
+    bias = bool(f.get("attention_bias"))
     return DecoderConfig(f.family, **config, rope=rope(f, params, where, f.get("rope_theta"), partial=True),
                          rotary_dim=rotary_dim(f, params, where, config["head_dim"], default=0.25),
                          qkv_bias=bias, o_bias=bias, qk_norm=True, norm_unit_offset=True, attn_output_gate=True,
-                         deltanet=gated_deltanet(f, linear_layers(f, n)), moe=experts,
+                         deltanet=gated_deltanet(f, linear_layers(f, config["num_hidden_layers"])), moe=moe,
                          hidden_act=activation(f, "hidden_act"))
 
 
