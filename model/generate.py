@@ -115,18 +115,10 @@ class Generator:
         self.buckets = bucket_lengths(cache_length)
 
     def cache_bytes(self, rows: int) -> int:
-        """Bytes of the cache of ``rows`` rows (``_empty_cache``'s): keys and values of every
-        attention block, [rows, cache_length, kv heads, head_dim] each in the compute dtype; the
-        convolution's inputs and the recurrent state of every Gated DeltaNet block."""
-        c, itemsize = self.config, jnp.dtype(self.dtype).itemsize
-        attention = 2 * rows * self.cache_length * c.num_key_value_heads * c.head_dim * itemsize
-        total = len(c.attention_layers) * attention
-        if c.deltanet is not None:
-            d = c.deltanet
-            states = rows * ((d.conv_kernel - 1) * (2 * d.key_dim + d.value_dim) * itemsize
-                             + d.num_value_heads * d.key_head_dim * d.value_head_dim * 4)
-            total += len(d.layers) * states
-        return total
+        """Bytes of the cache of ``rows`` rows: ``_empty_cache``'s arrays, by their shapes alone
+        (nothing is allocated)."""
+        shapes = jax.eval_shape(lambda: self._empty_cache(rows))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
     def rows_that_fit(self, requested: int, free_bytes: int | None) -> int:
         """Prompts continued together: ``requested``, halved until the cache of a device's share

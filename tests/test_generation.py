@@ -105,7 +105,8 @@ def test_rows_split_over_a_mesh_continue_as_on_one_device(checkpoint, generator,
 
 def test_the_cache_is_sized_before_compiling_and_a_batch_that_cannot_fit_is_halved(generator):
     from common.cli import UserError
-    assert generator.cache_bytes(4) == sum(k.nbytes + v.nbytes for k, v in generator._empty_cache(4))
+    c = generator.config  # keys and values of every block, [rows, 96 positions, kv heads, head_dim] in float32
+    assert generator.cache_bytes(4) == 2 * c.num_hidden_layers * 4 * 96 * c.num_key_value_heads * c.head_dim * 4
     one = generator.cache_bytes(1)
     assert generator.rows_that_fit(8, 16 * one) == 8  # a cache may take half of what is free
     assert generator.rows_that_fit(8, 15 * one) == 4

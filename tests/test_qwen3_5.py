@@ -112,7 +112,9 @@ def test_greedy_generation_carries_the_deltanet_state_as_transformers_does(varie
     from model.loading import load_model
     loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
     generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
-    assert generator.cache_bytes(4) == sum(a.nbytes + b.nbytes for a, b in generator._empty_cache(4))
+    # 4 rows in float32: 1 attention block's keys and values [128, 2, 16]; 4 DeltaNet blocks' states
+    # [4, 8, 12] and last 3 convolution inputs of q | k | v (16 + 16 + 48)
+    assert generator.cache_bytes(4) == 4 * 4 * (2 * 128 * 2 * 16 + 4 * (4 * 8 * 12 + 3 * (16 + 16 + 48)))
     prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
     reference = load_reference(varied, "float32")
     for prompt, ours in zip(prompts, generator.continuations(prompts, 32)):
@@ -144,13 +146,14 @@ def test_the_runner_stores_what_the_model_wrote_as_transformers_computes_it(chec
             assert relative_error(layers[layer]["activation"], expected[layer]) <= 1e-5, (sample_id, layer)
 
 
-def test_the_multimodal_checkpoints_text_config_reads_as_the_text_model(checkpoint):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])  # Qwen3-Next ships as a causal LM only
+def test_the_multimodal_checkpoints_text_config_reads_as_the_text_model(family, tmp_path):
     import json
     import pathlib
+    from fixtures.tiny_models import write_checkpoint
     from model.config import config_from_dict
+    checkpoint = write_checkpoint(tmp_path / family, family, seed=4)
     text = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())
-    if text["model_type"] == "qwen3_next":
-        pytest.skip("Qwen3-Next ships as a causal LM only")
     moe = text["model_type"] == "qwen3_5_moe_text"
     wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
                "model_type": "qwen3_5_moe" if moe else "qwen3_5", "tie_word_embeddings": False, "text_config": text}
