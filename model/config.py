@@ -31,7 +31,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # weights and matmuls; ``auto`` picks 
 STORED_DTYPES = ("float32", "float16", "bfloat16")  # activations as stored or handed to a trainer
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "proportional")
 # The MLP activations, by transformers' names: gelu_pytorch_tanh and gelu_new are the same tanh
 # approximation (Gemma's name, GPT-2's); gelu is the exact (erf) one (GPT-NeoX).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
@@ -44,11 +44,13 @@ QK_NORM_SCOPES = ("head", "projection")  # q/k normed per head over head_dim | o
 class RoPE:
     """The rotary embedding of one layer type (transformers' ``rope_parameters``)."""
     theta: float
-    kind: str = "default"               # default | linear | llama3
-    factor: float = 1.0                 # linear, llama3: frequencies divided by it
+    kind: str = "default"               # default | linear | llama3 | proportional
+    factor: float = 1.0                 # linear, llama3, proportional: frequencies divided by it
     low_freq_factor: float = 1.0        # llama3: wavelengths past context/low are divided by factor
     high_freq_factor: float = 4.0       # llama3: wavelengths under context/high are kept
     original_max_position_embeddings: int = 8192  # llama3: the context the factors refer to
+    fraction: float = 1.0               # proportional: the share of each head's pairs that rotate, at the
+                                        # frequencies of the whole head's; the others get frequency 0 (Gemma 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +154,45 @@ class DecoderConfig:
     attn_output_gate: bool = False       # q_proj writes each head's query and a gate; the head's output is
                                          # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     deltanet: DeltaNet | None = None     # Gated DeltaNet mixers in place of attention on deltanet.layers
+    global_head_dim: int | None = None   # full-attention blocks' head size where it differs (Gemma 4)
+    global_key_value_heads: int | None = None  # and their kv heads where those differ
+    attention_k_eq_v: bool = False       # full-attention blocks have no v_proj: the values are k_proj's output
+                                         # (before k's norm and RoPE), through the value norm (Gemma 4)
+    value_norm: bool = False             # values divided by their rms per head, without a weight (Gemma 4)
+    kv_shared_layers: int = 0            # the last N blocks compute no keys/values: each attends to those of
+                                         # the last earlier block of its layer type (Gemma 4)
+    double_wide_mlp: bool = False        # those N blocks' MLPs are 2 x intermediate_size wide (Gemma 4)
+    per_layer_input_size: int = 0        # per-layer embeddings of this width, one slice per block, gating an
+                                         # addition after the MLP (Gemma 4's PLE); 0: none
+    per_layer_vocab_size: int = 0        # the per-layer embedding table's rows
+    layer_scalar: bool = False           # each block's output multiplied by its learned scalar (Gemma 4)
+
+    def layer_config(self, layer: int) -> "DecoderConfig":
+        """The config as block ``layer`` sees it: its head size, kv heads and MLP width where
+        blocks differ (Gemma 4's full-attention and kv-sharing blocks); this config elsewhere."""
+        changes = {}
+        if self.window(layer) is None:  # a full-attention block
+            if self.global_head_dim:
+                changes["head_dim"] = self.global_head_dim
+            if self.global_key_value_heads:
+                changes["num_key_value_heads"] = self.global_key_value_heads
+        if self.double_wide_mlp and self.kv_source(layer) is not None:
+            changes["intermediate_size"] = 2 * self.intermediate_size
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def kv_source(self, layer: int) -> int | None:
+        """The block whose keys and values block ``layer`` attends to instead of its own (the
+        last block before the shared ones with its layer type), or None: its own."""
+        first_shared = self.num_hidden_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return None
+        kind = self.layer_types[layer] if self.layer_types else FULL
+        return max(i for i in range(first_shared) if (self.layer_types[i] if self.layer_types else FULL) == kind)
+
+    @property
+    def max_head_dim(self) -> int:
+        """The widest head of any block (what per-head arrays over blocks are padded to)."""
+        return max(self.layer_config(i).head_dim for i in range(self.num_hidden_layers))
 
     @property
     def kv_groups(self) -> int:

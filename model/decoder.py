@@ -187,10 +187,12 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
-                 heads=None, norms=None):
+                 heads=None, norms=None, kv_from: KVCache | None = None):
         """x: [B, S, H] in ``dtype``. ``heads`` (keep [N] bool, fill [N] bool, mean [N, D]): a head
         not kept has its output (its slice of the o_proj input) replaced by zero, or with
-        ``fill`` by its mean. ``norms``: the block's norm ablation, for the q/k norms."""
+        ``fill`` by its mean. ``norms``: the block's norm ablation, for the q/k norms.
+        ``kv_from``: another block's keys and values (what it returned) to attend to instead of
+        computing any (a kv-sharing block: ``DecoderConfig.kv_shared_layers``); its cache then."""
         c = self.config
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
@@ -200,8 +202,13 @@ class Attention(nn.Module):
         if c.attn_output_gate:  # per head: its query, then its gate (Qwen3.5)
             q, gate = jnp.split(q.reshape(b, s, c.num_attention_heads, 2 * c.head_dim), 2, axis=-1)  # [B, S, N, D]
             q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)  # [B, S, N*D]
-        k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x)  # [B, S, K*D]
-        v = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
+        shared = kv_from is not None
+        k = v = None
+        if not shared:
+            k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x)  # [B, S, K*D]
+            # Gemma 4's full layers: the values are the keys' projection (normed apart below).
+            k_eq_v = c.attention_k_eq_v and self.window is None
+            v = k if k_eq_v else project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
         # q/k norms before RoPE, float32 out with a wide stream (RoPE follows): over the whole
         # projection (OLMo 2) before the split into heads, or per head over head_dim after it.
         qk_norm = lambda name, y: norm_for(c, name, self.dtype, self.residual_dtype, keep_wide=True)(y, norms)
@@ -210,29 +217,38 @@ class Attention(nn.Module):
         if c.clip_qkv is not None:  # OLMoE: after the norms, before the split into heads
             q, k, v = (jnp.clip(y, -c.clip_qkv, c.clip_qkv) for y in (q, k, v))
         q = q.reshape(b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
-        k = k.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
-        v = v.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
+        if not shared:
+            k = k.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
+            v = v.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
         if c.qk_norm and c.qk_norm_scope == "head":
-            q, k = qk_norm("q_norm", q), qk_norm("k_norm", k)
+            q, k = qk_norm("q_norm", q), k if shared else qk_norm("k_norm", k)
+        if c.value_norm and not shared:  # v / rms(v) per head, without a weight (Gemma 4)
+            v32 = v.astype(jnp.float32)
+            v = (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + c.norm_eps)).astype(v.dtype)
         if cos is not None:  # RoPE (learned positions were added to the embeddings instead)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), k if shared else apply_rope(k, cos, sin)
         divisor = c.query_scale_divisor
         prescaled = accumulate is not None
         if prescaled:  # rotated and scaled in float32, rounded once to matmul operands
             q = q / divisor
-            q, k, v = q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype)
-        if cache is not None:  # write this step's keys/values, attend over the whole cache
+            q = q.astype(self.dtype)
+            if not shared:
+                k, v = k.astype(self.dtype), v.astype(self.dtype)
+        if shared:  # already normed, rotated, rounded (and written to its block's cache)
+            k, v = kv_from
+        elif cache is not None:  # write this step's keys/values, attend over the whole cache
             k, v = cache_written(cache[0], k, cache_index), cache_written(cache[1], v, cache_index)  # [B, T, K, D]
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
         divisor = None if prescaled else divisor
         precision = precision_for(self.dtype)
-        if cache is None and self.attention in ("fused", "cudnn"):
+        cached = cache is not None or (shared and cache_index is not None)
+        if not cached and self.attention in ("fused", "cudnn"):
             # The kernel scales by 1/sqrt(D) unless told otherwise.
             default = c.query_pre_attn_scalar in (None, c.head_dim)
             scale = 1.0 if prescaled else (None if default else 1 / divisor)
             out = fused_attention(q, k, v, mask, precision, scale, self.window,
                                   "cudnn" if self.attention == "cudnn" else None)
-        elif cache is None:
+        elif not cached:
             out = causal_attention(q, k, v, mask, precision, self.mesh, accumulate, divisor,
                                    c.attn_logit_softcap, self.window)
         else:
@@ -245,11 +261,12 @@ class Attention(nn.Module):
         self.sow("stats", "heads", out)
         if heads is not None:
             keep, fill, mean = heads
+            mean = mean[:, :c.head_dim]  # [N, D]: the means of every block are padded to the widest head
             replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
             out = jnp.where(keep[:, None], out, replaced)
         out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
         self.sow("sites", ATTN_Z, out)
-        return project(c.hidden_size, c.o_bias, "o_proj")(out), (k, v)
+        return project(c.hidden_size, c.o_bias, "o_proj")(out), None if shared else (k, v)
 
 
 class GatedDeltaNet(nn.Module):
@@ -415,8 +432,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
-                 ablation=None):
-        """``ablation``: this block's slice of ``model.interventions.ablation_arrays`` (None: none)."""
+                 ablation=None, kv_from: KVCache | None = None, per_layer_input: jax.Array | None = None):
+        """``ablation``: this block's slice of ``model.interventions.ablation_arrays`` (None: none);
+        ``kv_from``: the keys and values it attends to instead of its own (``Attention``);
+        ``per_layer_input`` [B, S, P]: its slice of the per-layer embeddings (Gemma 4)."""
         c, wide = self.config, self.residual_dtype
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
@@ -429,7 +448,7 @@ class DecoderLayer(nn.Module):
         else:
             attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window,
                                             name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,
-                                                              heads, norm)
+                                                              heads, norm, kv_from)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
         attn_out = _replaced(attn_out, a, "attn")
@@ -464,11 +483,57 @@ class DecoderLayer(nn.Module):
         self.sow("sites", MLP_OUT, mlp_out)
         # Added in transformers' order: (mlp + attn) + x for a parallel block.
         x = mlp_out + attn_out + x if c.parallel_residual else x + mlp_out
+        if per_layer_input is not None:
+            x = x + self.per_layer_addition(x, per_layer_input, norm)
+        if c.layer_scalar:  # the whole output scaled (Gemma 4)
+            scalar = self.param("layer_scalar", nn.initializers.ones, (1,), self.dtype)
+            x = x * scalar.astype(x.dtype)
         self.sow("stats", "contribution", x - block_in)
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
                                                                    jnp.zeros_like(x)))
         return x, new_cache
+
+
+    def per_layer_addition(self, x: jax.Array, per_layer_input: jax.Array, norm=None) -> jax.Array:
+        """What Gemma 4's per-layer embedding adds after the MLP: the stream x [B, S, H] gated
+        down to P by act(per_layer_input_gate(x)) * per_layer_input [B, S, P], projected back up
+        and normed (``norm``: the block's norm ablation) -> [B, S, H] (float32 with a wider stream)."""
+        c, wide = self.config, self.residual_dtype
+        accumulate = accumulation(self.dtype, wide)
+        gate = dense(c.per_layer_input_size, False, "per_layer_input_gate", self.dtype, accumulate)(
+            x.astype(self.dtype))  # [B, S, P]
+        gated = ACTIVATIONS[c.hidden_act](gate) * per_layer_input.astype(gate.dtype)  # [B, S, P]
+        up = dense(c.hidden_size, False, "per_layer_projection", self.dtype, accumulate)(gated.astype(self.dtype))
+        return norm_for(c, "post_per_layer_input_norm", self.dtype, wide, keep_wide=True)(up, norm)  # [B, S, H]
+
+
+class PerLayerInputs(nn.Module):
+    """Gemma 4's per-layer embeddings: for each token, a table row of [L, P] (x sqrt(P)) and a
+    projection of its embedding (/ sqrt(H), RMS-normed per block), averaged (x 1/sqrt(2)); block
+    i reads its [P] slice. The table and projection hold the blocks computed only (loaded so)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array, embeddings: jax.Array, num_layers: int) -> jax.Array:
+        """input_ids [B, S], embeddings [B, S, H] (scaled, in dtype) -> [B, S, L, P]."""
+        c = self.config
+        p = c.per_layer_input_size
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        width = num_layers * p
+        table = nn.Embed(c.per_layer_vocab_size, width, dtype=self.dtype, param_dtype=self.dtype,
+                         name="embed_tokens_per_layer")
+        scale = jnp.asarray(p ** 0.5, self.dtype)  # rounded to the dtype, as Hugging Face's embed_scale
+        tokens = table(input_ids) * scale  # [B, S, L*P]
+        # torch multiplies by a Python float in float32 and rounds once: so do these scalings.
+        scaled = lambda y, factor: (y.astype(jnp.float32) * factor).astype(y.dtype)
+        projected = dense(width, False, "per_layer_model_projection", self.dtype, accumulate)(embeddings)
+        projected = scaled(projected, c.hidden_size ** -0.5).reshape(*input_ids.shape, num_layers, p)
+        normed = norm_for(c, "per_layer_projection_norm", self.dtype, self.residual_dtype, keep_wide=True)(projected)
+        tokens = tokens.reshape(*input_ids.shape, num_layers, p).astype(normed.dtype)
+        return scaled(normed + tokens, 2.0 ** -0.5)  # [B, S, L, P]
 
 
 class Decoder(nn.Module):
@@ -490,19 +555,21 @@ class Decoder(nn.Module):
         if c.positions == "learned":
             self.embed_positions = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
                                             param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, self.mesh, self.chunk_tokens, self.attention,
+        self.layers = [DecoderLayer(c.layer_config(i), self.dtype, self.mesh, self.chunk_tokens, self.attention,
                                     self.residual_dtype, c.window(i), self.mlp_hidden, c.is_sparse(i),
                                     self.moe_dispatch, self.routing_sites, c.is_deltanet(i), name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
+        if c.per_layer_input_size:
+            self.per_layer_inputs = PerLayerInputs(c, self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = dense(c.vocab_size, False, "lm_head", self.dtype,
                                  accumulation(self.dtype, self.residual_dtype))
 
-    def embed(self, input_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def embed(self, input_ids: jax.Array, positions: jax.Array, dtype: Any = None) -> jax.Array:
         """The residual stream's start [B, S, H]: embeddings (x sqrt(H) where ``scale_embeddings``,
         the factor rounded to the compute dtype as Hugging Face does; plus the learned position
-        embeddings where ``positions`` is learned), in the residual dtype."""
+        embeddings where ``positions`` is learned), in the residual dtype (or ``dtype``)."""
         x = self.embed_tokens(input_ids)  # [B, S, H]
         if self.config.positions == "learned":
             # Clipped: padding past the table (a bucket longer than the sequence) must not read
@@ -512,9 +579,10 @@ class Decoder(nn.Module):
                 return x.astype(self.residual_dtype) + table.astype(self.residual_dtype)
             return x + table
         scale = jnp.asarray(self.config.hidden_size ** 0.5, self.dtype) if self.config.scale_embeddings else None
-        if self.residual_dtype is not None:
-            x = x.astype(self.residual_dtype)
-            return x if scale is None else x * scale.astype(self.residual_dtype)
+        wide = self.residual_dtype if dtype is None else dtype
+        if wide is not None:
+            x = x.astype(wide)
+            return x if scale is None else x * scale.astype(wide)
         return x if scale is None else x * scale
 
     def __call__(self, input_ids, positions, mask, num_layers: int,
@@ -532,13 +600,21 @@ class Decoder(nn.Module):
         c = self.config
         x = self.embed(input_ids, positions)
         self.sow("sites", "embeddings", x)  # block 0's input
-        tables = {rope: rope_cos_sin(positions, c.rope_dim, rope) if rope is not None else (None, None)
-                  for rope in dict.fromkeys(c.rope_of(i) for i in range(num_layers))}  # cos, sin [B, S, rope_dim]
+        rotations = [(c.rope_of(i), c.layer_config(i).rope_dim) for i in range(num_layers)]
+        tables = {(rope, dim): rope_cos_sin(positions, dim, rope) if rope is not None else (None, None)
+                  for rope, dim in dict.fromkeys(rotations)}  # cos, sin [B, S, rope_dim]
+        per_layer = None
+        if c.per_layer_input_size:  # from the embeddings as the compute dtype has them
+            per_layer = self.per_layer_inputs(input_ids, self.embed(input_ids, positions, self.dtype),
+                                              num_layers)  # [B, S, L, P]
         outputs, new_caches = [], []
         for i in range(num_layers):
             block = None if ablation is None else {name: array[i] for name, array in ablation.items()}
-            x, cache = self.layers[i](x, *tables[c.rope_of(i)], mask, positions,
-                                      None if caches is None else caches[i], cache_index, block)
+            source = c.kv_source(i)  # a kv-sharing block attends to an earlier block's keys and values
+            x, cache = self.layers[i](x, *tables[rotations[i]], mask, positions,
+                                      None if caches is None or source is not None else caches[i], cache_index,
+                                      block, None if source is None else new_caches[source],
+                                      None if per_layer is None else per_layer[:, :, i])
             outputs.append(x)
             new_caches.append(cache)
         return outputs, new_caches

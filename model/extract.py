@@ -39,7 +39,7 @@ from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for
 from model.sharding import batch_sharding
 from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
-                         array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites)
+                         array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites, site_width)
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
@@ -219,7 +219,10 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 per_layer = [outputs[layer - 1] if layer else state["sites"]["embeddings"][0] for layer in layers]
             else:
                 per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in layers]
-            stacked = jnp.stack(per_layer)  # [len(layers), B, S, width]
+            widest = max(x.shape[-1] for x in per_layer)  # blocks may differ (Gemma 4): padded, cut on the host
+            stacked = jnp.stack([x if x.shape[-1] == widest else jnp.pad(x, ((0, 0),) * (x.ndim - 1)
+                                                                          + ((0, widest - x.shape[-1]),))
+                                 for x in per_layer])  # [len(layers), B, S, width]
             if select is not None:
                 stacked = selected_rows(stacked, *select, pool)  # [len(layers), B, K or 1, width]
             values[site] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
@@ -449,6 +452,12 @@ class Extractor:
             data.copy_to_host_async()  # starts the transfer as soon as the forward ends
         return InFlight(out, kept, len(sequences))
 
+    def _cut(self, values: np.ndarray, site: str, layer: int) -> np.ndarray:
+        """A block's [num_tokens, width] rows, without the padding of a site wider at other
+        blocks (Gemma 4's heads and MLPs; copied then, so that it stays contiguous)."""
+        width = site_width(site, self.config, layer)
+        return values if values.shape[-1] == width else np.ascontiguousarray(values[:, :width])
+
     def collect(self, batch: InFlight) -> list[dict[ArrayKey, np.ndarray] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per
         sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed (``None``
@@ -466,7 +475,7 @@ class Extractor:
                             n = batch.lengths[row]
                             # Keyed in storage order from the start, whichever site comes first.
                             arrays = results[row] = results[row] or dict.fromkeys(keys)
-                            arrays.update({array_key(site, layer): acts[j, i, :n]
+                            arrays.update({array_key(site, layer): self._cut(acts[j, i, :n], site, layer)
                                            for j, layer in enumerate(self.layers)})
         if self.activation_dtype == jnp.float16:
             for arrays in results:

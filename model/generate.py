@@ -141,14 +141,17 @@ class Generator:
         return rows
 
     def _empty_cache(self, rows: int):
-        """Per block: keys and values [B, T, K, D], or a Gated DeltaNet block's states
-        (``model.decoder.GatedDeltaNet``)."""
+        """Per block: keys and values [B, T, K, D] (None for a block that attends to another's:
+        Gemma 4's kv sharing), or a Gated DeltaNet block's states (``model.decoder.GatedDeltaNet``)."""
         c = self.config
-        shape = (rows, self.cache_length, c.num_key_value_heads, c.head_dim)  # [B, T, K, D]
         zeros = lambda shape, dtype=self.dtype: self._rows_split(jnp.zeros(shape, dtype))
         out = []
         for layer in range(c.num_hidden_layers):
-            if c.is_deltanet(layer):
+            own = c.layer_config(layer)
+            shape = (rows, self.cache_length, own.num_key_value_heads, own.head_dim)  # [B, T, K, D]
+            if c.kv_source(layer) is not None:
+                out.append(None)
+            elif c.is_deltanet(layer):
                 d = c.deltanet
                 out.append((zeros((rows, d.conv_kernel - 1, 2 * d.key_dim + d.value_dim)),            # [B, K-1, C]
                             zeros((rows, d.num_value_heads, d.key_head_dim, d.value_head_dim), jnp.float32)))

@@ -217,7 +217,7 @@ class Means:
     def check(self, config: DecoderConfig, num_layers: int) -> None:
         """``UserError`` unless these are means of this model's shape."""
         c = config
-        expected = {"head": (c.num_attention_heads, c.head_dim), "attn": (c.hidden_size,),
+        expected = {"head": (c.num_attention_heads, c.max_head_dim), "attn": (c.hidden_size,),
                     "mlp": (c.hidden_size,), "block": (c.hidden_size,)}
         for name, shape in expected.items():
             array = getattr(self, name)
@@ -233,7 +233,7 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     (``*_fill``: its mean, else zero, or a neutral norm weight), and the means. Shapes depend on the model only."""
     if intervention.needs_means and means is None:
         raise ValueError(f"{intervention.name} replaces by means: they are needed")
-    n, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    n, d, h = config.num_attention_heads, config.max_head_dim, config.hidden_size  # heads padded to the widest
     arrays = {"head_keep": np.ones((num_layers, n), bool), "head_fill": np.zeros((num_layers, n), bool)}
     for kind in ("attn", "mlp", "block", "norm"):
         arrays[f"{kind}_keep"] = np.ones(num_layers, bool)

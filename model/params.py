@@ -144,20 +144,23 @@ def _moe(config: DecoderConfig, hf: str):
 def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
     """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's, and the mixtures of experts'); ``fused``:
     Phi-3's qkv_proj and gate_up_proj, split at load time."""
-    c = config
+    c = config.layer_config(layer)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    # A kv-sharing block has no keys or values of its own; a Gemma 4 full block whose keys are its values no v.
+    own = ("q_proj",) if c.kv_source(layer) is not None else ("q_proj", "k_proj") if (
+        c.attention_k_eq_v and c.window(layer) is None) else ("q_proj", "k_proj", "v_proj")
     if c.is_deltanet(layer):
         yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c).deltanet_fused)
     elif fused:
         for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(0, [q, kv, kv])):
             yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, part)
     else:
-        for proj in ("q_proj", "k_proj", "v_proj"):
+        for proj in own:
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
     if not c.is_deltanet(layer):
         yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
     if c.qk_norm and not c.is_deltanet(layer):
-        for norm in ("q_norm", "k_norm"):
+        for norm in ("q_norm", "k_norm") if "k_proj" in own else ("q_norm",):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
     if c.is_sparse(layer):
         yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
@@ -171,6 +174,24 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
     for ours, theirs in block_norm_names(c).items():
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
+    if c.per_layer_input_size:  # Gemma 4's per-layer embedding's addition
+        for proj in ("per_layer_input_gate", "per_layer_projection"):
+            yield from _linear(f"{hf}.{proj}", (proj,), False)
+        yield from _norm(f"{hf}.post_per_layer_input_norm", ("post_per_layer_input_norm",), c)
+    if c.layer_scalar:
+        yield ("layer_scalar",), Source(f"{hf}.layer_scalar")
+
+
+def _per_layer_inputs(config: DecoderConfig, prefix: str, num_layers: int):
+    """Gemma 4's per-layer embedding table [V', L*P] and the embeddings' projection (torch [L*P, H]),
+    the columns (rows) of the blocks computed only, and the projection's norm."""
+    p = config.per_layer_input_size
+    part = lambda axis: (axis, np.arange(num_layers * p), config.num_hidden_layers * p)
+    yield ("per_layer_inputs", "embed_tokens_per_layer", "embedding"), Source(
+        f"{prefix}embed_tokens_per_layer.weight", part=part(1))
+    yield ("per_layer_inputs", "per_layer_model_projection", "kernel"), Source(
+        f"{prefix}per_layer_model_projection.weight", True, part(0))
+    yield from _norm(f"{prefix}per_layer_projection_norm", ("per_layer_inputs", "per_layer_projection_norm"), config)
 
 
 def _deltanet(config: DecoderConfig, hf: str, fused: bool = False):
@@ -322,6 +343,8 @@ def param_names(config: DecoderConfig, num_layers: int, with_head: bool,
     yield ("embed_tokens", "embedding"), Source(f"{prefix}{layout.embed}.weight")
     if layout.positions:
         yield ("embed_positions", "embedding"), Source(f"{prefix}{layout.positions}.weight")
+    if config.per_layer_input_size:
+        yield from _per_layer_inputs(config, prefix, num_layers)
     for i in range(num_layers):
         for path, source in layout.block_tensors(config, f"{prefix}{layout.blocks}.{i}", i):
             yield (f"layers_{i}", *path), source
@@ -331,9 +354,10 @@ def param_names(config: DecoderConfig, num_layers: int, with_head: bool,
             yield ("lm_head", "kernel"), Source(layout.head or HEAD_NAMES[prefix], True)
 
 
-def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, ...]:
-    """The shape ``config`` gives the parameter at ``path`` (kernels as Flax has them: [in, out])."""
-    c = config
+def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int | None = None) -> tuple[int, ...]:
+    """The shape ``config`` gives the parameter at ``path`` (kernels as Flax has them: [in, out]),
+    for blocks ``0..num_layers-1`` (all by default)."""
+    c = config.layer_config(int(path[0].removeprefix("layers_"))) if path[0].startswith("layers_") else config
     h, f, d = c.hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     module, leaf = path[-2], path[-1]
@@ -356,6 +380,13 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, .
                        in_proj_a=(h, dn.num_value_heads), out_proj=(dn.value_dim, h))
         if module == "linear_attn":  # the mixer's own parameters
             return {"conv1d": (conv, 1, dn.conv_kernel), "norm": (dn.value_head_dim,)}.get(leaf, (dn.num_value_heads,))
+    if path[0] == "per_layer_inputs" or module.startswith("per_layer"):  # Gemma 4's per-layer embeddings
+        width = (c.num_hidden_layers if num_layers is None else num_layers) * c.per_layer_input_size
+        return {"embed_tokens_per_layer": (c.per_layer_vocab_size, width), "per_layer_model_projection": (h, width),
+                "per_layer_projection_norm": (c.per_layer_input_size,), "per_layer_input_gate":
+                (h, c.per_layer_input_size), "per_layer_projection": (c.per_layer_input_size, h)}[module]
+    if leaf == "layer_scalar":
+        return (1,)
     if leaf in ("kernel", "embedding"):
         return kernels[module]
     if leaf == "bias" and module in kernels:
@@ -415,10 +446,11 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
         values = read_source(checkpoint, source)
         transpose = source.transpose and not source.experts  # an ExpertStack is in its final layout
         shape = values.shape[::-1] if transpose else values.shape
-        if tuple(shape) != expected_shape(path, config):
+        expected = expected_shape(path, config, num_layers)
+        if tuple(shape) != expected:
             what = f"checkpoint tensor {source.name!r}" if not source.experts else f"the {source.name!r} stack"
             raise UserError(f"{what} has shape {list(values.shape)}, which config.json's "
-                            f"sizes do not give ({list(expected_shape(path, config)[::-1 if transpose else 1])})")
+                            f"sizes do not give ({list(expected[::-1 if transpose else 1])})")
         if source.experts:
             values = values.padded(expert_slots(config, mesh))
         node[path[-1]] = _placed(values, transpose, path, mesh, dtype, config)

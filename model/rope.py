@@ -14,6 +14,9 @@ from model.config import RoPE
 def inverse_frequencies(head_dim: int, rope: RoPE) -> jax.Array:
     """[D/2] float32 rotation frequencies of one head's dimension pairs."""
     inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope.kind == "proportional":  # the first pairs at the whole head's frequencies, the rest still
+        rotated = int(rope.fraction * head_dim // 2)
+        return jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0) / rope.factor
     if rope.kind == "linear":  # positions stretched by factor
         return inv_freq / rope.factor
     if rope.kind == "llama3":  # long wavelengths stretched by factor, short ones kept, smooth between

@@ -198,7 +198,11 @@ class InterventionModel:
                 where = real.reshape(real.shape + (1,) * (x.ndim - 2))
                 return jnp.where(where, x.astype(jnp.float32), 0).sum(axis=(0, 1))
 
-            return {"head": jnp.stack([total(b["self_attn"]["heads"][0]) for b in blocks]),  # [L, N, D]
+            def heads(b):  # [N, D] padded to the widest head of any block (Gemma 4's full blocks)
+                x = total(b["self_attn"]["heads"][0])
+                return jnp.pad(x, ((0, 0), (0, self.config.max_head_dim - x.shape[-1])))
+
+            return {"head": jnp.stack([heads(b) for b in blocks]),  # [L, N, D]
                     "attn": jnp.stack([total(b["attn_output"][0]) for b in blocks]),             # [L, H]
                     "mlp": jnp.stack([total(b["mlp_output"][0]) for b in blocks]),
                     "block": jnp.stack([total(b["contribution"][0]) for b in blocks]),

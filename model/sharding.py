@@ -54,7 +54,9 @@ def default_model_axis(config: DecoderConfig, devices: int) -> int:
     experts are most of its weights (Qwen3-30B-A3B's 58 GB in bfloat16 take 7.3 GB per chip of a
     v5e-8 over 8, 14.5 GB over its 4 kv heads' axis) and kv heads the axis does not divide are
     replicated (0.2 GB there)."""
-    return devices if config.moe is not None else math.gcd(devices, config.num_key_value_heads)
+    if config.moe is not None:
+        return devices
+    return math.gcd(devices, *(config.layer_config(i).num_key_value_heads for i in config.attention_layers))
 
 
 # The attention projections whose split axis is made of whole query (or key/value) heads.
@@ -67,6 +69,8 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
     module, leaf = path[-2], path[-1]
     if module == "experts":  # [expert slots, ...]: whole experts per device
         return P("model", None, None) if model > 1 and shape[0] % model == 0 else P()
+    if path[0].startswith("layers_"):  # its block's shapes (Gemma 4's full blocks have their own)
+        config = config.layer_config(int(path[0].removeprefix("layers_")))
     heads = (config.num_attention_heads if module in QUERY_HEADS else
              config.num_key_value_heads if module in KV_HEADS else None)
     split = lambda dim: model > 1 and shape[dim] % model == 0 and (heads is None or heads % model == 0)
@@ -76,7 +80,7 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
         return P("model")
     if module in ROW_SPLIT and leaf == "kernel" and split(0):
         return P("model", None)
-    if module == "embed_tokens" and split(0):
+    if module in ("embed_tokens", "embed_tokens_per_layer") and split(0):
         return P("model", None)
     return P()
 

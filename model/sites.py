@@ -165,9 +165,11 @@ def blocks_needed(sites: Sequence[str], layers: Sequence[int]) -> int:
     return max(1, *(layer + (site != RESID_PRE) for layer in layers for site in sites))
 
 
-def site_width(site: str, config) -> int:
-    """The last dimension of ``site``'s arrays for a ``DecoderConfig``."""
+def site_width(site: str, config, layer: int | None = None) -> int:
+    """The last dimension of ``site``'s arrays for a ``DecoderConfig`` (at block ``layer``, where
+    blocks differ: Gemma 4's full blocks' heads, its kv-sharing blocks' wider MLPs)."""
     kind = SITES[site].width
+    config = config if layer is None else config.layer_config(layer)
     if kind == "heads":
         return config.num_attention_heads * config.head_dim
     if kind in ("experts", "top_k"):
@@ -177,7 +179,7 @@ def site_width(site: str, config) -> int:
 
 def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> dict[str, int]:
     """What each site stores per token over ``layers`` (bytes), in block order."""
-    return {site: site_width(site, config) * len(layers) * (4 if SITES[site].integer else itemsize)
+    return {site: sum(site_width(site, config, layer) for layer in layers) * (4 if SITES[site].integer else itemsize)
             for site in SITES if site in sites}
 
 

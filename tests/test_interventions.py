@@ -29,7 +29,10 @@ DENSE_KINDS = [kind for kind in KINDS if kind not in ("expert", "route")]  # exp
 # biases, learned positions) and Pythia (the parallel residual, partial rotary).
 FAMILIES = ["qwen2", "llama", "gemma2", "gemma3"]
 OTHER_FAMILIES = [("mistral", "head"), ("qwen3", "norm"), *(("gpt2", kind) for kind in DENSE_KINDS),
-                  *(("gpt_neox", kind) for kind in DENSE_KINDS)]
+                  *(("gpt_neox", kind) for kind in DENSE_KINDS), *(("gemma4", kind) for kind in DENSE_KINDS)]
+# Gemma 4's targets: the kv-sharing blocks (a full one's head of 32 among sliding ones' of 16, an MLP
+# twice as wide, norms without a k norm), and a full block whose keys are its values.
+FAMILY_TARGETS = {"gemma4": {"head": "5.1", "layer": "4", "attn": "2", "mlp": "4", "norm": "5"}}
 
 
 def loaded_case(path: str, seed: int):
@@ -107,6 +110,13 @@ def test_the_mean_pass_equals_the_reference_means(setup):
         assert relative_error(getattr(means, name), expected[name]) <= 1e-5, name
 
 
+def test_gemma4s_head_means_are_padded_to_its_widest_head(case_of):
+    """Its full blocks' heads of 32 and sliding blocks' of 16 in one [L, N, 32] array."""
+    model, _, _, means = case_of("gemma4")
+    assert means.head.shape == (6, 4, 32) and not means.head[0, :, 16:].any() and means.head[5, :, 16:].any()
+    test_the_mean_pass_equals_the_reference_means(case_of("gemma4"))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", DENSE_KINDS)
 def test_each_intervention_matches_hooks_on_the_reference(setup, kind, mode):
@@ -121,7 +131,8 @@ def test_the_other_families_interventions_match_hooks(case_of, family, kind, mod
 
 def matches_hooks(case, kind: str, mode: str) -> None:
     model, ref, sequences, means = case
-    spec = f"{kind}:{TARGETS[kind]}" + (":mode=mean" if mode == "mean" else "")
+    target = FAMILY_TARGETS.get(model.config.model_type, TARGETS)[kind]
+    spec = f"{kind}:{target}" + (":mode=mean" if mode == "mean" else "")
     [intervention] = parse_interventions([spec], model.num_layers, model.config.num_attention_heads)
     residuals, logits = ours(model, sequences, intervention, means)
     plain_residuals, _ = ours(model, sequences, Intervention(), means)

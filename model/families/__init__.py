@@ -7,7 +7,7 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import (gemma2, gemma3, gpt2, gpt_neox, llama, mistral, mixtral, olmo2, olmo3, olmoe, phi3,
+from model.families import (gemma2, gemma3, gemma4, gpt2, gpt_neox, llama, mistral, mixtral, olmo2, olmo3, olmoe, phi3,
                             qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
@@ -19,6 +19,8 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "gemma2": (gemma2, gemma2.ARCHITECTURES),
     "gemma3_text": (gemma3, gemma3.ARCHITECTURES),
     "gemma3": (gemma3, gemma3.WRAPPER_ARCHITECTURES),
+    "gemma4_text": (gemma4, gemma4.ARCHITECTURES),
+    "gemma4": (gemma4, gemma4.WRAPPER_ARCHITECTURES),
     "gpt2": (gpt2, gpt2.ARCHITECTURES),
     "gpt_neox": (gpt_neox, gpt_neox.ARCHITECTURES),
     "olmo2": (olmo2, olmo2.ARCHITECTURES),
