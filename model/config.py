@@ -69,6 +69,12 @@ class MoE:
                                            # sigmoid(shared_expert_gate(x)) and added (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # blocks with a dense MLP of intermediate_size instead (Qwen's
                                         # mlp_only_layers and decoder_sparse_step)
+    beside_dense: bool = False          # the experts add to a dense MLP of intermediate_size instead of
+                                        # replacing it, each output through a norm of its own; the experts
+                                        # (through theirs) and the router read the stream after attention (Gemma 4)
+    router_norm: bool = False           # the router reads x / rms(x) * its learned scale / sqrt(H) (Gemma 4)
+    per_expert_scale: bool = False      # each chosen expert's weight, after the renormalisation, times that
+                                        # expert's learned scale (Gemma 4)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -461,7 +461,9 @@ class DecoderLayer(nn.Module):
         if c.pre_norms:
             mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
         self.sow("sites", MLP_IN, mlp_in)
-        if self.sparse:
+        if self.sparse and c.moe.beside_dense:
+            mlp_out = self.dense_and_experts(x, mlp_in, a, norm)
+        elif self.sparse:
             moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
             # The grouped dispatch computes tiles of rows already: whole batches (model.moe).
             chunks = self.chunk_tokens if dispatch_for(c, self.moe_dispatch) == "dense" else None
@@ -494,6 +496,27 @@ class DecoderLayer(nn.Module):
                                                                    jnp.zeros_like(x)))
         return x, new_cache
 
+
+    def dense_and_experts(self, x: jax.Array, mlp_in: jax.Array, ablation: dict, norm) -> jax.Array:
+        """Gemma 4's mixture of experts beside its dense MLP: the MLP of ``mlp_in`` (its normed
+        input) through ``post_mlp_norm_1``, plus the experts of ``pre_moe_norm(x)``, routed from the
+        stream x itself, through ``post_moe_norm`` -> [B, S, H] (the post-MLP norm follows)."""
+        c, wide = self.config, self.residual_dtype
+        dense_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
+                                          self.chunk_tokens)
+        if self.mlp_hidden:
+            dense_out, hidden = dense_out
+            self.sow("sites", MLP_POST, hidden)
+        dense_out = norm_for(c, "post_mlp_norm_1", self.dtype, wide, keep_wide=True)(dense_out, norm)
+        experts_in = norm_for(c, "pre_moe_norm", self.dtype, wide)(x, norm)
+        # Not in chunks of tokens: the router reads other values (x) than the experts.
+        routed = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="moe")(
+            experts_in, ablation.get("expert_keep"), ablation.get("route_to"), x)
+        if self.routing_sites:
+            routed, routing = routed
+            for site, value in routing.items():
+                self.sow("sites", site, value)
+        return dense_out + norm_for(c, "post_moe_norm", self.dtype, wide, keep_wide=True)(routed, norm)
 
     def per_layer_addition(self, x: jax.Array, per_layer_input: jax.Array, norm=None) -> jax.Array:
         """What Gemma 4's per-layer embedding adds after the MLP: the stream x [B, S, H] gated

@@ -59,12 +59,14 @@ def dispatch_for(config: DecoderConfig, dispatch: str = "auto") -> str:
     return "dense" if moe.num_experts <= DENSE_MAX_RATIO * moe.top_k else "grouped"
 
 
-def route(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | None = None):
+def route(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | None = None,
+          expert_scale: jax.Array | None = None):
     """The router's choice from its logits [..., E]: (indices [..., k] int32, weights [..., k]).
 
     ``keep`` [E] (an expert ablation): the experts removed have their logit set to -inf before
     the softmax, so the others' probabilities renormalise as the family's router would without
-    them. Weights are float32 for Mixtral (``weights_in_float32``), else rounded to ``dtype``."""
+    them. ``expert_scale`` [E]: each chosen expert's weight times its own (Gemma 4). Weights are
+    float32 for Mixtral and Gemma 4 (``weights_in_float32``), else rounded to ``dtype``."""
     moe = config.moe
     logits = logits.astype(jnp.float32)
     if keep is not None:
@@ -73,6 +75,8 @@ def route(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | Non
     weights, indices = jax.lax.top_k(probs, moe.top_k)  # [..., k]
     if moe.normalize_top_k:
         weights = weights / weights.sum(-1, keepdims=True)
+    if expert_scale is not None:
+        weights = weights * expert_scale.astype(jnp.float32)[indices]
     return indices.astype(jnp.int32), weights if moe.weights_in_float32 else weights.astype(dtype)
 
 
@@ -229,18 +233,26 @@ class MoEMLP(nn.Module):
     with_sites: bool = False     # also return the routing (and shared expert) sites
 
     @nn.compact
-    def __call__(self, x, keep: jax.Array | None = None, force: jax.Array | None = None):
+    def __call__(self, x, keep: jax.Array | None = None, force: jax.Array | None = None,
+                 router_input: jax.Array | None = None):
         """x [B, S, H] in dtype; ``keep`` [E] bool: experts not removed; ``force`` (int32 scalar):
-        the expert every token goes to, or -1. Returns the output [B, S, H] (and with
+        the expert every token goes to, or -1; ``router_input`` [B, S, H]: what the router reads
+        where it is not x (Gemma 4's: the stream). Returns the output [B, S, H] (and with
         ``with_sites`` a dict of its sites' arrays [B, S, width] by ``model.sites`` name)."""
         from model.decoder import ACTIVATIONS, accumulation, dense, precision_for
         c, moe = self.config, self.config.moe
         accumulate = accumulation(self.dtype, self.residual_dtype)
         precision = precision_for(self.dtype)
+        router_input = x if router_input is None else router_input
+        if moe.router_norm:
+            router_input = self.normed_router_input(router_input, accumulate is not None)
         # With a wider stream the router accumulates in it and its weights stay in it, as every
         # matmul and sum does (model.decoder): fewer tokens routed otherwise than in float64.
-        logits = dense(moe.num_experts, False, "router", self.dtype, accumulate)(x)  # [B, S, E]
-        indices, weights = route(logits, c, self.dtype if accumulate is None else accumulate, keep)  # [B, S, k]
+        logits = dense(moe.num_experts, False, "router", self.dtype, accumulate)(router_input)  # [B, S, E]
+        scale = (self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), self.dtype)
+                 if moe.per_expert_scale else None)
+        indices, weights = route(logits, c, self.dtype if accumulate is None else accumulate, keep,
+                                 scale)  # [B, S, k]
         routed = (indices, weights) if force is None else forced(indices, weights, force)
         experts = Experts(c, self.dtype, name="experts")()
         out = experts_output(x, *routed, experts, c, self.dispatch, self.mesh, ACTIVATIONS[c.hidden_act],
@@ -254,3 +266,15 @@ class MoEMLP(nn.Module):
             out = out + gate.astype(shared.dtype) * shared
             sites.update({SHARED_EXPERT_GATE: gate, SHARED_EXPERT_OUT: shared})
         return (out, sites) if self.with_sites else out
+
+    def normed_router_input(self, x: jax.Array, wide: bool) -> jax.Array:
+        """Gemma 4's router input: x / rms(x) (no weight), times its learned ``router_scale`` [H]
+        and 1 / sqrt(H), rounded as transformers rounds it (to the dtype after the norm and after
+        each product) unless the stream is wider -> [B, S, H] in the compute dtype."""
+        c = self.config
+        scale = self.param("router_scale", nn.initializers.ones, (c.hidden_size,), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + c.norm_eps)
+        step = jnp.float32 if wide else self.dtype
+        scaled = normed.astype(step) * scale.astype(step)
+        return (scaled.astype(jnp.float32) * c.hidden_size ** -0.5).astype(self.dtype)

@@ -42,6 +42,9 @@ NORM_NAMES = {"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_att
 SANDWICH_NORM_NAMES = {"pre_attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                        "pre_mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+# Gemma 4's norms around its dense MLP's output and its experts' input and output (model.decoder).
+GEMMA4_MOE_NORMS = {"post_mlp_norm_1": "post_feedforward_layernorm_1", "pre_moe_norm": "pre_feedforward_layernorm_2",
+                    "post_moe_norm": "post_feedforward_layernorm_2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,9 @@ class Source:
     part: tuple[int, np.ndarray, int] | None = None
     # Experts' tensors stacked on a first axis: ``name`` has ``{e}`` for the expert, 0..experts-1.
     experts: int = 0
+    # One tensor of every expert's torch weights [E, out, in] (Gemma 4): ``part`` along its axis 1,
+    # each expert's transposed into [E, in, out].
+    stacked: bool = False
 
 
 class ExpertStack:
@@ -105,6 +111,9 @@ class Layout:
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's, below <moe_tensors>.experts.E
     norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
     deltanet_fused: bool = False        # DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba: Qwen3-Next)
+    router: str | None = None           # a mixture of experts' router module returning (probabilities,
+                                        # weights, indices), and its logits' module (Gemma 4's);
+    router_logits: str | None = None    # None: <mlp>.gate, returning (logits, weights, indices)
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -141,6 +150,21 @@ def _moe(config: DecoderConfig, hf: str):
         yield from _linear(f"{hf}.shared_expert_gate", ("mlp", "shared_expert_gate"), False)
 
 
+def _gemma4_moe(config: DecoderConfig, hf: str):
+    """Gemma 4's experts beside the dense MLP: the router (``router.proj``, its input's ``scale``
+    and ``per_expert_scale``), the experts' stacked ``gate_up_proj`` [E, 2F, H] (gate rows, then
+    up) and ``down_proj`` [E, H, F], and the three norms around them."""
+    f = config.moe.expert_size
+    yield ("moe", "router", "kernel"), Source(f"{hf}.router.proj.weight", True)
+    yield ("moe", "router_scale"), Source(f"{hf}.router.scale")
+    yield ("moe", "per_expert_scale"), Source(f"{hf}.router.per_expert_scale")
+    for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
+        yield ("moe", "experts", proj), Source(f"{hf}.experts.gate_up_proj", part=part, stacked=True)
+    yield ("moe", "experts", "down_proj"), Source(f"{hf}.experts.down_proj", stacked=True)
+    for ours, theirs in GEMMA4_MOE_NORMS.items():
+        yield from _norm(f"{hf}.{theirs}", (ours,), config)
+
+
 def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
     """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's, and the mixtures of experts'); ``fused``:
     Phi-3's qkv_proj and gate_up_proj, split at load time."""
@@ -162,15 +186,18 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     if c.qk_norm and not c.is_deltanet(layer):
         for norm in ("q_norm", "k_norm") if "k_proj" in own else ("q_norm",):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
-    if c.is_sparse(layer):
+    beside = c.is_sparse(layer) and c.moe.beside_dense  # Gemma 4: the experts beside the dense MLP
+    if beside:
+        yield from _gemma4_moe(c, hf)
+    elif c.is_sparse(layer):
         yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
-    elif fused:
+    if fused:
         for proj, part in zip(("gate_proj", "up_proj"), _split(0, [c.intermediate_size] * 2)):
             yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
-    else:
-        for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
+    elif beside or not c.is_sparse(layer):
+        for proj in ("gate_proj", "up_proj", "down_proj") if c.gated_mlp else ("up_proj", "down_proj"):
             yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
-    if not c.is_sparse(layer):
+    if fused:
         yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
     for ours, theirs in block_norm_names(c).items():
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
@@ -271,8 +298,9 @@ GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _
 # module is ``mlp``), its experts' projections named w1 (gate), w3 (up), w2 (down).
 MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w1", "w3", "w2"))
 QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
+GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,  # every other family: LLAMA
-           "qwen3_next": QWEN3_NEXT}
+           "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -308,9 +336,9 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         return "linear_attn", "output"
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
-    router = f"{layout.mlp}.gate"  # returns (logits, top-k weights, top-k indices), over [B*S] tokens
-    return {
-        sites.ROUTER_LOGITS: (router, "output"),
+    router = layout.router or f"{layout.mlp}.gate"  # returns (logits or probabilities, top-k weights, top-k
+    return {                                            # indices), over [B*S] tokens
+        sites.ROUTER_LOGITS: (layout.router_logits or router, "output"),
         sites.ROUTING_WEIGHTS: (router, "output 1"),
         sites.EXPERT_INDICES: (router, "output 2"),
         sites.SHARED_EXPERT_GATE: (f"{layout.mlp}.shared_expert_gate", "sigmoid output"),
@@ -387,6 +415,8 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                 (h, c.per_layer_input_size), "per_layer_projection": (c.per_layer_input_size, h)}[module]
     if leaf == "layer_scalar":
         return (1,)
+    if leaf == "per_expert_scale":
+        return (c.moe.num_experts,)
     if leaf in ("kernel", "embedding"):
         return kernels[module]
     if leaf == "bias" and module in kernels:
@@ -408,13 +438,18 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
             raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
         return ExpertStack(checkpoint, names, source.transpose)
     tensor = checkpoint.tensor(source.name)
-    if source.part is None:
-        return tensor
-    axis, indices, size = source.part
-    if tensor.ndim <= axis or tensor.shape[axis] != size:
-        raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}, which config.json's "
-                        f"sizes do not give (its fused parts make {size} along axis {axis})")
-    return np.take(tensor, indices, axis=axis)
+    if source.part is not None:
+        axis, indices, size = source.part
+        if tensor.ndim <= axis or tensor.shape[axis] != size:
+            raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}, which config.json's "
+                            f"sizes do not give (its fused parts make {size} along axis {axis})")
+        tensor = np.take(tensor, indices, axis=axis)
+    if source.stacked:
+        if tensor.ndim != 3:
+            raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}: expected the "
+                            "experts' weights stacked [experts, out, in]")
+        return np.ascontiguousarray(np.swapaxes(tensor, 1, 2))
+    return tensor
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -453,5 +488,8 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
                             f"sizes do not give ({list(expected[::-1 if transpose else 1])})")
         if source.experts:
             values = values.padded(expert_slots(config, mesh))
+        elif source.stacked:  # all-zero experts past the real ones, as an ExpertStack pads
+            extra = expert_slots(config, mesh) - values.shape[0]
+            values = np.pad(values, ((0, extra),) + ((0, 0),) * (values.ndim - 1))
         node[path[-1]] = _placed(values, transpose, path, mesh, dtype, config)
     return tree

@@ -95,8 +95,8 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site in ROUTING + SHARED_EXPERT and layer is not None and not config.is_sparse(layer):
         return (f"block {layer} of {config.model_type} has a dense MLP (mlp_only_layers, decoder_sparse_step): its "
                 f"mixtures of experts are blocks {_spans(config.sparse_layers)}")
-    if site == MLP_POST and config.moe is not None and (config.is_sparse(layer) if layer is not None
-                                                        else not config.moe.dense_layers):
+    if site == MLP_POST and config.moe is not None and not config.moe.beside_dense and (
+            config.is_sparse(layer) if layer is not None else not config.moe.dense_layers):
         where = f"block {layer}'s" if layer is not None else f"every {config.model_type} block's"
         return f"{where} MLP is a mixture of experts: each expert has its own hidden activation"
     if site == RESID_MID and not config.has_resid_mid:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from fixtures.hf_reference import (load_reference, max_relative_error, random_sequences, reference_activations,
-                                   relative_error)
+                                   reference_sites, relative_error)
 from model.config import load_config
 from model.extract import Extractor
-from model.sites import SITES, missing_reason
+from model.sites import EXPERT_INDICES, RESID_POST, SITES, hook_name, missing_reason
 from tests.conftest import run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_host_errors import one_line_error
@@ -26,8 +26,25 @@ pytestmark = pytest.mark.slow
 LENGTHS = [100, 37, 70]  # one bucket of 128, past the window of 16, padding in every row
 
 
+# Gemma 4's mixture of experts (26B-A4B's block): 5 experts of 24 beside every dense MLP, 2 per token.
+MOE = dict(enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=24)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def checkpoint(request, tmp_path_factory):
+    from fixtures.tiny_models import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp(f"gemma4_{request.param}"), "gemma4", seed=4,
+                            bfloat16_exact=True, **(MOE if request.param == "moe" else {}))
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def moe(tmp_path_factory):
+    from fixtures.tiny_models import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("gemma4_moe"), "gemma4", seed=4, bfloat16_exact=True, **MOE)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
     from fixtures.tiny_models import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("gemma4"), "gemma4", seed=4, bfloat16_exact=True)
 
@@ -76,27 +93,51 @@ def test_logits_equal_transformers_in_float32(checkpoint, sequences):
 
 
 def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(checkpoint, sequences):
+    """Over every token of the dense model; with experts, over the tokens that every forward
+    (float64, transformers' bfloat16, ours) sends to the same experts at every block: a token near a
+    tie between two experts goes to either in any bfloat16 forward, and its few large errors would
+    measure which way it fell, not the arithmetic."""
+    moe = load_config(checkpoint).moe is not None
     exact = reference_activations(load_reference(checkpoint, "float64"), sequences)
     theirs = reference_activations(load_reference(checkpoint, "bfloat16"), sequences)
     extractor = Extractor.load(checkpoint, dtype="bfloat16", residual_dtype="float32", activation_dtype="float32",
                                max_seq_length=128, min_bucket=128, batch_size_per_device=3,
-                               devices=jax.devices()[:1])
+                               devices=jax.devices()[:1], sites=(EXPERT_INDICES, RESID_POST) if moe else (RESID_POST,))
     mine = dict(extractor.extract(enumerate(sequences)))
+    kept = np.ones(sum(LENGTHS), bool)
+    if moe:
+        places = [(EXPERT_INDICES, layer) for layer in range(6)]
+        routes = [reference_sites(load_reference(checkpoint, dtype), sequences, places)
+                  for dtype in ("float64", "bfloat16")]
+        chosen = lambda per_sequence, layer: np.sort(np.concatenate(per_sequence), axis=-1)  # [tokens, k]
+        for layer in range(6):
+            exact_choice = chosen([r[EXPERT_INDICES, layer] for r in routes[0]], layer)
+            for other in ([r[EXPERT_INDICES, layer] for r in routes[1]],
+                          [mine[i][hook_name(EXPERT_INDICES, layer)] for i in range(len(LENGTHS))]):
+                kept &= (chosen(other, layer) == exact_choice).all(-1)
+        assert kept.mean() > 0.6, kept.mean()  # about 4% of the tokens flip at each block in either forward
+    error = relative_error if moe else max_relative_error
     for layer in exact[0]:
-        ours = max_relative_error(np.concatenate([mine[i][layer] for i in range(len(exact))]),
-                                  np.concatenate([e[layer] for e in exact]))
-        hf = max_relative_error(np.concatenate([t[layer] for t in theirs]), np.concatenate([e[layer] for e in exact]))
-        print(f"gemma4 block {layer}: bfloat16 error {ours:.3g} vs transformers' {hf:.3g} ({ours / hf:.2f})")
-        assert ours <= 0.85 * hf, (layer, ours, hf)
+        truth = np.concatenate([e[layer] for e in exact])[kept]
+        ours = error(np.concatenate([mine[i][layer] for i in range(len(exact))])[kept], truth)
+        hf = error(np.concatenate([t[layer] for t in theirs])[kept], truth)
+        print(f"gemma4{' moe' * moe} block {layer}: bfloat16 error {ours:.3g} vs transformers' {hf:.3g} "
+              f"({ours / hf:.2f}) over {kept.sum()} of {kept.size} tokens")
+        # Not the 0.85 of other families: Gemma 4 does not scale its scores, so q . k of unit-rms
+        # q and k reach the head size, and the rounding of q and k to bfloat16 matmul operands,
+        # which both forwards share, is most of the error (q and k kept in float32 bring the
+        # ratios to 0.35-0.66).
+        assert ours <= 0.95 * hf, (layer, ours, hf)
 
 
 @pytest.mark.parametrize("flags", [[], ["--mesh_type", "2d"]])
 def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path, flags):
     """Every site Gemma 4 has at every block: attn.hook_z 64 wide on sliding blocks, 128 on full
-    ones; mlp.hook_post 48, or 96 on the kv-sharing blocks."""
+    ones; mlp.hook_post (the dense MLP's, beside experts too) 48, or 96 on the kv-sharing blocks;
+    the router's logits, choice and weights where it has experts."""
     config = load_config(checkpoint)
     sites = [site for site in SITES if missing_reason(site, config) is None]
-    assert len(sites) == 9
+    assert len(sites) == (12 if config.moe else 9)
     records = write_stream(tmp_path / "stream.jsonl", checkpoint)
     result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint,
                                                         "--sites", ",".join(sites), *flags))
@@ -154,8 +195,34 @@ def test_the_runner_stores_what_the_model_wrote_as_transformers_computes_it(chec
             assert relative_error(layers[layer]["activation"], expected[layer]) <= 1e-5, (sample_id, layer)
 
 
+@pytest.mark.parametrize("spec", ["expert:1.2", "route:4.3+expert:5.0"])
+def test_expert_removal_and_forced_routing_equal_transformers_hooks(moe, spec):
+    """Every block's output under the intervention, float32, against transformers float64 whose
+    router (returning probabilities) has the expert's probability removed and the others
+    renormalised, or its choice replaced, by a forward hook."""
+    from fixtures.hf_reference import intervention_hooks, remove_hooks
+    from model.interventions import parse_one
+    checkpoint = moe
+    config = load_config(checkpoint)
+    sequences = random_sequences([37, 12], seed=4, vocab=config.vocab_size)
+    reference = load_reference(checkpoint, "float64")
+    unablated = reference_activations(reference, sequences)
+    ours = dict(Extractor.load(checkpoint, dtype="float32", ablation=spec, max_seq_length=64,
+                               batch_size_per_device=1, devices=jax.devices()[:1]).extract(enumerate(sequences)))
+    undo = intervention_hooks(reference, parse_one(spec, config))
+    try:
+        expected = reference_activations(reference, sequences)
+    finally:
+        remove_hooks(undo)
+    for i in range(len(sequences)):
+        for layer, values in expected[i].items():
+            assert relative_error(ours[i][layer], values) <= 1e-5, (spec, i, layer)
+        assert relative_error(expected[i][5], unablated[i][5]) > 1e-3, spec  # the intervention acts
+
+
 @pytest.mark.parametrize("layout, multimodal", [("hub", False), ("transformers5", True)])
-def test_both_layouts_and_the_multimodal_wrapper_read_as_the_text_model(checkpoint, tmp_path, layout, multimodal):
+def test_both_layouts_and_the_multimodal_wrapper_read_as_the_text_model(dense, tmp_path, layout, multimodal):
+    checkpoint = dense
     from fixtures.tiny_models import write_checkpoint
     other = write_checkpoint(tmp_path / "other", "gemma4", seed=4, bfloat16_exact=True, layout=layout,
                              multimodal=multimodal)
@@ -171,13 +238,14 @@ def test_both_layouts_and_the_multimodal_wrapper_read_as_the_text_model(checkpoi
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8),
-     "enable_moe_block = True is not supported: Gemma 4's mixture-of-experts block"),
+    (dict(MOE, top_k_experts=6), "top_k_experts = 6 is not supported: a token's experts are 1 to num_experts (5)"),
+    (dict(attention_bias=True), "attention_bias = True is not supported"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention = 'all' is not supported"),
     (dict(num_kv_shared_layers=6), "num_kv_shared_layers = 6 is not supported: 0 to 5"),
     (dict(per_layer_config={"2": {"head_dim": 32, "sliding_window": 4}}), "per_layer_config.2"),
 ])
-def test_what_is_not_implemented_is_refused_in_one_line_before_the_weights(checkpoint, tmp_path, change, message):
+def test_what_is_not_implemented_is_refused_in_one_line_before_the_weights(dense, tmp_path, change, message):
+    checkpoint = dense
     import shutil
     model = tmp_path / "model"
     shutil.copytree(checkpoint, model)

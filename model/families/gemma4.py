@@ -17,15 +17,17 @@ x sqrt(H), tanh GELU, a soft-capped LM head) with these differences, each a ``De
     ``num_layers x that`` per token, plus a projection of the embeddings, give each block a small
     input that gates an addition to the stream after its MLP;
   * each block's output is multiplied by its learned ``layer_scalar``.
-Refused in one line: the mixture-of-experts block (``enable_moe_block``: Gemma 4 26B-A4B), fully
-bidirectional attention, attention biases."""
+With ``enable_moe_block`` (26B-A4B) every block's dense MLP has experts beside it
+(``model.config.MoE.beside_dense``): a router reading the normed stream after attention, experts
+of their own normed input, the two outputs normed apart and summed before the post-MLP norm.
+Refused in one line: fully bidirectional attention, attention biases."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from common.cli import UserError
-from model.config import FULL, SLIDING, DecoderConfig, RoPE
+from model.config import FULL, SLIDING, DecoderConfig, MoE, RoPE
 from model.families.common import Fields, activation, layer_types, refuse_if_set, rope, rope_parameters, shapes, \
     sliding_window
 
@@ -51,7 +53,6 @@ def decoder_config(raw: dict) -> DecoderConfig:
             raise UserError("gemma4 config.json has no 'text_config' (the language model's settings)")
         raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
     f = Fields(raw, DEFAULTS, "gemma4")
-    refuse_if_set(f, "enable_moe_block", "Gemma 4's mixture-of-experts block (26B-A4B) is not implemented")
     refuse_if_set(f, "attention_bias", "Gemma 4 checkpoints have no attention biases")
     if f.raw.get("use_bidirectional_attention") == "all":
         raise f.refuse("use_bidirectional_attention", "all", "only causal attention over text is implemented")
@@ -72,7 +73,18 @@ def decoder_config(raw: dict) -> DecoderConfig:
         global_head_dim=head_dim, global_key_value_heads=kv_heads, attention_k_eq_v=bool(f.get("attention_k_eq_v")),
         kv_shared_layers=shared, double_wide_mlp=bool(f.get("use_double_wide_mlp")) and shared > 0,
         per_layer_input_size=per_layer, per_layer_vocab_size=f.number("vocab_size_per_layer_input") if per_layer else 0,
-        layer_scalar=True)
+        layer_scalar=True, moe=_experts(f) if f.raw.get("enable_moe_block") else None)
+
+
+def _experts(f: Fields) -> MoE:
+    """The experts beside every block's dense MLP (Gemma 4 26B-A4B): ``num_experts`` of
+    ``moe_intermediate_size``, the ``top_k_experts`` of a softmax over a normed router's logits,
+    renormalised and scaled per expert, kept in float32 as they scale the outputs."""
+    experts, k = f.number("num_experts"), f.number("top_k_experts")
+    if not 0 < k <= experts:
+        raise f.refuse("top_k_experts", k, f"a token's experts are 1 to num_experts ({experts})")
+    return MoE(experts, k, f.number("moe_intermediate_size"), normalize_top_k=True, weights_in_float32=True,
+               beside_dense=True, router_norm=True, per_expert_scale=True)
 
 
 def _layer_types(f: Fields, num_layers: int, window: int | None) -> tuple[str, ...]:
