@@ -31,7 +31,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # weights and matmuls; ``auto`` picks 
 STORED_DTYPES = ("float32", "float16", "bfloat16")  # activations as stored or handed to a trainer
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
-ROPE_KINDS = ("default", "linear", "llama3", "proportional")
+ROPE_KINDS = ("default", "linear", "llama3")  # and Gemma 4's "proportional" (model.families.gemma4)
 # The MLP activations, by transformers' names: gelu_pytorch_tanh and gelu_new are the same tanh
 # approximation (Gemma's name, GPT-2's); gelu is the exact (erf) one (GPT-NeoX).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")

@@ -272,9 +272,9 @@ class Attention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet mixer (``DecoderConfig.deltanet``; the recurrence: ``model.deltanet``), as
     transformers' ``Qwen3_5GatedDeltaNet`` computes it. Its cache for decoding (``model.generate``)
-    is (the convolution's last K - 1 inputs [B, K - 1, C] in the compute dtype, the recurrent
-    state [B, Hv, Dk, Dv] in float32): a prefill leaves each row's as of its last real token, a
-    step advances every row by one position."""
+    is (the convolution's last K - 1 inputs of q, k and v, [B, K - 1, C] each in the compute
+    dtype, the recurrent state [B, Hv, Dk, Dv] in float32): a prefill leaves each row's as of its
+    last real token, a step advances every row by one position."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None
@@ -290,31 +290,25 @@ class GatedDeltaNet(nn.Module):
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, name: dense(n, False, name, self.dtype, accumulate)
-        conv_dim = 2 * d.key_dim + d.value_dim
-        mixed = project(conv_dim, "in_proj_qkv")(x)                                  # [B, S, C]
         z = project(d.value_dim, "in_proj_z")(x).reshape(b, s, d.num_value_heads, d.value_head_dim)
         beta_in = project(d.num_value_heads, "in_proj_b")(x)                           # [B, S, Hv]
         a = project(d.num_value_heads, "in_proj_a")(x)                                 # [B, S, Hv]
-        weight = self.param("conv1d", nn.initializers.normal(0.02), (conv_dim, 1, d.conv_kernel), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (d.num_value_heads,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (d.num_value_heads,), self.dtype)
         stepping = cache is not None and jnp.ndim(cache_index) == 1
-        taps = d.conv_kernel - 1
-        if stepping:  # one position a row: the convolution reads the cached inputs before it
-            window = jnp.concatenate([cache[0], mixed], axis=1)                      # [B, K, C]
-            conv_state = window[:, 1:]
-            mixed = causal_conv(window, weight[:, 0, :])[:, -1:]                      # [B, 1, C]
-        else:
-            lengths = jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)  # [B]
-            if cache is not None:  # each row's last K - 1 inputs (zeros before its first)
-                where = lengths[:, None] - taps + jnp.arange(taps)[None, :]             # [B, K - 1]
-                kept = jnp.take_along_axis(mixed, jnp.clip(where, 0, s - 1)[..., None], axis=1)
-                conv_state = jnp.where((where >= 0)[..., None], kept, 0).astype(mixed.dtype)
-            mixed = causal_conv(mixed, weight[:, 0, :])                               # [B, S, C] in dtype
-        q, k, v = jnp.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
-        q = q.reshape(b, s, d.num_key_heads, d.key_head_dim)
-        k = k.reshape(b, s, d.num_key_heads, d.key_head_dim)
-        v = v.reshape(b, s, d.num_value_heads, d.value_head_dim)
+        lengths = None if stepping else jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)  # [B]
+        # q, k and v apart (transformers' in_proj_qkv and conv1d are split at load time), so that
+        # each is split by whole heads over a mesh's model axis; the convolution is per channel.
+        convolved, conv_states = [], []
+        for i, (part, width) in enumerate((("q", d.key_dim), ("k", d.key_dim), ("v", d.value_dim))):
+            mixed = project(width, f"in_proj_{part}")(x)                                # [B, S, C]
+            weight = self.param(f"conv_{part}", nn.initializers.normal(0.02), (width, 1, d.conv_kernel), self.dtype)
+            out, conv_state = self.convolved(mixed, weight[:, 0, :], lengths, None if cache is None else cache[0][i])
+            convolved.append(out)
+            conv_states.append(conv_state)
+        q = convolved[0].reshape(b, s, d.num_key_heads, d.key_head_dim)
+        k = convolved[1].reshape(b, s, d.num_key_heads, d.key_head_dim)
+        v = convolved[2].reshape(b, s, d.num_value_heads, d.value_head_dim)
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         if stepping:
@@ -328,7 +322,24 @@ class GatedDeltaNet(nn.Module):
         normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)).astype(self.dtype)
         gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
-        return project(c.hidden_size, "out_proj")(out), None if cache is None else (conv_state, state)
+        return project(c.hidden_size, "out_proj")(out), None if cache is None else (tuple(conv_states), state)
+
+    def convolved(self, mixed: jax.Array, weight: jax.Array, lengths: jax.Array | None, cached: jax.Array | None):
+        """The causal convolution of one of q, k, v (``mixed`` [B, S, C], ``weight`` [C, K]) and its
+        cache: decoding (``lengths`` None) a step reads the ``cached`` last K - 1 inputs before it;
+        a prefill (``cached`` given) keeps each row's last K - 1 at its own length (zeros before its
+        first). -> ([B, S, C] in the dtype, the convolution's new cache or None)."""
+        taps = weight.shape[-1] - 1
+        if lengths is None:  # one position a row
+            window = jnp.concatenate([cached, mixed], axis=1)                        # [B, K, C]
+            return causal_conv(window, weight)[:, -1:], window[:, 1:]
+        conv_state = None
+        if cached is not None:
+            s = mixed.shape[1]
+            where = lengths[:, None] - taps + jnp.arange(taps)[None, :]                # [B, K - 1]
+            kept = jnp.take_along_axis(mixed, jnp.clip(where, 0, s - 1)[..., None], axis=1)
+            conv_state = jnp.where((where >= 0)[..., None], kept, 0).astype(mixed.dtype)
+        return causal_conv(mixed, weight), conv_state
 
 
 def causal_conv(x: jax.Array, weight: jax.Array) -> jax.Array:

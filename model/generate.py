@@ -153,7 +153,8 @@ class Generator:
                 out.append(None)
             elif c.is_deltanet(layer):
                 d = c.deltanet
-                out.append((zeros((rows, d.conv_kernel - 1, 2 * d.key_dim + d.value_dim)),            # [B, K-1, C]
+                out.append((tuple(zeros((rows, d.conv_kernel - 1, width))                        # [B, K-1, C]
+                                  for width in (d.key_dim, d.key_dim, d.value_dim)),
                             zeros((rows, d.num_value_heads, d.key_head_dim, d.value_head_dim), jnp.float32)))
             else:
                 out.append((zeros(shape), zeros(shape)))

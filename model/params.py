@@ -223,27 +223,34 @@ def _per_layer_inputs(config: DecoderConfig, prefix: str, num_layers: int):
 
 def _deltanet(config: DecoderConfig, hf: str, fused: bool = False):
     """A Gated DeltaNet mixer's tensors (``model.decoder.GatedDeltaNet``), as transformers names
-    them; the convolution's weight [channels, 1, taps] as it is stored. ``fused``: Qwen3-Next's
-    ``in_proj_qkvz`` (per key head: its q, its k, its value heads' v, their z) and ``in_proj_ba``
-    (per key head: its value heads' b, their a), taken apart into ours."""
+    them: ``in_proj_qkv`` and the convolution's weight [channels, 1, taps] taken apart into q, k
+    and v (so that each splits by heads over a mesh). ``fused``: Qwen3-Next's ``in_proj_qkvz``
+    (per key head: its q, its k, its value heads' v, their z) and ``in_proj_ba`` (per key head:
+    its value heads' b, their a), taken apart into ours."""
+    d = config.deltanet
+    parts = dict(zip("qkv", _split(0, [d.key_dim, d.key_dim, d.value_dim])))  # of q | k | v
     if fused:
-        for proj, part in _fused_deltanet_parts(config.deltanet):
+        for proj, part in _fused_deltanet_parts(d):
             yield from _linear(f"{hf}.{'in_proj_ba' if proj in ('in_proj_b', 'in_proj_a') else 'in_proj_qkvz'}",
                                ("linear_attn", proj), False, part)
-        yield from _linear(f"{hf}.out_proj", ("linear_attn", "out_proj"), False)
     else:
-        for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        for name, part in parts.items():
+            yield from _linear(f"{hf}.in_proj_qkv", ("linear_attn", f"in_proj_{name}"), False, part)
+        for proj in ("in_proj_z", "in_proj_b", "in_proj_a"):
             yield from _linear(f"{hf}.{proj}", ("linear_attn", proj), False)
-    yield ("linear_attn", "conv1d"), Source(f"{hf}.conv1d.weight")
+    yield from _linear(f"{hf}.out_proj", ("linear_attn", "out_proj"), False)
+    for name, part in parts.items():
+        yield ("linear_attn", f"conv_{name}"), Source(f"{hf}.conv1d.weight", part=part)
     for name in ("dt_bias", "A_log"):
         yield ("linear_attn", name), Source(f"{hf}.{name}")
     yield ("linear_attn", "norm"), Source(f"{hf}.norm.weight")
 
 
 def _fused_deltanet_parts(d) -> list[tuple[str, tuple[int, np.ndarray, int]]]:
-    """(our projection, its rows of Qwen3-Next's fused tensor) for in_proj_qkv (all q, all k, all
-    v), in_proj_z, in_proj_b and in_proj_a: the fused rows go per key head j, [q_j, k_j, v_j, z_j]
-    and [b_j, a_j], where v_j, z_j, b_j, a_j belong to its num_value_heads / num_key_heads value heads."""
+    """(our projection, its rows of Qwen3-Next's fused tensor) for in_proj_q, in_proj_k, in_proj_v
+    (all heads' each), in_proj_z, in_proj_b and in_proj_a: the fused rows go per key head j,
+    [q_j, k_j, v_j, z_j] and [b_j, a_j], where v_j, z_j, b_j, a_j belong to its
+    num_value_heads / num_key_heads value heads."""
     g = d.num_value_heads // d.num_key_heads
     group = 2 * d.key_head_dim + 2 * g * d.value_head_dim            # rows per key head in in_proj_qkvz
     starts = np.arange(d.num_key_heads)[:, None] * group             # [Hk, 1]
@@ -255,8 +262,8 @@ def _fused_deltanet_parts(d) -> list[tuple[str, tuple[int, np.ndarray, int]]]:
     ba_starts = np.arange(d.num_key_heads)[:, None] * 2 * g
     b, a = ((ba_starts + offset + np.arange(g)[None, :]).reshape(-1) for offset in (0, g))
     ba = 2 * g * d.num_key_heads
-    return [("in_proj_qkv", (0, np.concatenate([q, k, v]), qkvz)), ("in_proj_z", (0, z, qkvz)),
-            ("in_proj_b", (0, b, ba)), ("in_proj_a", (0, a, ba))]
+    return [("in_proj_q", (0, q, qkvz)), ("in_proj_k", (0, k, qkvz)), ("in_proj_v", (0, v, qkvz)),
+            ("in_proj_z", (0, z, qkvz)), ("in_proj_b", (0, b, ba)), ("in_proj_a", (0, a, ba))]
 
 
 def _gpt2_block(config: DecoderConfig, hf: str, layer: int):
@@ -403,11 +410,14 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                "embed_positions": (c.max_position_embeddings, h)}
     if c.deltanet is not None:
         dn = c.deltanet
-        conv = 2 * dn.key_dim + dn.value_dim
-        kernels.update(in_proj_qkv=(h, conv), in_proj_z=(h, dn.value_dim), in_proj_b=(h, dn.num_value_heads),
+        kernels.update(in_proj_q=(h, dn.key_dim), in_proj_k=(h, dn.key_dim), in_proj_v=(h, dn.value_dim),
+                       in_proj_z=(h, dn.value_dim), in_proj_b=(h, dn.num_value_heads),
                        in_proj_a=(h, dn.num_value_heads), out_proj=(dn.value_dim, h))
         if module == "linear_attn":  # the mixer's own parameters
-            return {"conv1d": (conv, 1, dn.conv_kernel), "norm": (dn.value_head_dim,)}.get(leaf, (dn.num_value_heads,))
+            widths = {"conv_q": dn.key_dim, "conv_k": dn.key_dim, "conv_v": dn.value_dim}
+            if leaf in widths:
+                return (widths[leaf], 1, dn.conv_kernel)
+            return (dn.value_head_dim,) if leaf == "norm" else (dn.num_value_heads,)
     if path[0] == "per_layer_inputs" or module.startswith("per_layer"):  # Gemma 4's per-layer embeddings
         width = (c.num_hidden_layers if num_layers is None else num_layers) * c.per_layer_input_size
         return {"embed_tokens_per_layer": (c.per_layer_vocab_size, width), "per_layer_model_projection": (h, width),

@@ -3,7 +3,8 @@
 The mesh always has the axes ``("data", "model")``:
   * ``1d``: ``(devices, 1)``: pure data parallelism, parameters replicated;
   * ``2d``: ``(devices / m, m)``: projections split over ``model`` (q/k/v, gate/up by output
-    column; o/down by input row), the embedding by vocabulary row, a mixture of experts' experts
+    column; o/down by input row; a Gated DeltaNet mixer's likewise, with its convolution's channels
+    and its per-head decay parameters), the embedding by vocabulary row, a mixture of experts' experts
     by expert (``model.moe``: each device computes its own; their number padded to a multiple of
     ``m``, ``expert_slots``), batches over ``data``. The
     attention projections split by whole heads only: where ``m`` does not divide the heads (a
@@ -26,8 +27,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from common.cli import UserError
 from model.config import MESH_TYPES, DecoderConfig
 
-COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
-ROW_SPLIT = ("o_proj", "down_proj")
+COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head",
+                "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a")
+ROW_SPLIT = ("o_proj", "down_proj", "out_proj")
+# A Gated DeltaNet mixer's parameters by the heads their split axis is made of: key heads (q, k
+# and their convolutions' channels) or value heads (the rest); its norm over head_dim is replicated.
+DELTANET_KEY_HEADS = ("in_proj_q", "in_proj_k", "conv_q", "conv_k")
+DELTANET_VALUE_HEADS = ("in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv_v", "dt_bias", "A_log")
 
 
 def make_mesh(mesh_type: str, config: DecoderConfig, model_axis_size: int | None = None,
@@ -73,7 +79,13 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
         config = config.layer_config(int(path[0].removeprefix("layers_")))
     heads = (config.num_attention_heads if module in QUERY_HEADS else
              config.num_key_value_heads if module in KV_HEADS else None)
+    if module == "linear_attn":  # a DeltaNet mixer's own parameters: [channels, 1, taps] or [heads]
+        module = leaf
+    if config.deltanet is not None and module in DELTANET_KEY_HEADS + DELTANET_VALUE_HEADS:
+        heads = config.deltanet.num_key_heads if module in DELTANET_KEY_HEADS else config.deltanet.num_value_heads
     split = lambda dim: model > 1 and shape[dim] % model == 0 and (heads is None or heads % model == 0)
+    if module in ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log") and split(0):
+        return P("model", *(None,) * (len(shape) - 1))
     if module in COLUMN_SPLIT and leaf == "kernel" and split(1):
         return P(None, "model")
     if module in COLUMN_SPLIT and leaf == "bias" and split(0):

@@ -211,7 +211,7 @@ def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
     ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
     ("gemma3", "Gemma3ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel"), ("gpt_neox", "GPTNeoXForCausalLM"),
     ("olmo2", "Olmo2ForCausalLM"), ("phi3", "Phi3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
-    ("smollm3", "SmolLM3ForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM")])
+    ("smollm3", "SmolLM3ForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("gemma4_text", "Gemma4ForCausalLM")])
 def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     """A config.json that gives almost nothing: every default is transformers' own."""
     minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}
@@ -220,7 +220,34 @@ def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     assert config_from_dict(transformers_5_layout(minimal)) == config_from_dict(minimal)
 
 
+# A Gemma 4 multimodal config.json in the hub's keys, of E2B's text shape (35 blocks of 1536, 4 sliding
+# to 1 full, the last 20 sharing keys and values with double-wide MLPs, per-layer embeddings of 256).
+GEMMA_4_E2B_SHAPE = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": {
+    "model_type": "gemma4_text", "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 256,
+    "final_logit_softcapping": 30.0, "sliding_window": 512,
+    "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)],
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1_000_000.0}}}}
+
+
+def test_gemma_4_reads_the_same_from_the_hubs_keys_and_transformers_5s():
+    config = config_from_dict(GEMMA_4_E2B_SHAPE)
+    assert config_from_dict(transformers_5_layout(GEMMA_4_E2B_SHAPE)) == config
+    assert [config.layer_config(i).head_dim for i in (3, 4)] == [256, 512] and config.per_layer_input_size == 256
+    from transformers import Gemma4TextConfig
+    modes = Gemma4TextConfig(**GEMMA_4_E2B_SHAPE["text_config"]).kv_sharing_modes  # transformers' own reading
+    sources = [config.kv_source(i) for i in range(35)]
+    assert [i for i, mode in enumerate(modes) if mode == "reuse"] == [i for i, s in enumerate(sources) if s is not None]
+    assert {i for i, mode in enumerate(modes) if mode == "store"} == set(sources) - {None} == {13, 14}
+    assert config.layer_config(14).intermediate_size == 6144 and config.layer_config(15).intermediate_size == 12288
+
+
 @pytest.mark.parametrize("raw, message", [
+    ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25}},
+     "llama config.json: rope_scaling.rope_type = 'proportional' is not supported"),
     ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "llama config.json: rope_scaling.rope_type = 'yarn' is not supported: the implemented RoPE types are "
      "default, linear, llama3"),

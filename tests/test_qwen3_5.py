@@ -79,6 +79,23 @@ def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path,
     assert_equals_transformers(checkpoint, records, stored(tmp_path / "out" / "machine_000"), sites)
 
 
+def test_a_2d_mesh_splits_the_deltanet_weights_by_heads(checkpoint):
+    """Over a model axis dividing the key heads: q, k and their convolutions by key head, v, z,
+    the gates' projections, the decay parameters and out_proj by value head, the norm replicated."""
+    from jax.sharding import PartitionSpec as P
+    from model.loading import load_model
+    config = load_config(checkpoint)
+    loaded = load_model(checkpoint, "float32", mesh_type="2d", model_axis_size=2, num_layers=1)
+    mixer = loaded.params["layers_0"]["linear_attn"]
+    specs = {name: (value["kernel"] if isinstance(value, dict) else value).sharding.spec
+             for name, value in mixer.items()}
+    assert specs["in_proj_q"] == specs["in_proj_v"] == specs["in_proj_b"] == P(None, "model")
+    assert specs["out_proj"] == P("model", None) and specs["conv_k"] == specs["conv_v"] == P("model", None, None)
+    assert specs["A_log"] == P("model") and specs["norm"] == P()
+    shard = mixer["in_proj_k"]["kernel"].addressable_shards[0].data
+    assert shard.shape == (config.hidden_size, config.deltanet.key_dim // 2)  # one of the 2 key heads
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sites", "attn.hook_z"], "--sites attn.hook_z: block 0 mixes with Gated DeltaNet: no attention heads"),
     (["--sites", "attn.hook_z", "--layers_to_extract", "2"], None),  # the attention block has heads
