@@ -1,9 +1,10 @@
 """Extraction throughput on a real model (float32), real ARC prompts.
 
 ``--family`` picks the model: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
-(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small), gpt_neox (Pythia-410M), or a mixture of
+(Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small), gpt_neox (Pythia-410M), a mixture of
 experts reduced in proportion (``fixtures.tiny_models``): qwen3_moe (Qwen3-30B-A3B: 128 experts,
-k 8) or mixtral (Mixtral 8x7B: 8 experts, k 2). ``--weights
+k 8) or mixtral (Mixtral 8x7B: 8 experts, k 2), or qwen3_5 (Qwen3.5-27B reduced in proportion: 6
+Gated DeltaNet blocks, 2 of gated attention). ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -19,8 +20,14 @@ Prints real (non-padding) tokens/s of:
       dispatched, as before pipelining), with (a)'s compiled buckets;
 and the FLOP rate of (a) against a plain jitted float32 matmul on this machine, counting
 2 * params * tokens for the blocks computed (of a mixture of experts: the router and the k routed
-experts) plus causal attention (2 * n^2 * heads * head_dim per block per sequence). Compile time is
-reported apart: it is paid once per bucket in a long run.
+experts) plus causal attention (2 * n^2 * heads * head_dim per block per sequence) and a Gated
+DeltaNet's recurrence (6 * Dk * Dv per token and value head: reading, updating and querying its
+state). Compile time is reported apart: it is paid once per bucket in a long run.
+
+With Gated DeltaNet blocks (qwen3_5) it also prints their share of each implementation's time:
+ours, one DeltaNet mixer jitted alone on each of (a)'s batch shapes, times the DeltaNet blocks
+computed, against (a); transformers', its ``linear_attn`` modules timed by forward hooks against (b)
+(its torch path: the chunked kernels of flash-linear-attention are GPU-only).
 
 For a mixture of experts, (a) runs with each dispatch (``model.moe``: dense, grouped), and block
 0's mixture of experts alone, on the MLP inputs of the first batch and its routing, is timed for
@@ -53,7 +60,7 @@ from transforms.tokenize import load_tokenizer
 # --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
 FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m",
                  "gpt2": "gpt2-small", "gpt_neox": "pythia-410m", "qwen3_moe": "qwen3-30b-a3b-reduced",
-                 "mixtral": "mixtral-8x7b-reduced"}
+                 "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -109,9 +116,14 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     """2 x parameters x tokens for the blocks, plus causal attention (within a sliding layer's
     window: what the tiled kernel computes)."""
     c = config
-    attention_params = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    queries = c.num_attention_heads * (2 if c.attn_output_gate else 1)  # a gated q_proj writes queries and gates
+    attention_params = (c.hidden_size * (queries + 2 * c.num_key_value_heads) * c.head_dim
                         + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias
                         + c.num_attention_heads * c.head_dim * c.hidden_size)
+    d = c.deltanet
+    if d is not None:  # q, k, v, z, b, a in; out
+        deltanet_params = c.hidden_size * (2 * d.key_dim + 2 * d.value_dim + 2 * d.num_value_heads + d.value_dim)
+        recurrence = 6 * d.num_value_heads * d.key_head_dim * d.value_head_dim * sum(lengths)
 
     def mlp_params(layer: int) -> int:  # used per token
         if not c.is_sparse(layer):
@@ -120,15 +132,17 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         shared = 3 * c.hidden_size * moe.shared_expert_size + c.hidden_size if moe.shared_expert_size else 0
         return c.hidden_size * moe.num_experts + 3 * c.hidden_size * moe.expert_size * moe.top_k + shared
 
-    dense = 2 * sum(attention_params + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
+    mixer_params = lambda layer: deltanet_params if c.is_deltanet(layer) else attention_params
+    dense = 2 * sum(mixer_params(layer) + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
+    deltanet = sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
 
     def attended(n: int, window: int | None) -> int:  # (query, key) pairs of one sequence
         w = min(window or n, n)
         return w * (w + 1) // 2 + (n - w) * w
 
     attention = sum(4 * c.num_attention_heads * c.head_dim * attended(n, c.window(layer))
-                    for layer in range(num_layers) for n in lengths)
-    return dense + attention
+                    for layer in range(num_layers) if not c.is_deltanet(layer) for n in lengths)
+    return dense + attention + deltanet
 
 
 def computed_lengths(extractor: Extractor, prompts: list[list[int]]) -> list[int]:
@@ -149,10 +163,19 @@ def time_ours(extractor: Extractor, prompts: list[list[int]]) -> tuple[float, fl
     return compiled - start, time.perf_counter() - compiled
 
 
-def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: tuple[int, ...]) -> float:
+def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: tuple[int, ...],
+            mixer_seconds: list[float] | None = None) -> float:
+    """Seconds of transformers' forward over ``prompts``; ``mixer_seconds`` (a list): the time its
+    Gated DeltaNet modules took is appended to it."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mixers = [module for name, module in model.named_modules() if name.endswith("linear_attn")]
+    clock = {"start": 0.0, "total": 0.0}
+    for module in mixers:
+        module.register_forward_pre_hook(lambda *_: clock.__setitem__("start", time.perf_counter()))
+        module.register_forward_hook(lambda *_: clock.__setitem__(
+            "total", clock["total"] + time.perf_counter() - clock["start"]))
 
     def run(batches):
         for batch in batches:
@@ -170,9 +193,39 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: t
 
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     run(batches[:1])  # warm-up
+    clock["total"] = 0.0
     start = time.perf_counter()
     run(batches)
+    if mixer_seconds is not None:
+        mixer_seconds.append(clock["total"])
     return time.perf_counter() - start
+
+
+def deltanet_seconds(loaded, extractor: Extractor, prompts: list[list[int]], num_layers: int) -> float:
+    """Our Gated DeltaNet mixers' share of (a): one mixer (block 0's weights) jitted alone on each
+    batch shape (a) computes, its best of 3, times the DeltaNet blocks among the first ``num_layers``."""
+    import numpy as np
+    from model.attention import causal_mask
+    from model.decoder import GatedDeltaNet
+    c = loaded.config
+    mixer = GatedDeltaNet(c, jnp.float32, name="linear_attn")
+    params = {"params": loaded.params[f"layers_{c.deltanet.layers[0]}"]["linear_attn"]}
+    run = jax.jit(lambda p, x, mask: mixer.apply(p, x, mask)[0])
+    total = 0.0
+    for batch in extractor.batches(enumerate(prompts)):
+        rows = padded_rows(len(batch.items), extractor.batch_size, extractor.mesh.shape["data"])
+        lengths = np.zeros(rows, np.int32)
+        lengths[:len(batch.items)] = [len(ids) for _, ids in batch.items]
+        x = jax.random.normal(jax.random.PRNGKey(0), (rows, batch.length, c.hidden_size), jnp.float32)
+        mask = causal_mask(jnp.asarray(lengths), batch.length)
+        run(params, x, mask).block_until_ready()  # compiled
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run(params, x, mask).block_until_ready()
+            times.append(time.perf_counter() - start)
+        total += min(times)
+    return total * sum(1 for layer in range(num_layers) if c.is_deltanet(layer))
 
 
 def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq_length: int) -> list[str]:
@@ -263,8 +316,11 @@ def main() -> None:
         _, seconds_d = time_ours(bucketed, prompts)
     config, rows = loaded.config, computed_lengths(bucketed, prompts)
     buckets = bucketed.buckets
+    ours_deltanet = (deltanet_seconds(loaded, bucketed, prompts, max(layers) + 1)
+                     if config.deltanet is not None else None)
     del loaded, bucketed, fixed  # the reference needs the memory (a 2B model is 10 GB in float32)
-    seconds_b = time_hf(model_dir, prompts, args.batch_size, layers)
+    theirs_deltanet: list[float] = []
+    seconds_b = time_hf(model_dir, prompts, args.batch_size, layers, theirs_deltanet)
     flops_a = useful_flops(config, max(layers) + 1, [len(p) for p in prompts]) / seconds_a
     computed_a = useful_flops(config, max(layers) + 1, rows) / seconds_a
     print(f"{description}, layers {','.join(map(str, layers))}; "
@@ -293,6 +349,11 @@ def main() -> None:
           f"{100 * computed_a / matmul:.0f}% of matmul")
     for line in floor_lines:
         print(line)
+    if ours_deltanet is not None:
+        blocks = sum(1 for layer in range(max(layers) + 1) if config.is_deltanet(layer))
+        print(f"Gated DeltaNet mixers ({blocks} of {max(layers) + 1} blocks): ours {ours_deltanet:.1f} s of (a)'s "
+              f"{seconds_a:.1f} s ({100 * ours_deltanet / seconds_a:.0f}%); transformers' {theirs_deltanet[0]:.1f} s "
+              f"of (b)'s {seconds_b:.1f} s ({100 * theirs_deltanet[0] / seconds_b:.0f}%)")
 
 
 if __name__ == "__main__":

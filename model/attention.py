@@ -215,9 +215,13 @@ def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype,
     if config is not None and config.attn_logit_softcap is not None:
         return (f"cuDNN's flash attention has no attention-logit soft-capping, which {config.model_type} needs "
                 f"(attn_logit_softcapping {config.attn_logit_softcap})")
-    if config is not None and (config.head_dim % 8 or config.head_dim > max_head_dim):
+    # Every block's head size (Gemma 4's full-attention blocks have their own).
+    sizes = sorted({config.layer_config(i).head_dim for i in config.attention_layers}) if config is not None else []
+    bad = [d for d in sizes if d % 8 or d > max_head_dim]
+    if bad:
         return (f"cuDNN's flash attention takes head sizes that are multiples of 8 up to {max_head_dim} on these "
-                f"GPUs, and {config.model_type}'s is {config.head_dim}")
+                f"GPUs, and {config.model_type}'s {'are' if len(sizes) > 1 else 'is'} "
+                f"{' and '.join(map(str, sizes))}")
     return None
 
 

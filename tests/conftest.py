@@ -8,6 +8,7 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+import model  # noqa: E402,F401  (its XLA flags, before any test starts JAX's backend: model.xla_flags)
 
 import dataclasses
 import json

@@ -91,12 +91,16 @@ def test_auto_picks_cudnn_on_gpu_for_bfloat16_and_xla_fused_otherwise():
     ("gpu", "gemma2", jnp.bfloat16, "has no attention-logit soft-capping, which gemma2 needs"),
     ("gpu", "odd_head", jnp.bfloat16, "multiples of 8 up to 256 on these GPUs, and llama's is 20"),
     ("a100", "wide_head", jnp.bfloat16, "multiples of 8 up to 128 on these GPUs, and llama's is 256"),
+    ("gpu", "gemma4_global", jnp.bfloat16, "multiples of 8 up to 256 on these GPUs, and gemma4's are 16 and 264"),
 ])
 def test_cudnn_refuses_in_one_line_what_it_cannot_run(mesh, config, dtype, problem):
     from common.cli import UserError
     from model.attention import attention_for
     heads = {"odd_head": 20, "wide_head": 256}
-    config = tiny_config("llama", head_dim=heads[config]) if config in heads else tiny_config(config)
+    if config == "gemma4_global":  # its full-attention blocks' heads too wide, its sliding ones' fine
+        config = tiny_config("gemma4", model_type="gemma4_text", global_head_dim=264)
+    else:
+        config = tiny_config("llama", head_dim=heads[config]) if config in heads else tiny_config(config)
     mesh = fake_mesh("gpu", compute_capability="8.0") if mesh == "a100" else fake_mesh(mesh)
     with pytest.raises(UserError, match=f"^--attention cudnn: .*{problem}.*; use --attention auto$"):
         attention_for(mesh, "cudnn", config, dtype)

@@ -56,3 +56,29 @@ def test_padding_stays_out_of_the_state_and_the_forms_agree(inputs):
         for out, final in (chunked, recurrent):
             assert relative_error(np.asarray(out[row, :n]), np.asarray(alone[0][0])) <= 1e-5
             assert relative_error(np.asarray(final[row]), np.asarray(alone[1][0])) <= 1e-5
+
+
+def test_the_chunked_rule_over_512_positions_finishes_in_a_process_that_imports_model():
+    """With XLA:CPU's concurrency-optimized scheduler on, most such processes never finish on one
+    CPU device (model.xla_flags, which importing ``model`` applies, turns it off; on the tests' 8
+    devices they do). Run in a process of its own, on one device, without the flag in its environment."""
+    import os
+    import subprocess
+    import sys
+    code = ("import model, jax, jax.numpy as jnp\n"
+            "from model import deltanet\n"
+            "keys = jax.random.split(jax.random.PRNGKey(0), 5)\n"
+            "q, k = (jax.random.normal(key, (1, 512, 4, 128)) for key in keys[:2])\n"
+            "v = jax.random.normal(keys[2], (1, 512, 12, 128))\n"
+            "g = -jax.nn.softplus(jax.random.normal(keys[3], (1, 512, 12)))\n"
+            "beta = jax.nn.sigmoid(jax.random.normal(keys[4], (1, 512, 12)))\n"
+            "run = jax.jit(lambda *a: deltanet.chunked(*a)[0])\n"
+            "for _ in range(40):\n"
+            "    run(q, k, v, g, beta).block_until_ready()\n"
+            "print('finished')\n")
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if "concurrency_optimized" not in f and "device_count" not in f)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            env={**os.environ, "XLA_FLAGS": flags})
+    assert result.returncode == 0 and result.stdout.strip() == "finished", result.stderr[-2000:]

@@ -245,6 +245,16 @@ def test_gemma_4_reads_the_same_from_the_hubs_keys_and_transformers_5s():
     assert config.layer_config(14).intermediate_size == 6144 and config.layer_config(15).intermediate_size == 12288
 
 
+def test_gemma_4s_experts_read_under_either_name_of_their_width():
+    """26B-A4B's shape; the first Gemma 4 config.json files named the experts' width
+    expert_intermediate_size, transformers now moe_intermediate_size."""
+    text = {**GEMMA_4_E2B_SHAPE["text_config"], "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+            "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8}
+    ours = config_from_dict({**GEMMA_4_E2B_SHAPE, "text_config": {**text, "moe_intermediate_size": 704}})
+    first = config_from_dict({**GEMMA_4_E2B_SHAPE, "text_config": {**text, "expert_intermediate_size": 704}})
+    assert ours == first and ours.moe.expert_size == 704 and ours.moe.beside_dense and ours.moe.top_k == 8
+
+
 @pytest.mark.parametrize("raw, message", [
     ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25}},
      "llama config.json: rope_scaling.rope_type = 'proportional' is not supported"),

@@ -83,7 +83,9 @@ def _experts(f: Fields) -> MoE:
     experts, k = f.number("num_experts"), f.number("top_k_experts")
     if not 0 < k <= experts:
         raise f.refuse("top_k_experts", k, f"a token's experts are 1 to num_experts ({experts})")
-    return MoE(experts, k, f.number("moe_intermediate_size"), normalize_top_k=True, weights_in_float32=True,
+    # moe_intermediate_size, or the name the first Gemma 4 config.json files gave it
+    size_key = "moe_intermediate_size" if f.get("moe_intermediate_size") is not None else "expert_intermediate_size"
+    return MoE(experts, k, f.number(size_key), normalize_top_k=True, weights_in_float32=True,
                beside_dense=True, router_norm=True, per_expert_scale=True)
 
 
