@@ -81,7 +81,8 @@ class MoE:
 class DeltaNet:
     """Gated DeltaNet mixers (``DecoderConfig.deltanet``) in place of attention on ``layers``, as
     transformers' Qwen3.5 computes them (``model.deltanet``): projections of q, k, v (one fused
-    ``in_proj_qkv``), a causal depthwise convolution of ``conv_kernel`` taps with SiLU over them,
+    ``in_proj_qkv`` in checkpoints, taken apart at load time), a causal depthwise convolution of
+    ``conv_kernel`` taps with SiLU over them,
     L2-normalised q and k, per value head a decay g = -exp(A_log) softplus(a + dt_bias) and a
     rate beta = sigmoid(b), the gated delta rule, an RMSNorm of each head's output gated by
     SiLU(z), and ``out_proj``."""

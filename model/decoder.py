@@ -159,6 +159,13 @@ class LayerNorm(nn.Module):
         return (normed * weight + bias).astype(jnp.float32 if wide and self.keep_wide else self.dtype)
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in float32, without a weight (Gemma 4's value norm and
+    router input, Gated DeltaNet's output norm before its weight)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 def norm_for(config: DecoderConfig, name: str, dtype, residual_dtype, keep_wide: bool = False,
              normalized_site: str | None = None) -> nn.Module:
     """The model's norm (``config.norm``): an RMSNorm or a LayerNorm."""
@@ -203,6 +210,8 @@ class Attention(nn.Module):
             q, gate = jnp.split(q.reshape(b, s, c.num_attention_heads, 2 * c.head_dim), 2, axis=-1)  # [B, S, N, D]
             q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)  # [B, S, N*D]
         shared = kv_from is not None
+        if shared and (c.clip_qkv is not None or (c.qk_norm and c.qk_norm_scope == "projection")):
+            raise ValueError("a kv-sharing block has no k or v to clip or to norm over the projection")
         k = v = None
         if not shared:
             k = project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(x)  # [B, S, K*D]
@@ -223,8 +232,7 @@ class Attention(nn.Module):
         if c.qk_norm and c.qk_norm_scope == "head":
             q, k = qk_norm("q_norm", q), k if shared else qk_norm("k_norm", k)
         if c.value_norm and not shared:  # v / rms(v) per head, without a weight (Gemma 4)
-            v32 = v.astype(jnp.float32)
-            v = (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + c.norm_eps)).astype(v.dtype)
+            v = rms_normalized(v, c.norm_eps).astype(v.dtype)
         if cos is not None:  # RoPE (learned positions were added to the embeddings instead)
             q, k = apply_rope(q, cos, sin), k if shared else apply_rope(k, cos, sin)
         divisor = c.query_scale_divisor
@@ -318,8 +326,7 @@ class GatedDeltaNet(nn.Module):
             out, state = deltanet.chunked(q, k, v, g, beta, chunk_size=self.chunk_size)  # [B, S, Hv, Dv] float32
         out = out.astype(self.dtype)
         norm_weight = self.param("norm", nn.initializers.ones, (d.value_head_dim,), self.dtype)
-        o32 = out.astype(jnp.float32)
-        normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.norm_eps)).astype(self.dtype)
+        normed = rms_normalized(out, c.norm_eps).astype(self.dtype)
         gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
         return project(c.hidden_size, "out_proj")(out), None if cache is None else (tuple(conv_states), state)
@@ -544,8 +551,8 @@ class DecoderLayer(nn.Module):
 
 class PerLayerInputs(nn.Module):
     """Gemma 4's per-layer embeddings: for each token, a table row of [L, P] (x sqrt(P)) and a
-    projection of its embedding (/ sqrt(H), RMS-normed per block), averaged (x 1/sqrt(2)); block
-    i reads its [P] slice. The table and projection hold the blocks computed only (loaded so)."""
+    projection of its embedding (/ sqrt(H), RMS-normed per block), summed and scaled by 1/sqrt(2);
+    block i reads its [P] slice. The table and projection hold the blocks computed only (loaded so)."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None
@@ -626,7 +633,8 @@ class Decoder(nn.Module):
         input_ids, positions: [B, S]; mask: [B, S, T] (True = may attend; without caches it must
         be causal, e.g. ``model.attention.causal_mask``; sliding windows are applied per layer);
         ``caches``: each block's keys and values [B, T, K, D] (slot = position), written from slot
-        ``cache_index`` (a scalar, or [B]: each row's own);
+        ``cache_index`` (a scalar, or [B]: each row's own); a Gated DeltaNet block's states; None for
+        a block that attends to another's (``DecoderConfig.kv_source``);
         ``ablation``: ``model.interventions.ablation_arrays`` (each array's first axis the block),
         or None. Returns (outputs of each block computed: list of [B, S, H] in the residual
         dtype, new caches).

@@ -213,22 +213,32 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
             (outputs, _), state = apply(mutable=["sites"])
         values = {}
         for site in sites:
-            if site == RESID_POST:
-                per_layer = [outputs[layer] for layer in layers]
-            elif site == RESID_PRE:
-                per_layer = [outputs[layer - 1] if layer else state["sites"]["embeddings"][0] for layer in layers]
-            else:
-                per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in layers]
-            widest = max(x.shape[-1] for x in per_layer)  # blocks may differ (Gemma 4): padded, cut on the host
-            stacked = jnp.stack([x if x.shape[-1] == widest else jnp.pad(x, ((0, 0),) * (x.ndim - 1)
-                                                                          + ((0, widest - x.shape[-1]),))
-                                 for x in per_layer])  # [len(layers), B, S, width]
-            if select is not None:
-                stacked = selected_rows(stacked, *select, pool)  # [len(layers), B, K or 1, width]
-            values[site] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
+            for key, group in width_groups(config, site, layers).items():
+                if site == RESID_POST:
+                    per_layer = [outputs[layer] for layer in group]
+                elif site == RESID_PRE:
+                    per_layer = [outputs[layer - 1] if layer else state["sites"]["embeddings"][0] for layer in group]
+                else:
+                    per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in group]
+                stacked = jnp.stack(per_layer)  # [len(group), B, S, width]
+                if select is not None:
+                    stacked = selected_rows(stacked, *select, pool)  # [len(group), B, K or 1, width]
+                values[key] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
         return values
 
     return forward
+
+
+def width_groups(config: DecoderConfig, site: str, layers: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The forward's output arrays for ``site`` over ``layers``: {key: the layers stacked in it}.
+    One array keyed by the site where every block gives it the same width; else one per width,
+    keyed ``site@width`` (Gemma 4's heads and MLPs: no block's values padded to another's)."""
+    groups: dict[int, list[int]] = {}
+    for layer in layers:
+        groups.setdefault(site_width(site, config, layer), []).append(layer)
+    if len(groups) == 1:
+        return {site: tuple(layers)}
+    return {f"{site}@{width}": tuple(group) for width, group in groups.items()}
 
 
 def sown_value(block_sites: dict, site: str) -> jax.Array:
@@ -281,7 +291,7 @@ def local_blocks(out: jax.Array) -> list[tuple[slice, jax.Array]]:
 @dataclasses.dataclass
 class InFlight:
     """A dispatched batch whose activations are still on the devices."""
-    out: dict[str, jax.Array]  # site -> [len(layers), rows, length (or the selection's K), width]
+    out: dict[str, jax.Array]  # output key (width_groups) -> [its layers, rows, length (or the selection's K), width]
     lengths: np.ndarray     # [rows]: the rows each sequence keeps (its tokens, or its selected rows)
     count: int              # real sequences (the first rows)
 
@@ -452,11 +462,11 @@ class Extractor:
             data.copy_to_host_async()  # starts the transfer as soon as the forward ends
         return InFlight(out, kept, len(sequences))
 
-    def _cut(self, values: np.ndarray, site: str, layer: int) -> np.ndarray:
-        """A block's [num_tokens, width] rows, without the padding of a site wider at other
-        blocks (Gemma 4's heads and MLPs; copied then, so that it stays contiguous)."""
-        width = site_width(site, self.config, layer)
-        return values if values.shape[-1] == width else np.ascontiguousarray(values[:, :width])
+    @functools.cached_property
+    def _output_groups(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The forward's output keys -> (their site, the layers stacked in them): ``width_groups``."""
+        return {key: (site, group) for site in self.sites
+                for key, group in width_groups(self.config, site, self.layers).items()}
 
     def collect(self, batch: InFlight) -> list[dict[ArrayKey, np.ndarray] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per
@@ -464,19 +474,19 @@ class Extractor:
         for a sequence whose row lives on another process's devices)."""
         results: list[dict[ArrayKey, np.ndarray] | None] = [None] * batch.count
         keys = self.keys
-        for site, out in batch.out.items():
+        for key, out in batch.out.items():
+            site, group = self._output_groups[key]
             for rows, data in local_blocks(out):
                 data.block_until_ready()  # the forward's time, not the copy's
                 with self.observer.host_side("device_to_host"):
-                    acts = np.asarray(data)  # [len(layers), rows here, S, width]
+                    acts = np.asarray(data)  # [len(group), rows here, S, width]
                 with self.observer.host_side("split"):
                     for i, row in enumerate(range(*rows.indices(out.shape[1]))):
                         if row < batch.count:  # views of ``acts``: each [num_tokens, width], contiguous
                             n = batch.lengths[row]
                             # Keyed in storage order from the start, whichever site comes first.
                             arrays = results[row] = results[row] or dict.fromkeys(keys)
-                            arrays.update({array_key(site, layer): self._cut(acts[j, i, :n], site, layer)
-                                           for j, layer in enumerate(self.layers)})
+                            arrays.update({array_key(site, layer): acts[j, i, :n] for j, layer in enumerate(group)})
         if self.activation_dtype == jnp.float16:
             for arrays in results:
                 if arrays is not None:

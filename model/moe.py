@@ -224,7 +224,8 @@ class Experts(nn.Module):
 class MoEMLP(nn.Module):
     """The mixture-of-experts MLP of one block (parameters: ``router`` [H, E]; ``experts``'s
     ``gate_proj``, ``up_proj`` [E, H, F] and ``down_proj`` [E, F, H]; Qwen2-MoE's
-    ``shared_expert`` and ``shared_expert_gate`` [H, 1])."""
+    ``shared_expert`` and ``shared_expert_gate`` [H, 1]; Gemma 4's ``router_scale`` [H] and
+    ``per_expert_scale`` [E])."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None   # wider than dtype: matmuls accumulate in it
@@ -273,8 +274,8 @@ class MoEMLP(nn.Module):
         each product) unless the stream is wider -> [B, S, H] in the compute dtype."""
         c = self.config
         scale = self.param("router_scale", nn.initializers.ones, (c.hidden_size,), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + c.norm_eps)
+        from model.decoder import rms_normalized
+        normed = rms_normalized(x, c.norm_eps)
         step = jnp.float32 if wide else self.dtype
         scaled = normed.astype(step) * scale.astype(step)
         return (scaled.astype(jnp.float32) * c.hidden_size ** -0.5).astype(self.dtype)

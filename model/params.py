@@ -111,9 +111,9 @@ class Layout:
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's, below <moe_tensors>.experts.E
     norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
     deltanet_fused: bool = False        # DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba: Qwen3-Next)
-    router: str | None = None           # a mixture of experts' router module returning (probabilities,
-                                        # weights, indices), and its logits' module (Gemma 4's);
-    router_logits: str | None = None    # None: <mlp>.gate, returning (logits, weights, indices)
+    router: str | None = None           # a router module returning (probabilities, weights, indices)
+                                        # (Gemma 4's); None: <mlp>.gate, returning (logits, weights, indices)
+    router_logits: str | None = None    # the module whose output is such a router's logits
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -191,13 +191,13 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield from _gemma4_moe(c, hf)
     elif c.is_sparse(layer):
         yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
-    if fused:
-        for proj, part in zip(("gate_proj", "up_proj"), _split(0, [c.intermediate_size] * 2)):
-            yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
-    elif beside or not c.is_sparse(layer):
-        for proj in ("gate_proj", "up_proj", "down_proj") if c.gated_mlp else ("up_proj", "down_proj"):
-            yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
-    if fused:
+    if beside or not c.is_sparse(layer):  # a dense MLP
+        if fused:
+            for proj, part in zip(("gate_proj", "up_proj"), _split(0, [c.intermediate_size] * 2)):
+                yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
+        else:
+            for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
+                yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
         yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
     for ours, theirs in block_norm_names(c).items():
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
@@ -213,7 +213,9 @@ def _per_layer_inputs(config: DecoderConfig, prefix: str, num_layers: int):
     """Gemma 4's per-layer embedding table [V', L*P] and the embeddings' projection (torch [L*P, H]),
     the columns (rows) of the blocks computed only, and the projection's norm."""
     p = config.per_layer_input_size
-    part = lambda axis: (axis, np.arange(num_layers * p), config.num_hidden_layers * p)
+    # A part of the columns only when fewer blocks are computed (no copy of the whole table otherwise).
+    part = lambda axis: ((axis, np.arange(num_layers * p), config.num_hidden_layers * p)
+                         if num_layers < config.num_hidden_layers else None)
     yield ("per_layer_inputs", "embed_tokens_per_layer", "embedding"), Source(
         f"{prefix}embed_tokens_per_layer.weight", part=part(1))
     yield ("per_layer_inputs", "per_layer_model_projection", "kernel"), Source(

@@ -245,6 +245,16 @@ def test_gemma_4_reads_the_same_from_the_hubs_keys_and_transformers_5s():
     assert config.layer_config(14).intermediate_size == 6144 and config.layer_config(15).intermediate_size == 12288
 
 
+def test_a_per_layer_config_restating_every_layer_reads_as_the_one_naming_the_full_layers():
+    """transformers can write every layer's entry, the sliding ones restating the model's shape."""
+    written = transformers_5_layout(GEMMA_4_E2B_SHAPE)
+    text = written["text_config"]
+    every = {str(i): {"head_dim": 512 if kind == FULL else 256, "num_key_value_heads": 1}
+             for i, kind in enumerate(text["layer_types"])}
+    restated = {**written, "text_config": {**text, "per_layer_config": every}}
+    assert config_from_dict(restated) == config_from_dict(GEMMA_4_E2B_SHAPE)
+
+
 def test_gemma_4s_experts_read_under_either_name_of_their_width():
     """26B-A4B's shape; the first Gemma 4 config.json files named the experts' width
     expert_intermediate_size, transformers now moe_intermediate_size."""

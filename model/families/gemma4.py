@@ -109,12 +109,15 @@ def _full_layer_shape(f: Fields, types: tuple[str, ...], config: dict[str, Any])
     if entries is not None:
         if not isinstance(entries, dict):
             raise f.refuse("per_layer_config", entries, "expected a dict of layer -> overrides")
+        base = {"head_dim": config["head_dim"], "num_key_value_heads": config["num_key_value_heads"]}
         overrides = {int(layer): dict(values) for layer, values in entries.items()}
         for layer, values in overrides.items():
-            if layer not in full or set(values) - set(PER_LAYER_KEYS):
+            # An entry may restate the model's values (transformers can write every layer's).
+            differs = {key for key, value in values.items() if base.get(key) != value}
+            if differs - set(PER_LAYER_KEYS) or (differs and layer not in full):
                 raise f.refuse(f"per_layer_config.{layer}", values, f"only the full-attention layers' "
                                f"{' and '.join(PER_LAYER_KEYS)} may differ")
-        shapes_of_full = {tuple(sorted(overrides.get(i, {}).items())) for i in full}
+        shapes_of_full = {tuple(sorted({**base, **overrides.get(i, {})}.items())) for i in full}
         if len(shapes_of_full) > 1:
             raise f.refuse("per_layer_config", entries, "the full-attention layers must share one shape")
         values = overrides.get(full[0], {}) if full else {}
@@ -125,7 +128,7 @@ def _full_layer_shape(f: Fields, types: tuple[str, ...], config: dict[str, Any])
     head_dim = int(head_dim) if head_dim and int(head_dim) != config["head_dim"] else None
     kv_heads = int(kv_heads) if kv_heads and int(kv_heads) != config["num_key_value_heads"] else None
     if kv_heads is not None and config["num_attention_heads"] % kv_heads:
-        raise f.refuse("num_global_key_value_heads", kv_heads,
+        raise f.refuse("per_layer_config" if entries is not None else "num_global_key_value_heads", kv_heads,
                        f"num_attention_heads {config['num_attention_heads']} must be a multiple of it")
     return head_dim, kv_heads
 
