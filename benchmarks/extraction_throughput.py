@@ -233,7 +233,7 @@ def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq
     dispatch's time against the routed experts alone (lines to print)."""
     import numpy as np
     from model.decoder import ACTIVATIONS
-    from model.moe import dense_dispatch, expert_mlp, grouped_dispatch
+    from model.moe import dense_dispatch, expert_mlp, gated_unit, grouped_dispatch
     from model.sites import EXPERT_INDICES, MLP_IN, ROUTING_WEIGHTS, array_key
     c, moe = loaded.config, loaded.config.moe
     sites = (MLP_IN, EXPERT_INDICES, ROUTING_WEIGHTS)
@@ -245,11 +245,12 @@ def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq
     act, precision = ACTIVATIONS[c.hidden_act], jax.lax.Precision.HIGHEST
     flat = np.asarray(indices).reshape(-1)
     rows = [x[np.nonzero((np.asarray(indices) == e).any(-1))[0]] for e in range(moe.num_experts)]  # gathered before
-    floor = jax.jit(lambda rows, gate, up, down: [expert_mlp(r, gate[e], up[e], down[e], act, precision, None)
+    glu = gated_unit(c, act)
+    floor = jax.jit(lambda rows, gate, up, down: [expert_mlp(r, gate[e], up[e], down[e], glu, precision, None)
                                                   for e, r in enumerate(rows) if len(r)])
     dispatches = {
-        "dense": jax.jit(lambda *a: dense_dispatch(*a[:3], a[3:], 0, act, precision, None)),
-        "grouped": jax.jit(lambda *a: grouped_dispatch(*a[:3], a[3:], 0, act, precision, None,
+        "dense": jax.jit(lambda *a: dense_dispatch(*a[:3], a[3:], 0, glu, precision, None)),
+        "grouped": jax.jit(lambda *a: grouped_dispatch(*a[:3], a[3:], 0, glu, precision, None,
                                                        jax.default_backend() != "cpu")),
     }
 

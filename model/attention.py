@@ -1,7 +1,7 @@
 """Causal attention kernels: one-shot (with a KV cache), tiled (flash-style, the CPU's choice),
 fused (``jax.nn.dot_product_attention``: XLA's fusion, TPU's choice) and cudnn (the same call with
-cuDNN's flash attention, the GPU's choice), each with an optional sliding window (soft-capping:
-the one-shot and tiled kernels only), and the masks they take.
+cuDNN's flash attention, the GPU's choice), each with an optional sliding window (soft-capping
+and attention sinks: the one-shot and tiled kernels only), and the masks they take.
 
 Axis names: B batch, S query positions, T key positions, K key/value heads, G query heads per
 kv head, D head_dim. Every kernel takes q [B, S, K, G, D] and k, v [B, T, K, D].
@@ -47,31 +47,38 @@ def soft_capped(scores: jax.Array, softcap: float | None) -> jax.Array:
     return scores if softcap is None else jnp.tanh(scores / softcap) * softcap
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array, dtype, softcap: float | None = None) -> jax.Array:
-    """Softmax over the last axis in float32 where ``mask`` [B, S, T] allows, cast to ``dtype``.
+def masked_softmax(scores: jax.Array, mask: jax.Array, dtype, softcap: float | None = None,
+                   sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last axis in float32 where ``mask`` [B, S, T] allows, cast to ``dtype``;
+    ``sinks`` [K, G]: each head's logit joins every query's softmax, and its share is dropped.
 
     scores: [B, K, G, S, T], already scaled."""
     scores = soft_capped(scores.astype(jnp.float32), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASKED)
-    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None, None], scores.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(dtype)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                     precision: jax.lax.Precision, accumulate=None, divisor: float | None = None,
-                    softcap: float | None = None) -> jax.Array:
+                    softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Attention over every key at once: mask [B, S, T] (its window applied, see ``windowed``)
     -> [B, S, K, G, D]. Materialises all [B, K, G, S, T] scores; used with a cache, where S or T
-    is small. ``accumulate``: the dtype the matmuls accumulate in (None: q's)."""
+    is small. ``accumulate``: the dtype the matmuls accumulate in (None: q's); ``sinks``: see
+    ``masked_softmax``."""
     q = q if divisor is None else q / divisor  # a Python scale keeps q's dtype
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision,
                         preferred_element_type=accumulate)  # [B, K, G, S, T]
-    probs = masked_softmax(scores, mask, q.dtype, softcap)
+    probs = masked_softmax(scores, mask, q.dtype, softcap, sinks)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision, preferred_element_type=accumulate)
 
 
 def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                          precision: jax.lax.Precision, accumulate=None, divisor: float | None = None,
-                         softcap: float | None = None, window: int | None = None) -> jax.Array:
+                         softcap: float | None = None, window: int | None = None,
+                         sinks: jax.Array | None = None) -> jax.Array:
     """Causal self-attention of one sequence in tiles (flash-style online softmax):
     q [S, K, G, D], k, v [S, K, D], mask [S, S] (which must allow no future key) -> [S, K, G, D].
 
@@ -79,7 +86,8 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     window) up to its own (the upper triangle is never computed) and up to the last key the mask
     allows (none of the padding past the sequence), keeping a running max and sum in float32 so
     the scores never exist whole. A window therefore cuts the cost to about window / S of the
-    full triangle. ``accumulate``: the dtype the matmuls accumulate in (None: q's).
+    full triangle. ``accumulate``: the dtype the matmuls accumulate in (None: q's). ``sinks``
+    [K, G]: each head's logit joins the softmax's sum after the last key block (gpt-oss).
     """
     s, kv_heads, groups, d = q.shape
     block = min(s, ATTENTION_BLOCK)
@@ -128,7 +136,12 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
         last = jnp.minimum(i + 1, key_blocks)
         # The first key block the window reaches (a padding block past the real keys: the last).
         first = 0 if window is None else jnp.minimum(jnp.maximum(0, i * block - window + 1) // block, last - 1)
-        _, total, acc = jax.lax.fori_loop(first, last, add_key_block, state)
+        running_max, total, acc = jax.lax.fori_loop(first, last, add_key_block, state)
+        if sinks is not None:  # one more logit in the denominator, none in the values
+            sink = sinks.astype(jnp.float32)[..., None]  # [K, G, 1]
+            new_max = jnp.maximum(running_max, sink)
+            rescale = jnp.exp(running_max - new_max)
+            total, acc = total * rescale + jnp.exp(sink - new_max), acc * rescale[..., None]
         return (acc / total[..., None]).astype(q.dtype)  # [K, G, bq, D]
 
     out = jax.lax.map(query_block, jnp.arange(padded // block))  # [S'/bq, K, G, bq, D]
@@ -138,7 +151,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                      precision: jax.lax.Precision, mesh: Mesh | None = None, accumulate=None,
                      divisor: float | None = None, softcap: float | None = None,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal self-attention: q [B, S, K, G, D], k, v [B, S, K, D], mask [B, S, S] (which must
     allow no future key) -> [B, S, K, G, D].
 
@@ -150,16 +163,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     the loop never crosses a sharded axis (kv heads that the model axis does not divide, a
     single one say, are replicated).
     """
-    def local(q, k, v, mask):
-        return jax.lax.map(lambda row: row_causal_attention(*row, precision, accumulate, divisor, softcap, window),
-                           (q, k, v, mask))
+    def local(q, k, v, mask, *sink):
+        return jax.lax.map(lambda row: row_causal_attention(*row, precision, accumulate, divisor, softcap, window,
+                                                            *sink), (q, k, v, mask))
 
+    extra = () if sinks is None else (sinks,)
     if mesh is None:
-        return local(q, k, v, mask)
+        return local(q, k, v, mask, *extra)
     heads = "model" if q.shape[2] % mesh.shape["model"] == 0 else None
     q_spec, kv_spec = P("data", None, heads, None, None), P("data", None, heads, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("data")),
-                         out_specs=q_spec)(q, k, v, mask)
+    sink_spec = () if sinks is None else (P(heads, None),)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("data"), *sink_spec),
+                         out_specs=q_spec)(q, k, v, mask, *extra)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -215,6 +230,8 @@ def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype,
     if config is not None and config.attn_logit_softcap is not None:
         return (f"cuDNN's flash attention has no attention-logit soft-capping, which {config.model_type} needs "
                 f"(attn_logit_softcapping {config.attn_logit_softcap})")
+    if config is not None and config.attention_sinks:
+        return f"cuDNN's flash attention has no attention sinks, which {config.model_type} has"
     # Every block's head size (Gemma 4's full-attention blocks have their own).
     sizes = sorted({config.layer_config(i).head_dim for i in config.attention_layers}) if config is not None else []
     bad = [d for d in sizes if d % 8 or d > max_head_dim]
@@ -232,8 +249,8 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
 
     ``auto``: the per-tile loop on CPU (``causal_attention``: it keeps scores in cache); on GPU,
     cuDNN's flash attention where it applies (bfloat16, no soft-capping), else XLA's fused kernel;
-    on TPU XLA's fused kernel; the tiled loop for a model with soft-capped attention logits,
-    which neither fused kernel can do (docs/benchmarks.md#the-accelerator-path measured them)."""
+    on TPU XLA's fused kernel; the tiled loop for a model with soft-capped attention logits or
+    attention sinks, which neither fused kernel can do (docs/benchmarks.md#the-accelerator-path measured them)."""
     if choice not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {choice!r} (choose from {', '.join(ATTENTION_KINDS)})")
     capped = config is not None and config.attn_logit_softcap is not None
@@ -241,6 +258,10 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
         raise UserError(f"--attention fused: jax.nn.dot_product_attention has no attention-logit "
                         f"soft-capping, which {config.model_type} needs (attn_logit_softcapping "
                         f"{config.attn_logit_softcap}); use --attention tiled or auto")
+    sinks = config is not None and config.attention_sinks
+    if choice == "fused" and sinks:
+        raise UserError(f"--attention fused: jax.nn.dot_product_attention has no attention sinks, which "
+                        f"{config.model_type} has; use --attention tiled or auto")
     platform = None if mesh is None else mesh.devices.flat[0].platform
     limit = cudnn_max_head_dim(mesh)
     if choice == "cudnn":
@@ -249,7 +270,7 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
             raise UserError(f"--attention cudnn: {problem}; use --attention auto")
     if choice != "auto":
         return choice
-    if platform in (None, "cpu") or capped:
+    if platform in (None, "cpu") or capped or sinks:
         return "tiled"
     if platform == "gpu" and dtype is not None and cudnn_problem(platform, config, dtype, limit) is None:
         return "cudnn"

@@ -31,7 +31,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # weights and matmuls; ``auto`` picks 
 STORED_DTYPES = ("float32", "float16", "bfloat16")  # activations as stored or handed to a trainer
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
-ROPE_KINDS = ("default", "linear", "llama3")  # and Gemma 4's "proportional" (model.families.gemma4)
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # and Gemma 4's "proportional" (model.families.gemma4)
 # The MLP activations, by transformers' names: gelu_pytorch_tanh and gelu_new are the same tanh
 # approximation (Gemma's name, GPT-2's); gelu is the exact (erf) one (GPT-NeoX).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
@@ -44,11 +44,15 @@ QK_NORM_SCOPES = ("head", "projection")  # q/k normed per head over head_dim | o
 class RoPE:
     """The rotary embedding of one layer type (transformers' ``rope_parameters``)."""
     theta: float
-    kind: str = "default"               # default | linear | llama3 | proportional
-    factor: float = 1.0                 # linear, llama3, proportional: frequencies divided by it
+    kind: str = "default"               # default | linear | llama3 | yarn | proportional
+    factor: float = 1.0                 # linear, llama3, yarn, proportional: frequencies divided by it
     low_freq_factor: float = 1.0        # llama3: wavelengths past context/low are divided by factor
     high_freq_factor: float = 4.0       # llama3: wavelengths under context/high are kept
-    original_max_position_embeddings: int = 8192  # llama3: the context the factors refer to
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the context the factors refer to
+    beta_fast: float = 32.0             # yarn: pairs turning more than this often over that context are kept
+    beta_slow: float = 1.0              # yarn: pairs turning less than this often are divided by factor
+    truncate: bool = True               # yarn: the ramp between them starts and ends on whole pairs
+    attention_factor: float = 1.0       # cos and sin multiplied by it (yarn's 0.1 ln(factor) + 1, by default)
     fraction: float = 1.0               # proportional: the share of each head's pairs that rotate, at the
                                         # frequencies of the whole head's; the others get frequency 0 (Gemma 4)
 
@@ -75,6 +79,11 @@ class MoE:
     router_norm: bool = False           # the router reads x / rms(x) * its learned scale / sqrt(H) (Gemma 4)
     per_expert_scale: bool = False      # each chosen expert's weight, after the renormalisation, times that
                                         # expert's learned scale (Gemma 4)
+    router_bias: bool = False           # the router's linear layer has a bias (gpt-oss)
+    top_k_before_softmax: bool = False  # the k largest logits chosen first, their softmax the weights (gpt-oss)
+    expert_bias: bool = False           # the experts' projections have biases (gpt-oss)
+    swiglu_limit: float | None = None   # the clamped SwiGLU: gate <= limit, |up| <= limit,
+    swiglu_alpha: float = 1.702         # (up + 1) * gate * sigmoid(alpha * gate) (gpt-oss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +182,8 @@ class DecoderConfig:
                                          # addition after the MLP (Gemma 4's PLE); 0: none
     per_layer_vocab_size: int = 0        # the per-layer embedding table's rows
     layer_scalar: bool = False           # each block's output multiplied by its learned scalar (Gemma 4)
+    attention_sinks: bool = False        # a learned logit per head joins every query's softmax, and its
+                                         # share is dropped (gpt-oss's sinks)
 
     def layer_config(self, layer: int) -> "DecoderConfig":
         """The config as block ``layer`` sees it: its head size, kv heads and MLP width where

@@ -249,6 +249,10 @@ class Attention(nn.Module):
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
         divisor = None if prescaled else divisor
         precision = precision_for(self.dtype)
+        sinks = None
+        if c.attention_sinks:  # query head n = kv head * G + its group
+            sinks = self.param("sinks", nn.initializers.zeros, (c.num_attention_heads,), self.dtype)
+            sinks = sinks.astype(jnp.float32).reshape(c.num_key_value_heads, c.kv_groups)  # [K, G]
         cached = cache is not None or (shared and cache_index is not None)
         if not cached and self.attention in ("fused", "cudnn"):
             # The kernel scales by 1/sqrt(D) unless told otherwise.
@@ -258,10 +262,10 @@ class Attention(nn.Module):
                                   "cudnn" if self.attention == "cudnn" else None)
         elif not cached:
             out = causal_attention(q, k, v, mask, precision, self.mesh, accumulate, divisor,
-                                   c.attn_logit_softcap, self.window)
+                                   c.attn_logit_softcap, self.window, sinks)
         else:
             out = dense_attention(q, k, v, windowed(mask, positions, self.window), precision, accumulate,
-                                  divisor, c.attn_logit_softcap)  # [B, S, K, G, D]
+                                  divisor, c.attn_logit_softcap, sinks)  # [B, S, K, G, D]
         out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
         if gate is not None:
             gated = out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32)).reshape(out.shape)

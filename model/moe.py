@@ -80,6 +80,17 @@ def route(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | Non
     return indices.astype(jnp.int32), weights if moe.weights_in_float32 else weights.astype(dtype)
 
 
+def route_top_k_first(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | None = None):
+    """gpt-oss's router: the k largest logits [..., E] chosen first, their softmax the weights
+    (indices [..., k] int32, weights [..., k] rounded to ``dtype``); ``keep`` as ``route``'s."""
+    logits = logits.astype(jnp.float32)
+    if keep is not None:
+        logits = jnp.where(keep, logits, -jnp.inf)
+    top, indices = jax.lax.top_k(logits, config.moe.top_k)  # [..., k]
+    weights = jax.nn.softmax(top, axis=-1)
+    return indices.astype(jnp.int32), weights if config.moe.weights_in_float32 else weights.astype(dtype)
+
+
 def forced(indices: jax.Array, weights: jax.Array, expert: jax.Array):
     """The routing with every token sent to ``expert`` alone (weight 1), where ``expert`` >= 0."""
     on = expert >= 0
@@ -88,31 +99,55 @@ def forced(indices: jax.Array, weights: jax.Array, expert: jax.Array):
             jnp.where(on, jnp.where(first, 1, 0).astype(weights.dtype), weights))
 
 
-def expert_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act, precision, accumulate) -> jax.Array:
-    """Gated MLP of one expert's weights (gate, up [H, F]; down [F, H]) on rows x [R, H] -> [R, H]."""
+def gated_unit(config: DecoderConfig, act):
+    """The experts' hidden activation of (gate, up): act(gate) * up, or gpt-oss's clamped SwiGLU
+    (gate at most the limit, up within it; (up + 1) * gate * sigmoid(alpha * gate))."""
+    moe = config.moe
+    if moe.swiglu_limit is None:
+        return lambda gate, up: act(gate) * up
+    limit, alpha = moe.swiglu_limit, moe.swiglu_alpha
+
+    def clamped(gate, up):
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return clamped
+
+
+def expert_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, glu, precision, accumulate,
+               biases: tuple = ()) -> jax.Array:
+    """Gated MLP of one expert's weights (gate, up [H, F]; down [F, H]; ``biases``: none, or
+    theirs [F], [F], [H]) on rows x [R, H] -> [R, H]; ``glu`` (``gated_unit``) joins gate and up."""
     dot = lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=accumulate)
-    hidden = act(dot(x, gate)) * dot(x, up)  # [R, F]
-    return dot(hidden.astype(x.dtype), down)
+    g, u = dot(x, gate), dot(x, up)  # [R, F]
+    if biases:
+        g, u = g + biases[0], u + biases[1]
+    out = dot(glu(g, u).astype(x.dtype), down)
+    return out + biases[2] if biases else out
 
 
-def dense_dispatch(x, indices, weights, experts, first: int, act, precision, accumulate) -> jax.Array:
-    """Every local expert (``experts``: gate, up [E', H, F], down [E', F, H], global ids from
-    ``first``) on every token x [T, H], combined by the routing weights -> [T, H]."""
-    gate, up, down = experts
+def dense_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate) -> jax.Array:
+    """Every local expert (``experts``: gate, up [E', H, F], down [E', F, H], and where they have
+    them their biases [E', F], [E', F], [E', H]; global ids from ``first``) on every token x
+    [T, H], combined by the routing weights -> [T, H]."""
+    gate, up, down, *biases = experts
     local = jnp.arange(gate.shape[0]) + first  # [E']
     combine = jnp.sum(jnp.where(indices[..., None] == local, weights[..., None], 0), axis=1)  # [T, E']
     dot = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=accumulate)
-    hidden = act(dot("th,ehf->tef", x, gate)) * dot("th,ehf->tef", x, up)  # [T, E', F]
-    out = dot("tef,efh->teh", hidden.astype(x.dtype), down)  # [T, E', H]
+    g, u = dot("th,ehf->tef", x, gate), dot("th,ehf->tef", x, up)  # [T, E', F]
+    if biases:
+        g, u = g + biases[0][None], u + biases[1][None]
+    out = dot("tef,efh->teh", glu(g, u).astype(x.dtype), down)  # [T, E', H]
+    if biases:
+        out = out + biases[2][None]
     wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
     return jnp.einsum("te,teh->th", combine.astype(wide), out.astype(wide), precision=precision).astype(out.dtype)
 
 
-def grouped_dispatch(x, indices, weights, experts, first: int, act, precision, accumulate,
+def grouped_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate,
                      ragged: bool) -> jax.Array:
     """The (token, expert) pairs of x [T, H] routed to the local experts (global ids from
     ``first``), sorted by expert and computed by a grouped matmul -> [T, H]."""
-    gate, up, down = experts
+    gate, up, down, *biases = experts
     count, (t, k) = gate.shape[0], indices.shape
     expert = indices.reshape(-1) - first  # [T*k]
     expert = jnp.where((expert >= 0) & (expert < count), expert, count)  # elsewhere: a last, dropped group
@@ -123,11 +158,17 @@ def grouped_dispatch(x, indices, weights, experts, first: int, act, precision, a
     local = (expert[order] < count)[:, None]  # [T*k, 1]: rows of the local experts
     if ragged:
         dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision=precision, preferred_element_type=accumulate)
-        hidden = act(dot(rows, gate)) * dot(rows, up)  # [T*k, F]
+        g, u = dot(rows, gate), dot(rows, up)  # [T*k, F]
+        row_bias = lambda b: b[jnp.minimum(expert[order], count - 1)]  # [T*k, ...]: each row's expert's
+        if biases:
+            g, u = g + row_bias(biases[0]), u + row_bias(biases[1])
+        out = dot(glu(g, u).astype(x.dtype), down)  # [T*k, H]
+        if biases:
+            out = out + row_bias(biases[2])
         # The dropped group's rows are none of ragged_dot's groups: whatever it leaves there goes.
-        out = jnp.where(local, dot(hidden.astype(x.dtype), down), 0)  # [T*k, H]
+        out = jnp.where(local, out, 0)
     else:
-        out = tiled_grouped_mlp(rows, sizes, (gate, up, down), act, precision, accumulate)
+        out = tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate)
     wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
     scale = jnp.where(local[:, 0], weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
     return jnp.zeros((t, out.shape[-1]), wide).at[token].add(out.astype(wide) * scale[:, None]).astype(out.dtype)
@@ -142,10 +183,10 @@ def tile_rows(rows: int, experts: int) -> int:
     return tile
 
 
-def tiled_grouped_mlp(rows, sizes, experts, act, precision, accumulate) -> jax.Array:
+def tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate) -> jax.Array:
     """The grouped MLP of rows [R, H] sorted by expert (``sizes`` [E'] rows each, the rest not
     computed: 0), as a loop over tiles (``tile_rows``), each expert's rows padded to whole tiles."""
-    gate, up, down = experts
+    gate, up, down, *biases = experts
     r, count = rows.shape[0], sizes.shape[0]
     tile = tile_rows(r, count)
     tiles = -(-r // tile) + count  # a static bound: each expert pads fewer than tile rows
@@ -162,7 +203,8 @@ def tiled_grouped_mlp(rows, sizes, experts, act, precision, accumulate) -> jax.A
 
     def one_tile(args):
         block, expert = args  # [tile, H], the tile's expert
-        return expert_mlp(block, gate[expert], up[expert], down[expert], act, precision, accumulate)
+        return expert_mlp(block, gate[expert], up[expert], down[expert], glu, precision, accumulate,
+                          tuple(b[expert] for b in biases))
 
     out = jax.lax.map(one_tile, (padded.reshape(tiles, tile, -1), tile_expert))  # [tiles, tile, H]
     out = out.reshape(tiles * tile, -1)
@@ -170,37 +212,37 @@ def tiled_grouped_mlp(rows, sizes, experts, act, precision, accumulate) -> jax.A
 
 
 def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch: str, mesh: Mesh | None,
-                   act, precision, accumulate) -> jax.Array:
+                   glu, precision, accumulate) -> jax.Array:
     """``sum_j w_j * expert_{idx_j}(x)`` for x [B, S, H], indices / weights [B, S, k] -> [B, S, H];
-    over a mesh, each device its own experts and rows (see the module docstring)."""
+    ``experts``: the stacked weights (and biases), each [E', ...]; over a mesh, each device its own
+    experts and rows (see the module docstring)."""
     kind = dispatch_for(config, dispatch)
     ragged = jax.default_backend() != "cpu"
 
-    def local(x, indices, weights, gate, up, down, first=0):
+    def local(x, indices, weights, *experts, first=0):
         b, s, h = x.shape
         flat = x.reshape(b * s, h), indices.reshape(b * s, -1), weights.reshape(b * s, -1)
         if kind == "dense":
-            out = dense_dispatch(*flat, (gate, up, down), first, act, precision, accumulate)
+            out = dense_dispatch(*flat, experts, first, glu, precision, accumulate)
         else:
-            out = grouped_dispatch(*flat, (gate, up, down), first, act, precision, accumulate, ragged)
+            out = grouped_dispatch(*flat, experts, first, glu, precision, accumulate, ragged)
         return out.reshape(b, s, -1)
 
-    gate, up, down = experts
     if mesh is None or x.shape[0] % mesh.shape["data"]:
-        return local(x, indices, weights, gate, up, down)
+        return local(x, indices, weights, *experts)
     model = mesh.shape["model"]
-    split = model > 1 and gate.shape[0] % model == 0  # slots: padded to a multiple of it when loaded
-    weight_spec = P("model" if split else None, None, None)
-    per_device = gate.shape[0] // model if split else 0
+    split = model > 1 and experts[0].shape[0] % model == 0  # slots: padded to a multiple of it when loaded
+    weight_specs = tuple(P("model" if split else None, *(None,) * (e.ndim - 1)) for e in experts)
+    per_device = experts[0].shape[0] // model if split else 0
 
-    def sharded(x, indices, weights, gate, up, down):
+    def sharded(x, indices, weights, *experts):
         first = jax.lax.axis_index("model") * per_device if split else 0
-        out = local(x, indices, weights, gate, up, down, first)
+        out = local(x, indices, weights, *experts, first=first)
         return jax.lax.psum(out, "model") if split else out
 
     rows = P("data", None, None)
-    return jax.shard_map(sharded, mesh=mesh, in_specs=(rows, rows, rows, weight_spec, weight_spec, weight_spec),
-                         out_specs=rows, check_vma=False)(x, indices, weights, gate, up, down)
+    return jax.shard_map(sharded, mesh=mesh, in_specs=(rows, rows, rows, *weight_specs),
+                         out_specs=rows, check_vma=False)(x, indices, weights, *experts)
 
 
 class Experts(nn.Module):
@@ -211,14 +253,16 @@ class Experts(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self) -> tuple[jax.Array, ...]:
         h, moe = self.config.hidden_size, self.config.moe
         e, f = moe.num_experts, moe.expert_size
         # An existing (loaded) value as it is: its slot count is the mesh's, not the config's.
         stacked = lambda name, shape: (self.get_variable("params", name) if self.has_variable("params", name)
                                        else self.param(name, nn.initializers.zeros, shape, self.dtype))
-        return tuple(stacked(name, shape) for name, shape in
-                     (("gate_proj", (e, h, f)), ("up_proj", (e, h, f)), ("down_proj", (e, f, h))))
+        shapes = [("gate_proj", (e, h, f)), ("up_proj", (e, h, f)), ("down_proj", (e, f, h))]
+        if moe.expert_bias:  # gpt-oss's
+            shapes += [("gate_proj_bias", (e, f)), ("up_proj_bias", (e, f)), ("down_proj_bias", (e, h))]
+        return tuple(stacked(name, shape) for name, shape in shapes)
 
 
 class MoEMLP(nn.Module):
@@ -249,15 +293,18 @@ class MoEMLP(nn.Module):
             router_input = self.normed_router_input(router_input, accumulate is not None)
         # With a wider stream the router accumulates in it and its weights stay in it, as every
         # matmul and sum does (model.decoder): fewer tokens routed otherwise than in float64.
-        logits = dense(moe.num_experts, False, "router", self.dtype, accumulate)(router_input)  # [B, S, E]
+        logits = dense(moe.num_experts, moe.router_bias, "router", self.dtype, accumulate)(router_input)  # [B, S, E]
         scale = (self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), self.dtype)
                  if moe.per_expert_scale else None)
-        indices, weights = route(logits, c, self.dtype if accumulate is None else accumulate, keep,
-                                 scale)  # [B, S, k]
+        weights_dtype = self.dtype if accumulate is None else accumulate
+        if moe.top_k_before_softmax:
+            indices, weights = route_top_k_first(logits, c, weights_dtype, keep)  # [B, S, k]
+        else:
+            indices, weights = route(logits, c, weights_dtype, keep, scale)  # [B, S, k]
         routed = (indices, weights) if force is None else forced(indices, weights, force)
         experts = Experts(c, self.dtype, name="experts")()
-        out = experts_output(x, *routed, experts, c, self.dispatch, self.mesh, ACTIVATIONS[c.hidden_act],
-                             precision, accumulate)
+        out = experts_output(x, *routed, experts, c, self.dispatch, self.mesh,
+                             gated_unit(c, ACTIVATIONS[c.hidden_act]), precision, accumulate)
         sites = {ROUTER_LOGITS: logits, EXPERT_INDICES: indices, ROUTING_WEIGHTS: weights}
         if moe.shared_expert_size:
             from model.decoder import MLP

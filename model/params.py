@@ -56,8 +56,8 @@ class Source:
     part: tuple[int, np.ndarray, int] | None = None
     # Experts' tensors stacked on a first axis: ``name`` has ``{e}`` for the expert, 0..experts-1.
     experts: int = 0
-    # One tensor of every expert's torch weights [E, out, in] (Gemma 4): ``part`` along its axis 1,
-    # each expert's transposed into [E, in, out].
+    # One tensor of every expert's weights [E, ...] (Gemma 4, gpt-oss): ``part`` along one of its
+    # axes; with ``transpose``, torch's [E, out, in] turned into [E, in, out].
     stacked: bool = False
 
 
@@ -111,9 +111,9 @@ class Layout:
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's, below <moe_tensors>.experts.E
     norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
     deltanet_fused: bool = False        # DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba: Qwen3-Next)
-    router: str | None = None           # a router module returning (probabilities, weights, indices)
-                                        # (Gemma 4's); None: <mlp>.gate, returning (logits, weights, indices)
-    router_logits: str | None = None    # the module whose output is such a router's logits
+    router: str | None = None           # the router module, returning (logits or probabilities, weights,
+                                        # indices); None: <mlp>.gate
+    router_logits: str | None = None    # where its logits are when it returns probabilities (Gemma 4's)
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -159,10 +159,25 @@ def _gemma4_moe(config: DecoderConfig, hf: str):
     yield ("moe", "router_scale"), Source(f"{hf}.router.scale")
     yield ("moe", "per_expert_scale"), Source(f"{hf}.router.per_expert_scale")
     for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
-        yield ("moe", "experts", proj), Source(f"{hf}.experts.gate_up_proj", part=part, stacked=True)
-    yield ("moe", "experts", "down_proj"), Source(f"{hf}.experts.down_proj", stacked=True)
+        yield ("moe", "experts", proj), Source(f"{hf}.experts.gate_up_proj", True, part, stacked=True)
+    yield ("moe", "experts", "down_proj"), Source(f"{hf}.experts.down_proj", True, stacked=True)
     for ours, theirs in GEMMA4_MOE_NORMS.items():
         yield from _norm(f"{hf}.{theirs}", (ours,), config)
+
+
+def _gpt_oss_moe(config: DecoderConfig, hf: str):
+    """gpt-oss's mixture of experts below ``mlp``: the router with its bias, and the experts'
+    stacked tensors as transformers holds them, [E, in, out]: ``gate_up_proj`` [E, H, 2F] whose
+    columns alternate gate and up, ``down_proj`` [E, F, H], and their biases."""
+    f = config.moe.expert_size
+    yield from _linear(f"{hf}.mlp.router", ("mlp", "router"), True)
+    for proj, start in (("gate_proj", 0), ("up_proj", 1)):  # interleaved: gate, up, gate, up, ...
+        columns = np.arange(start, 2 * f, 2)
+        yield ("mlp", "experts", proj), Source(f"{hf}.mlp.experts.gate_up_proj", part=(2, columns, 2 * f), stacked=True)
+        yield ("mlp", "experts", f"{proj}_bias"), Source(f"{hf}.mlp.experts.gate_up_proj_bias",
+                                                         part=(1, columns, 2 * f), stacked=True)
+    yield ("mlp", "experts", "down_proj"), Source(f"{hf}.mlp.experts.down_proj", stacked=True)
+    yield ("mlp", "experts", "down_proj_bias"), Source(f"{hf}.mlp.experts.down_proj_bias", stacked=True)
 
 
 def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
@@ -183,12 +198,16 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
     if not c.is_deltanet(layer):
         yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
+    if c.attention_sinks and not c.is_deltanet(layer):
+        yield ("self_attn", "sinks"), Source(f"{hf}.self_attn.sinks")
     if c.qk_norm and not c.is_deltanet(layer):
         for norm in ("q_norm", "k_norm") if "k_proj" in own else ("q_norm",):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
     beside = c.is_sparse(layer) and c.moe.beside_dense  # Gemma 4: the experts beside the dense MLP
     if beside:
         yield from _gemma4_moe(c, hf)
+    elif c.is_sparse(layer) and c.moe.expert_bias:
+        yield from _gpt_oss_moe(c, hf)
     elif c.is_sparse(layer):
         yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
     if beside or not c.is_sparse(layer):  # a dense MLP
@@ -308,8 +327,9 @@ GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _
 MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w1", "w3", "w2"))
 QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
+GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router")
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,  # every other family: LLAMA
-           "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4}
+           "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -401,9 +421,12 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
     if c.moe is not None:
         e, fe, fs = c.moe.num_experts, c.moe.expert_size, c.moe.shared_expert_size
         if module == "experts":
-            return (e, fe, h) if leaf == "down_proj" else (e, h, fe)
+            return {"down_proj": (e, fe, h), "gate_proj_bias": (e, fe), "up_proj_bias": (e, fe),
+                    "down_proj_bias": (e, h)}.get(leaf, (e, h, fe))
         if "shared_expert" in path:
             f = fs
+        if module == "router" and leaf == "bias":
+            return (e,)
         if module in ("router", "shared_expert_gate"):
             return (h, e) if module == "router" else (h, 1)
     gated_q = 2 * q if c.attn_output_gate else q  # each head's query and its gate
@@ -429,6 +452,8 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
         return (1,)
     if leaf == "per_expert_scale":
         return (c.moe.num_experts,)
+    if leaf == "sinks":
+        return (c.num_attention_heads,)
     if leaf in ("kernel", "embedding"):
         return kernels[module]
     if leaf == "bias" and module in kernels:
@@ -456,12 +481,12 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
             raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}, which config.json's "
                             f"sizes do not give (its fused parts make {size} along axis {axis})")
         tensor = np.take(tensor, indices, axis=axis)
-    if source.stacked:
+    if source.stacked and source.transpose:
         if tensor.ndim != 3:
             raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}: expected the "
                             "experts' weights stacked [experts, out, in]")
         return np.ascontiguousarray(np.swapaxes(tensor, 1, 2))
-    return tensor
+    return np.ascontiguousarray(tensor) if source.stacked else tensor
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -491,7 +516,7 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
         for key in path[:-1]:
             node = node.setdefault(key, {})
         values = read_source(checkpoint, source)
-        transpose = source.transpose and not source.experts  # an ExpertStack is in its final layout
+        transpose = source.transpose and not (source.experts or source.stacked)  # in their final layout already
         shape = values.shape[::-1] if transpose else values.shape
         expected = expected_shape(path, config, num_layers)
         if tuple(shape) != expected:

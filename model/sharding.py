@@ -74,7 +74,7 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
     model = mesh.shape["model"]
     module, leaf = path[-2], path[-1]
     if module == "experts":  # [expert slots, ...]: whole experts per device
-        return P("model", None, None) if model > 1 and shape[0] % model == 0 else P()
+        return P("model", *(None,) * (len(shape) - 1)) if model > 1 and shape[0] % model == 0 else P()
     if path[0].startswith("layers_"):  # its block's shapes (Gemma 4's full blocks have their own)
         config = config.layer_config(int(path[0].removeprefix("layers_")))
     heads = (config.num_attention_heads if module in QUERY_HEADS else

@@ -168,3 +168,54 @@ def test_a_sliding_window_holds_in_the_tiled_and_fused_kernels(window):
         changed, base = attend(q, k, v.at[0, 299 - window].set(1e6), mask), attend(q, k, v, mask)
         np.testing.assert_array_equal(changed[0, 299], base[0, 299])
         assert not np.array_equal(changed[0, 299 - window], base[0, 299 - window])
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_attention_sinks_equal_transformers_gpt_oss_attention(window):
+    """Each head's sink logit joined to the softmax and dropped, in the tiled kernel (a forward)
+    and the one-shot one (decoding), against transformers' gpt-oss eager attention in float64:
+    two rows of 70 and 41 real tokens, 3 query heads over each of 2 kv heads."""
+    import types
+    import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    from model.attention import windowed
+    b, s, k_heads, groups, d = 2, 70, 2, 3, 16
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(b, s, k_heads, groups, d)).astype(np.float32)
+    k, v = (rng.normal(size=(b, s, k_heads, d)).astype(np.float32) for _ in range(2))
+    sinks = rng.normal(size=k_heads * groups).astype(np.float32) * 2
+    lengths = np.array([70, 41])
+    mask = causal_mask(jnp.asarray(lengths), s)
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    precision, divisor = jax.lax.Precision.HIGHEST, d ** 0.5
+    tiled = causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, precision, divisor=divisor,
+                             window=window, sinks=jnp.asarray(sinks).reshape(k_heads, groups))
+    dense = dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), windowed(mask, positions, window),
+                            precision, divisor=divisor, sinks=jnp.asarray(sinks).reshape(k_heads, groups))
+    allowed = np.asarray(windowed(mask, positions, window))  # [B, S, S]
+    additive = torch.from_numpy(np.where(allowed, 0.0, -np.inf)[:, None])  # [B, 1, S, S]
+    module = types.SimpleNamespace(sinks=torch.from_numpy(sinks).double(), num_key_value_groups=groups,
+                                   training=False)
+    query = torch.from_numpy(q).double().reshape(b, s, k_heads * groups, d).transpose(1, 2)  # [B, N, S, D]
+    key, value = (torch.from_numpy(x).double().transpose(1, 2) for x in (k, v))  # [B, K, S, D]
+    theirs, _ = eager_attention_forward(module, query, key, value, additive, scaling=d ** -0.5)  # [B, S, N, D]
+    theirs = theirs.numpy().reshape(b, s, k_heads, groups, d)
+    for ours in (np.asarray(tiled), np.asarray(dense)):
+        for row, n in enumerate(lengths):
+            assert relative_error(ours[row, :n], theirs[row, :n]) <= 1e-6
+    plain = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, precision,
+                                        divisor=divisor, window=window))
+    assert relative_error(plain[0], theirs[0]) > 1e-2  # the sinks take their share
+
+
+def test_a_model_with_attention_sinks_gets_the_tiled_kernel_and_the_fused_ones_refuse_it():
+    import dataclasses
+    from common.cli import UserError
+    from model.attention import attention_for
+    config = dataclasses.replace(tiny_config("llama"), attention_sinks=True)
+    assert attention_for(fake_mesh("gpu"), "auto", config, jnp.bfloat16) == "tiled"
+    assert attention_for(fake_mesh("tpu"), "auto", config, jnp.bfloat16) == "tiled"
+    with pytest.raises(UserError, match="^--attention fused: .*no attention sinks, which llama has"):
+        attention_for(fake_mesh("gpu"), "fused", config, jnp.bfloat16)
+    with pytest.raises(UserError, match="^--attention cudnn: cuDNN's flash attention has no attention sinks"):
+        attention_for(fake_mesh("gpu"), "cudnn", config, jnp.bfloat16)

@@ -178,7 +178,7 @@ def test_a_machine_of_two_processes_with_a_single_kv_head(family_checkpoints, tm
 
 @pytest.mark.parametrize("problem, expected", [
     ("architecture", "unsupported architecture 'FalconForCausalLM' in config.json"),
-    ("rope", "llama config.json: rope_parameters.rope_type = 'yarn' is not supported"),
+    ("rope", "llama config.json: rope_parameters.rope_type = 'longrope' is not supported"),
     ("fused", "--attention fused: jax.nn.dot_product_attention has no attention-logit soft-capping"),
 ])
 def test_an_unsupported_model_is_one_line_and_creates_nothing(family_checkpoints, tmp_path, problem, expected):
@@ -191,7 +191,8 @@ def test_an_unsupported_model_is_one_line_and_creates_nothing(family_checkpoints
     if problem == "architecture":
         config.update(architectures=["FalconForCausalLM"], model_type="falcon")
     elif problem == "rope":
-        config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+        config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0],
+                                     "long_factor": [1.0]}
     (model_dir / "config.json").write_text(json.dumps(config))
     flags = ["--attention", "fused"] if problem == "fused" else []
     result = run_in_process("runners.tpu_host",

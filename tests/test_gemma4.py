@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from fixtures.hf_reference import (load_reference, max_relative_error, random_sequences, reference_activations,
-                                   reference_sites, relative_error)
+                                   relative_error, tokens_routed_alike)
 from model.config import load_config
 from model.extract import Extractor
-from model.sites import EXPERT_INDICES, RESID_POST, SITES, hook_name, missing_reason
+from model.sites import EXPERT_INDICES, RESID_POST, SITES, missing_reason
 from tests.conftest import run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_host_errors import one_line_error
@@ -106,15 +106,7 @@ def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(che
     mine = dict(extractor.extract(enumerate(sequences)))
     kept = np.ones(sum(LENGTHS), bool)
     if moe:
-        places = [(EXPERT_INDICES, layer) for layer in range(6)]
-        routes = [reference_sites(load_reference(checkpoint, dtype), sequences, places)
-                  for dtype in ("float64", "bfloat16")]
-        chosen = lambda per_sequence, layer: np.sort(np.concatenate(per_sequence), axis=-1)  # [tokens, k]
-        for layer in range(6):
-            exact_choice = chosen([r[EXPERT_INDICES, layer] for r in routes[0]], layer)
-            for other in ([r[EXPERT_INDICES, layer] for r in routes[1]],
-                          [mine[i][hook_name(EXPERT_INDICES, layer)] for i in range(len(LENGTHS))]):
-                kept &= (chosen(other, layer) == exact_choice).all(-1)
+        kept = tokens_routed_alike(checkpoint, sequences, mine, 6)
         assert kept.mean() > 0.6, kept.mean()  # about 4% of the tokens flip at each block in either forward
     error = relative_error if moe else max_relative_error
     for layer in exact[0]:

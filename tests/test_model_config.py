@@ -268,8 +268,8 @@ def test_gemma_4s_experts_read_under_either_name_of_their_width():
 @pytest.mark.parametrize("raw, message", [
     ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25}},
      "llama config.json: rope_scaling.rope_type = 'proportional' is not supported"),
-    ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-     "llama config.json: rope_scaling.rope_type = 'yarn' is not supported: the implemented RoPE types are "
+    ({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     "llama config.json: rope_scaling.rope_type = 'longrope' is not supported: the implemented RoPE types are "
      "default, linear, llama3"),
     ({**LLAMA_3_2_1B, "rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
      "rope_parameters.rope_type = 'dynamic' is not supported"),
@@ -308,9 +308,6 @@ def test_gemma_4s_experts_read_under_either_name_of_their_width():
     ({**LLAMA_3_2_1B, "architectures": ["LlamaForSequenceClassification"]},
      "unsupported architecture 'LlamaForSequenceClassification'"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "has no 'text_config'"),
-    ({"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "rope_scaling": {
-        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}},
-     "olmo3 config.json: rope_scaling.rope_type = 'yarn' is not supported"),
     ({"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "num_hidden_layers": 4,
       "no_rope_layers": [1, 1, 2, 0]}, "smollm3 config.json: no_rope_layers = \\[1, 1, 2, 0\\] is not supported: "
                                        "expected 4 entries of 0 or 1"),

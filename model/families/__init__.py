@@ -7,8 +7,8 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import (gemma2, gemma3, gemma4, gpt2, gpt_neox, llama, mistral, mixtral, olmo2, olmo3, olmoe, phi3,
-                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
+from model.families import (gemma2, gemma3, gemma4, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2,
+                            olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -36,6 +36,7 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "qwen3_moe": (qwen3_moe, qwen3_moe.ARCHITECTURES),
     "olmoe": (olmoe, olmoe.ARCHITECTURES),
     "mixtral": (mixtral, mixtral.ARCHITECTURES),
+    "gpt_oss": (gpt_oss, gpt_oss.ARCHITECTURES),
 }
 SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
                                 if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))

@@ -10,6 +10,7 @@ transformers' default for the family, so a reader gives the same ``DecoderConfig
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 from common.cli import UserError
@@ -117,6 +118,8 @@ def rope(f: Fields, params: dict[str, Any], where: str, theta: float, partial: b
         raise f.refuse(f"{where}.rope_theta", params.get("rope_theta") or theta, "not a number") from None
     if kind == "default":
         return RoPE(theta)
+    if kind == "yarn":
+        return yarn(f, params, where, theta)
     try:
         factor = float(params["factor"])
         if kind == "linear":
@@ -125,6 +128,26 @@ def rope(f: Fields, params: dict[str, Any], where: str, theta: float, partial: b
                     int(params.get("original_max_position_embeddings") or f.number("max_position_embeddings")))
     except KeyError as e:
         raise UserError(f"{f.family} config.json: {where} of type {kind!r} has no {e.args[0]!r}") from None
+
+
+def yarn(f: Fields, params: dict[str, Any], where: str, theta: float) -> RoPE:
+    """YaRN's RoPE as transformers reads its parameters: ``factor`` (default: the context over
+    ``original_max_position_embeddings``), ``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` true,
+    and the factor on cos and sin: ``attention_factor``, else from ``mscale`` / ``mscale_all_dim``,
+    else 0.1 ln(factor) + 1."""
+    number = lambda key, default=None: float(params[key]) if params.get(key) is not None else default
+    try:
+        original = int(params.get("original_max_position_embeddings") or f.number("max_position_embeddings"))
+        factor = number("factor") or f.number("max_position_embeddings") / original
+        scale = lambda m=1.0: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        mscale, mscale_all_dim = number("mscale"), number("mscale_all_dim")
+        attention = number("attention_factor") or (scale(mscale) / scale(mscale_all_dim) if mscale and mscale_all_dim
+                                                    else scale())
+        return RoPE(theta, "yarn", factor, original_max_position_embeddings=original,
+                    beta_fast=number("beta_fast") or 32.0, beta_slow=number("beta_slow") or 1.0,
+                    truncate=bool(params.get("truncate", True)), attention_factor=attention)
+    except (TypeError, ValueError):
+        raise f.refuse(where, params, "YaRN's parameters must be numbers") from None
 
 
 def rotary_dim(f: Fields, params: dict[str, Any], where: str, head_dim: int, default: float = 1.0) -> int | None:
