@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from common.cli import UserError
+from model import mxfp4
 from model.checkpoint import Checkpoint
 from model.config import DecoderConfig
 from model.sharding import expert_slots, param_sharding
@@ -474,7 +475,12 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
                     "False); save it in the per-expert layout)" if fused in checkpoint else "")
             raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
         return ExpertStack(checkpoint, names, source.transpose)
-    tensor = checkpoint.tensor(source.name)
+    if source.stacked and source.name not in checkpoint and source.name + mxfp4.BLOCKS in checkpoint:
+        # gpt-oss's experts as the hub ships them (MXFP4), [E, out, in / 32, 16]: dequantized, [E, in, out]
+        tensor = mxfp4.dequantized(checkpoint.tensor(source.name + mxfp4.BLOCKS),
+                                   checkpoint.tensor(source.name + mxfp4.SCALES))
+    else:
+        tensor = checkpoint.tensor(source.name)
     if source.part is not None:
         axis, indices, size = source.part
         if tensor.ndim <= axis or tensor.shape[axis] != size:

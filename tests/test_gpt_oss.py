@@ -1,7 +1,8 @@
 """gpt-oss through the one decoder: attention sinks, YaRN, alternating windows, a router with a
 bias choosing its top k before the softmax, experts with biases and the clamped SwiGLU, their
 interleaved gate/up columns: every block and site against transformers' float64 forward, padded
-batches, bfloat16, a 2d mesh, greedy generation, expert interventions; MXFP4 refused."""
+batches, bfloat16, a 2d mesh, greedy generation, expert interventions; the hub's MXFP4 experts
+dequantized as transformers dequantizes them."""
 
 import json
 import pathlib
@@ -129,15 +130,73 @@ def test_expert_removal_and_forced_routing_equal_transformers_hooks(checkpoint, 
         assert relative_error(expected[i][3], unablated[i][3]) > 1e-3, spec  # the intervention acts
 
 
-def test_the_hubs_mxfp4_experts_are_refused_in_one_line_before_the_weights(checkpoint, tmp_path):
+def test_mxfp4_dequantization_equals_transformers():
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from model.mxfp4 import dequantized
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 10, 4, 16), dtype=np.uint8)  # [E, rows, groups, 16 bytes]
+    scales = rng.integers(110, 140, (3, 10, 4), dtype=np.uint8)
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    ours = dequantized(blocks, scales)
+    assert ours.shape == (3, 128, 10) and np.array_equal(ours, theirs.numpy())
+
+
+def mxfp4_checkpoints(root: pathlib.Path) -> tuple[str, str]:
+    """(an MXFP4 gpt-oss checkpoint, the same weights dequantized by transformers): a tiny gpt-oss
+    (experts of 32, so that their inputs divide into blocks of 32) whose experts' weights are
+    random MXFP4 blocks and scales."""
+    import shutil
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from fixtures.tiny_models import write_checkpoint
+    plain = write_checkpoint(root / "dequantized", "gpt_oss", seed=4, intermediate_size=32)
+    quantized = root / "mxfp4"
+    shutil.copytree(plain, quantized)
+    tensors = load_file(pathlib.Path(plain, "model.safetensors"))
+    packed = dict(tensors)
+    rng = np.random.default_rng(1)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, inputs, outputs = tensors[name].shape  # transformers' [E, in, out]
+        blocks = rng.integers(0, 256, (e, outputs, inputs // 32, 16), dtype=np.uint8)
+        scales = rng.integers(120, 125, (e, outputs, inputs // 32), dtype=np.uint8)
+        tensors[name] = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                   dtype=torch.float32).numpy()
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+    save_file(tensors, pathlib.Path(plain, "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((quantized / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (quantized / "config.json").write_text(json.dumps(raw))
+    return str(quantized), plain
+
+
+def test_an_mxfp4_checkpoint_reads_as_transformers_dequantized_weights(tmp_path):
+    """Its experts' blocks and scales dequantized at load time: every block's output identical
+    to the checkpoint transformers' dequantization wrote out, and that one's within 1e-5 of
+    transformers' float64 forward."""
+    quantized, plain = mxfp4_checkpoints(tmp_path)
+    sequences = random_sequences([60, 33], seed=2, vocab=load_config(plain).vocab_size)
+    outputs = [dict(Extractor.load(path, dtype="float32", max_seq_length=64, batch_size_per_device=2,
+                                   devices=jax.devices()[:1]).extract(enumerate(sequences)))
+               for path in (quantized, plain)]
+    reference = reference_activations(load_reference(plain, "float64"), sequences)
+    for i, expected in enumerate(reference):
+        for layer in expected:
+            np.testing.assert_array_equal(outputs[0][i][layer], outputs[1][i][layer])
+            assert relative_error(outputs[0][i][layer], expected[layer]) <= 1e-5, (i, layer)
+
+
+def test_another_quantization_is_refused_in_one_line_before_the_weights(checkpoint, tmp_path):
     import shutil
     model = tmp_path / "model"
     shutil.copytree(checkpoint, model)
     raw = json.loads((model / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (model / "config.json").write_text(json.dumps(raw))
     write_stream(tmp_path / "stream.jsonl", checkpoint, count=2)
     result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", str(model)))
-    one_line_error(result, "gpt_oss config.json: quantization_config (mxfp4) is not supported")
+    one_line_error(result, "gpt_oss config.json: quantization_config (gptq) is not supported")
     assert not (tmp_path / "out").exists()
-    assert pathlib.Path(checkpoint, "config.json").exists()

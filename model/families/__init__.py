@@ -55,6 +55,7 @@ def read_family_config(raw: dict) -> DecoderConfig:
                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     if quantization := raw.get("quantization_config"):
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise UserError(f"{model_type} config.json: quantization_config ({method}) is not supported: the "
-                        "checkpoint's weights must be float (dequantize it first)")
+        if method not in getattr(family, "QUANTIZATIONS", ()):  # (gpt-oss's MXFP4 experts are dequantized at load)
+            raise UserError(f"{model_type} config.json: quantization_config ({method}) is not supported: the "
+                            "checkpoint's weights must be float (dequantize it first)")
     return family.decoder_config(raw)

@@ -13,8 +13,9 @@
   SwiGLU (``swiglu_limit``, ``swiglu_alpha``), their ``gate_up_proj`` columns interleaved (gate,
   up, gate, ...) and taken apart at load time.
 
-The hub's checkpoints hold the experts in MXFP4 (a ``quantization_config``): refused in one line
-(dequantized checkpoints, as transformers' ``Mxfp4Config(dequantize=True)`` saves them, load)."""
+The hub's checkpoints hold the experts in MXFP4 (``quantization_config``: ``mxfp4``;
+``*_blocks`` and ``*_scales`` tensors), dequantized exactly at load time (``model.mxfp4``), as are
+checkpoints saved dequantized."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from model.config import FULL, SLIDING, DecoderConfig, MoE
 from model.families.common import Fields, layer_types, rope, rope_parameters, shapes, sliding_window
 
 ARCHITECTURES = ("GptOssForCausalLM", "GptOssModel")
+QUANTIZATIONS = ("mxfp4",)  # quantization_config methods read (the experts' weights only: model.mxfp4)
 # transformers' GptOssConfig defaults, for keys a config.json may leave out.
 DEFAULTS = dict(vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
                 num_attention_heads=64, num_key_value_heads=8, head_dim=64, max_position_embeddings=131_072,
