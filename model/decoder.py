@@ -255,6 +255,8 @@ class Attention(nn.Module):
             sinks = sinks.astype(jnp.float32).reshape(c.num_key_value_heads, c.kv_groups)  # [K, G]
         cached = cache is not None or (shared and cache_index is not None)
         if not cached and self.attention in ("fused", "cudnn"):
+            if sinks is not None:
+                raise ValueError("the fused attention kernels have no attention sinks (attention_for picks tiled)")
             # The kernel scales by 1/sqrt(D) unless told otherwise.
             default = c.query_pre_attn_scalar in (None, c.head_dim)
             scale = 1.0 if prescaled else (None if default else 1 / divisor)

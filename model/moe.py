@@ -8,7 +8,10 @@ A block whose config has ``moe`` (``model.config.MoE``) replaces its MLP by
     out     = sum_j w_j * expert_{idx_j}(x)     # each expert a gated MLP of expert_size
             + sigmoid(x @ shared_gate) * shared_expert(x)   # Qwen2-MoE only
 
-as transformers computes it for Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE (w rounded to the
+as transformers computes it for Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE (gpt-oss's router has a
+bias and softmaxes its top k logits instead, ``route_top_k_first``; its experts have biases and the
+clamped SwiGLU, ``gated_unit``; Gemma 4's router normalises its input and scales each expert's
+weight; ``model.config.MoE``'s switches) (w rounded to the
 compute dtype before it scales an expert's output, except Mixtral's, kept in float32; the k
 products are summed in the wider of the two dtypes and rounded once, where transformers rounds
 each and adds them in the compute dtype: the same in float32, a bfloat16 step apart at most with

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.cli import UserError
+
 # The 16 values of an E2M1 nibble (sign, 2 exponent bits, 1 mantissa bit).
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 BLOCKS, SCALES = "_blocks", "_scales"  # the suffixes of a quantized tensor's two parts
@@ -19,10 +21,11 @@ BLOCKS, SCALES = "_blocks", "_scales"  # the suffixes of a quantized tensor's tw
 def dequantized(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """blocks [E, R, G, 16] uint8, scales [E, R, G] uint8 -> float32 [E, G * 32, R]."""
     if blocks.shape[:-1] != scales.shape or blocks.ndim != 4:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match")
+        raise UserError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match "
+                        "([experts, rows, groups, 16] and [experts, rows, groups])")
     values = np.empty(blocks.shape[:-1] + (2 * blocks.shape[-1],), np.float32)  # [E, R, G, 32]
     values[..., 0::2] = E2M1[blocks & 0x0F]
     values[..., 1::2] = E2M1[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    np.ldexp(values, scales.astype(np.int32)[..., None] - 127, out=values)  # in place: one float32 copy
     e, r, g, _ = values.shape
     return np.ascontiguousarray(values.reshape(e, r, g * 32).transpose(0, 2, 1))

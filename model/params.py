@@ -115,6 +115,8 @@ class Layout:
     router: str | None = None           # the router module, returning (logits or probabilities, weights,
                                         # indices); None: <mlp>.gate
     router_logits: str | None = None    # where its logits are when it returns probabilities (Gemma 4's)
+    expert_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]] | None = None  # a family's own
+                                        # mixture-of-experts tensors (config, "<prefix><blocks>.L"): gpt-oss's
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -207,8 +209,8 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     beside = c.is_sparse(layer) and c.moe.beside_dense  # Gemma 4: the experts beside the dense MLP
     if beside:
         yield from _gemma4_moe(c, hf)
-    elif c.is_sparse(layer) and c.moe.expert_bias:
-        yield from _gpt_oss_moe(c, hf)
+    elif c.is_sparse(layer) and layout_of(c).expert_tensors is not None:
+        yield from layout_of(c).expert_tensors(c, hf)
     elif c.is_sparse(layer):
         yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
     if beside or not c.is_sparse(layer):  # a dense MLP
@@ -328,7 +330,7 @@ GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _
 MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w1", "w3", "w2"))
 QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
-GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router")
+GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,  # every other family: LLAMA
            "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS}
 
@@ -476,9 +478,7 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
             raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
         return ExpertStack(checkpoint, names, source.transpose)
     if source.stacked and source.name not in checkpoint and source.name + mxfp4.BLOCKS in checkpoint:
-        # gpt-oss's experts as the hub ships them (MXFP4), [E, out, in / 32, 16]: dequantized, [E, in, out]
-        tensor = mxfp4.dequantized(checkpoint.tensor(source.name + mxfp4.BLOCKS),
-                                   checkpoint.tensor(source.name + mxfp4.SCALES))
+        tensor = _dequantized(checkpoint, source.name)
     else:
         tensor = checkpoint.tensor(source.name)
     if source.part is not None:
@@ -492,7 +492,14 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
             raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}: expected the "
                             "experts' weights stacked [experts, out, in]")
         return np.ascontiguousarray(np.swapaxes(tensor, 1, 2))
-    return np.ascontiguousarray(tensor) if source.stacked else tensor
+    return tensor
+
+
+@functools.lru_cache(maxsize=1)
+def _dequantized(checkpoint: Checkpoint, name: str) -> np.ndarray:
+    """gpt-oss's experts as the hub ships them (MXFP4: [E, out, in / 32, 16] and their scales),
+    dequantized to [E, in, out]; the last one kept, as its gate and up columns are read in turn."""
+    return mxfp4.dequantized(checkpoint.tensor(name + mxfp4.BLOCKS), checkpoint.tensor(name + mxfp4.SCALES))
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -535,4 +542,5 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
             extra = expert_slots(config, mesh) - values.shape[0]
             values = np.pad(values, ((0, extra),) + ((0, 0),) * (values.ndim - 1))
         node[path[-1]] = _placed(values, transpose, path, mesh, dtype, config)
+    _dequantized.cache_clear()  # not the last block's experts kept in host memory
     return tree

@@ -57,11 +57,12 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                    "ablation masks any)"),
     Site(EXPERT_INDICES, "top_k", "the experts the router chose, most probable first (int32)", integer=True),
     Site(ROUTING_WEIGHTS, "top_k", "the weights scaling the chosen experts' outputs: their softmax probabilities, "
-                                   "renormalised over the k where the family does (Mixtral; norm_topk_prob)"),
+                                   "renormalised over the k where the family does (Mixtral; norm_topk_prob; "
+                                   "gpt-oss: the softmax of the k logits; Gemma 4: times per_expert_scale)"),
     Site(SHARED_EXPERT_GATE, "one", "Qwen2-MoE's shared expert gate: sigmoid(shared_expert_gate(x))"),
     Site(SHARED_EXPERT_OUT, "hidden", "Qwen2-MoE's shared expert's output, before its gate scales it"),
     Site(MLP_POST, "intermediate", "the MLP's hidden activation, act(gate) * up, or act(fc) in a plain MLP "
-                                   "(the down projection's input)"),
+                                   "(the down projection's input; the dense MLP's beside Gemma 4's experts)"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
                             "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),

@@ -137,15 +137,19 @@ def yarn(f: Fields, params: dict[str, Any], where: str, theta: float) -> RoPE:
     else 0.1 ln(factor) + 1."""
     number = lambda key, default=None: float(params[key]) if params.get(key) is not None else default
     try:
-        original = int(params.get("original_max_position_embeddings") or f.number("max_position_embeddings"))
-        factor = number("factor") or f.number("max_position_embeddings") / original
+        # A top-level original_max_position_embeddings wins, as transformers standardises it (Phi-3's).
+        original = int(f.raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                       or f.number("max_position_embeddings"))
+        factor = number("factor", f.number("max_position_embeddings") / original)
         scale = lambda m=1.0: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
         mscale, mscale_all_dim = number("mscale"), number("mscale_all_dim")
-        attention = number("attention_factor") or (scale(mscale) / scale(mscale_all_dim) if mscale and mscale_all_dim
-                                                    else scale())
+        attention = number("attention_factor", scale(mscale) / scale(mscale_all_dim) if mscale and mscale_all_dim
+                           else scale())
+        # transformers reads truncate from the top of rope_parameters: per layer type, it is never there.
+        truncate = bool(params.get("truncate", True)) if "." not in where else True
         return RoPE(theta, "yarn", factor, original_max_position_embeddings=original,
                     beta_fast=number("beta_fast") or 32.0, beta_slow=number("beta_slow") or 1.0,
-                    truncate=bool(params.get("truncate", True)), attention_factor=attention)
+                    truncate=truncate, attention_factor=attention)
     except (TypeError, ValueError):
         raise f.refuse(where, params, "YaRN's parameters must be numbers") from None
 
