@@ -1,5 +1,6 @@
 """Weights per chip of large models on a 2d mesh (``model.sharding``), by part, in bfloat16:
-mixtures of experts (Qwen3-30B-A3B, Mixtral 8x7B, Qwen3.5-35B-A3B, Gemma 4 26B-A4B) and dense
+mixtures of experts (Qwen3-30B-A3B, Mixtral 8x7B, Qwen3.5-35B-A3B, Gemma 4 26B-A4B, gpt-oss-20b
+and 120b, their MXFP4 experts as loaded: dequantized) and dense
 hybrids (Qwen3.5-27B, Gemma 4 31B), from their published config.json shapes, on a v5e-8 (8 chips of
 16 GiB), a v6e-8 (8 of 32 GiB) and a v4-8 (4 of 32 GiB), at the default model axis (a dense
 model's: gcd(chips, its kv heads), every chip for a mixture of experts) and, where that is fewer
@@ -53,6 +54,11 @@ CONFIGS = {  # the hub's config.json values that set the shapes (a multimodal ch
                             attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=1024,
                             enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
                             layer_types=GEMMA4_LAYERS(30), tie_word_embeddings=True),
+    # gpt-oss: the experts as loaded (MXFP4 dequantized to bfloat16: model.mxfp4), not as shipped.
+    "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_hidden_layers=24,
+                        num_local_experts=32),
+    "gpt-oss-120b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_hidden_layers=36,
+                         num_local_experts=128),
 }
 SLICES = {"v5e-8": (8, 16), "v6e-8": (8, 32), "v4-8": (4, 32)}  # chips, GiB of HBM each
 PARTS = {"experts": ("experts",), "mixers": ("self_attn", "linear_attn"), "embeddings": ("embed_tokens",
