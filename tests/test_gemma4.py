@@ -192,24 +192,8 @@ def test_expert_removal_and_forced_routing_equal_transformers_hooks(moe, spec):
     """Every block's output under the intervention, float32, against transformers float64 whose
     router (returning probabilities) has the expert's probability removed and the others
     renormalised, or its choice replaced, by a forward hook."""
-    from fixtures.hf_reference import intervention_hooks, remove_hooks
-    from model.interventions import parse_one
-    checkpoint = moe
-    config = load_config(checkpoint)
-    sequences = random_sequences([37, 12], seed=4, vocab=config.vocab_size)
-    reference = load_reference(checkpoint, "float64")
-    unablated = reference_activations(reference, sequences)
-    ours = dict(Extractor.load(checkpoint, dtype="float32", ablation=spec, max_seq_length=64,
-                               batch_size_per_device=1, devices=jax.devices()[:1]).extract(enumerate(sequences)))
-    undo = intervention_hooks(reference, parse_one(spec, config))
-    try:
-        expected = reference_activations(reference, sequences)
-    finally:
-        remove_hooks(undo)
-    for i in range(len(sequences)):
-        for layer, values in expected[i].items():
-            assert relative_error(ours[i][layer], values) <= 1e-5, (spec, i, layer)
-        assert relative_error(expected[i][5], unablated[i][5]) > 1e-3, spec  # the intervention acts
+    from tests.test_moe import assert_expert_interventions_equal_hooks
+    assert_expert_interventions_equal_hooks(moe, [spec], devices=jax.devices()[:1])
 
 
 @pytest.mark.parametrize("layout, multimodal", [("hub", False), ("transformers5", True)])

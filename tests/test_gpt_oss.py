@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from fixtures.hf_reference import (intervention_hooks, load_reference, random_sequences, reference_activations,
-                                   relative_error, remove_hooks, tokens_routed_alike)
+from fixtures.hf_reference import (load_reference, random_sequences, reference_activations,
+                                   relative_error, tokens_routed_alike)
 from model.config import load_config
 from model.extract import Extractor
 from model.sites import EXPERT_INDICES, RESID_POST, SITES, missing_reason
@@ -112,22 +112,8 @@ def test_greedy_generation_equals_transformers(varied):
 
 @pytest.mark.parametrize("spec", ["expert:1.2", "route:2.4+expert:0.1"])
 def test_expert_removal_and_forced_routing_equal_transformers_hooks(checkpoint, spec):
-    from model.interventions import parse_one
-    config = load_config(checkpoint)
-    sequences = random_sequences([37, 12], seed=4, vocab=config.vocab_size)
-    reference = load_reference(checkpoint, "float64")
-    unablated = reference_activations(reference, sequences)
-    ours = dict(Extractor.load(checkpoint, dtype="float32", ablation=spec, max_seq_length=64,
-                               batch_size_per_device=1, devices=jax.devices()[:1]).extract(enumerate(sequences)))
-    undo = intervention_hooks(reference, parse_one(spec, config))
-    try:
-        expected = reference_activations(reference, sequences)
-    finally:
-        remove_hooks(undo)
-    for i in range(len(sequences)):
-        for layer, values in expected[i].items():
-            assert relative_error(ours[i][layer], values) <= 1e-5, (spec, i, layer)
-        assert relative_error(expected[i][3], unablated[i][3]) > 1e-3, spec  # the intervention acts
+    from tests.test_moe import assert_expert_interventions_equal_hooks
+    assert_expert_interventions_equal_hooks(checkpoint, [spec], devices=jax.devices()[:1])
 
 
 def test_mxfp4_dequantization_equals_transformers():

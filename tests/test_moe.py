@@ -150,15 +150,21 @@ def test_per_expert_token_counts_of_two_machines_equal_one_machine(runs, tmp_pat
 def test_expert_removal_and_forced_routing_equal_transformers_hooks(checkpoints, family, specs):
     """Every block's output under the intervention, float32, against transformers float64 whose
     router has the expert's logit at -inf (or its choice replaced) by a forward hook."""
+    assert_expert_interventions_equal_hooks(checkpoints[family], specs)
+
+
+def assert_expert_interventions_equal_hooks(model_dir: str, specs, devices=None) -> None:
+    """Each spec's every block output, float32 on ``devices``, against transformers float64 with the
+    intervention applied by hooks on its router (``fixtures.hf_reference.intervention_hooks``);
+    and the last block's changed by it."""
     from fixtures.hf_reference import random_sequences
-    model_dir = checkpoints[family]
     config = load_config(model_dir)
     sequences = random_sequences([37, 12], seed=4, vocab=config.vocab_size)
     reference = load_reference(model_dir, "float64")
     unablated = reference_activations(reference, sequences)
     for spec in specs:
         extractor = Extractor.load(model_dir, dtype="float32", ablation=spec, max_seq_length=64,
-                                   batch_size_per_device=1)
+                                   batch_size_per_device=1, devices=devices)
         ours = dict(extractor.extract(enumerate(sequences)))
         undo = intervention_hooks(reference, parse_one(spec, config))
         try:

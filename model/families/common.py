@@ -51,6 +51,16 @@ class Fields:
         return UserError(f"{self.family} config.json: {key} = {value!r} is not supported: {why}")
 
 
+def wrapped_text_config(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """The text model's config of a Gemma ``*ForConditionalGeneration`` (its ``text_config``), the
+    wrapper alone deciding the tying of the LM head, as transformers reads it (default tied: the
+    text_config's own key is not read)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(f"{family} config.json has no 'text_config' (the language model's settings)")
+    return {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+
+
 def shapes(f: Fields, eps_key: str = "rms_norm_eps") -> dict[str, Any]:
     """The fields every family reads the same way: widths, heads, norm epsilon (under
     ``eps_key``), head tying."""

@@ -9,9 +9,9 @@ with ``rope_scaling`` (linear, factor 8, on 4B and up)."""
 
 from __future__ import annotations
 
-from common.cli import UserError
 from model.config import FULL, SLIDING, DecoderConfig
-from model.families.common import Fields, layer_types, rope, rope_parameters, shapes, sliding_window
+from model.families.common import (Fields, layer_types, rope, rope_parameters, shapes, sliding_window,
+                                   wrapped_text_config)
 from model.families.gemma2 import gemma_switches
 
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3TextModel")
@@ -28,12 +28,7 @@ DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, nu
 
 def decoder_config(raw: dict) -> DecoderConfig:
     if raw.get("model_type") == "gemma3":  # the multimodal wrapper: its text model only
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise UserError("gemma3 config.json has no 'text_config' (the language model's settings)")
-        # The wrapper alone decides the tying of its LM head, as transformers reads it (default
-        # tied, as every Gemma 3 is; the text_config's own key is not read).
-        raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+        raw = wrapped_text_config(raw, "gemma3")
     f = Fields(raw, DEFAULTS, "gemma3")
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and not (FULL in params or SLIDING in params):

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.cli import UserError
 from model.config import FULL, SLIDING, DecoderConfig, MoE, RoPE
-from model.families.common import Fields, activation, layer_types, refuse_if_set, rope, rope_parameters, shapes, \
-    sliding_window
+from model.families.common import (Fields, activation, layer_types, refuse_if_set, rope, rope_parameters, shapes,
+                                   sliding_window, wrapped_text_config)
 
 ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4TextModel")
 WRAPPER_ARCHITECTURES = ("Gemma4ForConditionalGeneration",)
@@ -48,10 +47,7 @@ PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")  # what a per_layer_config 
 
 def decoder_config(raw: dict) -> DecoderConfig:
     if raw.get("model_type") == "gemma4":  # the multimodal wrapper: its text model only
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise UserError("gemma4 config.json has no 'text_config' (the language model's settings)")
-        raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+        raw = wrapped_text_config(raw, "gemma4")
     f = Fields(raw, DEFAULTS, "gemma4")
     refuse_if_set(f, "attention_bias", "Gemma 4 checkpoints have no attention biases")
     if f.raw.get("use_bidirectional_attention") == "all":
