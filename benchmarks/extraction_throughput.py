@@ -3,8 +3,9 @@
 ``--family`` picks the model: qwen2 (Qwen2.5-0.5B, the default), llama (Llama-3.2-1B), gemma2
 (Gemma-2-2B), gemma3 (Gemma-3-270M), gpt2 (GPT-2 small), gpt_neox (Pythia-410M), a mixture of
 experts reduced in proportion (``fixtures.tiny_models``): qwen3_moe (Qwen3-30B-A3B: 128 experts,
-k 8) or mixtral (Mixtral 8x7B: 8 experts, k 2), or qwen3_5 (Qwen3.5-27B reduced in proportion: 6
-Gated DeltaNet blocks, 2 of gated attention). ``--weights
+k 8), mixtral (Mixtral 8x7B: 8 experts, k 2), gpt_oss (gpt-oss-20b: 32 experts, k 4, sinks) or
+deepseek_v3 (DeepSeek-V3: latent attention, 256 experts in 8 groups, k 8, a shared expert), or qwen3_5
+(Qwen3.5-27B reduced in proportion: 6 Gated DeltaNet blocks, 2 of gated attention). ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -29,8 +30,8 @@ ours, one DeltaNet mixer jitted alone on each of (a)'s batch shapes, times the D
 computed, against (a); transformers', its ``linear_attn`` modules timed by forward hooks against (b)
 (its torch path: the chunked kernels of flash-linear-attention are GPU-only).
 
-For a mixture of experts, (a) runs with each dispatch (``model.moe``: dense, grouped), and block
-0's mixture of experts alone, on the MLP inputs of the first batch and its routing, is timed for
+For a mixture of experts, (a) runs with each dispatch (``model.moe``: dense, grouped), and the first
+block's mixture of experts alone, on the MLP inputs of the first batch and its routing, is timed for
 each dispatch against the FLOP floor: the routed experts alone, each a plain matmul of exactly its
 rows (gathered beforehand).
 
@@ -60,7 +61,8 @@ from transforms.tokenize import load_tokenizer
 # --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
 FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m",
                  "gpt2": "gpt2-small", "gpt_neox": "pythia-410m", "qwen3_moe": "qwen3-30b-a3b-reduced",
-                 "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced"}
+                 "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced", "gpt_oss": "gpt-oss-20b-reduced",
+                 "deepseek_v3": "deepseek-v3-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -115,11 +117,15 @@ def matmul_flops_per_second(size: int = 2048, repeats: int = 5, rounds: int = 5)
 def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     """2 x parameters x tokens for the blocks, plus causal attention (within a sliding layer's
     window: what the tiled kernel computes)."""
-    c = config
-    queries = c.num_attention_heads * (2 if c.attn_output_gate else 1)  # a gated q_proj writes queries and gates
-    attention_params = (c.hidden_size * (queries + 2 * c.num_key_value_heads) * c.head_dim
-                        + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias
-                        + c.num_attention_heads * c.head_dim * c.hidden_size)
+    c, h, n = config, config.hidden_size, config.num_attention_heads
+    queries = n * (2 if c.attn_output_gate else 1)  # a gated q_proj writes queries and gates
+    attention_params = (h * (queries + 2 * c.num_key_value_heads) * c.head_dim
+                        + (n + 2 * c.num_key_value_heads) * c.head_dim * c.qkv_bias + n * c.head_dim * h)
+    if c.mla is not None:  # q (through its rank), the compressed kv, its expansion per head, o
+        m = c.mla
+        q = h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim if m.q_lora_rank else h * n * m.qk_head_dim
+        attention_params = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+                            + m.kv_lora_rank * n * (m.qk_nope_head_dim + c.head_dim) + n * c.head_dim * h)
     d = c.deltanet
     if d is not None:  # q, k, v, z, b, a in; out
         deltanet_params = c.hidden_size * (2 * d.key_dim + 2 * d.value_dim + 2 * d.num_value_heads + d.value_dim)
@@ -129,7 +135,8 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         if not c.is_sparse(layer):
             return (3 if c.gated_mlp else 2) * c.hidden_size * c.intermediate_size
         moe = c.moe
-        shared = 3 * c.hidden_size * moe.shared_expert_size + c.hidden_size if moe.shared_expert_size else 0
+        shared = (3 * c.hidden_size * moe.shared_expert_size + c.hidden_size * moe.shared_expert_gate
+                  if moe.shared_expert_size else 0)
         return c.hidden_size * moe.num_experts + 3 * c.hidden_size * moe.expert_size * moe.top_k + shared
 
     mixer_params = lambda layer: deltanet_params if c.is_deltanet(layer) else attention_params
@@ -140,7 +147,9 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         w = min(window or n, n)
         return w * (w + 1) // 2 + (n - w) * w
 
-    attention = sum(4 * c.num_attention_heads * c.head_dim * attended(n, c.window(layer))
+    # q.k over the query/key head size, p.v over the values'
+    pair_flops = 2 * c.num_attention_heads * (c.attention_head_dim + c.head_dim)
+    attention = sum(pair_flops * attended(n, c.window(layer))
                     for layer in range(num_layers) if not c.is_deltanet(layer) for n in lengths)
     return dense + attention + deltanet
 
@@ -229,18 +238,18 @@ def deltanet_seconds(loaded, extractor: Extractor, prompts: list[list[int]], num
 
 
 def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq_length: int) -> list[str]:
-    """Block 0's experts on the MLP inputs and routing of the first batch of prompts: each
+    """The first mixture of experts' experts on the MLP inputs and routing of the first batch of prompts: each
     dispatch's time against the routed experts alone (lines to print)."""
     import numpy as np
     from model.decoder import ACTIVATIONS
     from model.moe import dense_dispatch, expert_mlp, gated_unit, grouped_dispatch
     from model.sites import EXPERT_INDICES, MLP_IN, ROUTING_WEIGHTS, array_key
     c, moe = loaded.config, loaded.config.moe
-    sites = (MLP_IN, EXPERT_INDICES, ROUTING_WEIGHTS)
-    extractor = Extractor.from_loaded(loaded, (0,), batch_size, max_seq_length, sites=sites)
+    sites, layer = (MLP_IN, EXPERT_INDICES, ROUTING_WEIGHTS), c.sparse_layers[0]
+    extractor = Extractor.from_loaded(loaded, (layer,), batch_size, max_seq_length, sites=sites)
     got = list(dict(extractor.extract(enumerate(prompts[:batch_size]))).values())
-    x, indices, weights = (jnp.asarray(np.concatenate([g[array_key(s, 0)] for g in got])) for s in sites)
-    experts = tuple(jnp.asarray(np.asarray(loaded.params["layers_0"]["mlp"]["experts"][name])[:moe.num_experts])
+    x, indices, weights = (jnp.asarray(np.concatenate([g[array_key(s, layer)] for g in got])) for s in sites)
+    experts = tuple(jnp.asarray(np.asarray(loaded.params[f"layers_{layer}"]["mlp"]["experts"][name])[:moe.num_experts])
                     for name in ("gate_proj", "up_proj", "down_proj"))
     act, precision = ACTIVATIONS[c.hidden_act], jax.lax.Precision.HIGHEST
     flat = np.asarray(indices).reshape(-1)
@@ -266,7 +275,7 @@ def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq
     floor_s = best_of(lambda: floor(rows, *experts))
     flops = 2 * 3 * c.hidden_size * moe.expert_size * flat.size
     loads = np.bincount(flat, minlength=moe.num_experts)
-    lines = [f"block 0's experts, {len(x)} tokens x k {moe.top_k} of {moe.num_experts} experts (tokens per expert "
+    lines = [f"block {layer}'s experts, {len(x)} tokens x k {moe.top_k} of {moe.num_experts} experts (per expert "
              f"{loads.min()}-{loads.max()}): floor (routed experts alone) {1e3 * floor_s:.1f} ms, "
              f"{flops / floor_s / 1e9:.1f} GFLOP/s"]
     for name, dispatch in dispatches.items():

@@ -1,8 +1,8 @@
 """Weights per chip of large models on a 2d mesh (``model.sharding``), by part, in bfloat16:
 mixtures of experts (Qwen3-30B-A3B, Mixtral 8x7B, Qwen3.5-35B-A3B, Gemma 4 26B-A4B, gpt-oss-20b
-and 120b, their MXFP4 experts as loaded: dequantized) and dense
+and 120b, their MXFP4 experts as loaded: dequantized; DeepSeek-V2-Lite and V3) and dense
 hybrids (Qwen3.5-27B, Gemma 4 31B), from their published config.json shapes, on a v5e-8 (8 chips of
-16 GiB), a v6e-8 (8 of 32 GiB) and a v4-8 (4 of 32 GiB), at the default model axis (a dense
+16 GiB), a v6e-8 (8 of 32 GiB), a v4-8 (4 of 32 GiB) and a v5p-8 (4 of 95 GiB), at the default model axis (a dense
 model's: gcd(chips, its kv heads), every chip for a mixture of experts) and, where that is fewer
 than the chips, at every chip (``--model_axis_size``). As extraction loads them (no LM head) and as
 generation and ablation do (with it). Counted from the parameter shapes and partition specs the
@@ -59,8 +59,16 @@ CONFIGS = {  # the hub's config.json values that set the shapes (a multimodal ch
                         num_local_experts=32),
     "gpt-oss-120b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_hidden_layers=36,
                          num_local_experts=128),
+    # DeepSeek: latent attention, experts as loaded (bfloat16; an FP8 checkpoint's dequantized: model.fp8).
+    "DeepSeek-V2-Lite": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], vocab_size=102400,
+                             hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                             n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+                             q_lora_rank=None, kv_lora_rank=512, max_position_embeddings=163840),
+    "DeepSeek-V3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                        max_position_embeddings=163840),  # transformers' defaults are V3's (671B) shapes
 }
-SLICES = {"v5e-8": (8, 16), "v6e-8": (8, 32), "v4-8": (4, 32)}  # chips, GiB of HBM each
+SLICES = {"v5e-8": (8, 16), "v6e-8": (8, 32), "v4-8": (4, 32), "v5p-8": (4, 95)}  # chips, GiB of HBM each
 PARTS = {"experts": ("experts",), "mixers": ("self_attn", "linear_attn"), "embeddings": ("embed_tokens",
          "per_layer_inputs"), "LM head": ("lm_head",)}  # the rest: dense MLPs, routers, norms
 

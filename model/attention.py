@@ -4,7 +4,8 @@ cuDNN's flash attention, the GPU's choice), each with an optional sliding window
 and attention sinks: the one-shot and tiled kernels only), and the masks they take.
 
 Axis names: B batch, S query positions, T key positions, K key/value heads, G query heads per
-kv head, D head_dim. Every kernel takes q [B, S, K, G, D] and k, v [B, T, K, D].
+kv head, D head_dim. Every kernel takes q [B, S, K, G, D] and k, v [B, T, K, D] (the one-shot and
+tiled kernels also values of another head size, a latent attention's: [B, T, K, Dv]).
 
 A kernel's ``divisor`` is what q . k is divided by (sqrt(head_dim), or Gemma's
 sqrt(query_pre_attn_scalar)); None when q comes scaled already. ``softcap`` c turns a score s
@@ -72,7 +73,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision,
                         preferred_element_type=accumulate)  # [B, K, G, S, T]
     probs = masked_softmax(scores, mask, q.dtype, softcap, sinks)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision, preferred_element_type=accumulate)
+    return jnp.einsum("bkgst,btke->bskge", probs, v, precision=precision, preferred_element_type=accumulate)
 
 
 def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -90,6 +91,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     [K, G]: each head's logit joins the softmax's sum after the last key block (gpt-oss).
     """
     s, kv_heads, groups, d = q.shape
+    dv = v.shape[-1]  # the values' head size (a latent attention's differs from q's and k's)
     block = min(s, ATTENTION_BLOCK)
     padded = -(-s // block) * block  # tiles are whole: pad, mask the extra keys, drop the queries
     q = jnp.pad(q if divisor is None else q / divisor, ((0, padded - s), (0, 0), (0, 0), (0, 0)))
@@ -131,8 +133,8 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
             return new_max, running_sum * rescale + probs.sum(axis=-1), acc
 
         # Built from q_block so that, under shard_map, the loop state varies over the same axes.
-        acc = jnp.zeros_like(q_block, jnp.float32).reshape(kv_heads, groups, block, d)
-        state = (acc[..., 0] + MASKED, acc[..., 0], acc)
+        acc = jnp.zeros_like(q_block[..., :1], jnp.float32).reshape(kv_heads, groups, block, 1)
+        state = (acc[..., 0] + MASKED, acc[..., 0], acc + jnp.zeros((dv,), jnp.float32))
         last = jnp.minimum(i + 1, key_blocks)
         # The first key block the window reaches (a padding block past the real keys: the last).
         first = 0 if window is None else jnp.minimum(jnp.maximum(0, i * block - window + 1) // block, last - 1)
@@ -145,7 +147,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
         return (acc / total[..., None]).astype(q.dtype)  # [K, G, bq, D]
 
     out = jax.lax.map(query_block, jnp.arange(padded // block))  # [S'/bq, K, G, bq, D]
-    return out.transpose(0, 3, 1, 2, 4).reshape(padded, kv_heads, groups, d)[:s]
+    return out.transpose(0, 3, 1, 2, 4).reshape(padded, kv_heads, groups, dv)[:s]
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -233,7 +235,7 @@ def cudnn_problem(platform: str | None, config: DecoderConfig | None, dtype,
     if config is not None and config.attention_sinks:
         return f"cuDNN's flash attention has no attention sinks, which {config.model_type} has"
     # Every block's head size (Gemma 4's full-attention blocks have their own).
-    sizes = sorted({config.layer_config(i).head_dim for i in config.attention_layers}) if config is not None else []
+    sizes = sorted({config.layer_config(i).attention_head_dim for i in config.attention_layers}) if config else []
     bad = [d for d in sizes if d % 8 or d > max_head_dim]
     if bad:
         return (f"cuDNN's flash attention takes head sizes that are multiples of 8 up to {max_head_dim} on these "

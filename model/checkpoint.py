@@ -21,6 +21,7 @@ import numpy as np
 from common.cli import UserError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn,  # block-FP8 weights (model.fp8)
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
           "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,17 +66,24 @@ class Checkpoint:
         path, _, header = self._files[self._where[name]]
         return np.dtype(DTYPES[header[name]["dtype"]])
 
-    def tensor(self, name: str) -> np.ndarray:
-        """Tensor ``name`` read from disk; raises ``UserError`` if the checkpoint lacks it."""
+    def tensor(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor ``name`` read from disk, or only its ``rows`` [first, last) along axis 0 (one
+        contiguous read: an expert range of a stacked tensor); ``UserError`` if the checkpoint
+        lacks it."""
         if name not in self._where:
             raise UserError(f"checkpoint {self.model_dir!r} has no tensor {name!r}")
         path, data_start, header = self._files[self._where[name]]
         entry = header[name]
         start, end = entry["data_offsets"]
+        shape = list(entry["shape"])
+        if rows is not None:
+            row_bytes = (end - start) // max(shape[0], 1)
+            start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
         raw = np.fromfile(path, dtype=np.uint8, count=end - start, offset=data_start + start)
         if raw.size != end - start:
             raise UserError(f"{path} is truncated: tensor {name!r} is incomplete")
-        return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return raw.view(DTYPES[entry["dtype"]]).reshape(shape)
 
 
 def _read_header(path: str) -> tuple[int, dict]:

@@ -85,6 +85,46 @@ class MoE:
     expert_bias: bool = False           # the experts' projections have biases (gpt-oss)
     swiglu_limit: float | None = None   # the clamped SwiGLU: gate <= limit, |up| <= limit,
     swiglu_alpha: float = 1.702         # (up + 1) * gate * sigmoid(alpha * gate) (gpt-oss)
+    shared_expert_gate: bool = True     # the shared expert's output scaled by its sigmoid gate (Qwen2-MoE);
+                                        # off: added as it is (DeepSeek's shared_experts)
+    # DeepSeek's routers (``model.moe.route_grouped``): the router's weights, input and logits in float32,
+    # scores by sigmoid (V3) or softmax (V2), the top k chosen within the best groups, the chosen
+    # scores (not renormalised unless normalize_top_k) times routed_scaling.
+    router_in_float32: bool = False     # the router's kernel kept and applied in float32 (x cast to it)
+    scoring: str = "softmax"            # softmax | sigmoid: the scores from the logits (with grouped routing)
+    selection_bias: bool = False        # a learned bias (e_score_correction_bias) added to the scores to
+                                        # choose the experts, not to weight them (V3)
+    groups: int = 0                     # > 0: the grouped router: experts in this many groups (n_group),
+    top_groups: int = 1                 # the k chosen among the experts of these best groups (topk_group),
+    group_score: str = "top2"           # a group's score: the sum of its 2 best (V3) or its best (V2: max)
+    routed_scaling: float = 1.0         # the chosen experts' weights times this (routed_scaling_factor)
+    normalize_epsilon: float = 0.0      # added to the sum when normalize_top_k divides by it (V3: 1e-20)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (``DecoderConfig.mla``; DeepSeek-V2/V3, Kimi, GLM-4.7-Flash), as
+    transformers' ``DeepseekV3Attention`` computes it: the query from x (``q_proj``) or through a
+    low rank (``q_a_proj`` [H, q_lora_rank], its RMSNorm, ``q_b_proj``); keys and values from one
+    compressed latent (``kv_a_proj_with_mqa``: [H, kv_lora_rank + rope dims], the latent through its
+    RMSNorm, ``kv_b_proj`` to every head's key part without rotation and its value) and one rotated
+    key part shared by every head. A head's query and key: qk_nope_head_dim dims without rotation,
+    then qk_rope_head_dim rotated; its value: ``DecoderConfig.head_dim`` (v_head_dim) dims. A cache
+    holds the normed latent and the rotated shared key part, not per-head keys and values."""
+    kv_lora_rank: int
+    q_lora_rank: int | None              # None: q_proj straight from x (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    rope_interleave: bool = True         # the rotated dims pair as (0, 1), (2, 3), ... in the checkpoint's rows:
+                                         # reordered to rotate-half's halves at load time (q . k is unchanged)
+    rope_in_float32: bool = False        # rotated in float32 and rounded once (V2's complex product); off: in
+                                         # the compute dtype (V3)
+    norm_eps: float = 1e-6               # the q and latent RMSNorms' (transformers builds them with its default,
+                                         # whatever rms_norm_eps)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +225,10 @@ class DecoderConfig:
     layer_scalar: bool = False           # each block's output multiplied by its learned scalar (Gemma 4)
     attention_sinks: bool = False        # a learned logit per head joins every query's softmax, and its
                                          # share is dropped (gpt-oss's sinks)
+    mla: LatentAttention | None = None   # multi-head latent attention in place of q/k/v projections; head_dim
+                                         # is then the values' (v_head_dim), rotary_dim the rotated key part's
+    weight_block_size: tuple[int, int] | None = None  # block-FP8 checkpoints: the [rows, columns] of weight each
+                                         # weight_scale_inv entry scales (``model.fp8``)
 
     def layer_config(self, layer: int) -> "DecoderConfig":
         """The config as block ``layer`` sees it: its head size, kv heads and MLP width where
@@ -214,14 +258,21 @@ class DecoderConfig:
         return max(self.layer_config(i).head_dim for i in range(self.num_hidden_layers))
 
     @property
+    def attention_head_dim(self) -> int:
+        """The head size of the attention kernels' queries and keys (a latent attention's qk
+        head size; its values are padded to it for the fused kernels)."""
+        return self.mla.qk_head_dim if self.mla else self.head_dim
+
+    @property
     def kv_groups(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
     def query_scale_divisor(self) -> float:
-        """What q . k is divided by: sqrt(head_dim), or sqrt(query_pre_attn_scalar)."""
-        return math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+        """What q . k is divided by: sqrt(head_dim) (a latent attention's query and key head size),
+        or sqrt(query_pre_attn_scalar)."""
+        return math.sqrt(self.query_pre_attn_scalar or self.attention_head_dim)
 
     @property
     def rope_dim(self) -> int:

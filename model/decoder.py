@@ -247,40 +247,112 @@ class Attention(nn.Module):
         elif cache is not None:  # write this step's keys/values, attend over the whole cache
             k, v = cache_written(cache[0], k, cache_index), cache_written(cache[1], v, cache_index)  # [B, T, K, D]
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
-        divisor = None if prescaled else divisor
-        precision = precision_for(self.dtype)
         sinks = None
         if c.attention_sinks:  # query head n = kv head * G + its group
             sinks = self.param("sinks", nn.initializers.zeros, (c.num_attention_heads,), self.dtype)
             sinks = sinks.astype(jnp.float32).reshape(c.num_key_value_heads, c.kv_groups)  # [K, G]
         cached = cache is not None or (shared and cache_index is not None)
-        if not cached and self.attention in ("fused", "cudnn"):
-            if sinks is not None:
-                raise ValueError("the fused attention kernels have no attention sinks (attention_for picks tiled)")
-            # The kernel scales by 1/sqrt(D) unless told otherwise.
-            default = c.query_pre_attn_scalar in (None, c.head_dim)
-            scale = 1.0 if prescaled else (None if default else 1 / divisor)
-            out = fused_attention(q, k, v, mask, precision, scale, self.window,
-                                  "cudnn" if self.attention == "cudnn" else None)
-        elif not cached:
-            out = causal_attention(q, k, v, mask, precision, self.mesh, accumulate, divisor,
-                                   c.attn_logit_softcap, self.window, sinks)
-        else:
-            out = dense_attention(q, k, v, windowed(mask, positions, self.window), precision, accumulate,
-                                  divisor, c.attn_logit_softcap, sinks)  # [B, S, K, G, D]
+        out = attended(q, k, v, mask, positions, c, self.attention, self.mesh, self.window, precision_for(self.dtype),
+                       accumulate, None if prescaled else divisor, cached, sinks)  # [B, S, K, G, D]
         out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
         if gate is not None:
             gated = out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32)).reshape(out.shape)
             out = gated.astype(self.dtype)
-        self.sow("stats", "heads", out)
-        if heads is not None:
-            keep, fill, mean = heads
-            mean = mean[:, :c.head_dim]  # [N, D]: the means of every block are padded to the widest head
-            replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
-            out = jnp.where(keep[:, None], out, replaced)
-        out = out.reshape(b, s, c.num_attention_heads * c.head_dim)  # [B, S, N*D]
-        self.sow("sites", ATTN_Z, out)
+        out = heads_output(self, out, heads)  # [B, S, N*D]
         return project(c.hidden_size, c.o_bias, "o_proj")(out), None if shared else (k, v)
+
+
+def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh: Mesh | None, window: int | None,
+             precision, accumulate, divisor: float | None, cached: bool, sinks=None) -> jax.Array:
+    """Attention of q [B, S, K, G, D] over k [B, T, K, D] and v [B, T, K, Dv] (``cached``: keys at
+    cache slots, one-shot; else causal, by ``kernel``) -> [B, S, K, G, Dv]. ``divisor``: None when q
+    comes scaled already; ``sinks`` [K, G] or None."""
+    c = config
+    if not cached and kernel in ("fused", "cudnn"):
+        if sinks is not None:
+            raise ValueError("the fused attention kernels have no attention sinks (attention_for picks tiled)")
+        # The kernel scales by 1/sqrt(D) unless told otherwise.
+        default = c.query_pre_attn_scalar in (None, c.attention_head_dim)
+        scale = 1.0 if divisor is None else (None if default else 1 / divisor)
+        d, dv = q.shape[-1], v.shape[-1]
+        if dv != d:  # the kernels take one head size: the values padded to it (a latent attention's)
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
+        out = fused_attention(q, k, v, mask, precision, scale, window, "cudnn" if kernel == "cudnn" else None)
+        return out[..., :dv]
+    if not cached:
+        return causal_attention(q, k, v, mask, precision, mesh, accumulate, divisor, c.attn_logit_softcap, window,
+                                sinks)
+    return dense_attention(q, k, v, windowed(mask, positions, window), precision, accumulate, divisor,
+                           c.attn_logit_softcap, sinks)
+
+
+def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
+    """Attention's per-head output [B, S, N, D] as o_proj reads it, [B, S, N*D] (``attn.hook_z``,
+    sown by ``module``): heads not kept (``heads``: keep [N], fill [N], mean [N, D']) replaced
+    by zero or their mean."""
+    b, s, n, d = out.shape
+    module.sow("stats", "heads", out)
+    if heads is not None:
+        keep, fill, mean = heads
+        mean = mean[:, :d]  # [N, D]: the means of every block are padded to the widest head
+        replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
+        out = jnp.where(keep[:, None], out, replaced)
+    out = out.reshape(b, s, n * d)  # [B, S, N*D]
+    module.sow("sites", ATTN_Z, out)
+    return out
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (``DecoderConfig.mla``: DeepSeek-V2/V3), as transformers'
+    ``DeepseekV3Attention`` computes it. Its cache for decoding holds, per position, the normed
+    latent [B, T, 1, kv_lora_rank] and the rotated key part every head shares [B, T, 1, rope dims]:
+    each step expands the whole cache through ``kv_b_proj`` again (what transformers does; the
+    cache is (2 * N * qk head size) / (kv_lora_rank + rope dims) times smaller than keys and values)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    attention: str = "tiled"
+    residual_dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None, heads=None,
+                 norms=None):
+        """x: [B, S, H] in ``dtype``; the rest as ``Attention``'s (``norms``: for the q and latent
+        norms). -> ([B, S, H], (latent, key part))."""
+        c, m = self.config, self.config.mla
+        b, s, _ = x.shape
+        n, dn, dr, dv = c.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, c.head_dim
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda width, bias, name: dense(width, bias, name, self.dtype, accumulate)
+        norm = lambda name, y: RMSNorm(m.norm_eps, self.dtype, self.residual_dtype, name=name)(y, norms)
+        if m.q_lora_rank:
+            q = project(n * m.qk_head_dim, False, "q_b_proj")(norm("q_a_layernorm", project(
+                m.q_lora_rank, c.qkv_bias, "q_a_proj")(x)))
+        else:
+            q = project(n * m.qk_head_dim, False, "q_proj")(x)
+        q = q.reshape(b, s, n, m.qk_head_dim)                                           # [B, S, N, Dn + Dr]
+        compressed = project(m.kv_lora_rank + dr, c.qkv_bias, "kv_a_proj_with_mqa")(x)  # [B, S, R + Dr]
+        latent = norm("kv_a_layernorm", compressed[..., :m.kv_lora_rank])[:, :, None]   # [B, S, 1, R]
+        rotate = lambda y: (apply_rope(y.astype(jnp.float32), cos, sin).astype(y.dtype) if m.rope_in_float32
+                            else apply_rope(y, cos, sin))
+        q_rot, k_rot = rotate(q[..., dn:]), rotate(compressed[..., None, m.kv_lora_rank:])  # [B, S, N|1, Dr]
+        prescaled = accumulate is not None
+        q = jnp.concatenate([q[..., :dn], q_rot.astype(q.dtype)], axis=-1)
+        divisor = c.query_scale_divisor
+        if prescaled:  # scaled in float32, rounded once to matmul operands
+            q, k_rot = (q / divisor).astype(self.dtype), k_rot.astype(self.dtype)
+        if cache is not None:  # the compressed keys and values are what a cache holds
+            latent, k_rot = cache_written(cache[0], latent, cache_index), cache_written(cache[1], k_rot, cache_index)
+        t = latent.shape[1]
+        kv = project(n * (dn + dv), False, "kv_b_proj")(latent[:, :, 0]).reshape(b, t, n, dn + dv)
+        if prescaled:
+            kv = kv.astype(self.dtype)
+        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rot, (b, t, n, dr)).astype(kv.dtype)], axis=-1)
+        out = attended(q[:, :, :, None], k, kv[..., dn:], mask, positions, c, self.attention, self.mesh, None,
+                       precision_for(self.dtype), accumulate, None if prescaled else divisor,
+                       cache is not None)                                                # [B, S, N, 1, Dv]
+        out = heads_output(self, out.reshape(b, s, n, dv).astype(self.dtype), heads)    # [B, S, N*Dv]
+        return project(c.hidden_size, c.o_bias, "o_proj")(out), (latent, k_rot)
 
 
 class GatedDeltaNet(nn.Module):
@@ -469,6 +541,9 @@ class DecoderLayer(nn.Module):
         if self.deltanet:
             attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
                                                                                       cache_index)
+        elif c.mla is not None:
+            attn_out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
+                attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
         else:
             attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window,
                                             name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,

@@ -142,7 +142,8 @@ class Generator:
 
     def _empty_cache(self, rows: int):
         """Per block: keys and values [B, T, K, D] (None for a block that attends to another's:
-        Gemma 4's kv sharing), or a Gated DeltaNet block's states (``model.decoder.GatedDeltaNet``)."""
+        Gemma 4's kv sharing), a latent attention's latent and shared key part, or a Gated
+        DeltaNet block's states (``model.decoder.GatedDeltaNet``)."""
         c = self.config
         zeros = lambda shape, dtype=self.dtype: self._rows_split(jnp.zeros(shape, dtype))
         out = []
@@ -151,6 +152,9 @@ class Generator:
             shape = (rows, self.cache_length, own.num_key_value_heads, own.head_dim)  # [B, T, K, D]
             if c.kv_source(layer) is not None:
                 out.append(None)
+            elif c.mla is not None:  # the normed latent and the rotated key part (model.decoder.LatentAttention)
+                out.append((zeros((rows, self.cache_length, 1, c.mla.kv_lora_rank)),             # [B, T, 1, R]
+                            zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim))))        # [B, T, 1, Dr]
             elif c.is_deltanet(layer):
                 d = c.deltanet
                 out.append((tuple(zeros((rows, d.conv_kernel - 1, width))                        # [B, K-1, C]

@@ -94,6 +94,35 @@ def route_top_k_first(logits: jax.Array, config: DecoderConfig, dtype, keep: jax
     return indices.astype(jnp.int32), weights if config.moe.weights_in_float32 else weights.astype(dtype)
 
 
+def route_grouped(logits: jax.Array, config: DecoderConfig, keep: jax.Array | None = None,
+                  selection_bias: jax.Array | None = None):
+    """DeepSeek's routers (V3's, GLM-4.5's: sigmoid scores; V2's: softmax) from float32 logits
+    [..., E]: the scores plus ``selection_bias`` [E] (V3's ``e_score_correction_bias``) choose the
+    experts, within the ``top_groups`` groups of best group score, and the chosen scores themselves
+    (renormalised where ``normalize_top_k``) times ``routed_scaling`` are the weights (indices
+    [..., k] int32, weights [..., k] float32). ``keep`` [E]: a removed expert's logit is -inf (a
+    softmax renormalises without it) and it is never chosen."""
+    moe = config.moe
+    logits = logits.astype(jnp.float32)
+    if keep is not None:
+        logits = jnp.where(keep, logits, -jnp.inf)
+    scores = jax.nn.sigmoid(logits) if moe.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)  # [..., E]
+    choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
+    if keep is not None:
+        choice = jnp.where(keep, choice, -jnp.inf)
+    if moe.groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], moe.groups, -1)  # [..., G, E/G]
+        best = jax.lax.top_k(grouped, 2)[0].sum(-1) if moe.group_score == "top2" else grouped.max(-1)  # [..., G]
+        chosen_groups = jax.lax.top_k(best, moe.top_groups)[1]  # [..., g]
+        allowed = (chosen_groups[..., None] == jnp.arange(moe.groups)).any(-2)  # [..., G]
+        choice = jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    indices = jax.lax.top_k(choice, moe.top_k)[1]  # [..., k]
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    if moe.normalize_top_k:
+        weights = weights / (weights.sum(-1, keepdims=True) + moe.normalize_epsilon)
+    return indices.astype(jnp.int32), weights * moe.routed_scaling
+
+
 def forced(indices: jax.Array, weights: jax.Array, expert: jax.Array):
     """The routing with every token sent to ``expert`` alone (weight 1), where ``expert`` >= 0."""
     on = expert >= 0
@@ -296,11 +325,19 @@ class MoEMLP(nn.Module):
             router_input = self.normed_router_input(router_input, accumulate is not None)
         # With a wider stream the router accumulates in it and its weights stay in it, as every
         # matmul and sum does (model.decoder): fewer tokens routed otherwise than in float64.
-        logits = dense(moe.num_experts, moe.router_bias, "router", self.dtype, accumulate)(router_input)  # [B, S, E]
+        if moe.router_in_float32:  # DeepSeek's: kept in float32 whatever the dtype, x cast to it
+            logits = dense(moe.num_experts, moe.router_bias, "router", jnp.float32)(
+                router_input.astype(jnp.float32))  # [B, S, E]
+        else:
+            logits = dense(moe.num_experts, moe.router_bias, "router", self.dtype, accumulate)(router_input)
         scale = (self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), self.dtype)
                  if moe.per_expert_scale else None)
         weights_dtype = self.dtype if accumulate is None else accumulate
-        if moe.top_k_before_softmax:
+        if moe.groups:
+            bias = (self.param("selection_bias", nn.initializers.zeros, (moe.num_experts,), jnp.float32)
+                    if moe.selection_bias else None)
+            indices, weights = route_grouped(logits, c, keep, bias)  # [B, S, k]
+        elif moe.top_k_before_softmax:
             indices, weights = route_top_k_first(logits, c, weights_dtype, keep)  # [B, S, k]
         else:
             indices, weights = route(logits, c, weights_dtype, keep, scale)  # [B, S, k]
@@ -313,9 +350,12 @@ class MoEMLP(nn.Module):
             from model.decoder import MLP
             shared = MLP(c, self.dtype, self.residual_dtype, intermediate_size=moe.shared_expert_size,
                          name="shared_expert")(x)  # [B, S, H]
-            gate = jax.nn.sigmoid(dense(1, False, "shared_expert_gate", self.dtype, accumulate)(x))  # [B, S, 1]
-            out = out + gate.astype(shared.dtype) * shared
-            sites.update({SHARED_EXPERT_GATE: gate, SHARED_EXPERT_OUT: shared})
+            sites[SHARED_EXPERT_OUT] = shared
+            if moe.shared_expert_gate:
+                gate = jax.nn.sigmoid(dense(1, False, "shared_expert_gate", self.dtype, accumulate)(x))  # [B, S, 1]
+                shared = gate.astype(shared.dtype) * shared
+                sites[SHARED_EXPERT_GATE] = gate
+            out = out + shared
         return (out, sites) if self.with_sites else out
 
     def normed_router_input(self, x: jax.Array, wide: bool) -> jax.Array:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from common.cli import UserError
-from model import mxfp4
+from model import fp8, mxfp4
 from model.checkpoint import Checkpoint
 from model.config import DecoderConfig
 from model.sharding import expert_slots, param_sharding
@@ -67,9 +67,11 @@ class ExpertStack:
     one array [E, ...], read lazily: a slice reads only the experts it covers (each once), so the
     experts of a device (``model.sharding`` splits them over the model axis) are all it reads."""
 
-    def __init__(self, checkpoint: Checkpoint, names: Sequence[str], transpose: bool, slots: int | None = None):
-        """``slots``: the stack's length, past the experts all-zero ones (``model.sharding.expert_slots``)."""
-        self.checkpoint, self.names, self.transpose = checkpoint, list(names), transpose
+    def __init__(self, checkpoint: Checkpoint, names: Sequence[str], transpose: bool, slots: int | None = None,
+                 fp8_block: tuple[int, int] | None = None):
+        """``slots``: the stack's length, past the experts all-zero ones (``model.sharding.expert_slots``);
+        ``fp8_block``: block-FP8 weights' blocks (``model.fp8``)."""
+        self.checkpoint, self.names, self.transpose, self.fp8_block = checkpoint, list(names), transpose, fp8_block
         first = checkpoint.shape(self.names[0])
         if any(checkpoint.shape(name) != first for name in self.names):
             raise UserError(f"checkpoint tensors {self.names[0]!r}... differ in shape from one expert to another")
@@ -78,19 +80,73 @@ class ExpertStack:
         self._read: dict[int, np.ndarray] = {}
 
     def padded(self, slots: int) -> "ExpertStack":
-        return ExpertStack(self.checkpoint, self.names, self.transpose, slots)
+        return ExpertStack(self.checkpoint, self.names, self.transpose, slots, self.fp8_block)
 
     def expert(self, e: int) -> np.ndarray:
         if e >= len(self.names):  # a padding slot
-            return np.zeros(self.expert_shape, self.checkpoint.dtype(self.names[0]))
+            return np.zeros(self.expert_shape, np.float32 if self.fp8_block else self.checkpoint.dtype(self.names[0]))
         if e not in self._read:
-            tensor = self.checkpoint.tensor(self.names[e])
+            tensor = fp8.read(self.checkpoint, self.names[e], self.fp8_block)
             self._read[e] = tensor.T if self.transpose else tensor
         return self._read[e]
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         experts, rest = index[0], tuple(index[1:])
         return np.stack([self.expert(e)[rest] for e in range(*experts.indices(self.shape[0]))])
+
+
+class StackedTensor:
+    """One checkpoint tensor of every expert's weights [E, ...] (Gemma 4's, gpt-oss's; or its MXFP4
+    blocks and scales, ``model.mxfp4``), with a ``Source``'s part taken and transpose applied,
+    seen as one array [slots, ...] and read lazily: a slice reads only the experts it covers (one
+    contiguous read of their rows, dequantized where they are MXFP4), so each process reads the
+    experts of its own devices only; slots past the experts are all-zero."""
+
+    def __init__(self, checkpoint: Checkpoint, source: Source, slots: int | None = None):
+        self.checkpoint, self.source = checkpoint, source
+        self.quantized = source.name not in checkpoint and source.name + mxfp4.BLOCKS in checkpoint
+        if self.quantized:  # [E, out, groups, 16] -> dequantized [E, in, out]
+            e, out, groups, _ = checkpoint.shape(source.name + mxfp4.BLOCKS)
+            shape = [e, groups * 32, out]
+        else:
+            shape = list(checkpoint.shape(source.name))
+        if source.part is not None:
+            axis, indices, size = source.part
+            if len(shape) <= axis or shape[axis] != size:
+                raise UserError(f"checkpoint tensor {source.name!r} has shape {shape}, which config.json's sizes do "
+                                f"not give (its fused parts make {size} along axis {axis})")
+            shape[axis] = len(indices)
+        if source.transpose:
+            if len(shape) != 3:
+                raise UserError(f"checkpoint tensor {source.name!r} has shape {shape}: expected the experts' weights "
+                                "stacked [experts, out, in]")
+            shape[1], shape[2] = shape[2], shape[1]
+        self.experts = shape[0]
+        self.shape = (slots or self.experts, *shape[1:])
+        self._read: dict[tuple[int, int], np.ndarray] = {}
+
+    def padded(self, slots: int) -> "StackedTensor":
+        return StackedTensor(self.checkpoint, self.source, slots)
+
+    def rows(self, first: int, last: int) -> np.ndarray:
+        """Experts [first, last) (within the real ones) as loaded: [last - first, ...]."""
+        if (first, last) not in self._read:
+            name, span = self.source.name, (first, last)
+            tensor = (mxfp4.dequantized(self.checkpoint.tensor(name + mxfp4.BLOCKS, span),
+                                        self.checkpoint.tensor(name + mxfp4.SCALES, span))
+                      if self.quantized else self.checkpoint.tensor(name, span))
+            if self.source.part is not None:
+                axis, indices, _ = self.source.part
+                tensor = np.take(tensor, indices, axis=axis)
+            self._read[first, last] = np.swapaxes(tensor, 1, 2) if self.source.transpose else tensor
+        return self._read[first, last]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        first, last, _ = index[0].indices(self.shape[0])
+        real = self.rows(min(first, self.experts), min(last, self.experts))
+        if last > self.experts:  # padding slots
+            real = np.concatenate([real, np.zeros((last - max(first, self.experts), *self.shape[1:]), real.dtype)])
+        return np.ascontiguousarray(real[(slice(None), *index[1:])])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +173,7 @@ class Layout:
     router_logits: str | None = None    # where its logits are when it returns probabilities (Gemma 4's)
     expert_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]] | None = None  # a family's own
                                         # mixture-of-experts tensors (config, "<prefix><blocks>.L"): gpt-oss's
+    shared_expert: str = "shared_expert"  # the shared expert's module below <mlp> (DeepSeek's: shared_experts)
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -144,13 +201,40 @@ def _moe(config: DecoderConfig, hf: str):
     """A mixture of experts' tensors below its module ``hf``: the router ``gate`` [E, H], each
     expert's projections (stacked at load time) and Qwen2-MoE's shared expert and its gate."""
     moe = config.moe
+    layout = layout_of(config)
     yield ("mlp", "router", "kernel"), Source(f"{hf}.gate.weight", True)
-    for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), layout_of(config).experts):
+    if moe.selection_bias:
+        yield ("mlp", "selection_bias"), Source(f"{hf}.gate.e_score_correction_bias")
+    for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), layout.experts):
         yield ("mlp", "experts", ours), Source(f"{hf}.experts.{{e}}.{theirs}.weight", True, experts=moe.num_experts)
     if moe.shared_expert_size:
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            yield from _linear(f"{hf}.shared_expert.{proj}", ("mlp", "shared_expert", proj), False)
-        yield from _linear(f"{hf}.shared_expert_gate", ("mlp", "shared_expert_gate"), False)
+            yield from _linear(f"{hf}.{layout.shared_expert}.{proj}", ("mlp", "shared_expert", proj), False)
+        if moe.shared_expert_gate:
+            yield from _linear(f"{hf}.shared_expert_gate", ("mlp", "shared_expert_gate"), False)
+
+
+def _latent_attention(config: DecoderConfig, hf: str):
+    """A latent attention's tensors below ``self_attn`` (``model.decoder.LatentAttention``); where the
+    checkpoint pairs the rotated dims as (0, 1), (2, 3), ... (``rope_interleave``), the rows making
+    them reordered to evens then odds, rotate-half's layout, in q and in the shared key part alike."""
+    c, m = config, config.mla
+    n, dn, dr = c.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim
+    pairs = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)]) if m.rope_interleave else np.arange(dr)
+    head_rows = np.concatenate([np.arange(dn), dn + pairs])  # one head's q rows: not rotated, then rotated
+    q_rows = (0, (np.arange(n)[:, None] * m.qk_head_dim + head_rows).reshape(-1), n * m.qk_head_dim)
+    kv_rows = (0, np.concatenate([np.arange(m.kv_lora_rank), m.kv_lora_rank + pairs]), m.kv_lora_rank + dr)
+    attn = f"{hf}.self_attn"
+    if m.q_lora_rank:
+        yield from _linear(f"{attn}.q_a_proj", ("self_attn", "q_a_proj"), c.qkv_bias)
+        yield from _norm(f"{attn}.q_a_layernorm", ("self_attn", "q_a_layernorm"), c)
+        yield from _linear(f"{attn}.q_b_proj", ("self_attn", "q_b_proj"), False, q_rows)
+    else:
+        yield from _linear(f"{attn}.q_proj", ("self_attn", "q_proj"), False, q_rows)
+    yield from _linear(f"{attn}.kv_a_proj_with_mqa", ("self_attn", "kv_a_proj_with_mqa"), c.qkv_bias, kv_rows)
+    yield from _norm(f"{attn}.kv_a_layernorm", ("self_attn", "kv_a_layernorm"), c)
+    yield from _linear(f"{attn}.kv_b_proj", ("self_attn", "kv_b_proj"), False)
+    yield from _linear(f"{attn}.o_proj", ("self_attn", "o_proj"), c.o_bias)
 
 
 def _gemma4_moe(config: DecoderConfig, hf: str):
@@ -193,13 +277,15 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         c.attention_k_eq_v and c.window(layer) is None) else ("q_proj", "k_proj", "v_proj")
     if c.is_deltanet(layer):
         yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c).deltanet_fused)
+    elif c.mla is not None:
+        yield from _latent_attention(c, hf)
     elif fused:
         for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(0, [q, kv, kv])):
             yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, part)
     else:
         for proj in own:
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
-    if not c.is_deltanet(layer):
+    if not c.is_deltanet(layer) and c.mla is None:
         yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
     if c.attention_sinks and not c.is_deltanet(layer):
         yield ("self_attn", "sinks"), Source(f"{hf}.self_attn.sinks")
@@ -331,8 +417,10 @@ MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w
 QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
+DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,  # every other family: LLAMA
-           "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS}
+           "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS, "deepseek_v2": DEEPSEEK,
+           "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -374,7 +462,7 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         sites.ROUTING_WEIGHTS: (router, "output 1"),
         sites.EXPERT_INDICES: (router, "output 2"),
         sites.SHARED_EXPERT_GATE: (f"{layout.mlp}.shared_expert_gate", "sigmoid output"),
-        sites.SHARED_EXPERT_OUT: (f"{layout.mlp}.shared_expert", "output"),
+        sites.SHARED_EXPERT_OUT: (f"{layout.mlp}.{layout.shared_expert}", "output"),
         sites.RESID_PRE: ("", "input"),
         sites.ATTN_Z: (layout.o_proj, "input"),
         sites.ATTN_OUT: (norms["post_attention_norm"], "output") if post else (layout.attention, "output"),
@@ -446,6 +534,13 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
             if leaf in widths:
                 return (widths[leaf], 1, dn.conv_kernel)
             return (dn.value_head_dim,) if leaf == "norm" else (dn.num_value_heads,)
+    if c.mla is not None:
+        m, n = c.mla, c.num_attention_heads
+        kernels.update(q_proj=(h, n * m.qk_head_dim), q_a_proj=(h, m.q_lora_rank), q_b_proj=(m.q_lora_rank,
+                       n * m.qk_head_dim), kv_a_proj_with_mqa=(h, m.kv_lora_rank + m.qk_rope_head_dim),
+                       kv_b_proj=(m.kv_lora_rank, n * (m.qk_nope_head_dim + d)))
+        if module in ("q_a_layernorm", "kv_a_layernorm"):
+            return (m.q_lora_rank if module == "q_a_layernorm" else m.kv_lora_rank,)
     if path[0] == "per_layer_inputs" or module.startswith("per_layer"):  # Gemma 4's per-layer embeddings
         width = (c.num_hidden_layers if num_layers is None else num_layers) * c.per_layer_input_size
         return {"embed_tokens_per_layer": (c.per_layer_vocab_size, width), "per_layer_model_projection": (h, width),
@@ -453,7 +548,7 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                 (h, c.per_layer_input_size), "per_layer_projection": (c.per_layer_input_size, h)}[module]
     if leaf == "layer_scalar":
         return (1,)
-    if leaf == "per_expert_scale":
+    if leaf in ("per_expert_scale", "selection_bias"):
         return (c.moe.num_experts,)
     if leaf == "sinks":
         return (c.num_attention_heads,)
@@ -466,7 +561,7 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
     return (h,)
 
 
-def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
+def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None = None) -> np.ndarray:
     """The values of ``source`` (its part of a fused tensor, copied); ``UserError`` for a fused
     tensor whose size the config's sizes do not give (its parts would be cut in the wrong place)."""
     if source.experts:
@@ -476,30 +571,17 @@ def read_source(checkpoint: Checkpoint, source: Source) -> np.ndarray:
             hint = (f" (it holds {fused!r}: transformers 5's fused layout, save_pretrained(..., save_original_format="
                     "False); save it in the per-expert layout)" if fused in checkpoint else "")
             raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
-        return ExpertStack(checkpoint, names, source.transpose)
-    if source.stacked and source.name not in checkpoint and source.name + mxfp4.BLOCKS in checkpoint:
-        tensor = _dequantized(checkpoint, source.name)
-    else:
-        tensor = checkpoint.tensor(source.name)
+        return ExpertStack(checkpoint, names, source.transpose, fp8_block=fp8_block)
+    if source.stacked:
+        return StackedTensor(checkpoint, source)
+    tensor = fp8.read(checkpoint, source.name, fp8_block)
     if source.part is not None:
         axis, indices, size = source.part
         if tensor.ndim <= axis or tensor.shape[axis] != size:
             raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}, which config.json's "
                             f"sizes do not give (its fused parts make {size} along axis {axis})")
         tensor = np.take(tensor, indices, axis=axis)
-    if source.stacked and source.transpose:
-        if tensor.ndim != 3:
-            raise UserError(f"checkpoint tensor {source.name!r} has shape {list(tensor.shape)}: expected the "
-                            "experts' weights stacked [experts, out, in]")
-        return np.ascontiguousarray(np.swapaxes(tensor, 1, 2))
     return tensor
-
-
-@functools.lru_cache(maxsize=1)
-def _dequantized(checkpoint: Checkpoint, name: str) -> np.ndarray:
-    """gpt-oss's experts as the hub ships them (MXFP4: [E, out, in / 32, 16] and their scales),
-    dequantized to [E, in, out]; the last one kept, as its gate and up columns are read in turn."""
-    return mxfp4.dequantized(checkpoint.tensor(name + mxfp4.BLOCKS), checkpoint.tensor(name + mxfp4.SCALES))
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -512,6 +594,14 @@ def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Me
         return np.ascontiguousarray(part, dtype=dtype)
 
     return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any:
+    """The dtype the parameter at ``path`` is held in: ``dtype``, but float32 for a router that
+    computes in it (DeepSeek's, ``MoE.router_in_float32``: transformers keeps it so) and its bias."""
+    router = config.moe is not None and config.moe.router_in_float32 and (
+        path[-2:] == ("router", "kernel") or path[-1] == "selection_bias")
+    return jnp.dtype(jnp.float32) if router else dtype
 
 
 def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype: Any,
@@ -528,7 +618,7 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        values = read_source(checkpoint, source)
+        values = read_source(checkpoint, source, config.weight_block_size)
         transpose = source.transpose and not (source.experts or source.stacked)  # in their final layout already
         shape = values.shape[::-1] if transpose else values.shape
         expected = expected_shape(path, config, num_layers)
@@ -536,11 +626,7 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
             what = f"checkpoint tensor {source.name!r}" if not source.experts else f"the {source.name!r} stack"
             raise UserError(f"{what} has shape {list(values.shape)}, which config.json's "
                             f"sizes do not give ({list(expected[::-1 if transpose else 1])})")
-        if source.experts:
+        if source.experts or source.stacked:  # all-zero experts past the real ones
             values = values.padded(expert_slots(config, mesh))
-        elif source.stacked:  # all-zero experts past the real ones, as an ExpertStack pads
-            extra = expert_slots(config, mesh) - values.shape[0]
-            values = np.pad(values, ((0, extra),) + ((0, 0),) * (values.ndim - 1))
-        node[path[-1]] = _placed(values, transpose, path, mesh, dtype, config)
-    _dequantized.cache_clear()  # not the last block's experts kept in host memory
+        node[path[-1]] = _placed(values, transpose, path, mesh, param_dtype(path, config, dtype), config)
     return tree

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from common.cli import UserError
 from model.config import MESH_TYPES, DecoderConfig
 
-COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head",
+COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "q_b_proj", "kv_b_proj",
                 "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a")
 ROW_SPLIT = ("o_proj", "down_proj", "out_proj")
 # A Gated DeltaNet mixer's parameters by the heads their split axis is made of: key heads (q, k
@@ -66,7 +66,8 @@ def default_model_axis(config: DecoderConfig, devices: int) -> int:
 
 
 # The attention projections whose split axis is made of whole query (or key/value) heads.
-QUERY_HEADS, KV_HEADS = ("q_proj", "o_proj"), ("k_proj", "v_proj")
+# A latent attention's (q_b_proj, kv_b_proj) are per query head: its low-rank projections are replicated.
+QUERY_HEADS, KV_HEADS = ("q_proj", "o_proj", "q_b_proj", "kv_b_proj"), ("k_proj", "v_proj")
 
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config: DecoderConfig) -> P:

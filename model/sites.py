@@ -53,14 +53,18 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                    "or (x - mean) / std for a LayerNorm (none where the MLP's input has no norm: "
                                    "OLMo 2)"),
     Site(MLP_IN, "hidden", "the MLP's input after its norm with the gain applied (the MLP module's input)"),
-    Site(ROUTER_LOGITS, "experts", "a mixture of experts' router logits, before the softmax (before an expert "
+    Site(ROUTER_LOGITS, "experts", "a mixture of experts' router logits, before the softmax (DeepSeek's: before "
+                                   "the sigmoid or softmax and the selection bias; float32) (before an expert "
                                    "ablation masks any)"),
     Site(EXPERT_INDICES, "top_k", "the experts the router chose, most probable first (int32)", integer=True),
     Site(ROUTING_WEIGHTS, "top_k", "the weights scaling the chosen experts' outputs: their softmax probabilities, "
                                    "renormalised over the k where the family does (Mixtral; norm_topk_prob; "
-                                   "gpt-oss: the softmax of the k logits; Gemma 4: times per_expert_scale)"),
+                                   "gpt-oss: the softmax of the k logits; Gemma 4: times per_expert_scale; "
+                                   "DeepSeek: the chosen scores, renormalised where norm_topk_prob, times "
+                                   "routed_scaling_factor)"),
     Site(SHARED_EXPERT_GATE, "one", "Qwen2-MoE's shared expert gate: sigmoid(shared_expert_gate(x))"),
-    Site(SHARED_EXPERT_OUT, "hidden", "Qwen2-MoE's shared expert's output, before its gate scales it"),
+    Site(SHARED_EXPERT_OUT, "hidden", "the shared expert's output (Qwen2-MoE's, before its gate scales it; "
+                                      "DeepSeek's shared_experts, added as it is)"),
     Site(MLP_POST, "intermediate", "the MLP's hidden activation, act(gate) * up, or act(fc) in a plain MLP "
                                    "(the down projection's input; the dense MLP's beside Gemma 4's experts)"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
@@ -92,7 +96,9 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site in ROUTING + SHARED_EXPERT and config.moe is None:
         return f"{config.model_type} is a dense model: it has no router"
     if site in SHARED_EXPERT and not config.moe.shared_expert_size:
-        return f"{config.model_type} has no shared expert (Qwen2-MoE's)"
+        return f"{config.model_type} has no shared expert (Qwen2-MoE's, DeepSeek's)"
+    if site == SHARED_EXPERT_GATE and not config.moe.shared_expert_gate:
+        return f"{config.model_type}'s shared experts are added ungated (mlp.hook_shared_expert_out is their output)"
     if site in ROUTING + SHARED_EXPERT and layer is not None and not config.is_sparse(layer):
         return (f"block {layer} of {config.model_type} has a dense MLP (mlp_only_layers, decoder_sparse_step): its "
                 f"mixtures of experts are blocks {_spans(config.sparse_layers)}")

@@ -150,8 +150,7 @@ def varied(tmp_path_factory):
 def test_greedy_generation_over_the_shared_cache_equals_transformers(varied):
     """32 tokens after prompts of 40, 23 and 9 tokens in one batch (past the window of 16):
     blocks 4 and 5 read the caches of blocks 3 and 2, and keep none of their own."""
-    import torch
-    from fixtures.hf_reference import agreeing_prefix
+    from fixtures.hf_reference import assert_greedy_equals_transformers
     from model.generate import Generator
     from model.loading import load_model
     loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
@@ -159,14 +158,7 @@ def test_greedy_generation_over_the_shared_cache_equals_transformers(varied):
     # 4 rows in float32: blocks 0, 1, 3 keys and values [128, 2, 16]; block 2's [128, 1, 32]; none for 4, 5
     assert generator.cache_bytes(4) == 4 * 4 * 2 * 128 * (3 * 2 * 16 + 32)
     prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
-    reference = load_reference(varied, "float32")
-    for prompt, ours in zip(prompts, generator.continuations(prompts, 32)):
-        result = reference.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=32,
-            do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        theirs = result.sequences[0, len(prompt):].tolist()
-        compared, equal = agreeing_prefix(ours.tokens, theirs, result.logits)
-        assert compared == equal == 32 and len(set(theirs)) >= 8, (len(prompt), ours.tokens, theirs)
+    assert_greedy_equals_transformers(generator, varied, prompts)
 
 
 def test_the_runner_stores_what_the_model_wrote_as_transformers_computes_it(checkpoint, tmp_path):

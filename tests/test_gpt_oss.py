@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from fixtures.hf_reference import (load_reference, random_sequences, reference_activations,
-                                   relative_error, tokens_routed_alike)
+from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, random_sequences,
+                                   reference_activations, relative_error, tokens_routed_alike)
 from model.config import load_config
 from model.extract import Extractor
 from model.sites import EXPERT_INDICES, RESID_POST, SITES, missing_reason
@@ -39,13 +39,7 @@ def sequences(checkpoint):
 def test_every_block_of_a_padded_batch_equals_transformers_in_float32(checkpoint, sequences):
     config = load_config(checkpoint)
     assert config.attention_sinks and config.rope.kind == "yarn" and config.moe.top_k_before_softmax
-    reference = reference_activations(load_reference(checkpoint, "float64"), sequences)  # each alone
-    extractor = Extractor.load(checkpoint, dtype="float32", max_seq_length=128, min_bucket=128,
-                               batch_size_per_device=3, devices=jax.devices()[:1])
-    out = dict(extractor.extract(enumerate(sequences)))
-    for i, expected in enumerate(reference):
-        for layer in expected:
-            assert relative_error(out[i][layer], expected[layer]) <= 1e-5, (LENGTHS[i], layer)
+    assert_blocks_equal_transformers(checkpoint, sequences)
 
 
 def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(checkpoint, sequences):
@@ -93,21 +87,13 @@ def test_greedy_generation_equals_transformers(varied):
     """32 tokens after prompts of 40, 23 and 9 tokens in one batch: the sinks in the decoding
     kernel, the window and YaRN past the prompts."""
     checkpoint = varied
-    import torch
-    from fixtures.hf_reference import agreeing_prefix
+    from fixtures.hf_reference import assert_greedy_equals_transformers
     from model.generate import Generator
     from model.loading import load_model
     loaded = load_model(checkpoint, "float32", with_head=True, devices=jax.devices()[:1])
     generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
     prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
-    reference = load_reference(checkpoint, "float32")
-    for prompt, ours in zip(prompts, generator.continuations(prompts, 32)):
-        result = reference.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=32,
-            do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        theirs = result.sequences[0, len(prompt):].tolist()
-        compared, equal = agreeing_prefix(ours.tokens, theirs, result.logits)
-        assert compared == equal == 32 and len(set(theirs)) >= 8, (len(prompt), ours.tokens, theirs)
+    assert_greedy_equals_transformers(generator, checkpoint, prompts)
 
 
 @pytest.mark.parametrize("spec", ["expert:1.2", "route:2.4+expert:0.1"])
@@ -173,6 +159,16 @@ def test_an_mxfp4_checkpoint_reads_as_transformers_dequantized_weights(tmp_path)
         for layer in expected:
             np.testing.assert_array_equal(outputs[0][i][layer], outputs[1][i][layer])
             assert relative_error(outputs[0][i][layer], expected[layer]) <= 1e-5, (i, layer)
+    # Experts 1 and 2 of block 0's down_proj, as a device holding them reads them: their rows alone.
+    from model.checkpoint import Checkpoint
+    from model.params import Source, StackedTensor
+    from safetensors.numpy import load_file
+    name = "model.layers.0.mlp.experts.down_proj"
+    stack = StackedTensor(Checkpoint(quantized), Source(name, stacked=True)).padded(6)
+    assert stack.shape == (6, 32, 64)
+    np.testing.assert_array_equal(stack[1:3, :, :], load_file(pathlib.Path(plain, "model.safetensors"))[name][1:3])
+    assert list(stack._read) == [(1, 3)]
+    assert not stack[5:6, :, :].any()  # a padding slot
 
 
 def test_another_quantization_is_refused_in_one_line_before_the_weights(checkpoint, tmp_path):

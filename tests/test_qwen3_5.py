@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from fixtures.hf_reference import (load_reference, max_relative_error, random_sequences, reference_activations,
-                                   relative_error)
+from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, max_relative_error,
+                                   random_sequences, reference_activations, relative_error)
 from model.config import load_config
 from model.extract import Extractor
 from model.sites import ATTN_Z, SITES, missing_reason
@@ -37,13 +37,7 @@ def sequences(checkpoint):
 def test_every_block_of_a_padded_batch_equals_transformers_in_float32(checkpoint, sequences):
     config = load_config(checkpoint)
     assert config.deltanet.layers[:3] == (0, 1, 3) and config.attention_layers == (2,)
-    reference = reference_activations(load_reference(checkpoint, "float64"), sequences)  # each alone
-    extractor = Extractor.load(checkpoint, dtype="float32", max_seq_length=128, min_bucket=128,
-                               batch_size_per_device=3, devices=jax.devices()[:1])
-    out = dict(extractor.extract(enumerate(sequences)))
-    for i, expected in enumerate(reference):
-        for layer in expected:
-            assert relative_error(out[i][layer], expected[layer]) <= 1e-5, (LENGTHS[i], layer)
+    assert_blocks_equal_transformers(checkpoint, sequences)
 
 
 def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(checkpoint, sequences):
@@ -123,8 +117,7 @@ def test_greedy_generation_carries_the_deltanet_state_as_transformers_does(varie
     """32 tokens after prompts of 40, 23 and 9 tokens in one batch: each row's convolution
     inputs and recurrent state taken at its own length by the prefill, then advanced a step at
     a time; each continuation equals transformers' generate of its prompt alone."""
-    import torch
-    from fixtures.hf_reference import agreeing_prefix
+    from fixtures.hf_reference import assert_greedy_equals_transformers
     from model.generate import Generator
     from model.loading import load_model
     loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
@@ -133,14 +126,7 @@ def test_greedy_generation_carries_the_deltanet_state_as_transformers_does(varie
     # [4, 8, 12] and last 3 convolution inputs of q | k | v (16 + 16 + 48)
     assert generator.cache_bytes(4) == 4 * 4 * (2 * 128 * 2 * 16 + 4 * (4 * 8 * 12 + 3 * (16 + 16 + 48)))
     prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
-    reference = load_reference(varied, "float32")
-    for prompt, ours in zip(prompts, generator.continuations(prompts, 32)):
-        result = reference.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=32,
-            do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        theirs = result.sequences[0, len(prompt):].tolist()
-        compared, equal = agreeing_prefix(ours.tokens, theirs, result.logits)
-        assert compared == equal == 32 and len(set(theirs)) >= 8, (len(prompt), ours.tokens, theirs)
+    assert_greedy_equals_transformers(generator, varied, prompts)
 
 
 def test_the_runner_stores_what_the_model_wrote_as_transformers_computes_it(checkpoint, tmp_path):

@@ -7,8 +7,9 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import (gemma2, gemma3, gemma4, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2,
-                            olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
+from model.families import (deepseek_v2, deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox, gpt_oss, llama,
+                            mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe,
+                            qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -37,6 +38,19 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "olmoe": (olmoe, olmoe.ARCHITECTURES),
     "mixtral": (mixtral, mixtral.ARCHITECTURES),
     "gpt_oss": (gpt_oss, gpt_oss.ARCHITECTURES),
+    "deepseek_v2": (deepseek_v2, deepseek_v2.ARCHITECTURES),
+    "deepseek_v3": (deepseek_v3, deepseek_v3.ARCHITECTURES),
+    "glm4_moe_lite": (deepseek_v3, deepseek_v3.LITE_ARCHITECTURES),
+    "glm4_moe": (glm4_moe, glm4_moe.ARCHITECTURES),
+}
+# Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
+REFUSED = {
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention (a lightning indexer choosing each query's top index_topk "
+                    "keys) is not implemented",
+    "glm_moe_dsa": "GLM-5's DeepSeek sparse attention (a lightning indexer choosing each query's keys) is not "
+                   "implemented",
+    "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
+                   "keys, hyper-connections) are not implemented",
 }
 SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
                                 if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))
@@ -47,6 +61,8 @@ def read_family_config(raw: dict) -> DecoderConfig:
     naming the architecture or option that is not supported (before any weight is read)."""
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
+    if model_type in REFUSED:
+        raise UserError(f"unsupported architecture: config.json's model_type {model_type!r}: {REFUSED[model_type]}")
     family, accepted = FAMILIES.get(model_type, (None, ()))
     unknown = [a for a in architectures if a not in accepted]
     if family is None or unknown:

@@ -1,0 +1,39 @@
+"""Block-FP8 weights (DeepSeek-V3's and GLM-4.5's FP8 checkpoints, ``quantization_config``
+``fp8``) dequantized at load time, as transformers' ``integrations/finegrained_fp8.py`` does.
+
+A weight [R, C] is stored as float8 (e4m3) with ``<name>_scale_inv`` [ceil(R / r), ceil(C / c)]
+(float32): block (i, j) of r x c values is multiplied by its entry (``weight_block_size`` [r, c],
+128 x 128 on the hub; a last block may be partial). Both are widened to float32 and multiplied
+once: the result equals transformers' dequantization bit for bit in float32, and its rounding to
+bfloat16 is the same single rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.cli import UserError
+
+SCALE = "_scale_inv"  # the suffix of a quantized weight's scales
+
+
+def dequantized(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """weight [..., R, C] float8, scale_inv [..., ceil(R / r), ceil(C / c)] -> float32 [..., R, C]."""
+    (rows, cols), (r, c) = weight.shape[-2:], block
+    grid = (-(-rows // r), -(-cols // c))
+    if scale_inv.shape[-2:] != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
+        raise UserError(f"FP8 weight {list(weight.shape)} and its scales {list(scale_inv.shape)} do not match "
+                        f"weight_block_size {list(block)} (expected scales {list(weight.shape[:-2]) + list(grid)})")
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), r, axis=-2)[..., :rows, :], c, axis=-1)[..., :cols]
+    return weight.astype(np.float32) * scale  # [..., R, C]
+
+
+def read(checkpoint, name: str, block: tuple[int, int] | None) -> np.ndarray:
+    """Tensor ``name`` of a ``model.checkpoint.Checkpoint``, dequantized where it is a block-FP8
+    weight (it has ``<name>_scale_inv``; ``block``: the config's ``weight_block_size``)."""
+    tensor = checkpoint.tensor(name)
+    if name + SCALE not in checkpoint:
+        return tensor
+    if block is None:
+        raise UserError(f"checkpoint tensor {name!r} has FP8 scales, and config.json no quantization_config "
+                        "with a weight_block_size")
+    return dequantized(tensor, checkpoint.tensor(name + SCALE), block)
