@@ -52,6 +52,7 @@ class AblationConfig(ModelRunSettings, ProfileSettings):
         if "://" in self.output_dir:
             raise UserError(f"--output_dir must be a local directory, got {self.output_dir!r}")
         self.validate_batches()
+        self.validate_mesh()
         self.validate_profiling()
         for name in ("max_seq_length", "window", "bootstrap"):
             if getattr(self, name) < 1:

@@ -135,7 +135,8 @@ def run_experiment(config: AblationConfig) -> RunReport:
 def _load_model(config: AblationConfig) -> InterventionModel:
     from model.extract import resolve_dtype
     from model.loading import load_model
-    loaded = load_model(config.model_path, resolve_dtype(config.dtype), config.mesh_type, with_head=True,
+    loaded = load_model(config.model_path, resolve_dtype(config.dtype), config.mesh_type, config.model_axis_size,
+                        with_head=True,
                         revision=config.model_revision)
     return InterventionModel(loaded, config.batch_size, config.max_seq_length, config.attention,
                              config.residual_dtype, config.moe_dispatch)

@@ -4,7 +4,8 @@ and 120b, their MXFP4 experts as loaded: dequantized; DeepSeek-V2-Lite and V3) a
 hybrids (Qwen3.5-27B, Gemma 4 31B), from their published config.json shapes, on a v5e-8 (8 chips of
 16 GiB), a v6e-8 (8 of 32 GiB), a v4-8 (4 of 32 GiB) and a v5p-8 (4 of 95 GiB), at the default model axis (a dense
 model's: gcd(chips, its kv heads), every chip for a mixture of experts) and, where that is fewer
-than the chips, at every chip (``--model_axis_size``). As extraction loads them (no LM head) and as
+than the chips, at every chip (``--model_axis_size``); a model no host holds (DeepSeek-V3) on
+multi-host slices, its model axis over every chip of the slice. As extraction loads them (no LM head) and as
 generation and ablation do (with it). Counted from the parameter shapes and partition specs the
 loader uses; activations and XLA's temporaries come on top (a batch's worth).
 
@@ -68,7 +69,9 @@ CONFIGS = {  # the hub's config.json values that set the shapes (a multimodal ch
     "DeepSeek-V3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                         max_position_embeddings=163840),  # transformers' defaults are V3's (671B) shapes
 }
-SLICES = {"v5e-8": (8, 16), "v6e-8": (8, 32), "v4-8": (4, 32), "v5p-8": (4, 95)}  # chips, GiB of HBM each
+SLICES = {"v5e-8": (8, 16), "v6e-8": (8, 32), "v4-8": (4, 32), "v5p-8": (4, 95)}  # one host: chips, GiB of HBM each
+# Multi-host slices, for a model no host above holds: a model axis over all their chips (--model_axis_size).
+MULTI_HOST_SLICES = {"v6e-64": (64, 32), "v5p-64": (32, 95), "v5p-128": (64, 95)}
 PARTS = {"experts": ("experts",), "mixers": ("self_attn", "linear_attn"), "embeddings": ("embed_tokens",
          "per_layer_inputs"), "LM head": ("lm_head",)}  # the rest: dense MLPs, routers, norms
 
@@ -94,12 +97,23 @@ def main() -> None:
     print("| --- " * (len(PARTS) + 7) + "|")
     for name, raw in CONFIGS.items():
         config = config_from_dict(raw)
+        fits_a_host = False
         for slice_name, (chips, hbm) in SLICES.items():
             for axis in dict.fromkeys((default_model_axis(config, chips), chips)):
-                parts = {k: v / 2**30 for k, v in per_device_bytes(config, axis).items()}
-                extraction = sum(parts.values()) - parts["LM head"]
-                print(f"| {name} | {slice_name} | {axis} | " + " | ".join(f"{v:.2f}" for v in parts.values())
-                      + f" | {extraction:.2f} GiB | {extraction + parts['LM head']:.2f} GiB | {hbm} GiB |")
+                extraction = row(name, slice_name, axis, hbm, config)
+                fits_a_host |= extraction < hbm
+        if not fits_a_host:
+            for slice_name, (chips, hbm) in MULTI_HOST_SLICES.items():
+                row(name, slice_name, chips, hbm, config)
+
+
+def row(name: str, slice_name: str, axis: int, hbm: int, config) -> float:
+    """Prints one table row; returns the GiB per chip of extraction."""
+    parts = {k: v / 2**30 for k, v in per_device_bytes(config, axis).items()}
+    extraction = sum(parts.values()) - parts["LM head"]
+    print(f"| {name} | {slice_name} | {axis} | " + " | ".join(f"{v:.2f}" for v in parts.values())
+          + f" | {extraction:.2f} GiB | {extraction + parts['LM head']:.2f} GiB | {hbm} GiB |")
+    return extraction
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
         if not 0 <= self.compression_level <= 3:
             raise UserError(f"--compression_level must be 0..3 (isal), got {self.compression_level}")
         self.validate_batches()
+        self.validate_mesh()
         self.validate_profiling()
         if self.compression_threads != AUTO and self.compression_threads < 1:
             raise UserError(f"--compression_threads must be at least 1 or auto, got {self.compression_threads}")

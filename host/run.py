@@ -350,7 +350,8 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     # Windows sit at fixed stream positions: resuming mid-window recomputes the window from its
     # start (and drops the samples already stored), so every sample is computed in the same batch
     # as in an uninterrupted run and the shards come out bit-identical.
-    data_axis = make_mesh(config.mesh_type, model_config).shape["data"]  # before the model loads
+    # Before the model loads (a model axis that fits no mesh fails here).
+    data_axis = make_mesh(config.mesh_type, model_config, config.model_axis_size).shape["data"]
     window_start = restart - restart % extraction.window_for(config.batch_size * data_axis)
     if config.long_samples == "error":  # a prompt must leave room for its continuation
         check_lengths(stream, window_start, config.max_samples, config.max_seq_length, config.generate or 0)
@@ -425,7 +426,8 @@ def extract_config(config: HostConfig) -> ExtractConfig:
     return ExtractConfig(
         model_path=config.model_path, model_revision=config.model_revision, dtype=config.dtype,
         residual_dtype=config.residual_dtype,
-        mesh_type=config.mesh_type, batch_size=config.batch_size, attention=config.attention,
+        mesh_type=config.mesh_type, model_axis_size=config.model_axis_size, batch_size=config.batch_size,
+        attention=config.attention,
         moe_dispatch=config.moe_dispatch,
         layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,

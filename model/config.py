@@ -63,7 +63,7 @@ class MoE:
     Qwen2-MoE and Qwen3-MoE compute it: a linear router without bias gives ``num_experts`` logits
     per token; their softmax (float32) picks the ``top_k`` experts, whose gated MLPs' outputs are
     summed, each scaled by its probability (renormalised over the k where ``normalize_top_k``).
-    The switches below the first four give Gemma 4's and gpt-oss's variants."""
+    The switches below the first four give Gemma 4's, gpt-oss's and DeepSeek's variants."""
     num_experts: int
     top_k: int                          # experts per token (num_experts_per_tok)
     expert_size: int                    # each expert's intermediate width (moe_intermediate_size)

@@ -279,10 +279,13 @@ def placed(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def local_blocks(out: jax.Array) -> list[tuple[slice, jax.Array]]:
-    """The rows of ``out`` [L, B, ...] (sharded over B) that this process holds: (row slice,
-    device data), each slice once (a ``model`` axis holds copies of the same rows)."""
+    """The rows of ``out`` [L, B, ...] (sharded over B) that this process stores: (row slice,
+    device data), each slice once. A ``model`` axis holds copies of the same rows; where it spans
+    processes, only the process holding a row's first copy (replica 0) stores it."""
     blocks: dict[tuple[int, int], tuple[slice, jax.Array]] = {}
     for shard in out.addressable_shards:
+        if shard.replica_id:
+            continue
         rows = shard.index[1]
         blocks.setdefault(rows.indices(out.shape[1])[:2], (rows, shard.data))
     return [blocks[key] for key in sorted(blocks)]

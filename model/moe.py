@@ -11,7 +11,9 @@ A block whose config has ``moe`` (``model.config.MoE``) replaces its MLP by
 as transformers computes it for Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE (gpt-oss's router has a
 bias and softmaxes its top k logits instead, ``route_top_k_first``; its experts have biases and the
 clamped SwiGLU, ``gated_unit``; Gemma 4's router normalises its input and scales each expert's
-weight; ``model.config.MoE``'s switches) (w rounded to the
+weight; DeepSeek's computes in float32, chooses by sigmoid (or softmax) scores plus a selection bias
+within its best groups and scales the chosen scores, ``route_grouped``, and its shared experts are
+added ungated; ``model.config.MoE``'s switches) (w rounded to the
 compute dtype before it scales an expert's output, except Mixtral's, kept in float32; the k
 products are summed in the wider of the two dtypes and rounded once, where transformers rounds
 each and adds them in the compute dtype: the same in float32, a bfloat16 step apart at most with

@@ -33,6 +33,14 @@ class ModelSettings:
                                "every sum rounded to it, as transformers' bfloat16 forward does)",
                                choices=RESIDUAL_DTYPES)
     mesh_type: str = flag("1d", "1d (data parallel) | 2d (data x model)", choices=MESH_TYPES)
+    model_axis_size: int | None = flag(None, "with --mesh_type 2d, the model axis's devices: by default gcd(devices "
+                                       "per host, kv heads), every device of the host for a mixture of experts; a "
+                                       "divisor of a host's devices, or a multiple of them spanning whole hosts "
+                                       "(a model too large for one host: docs/model.md#mixtures-of-experts)")
+
+    def validate_mesh(self) -> None:
+        if self.model_axis_size is not None and (self.model_axis_size < 1 or self.mesh_type != "2d"):
+            raise UserError(f"--model_axis_size {self.model_axis_size}: a positive size, with --mesh_type 2d")
 
     def model_dir(self) -> str:
         """The local checkpoint directory: ``model_path``, or the hub's snapshot at ``model_revision``."""

@@ -10,8 +10,12 @@ The mesh always has the axes ``("data", "model")``:
     attention projections split by whole heads only: where ``m`` does not divide the heads (a
     model with a single key/value head, say) those heads are replicated.
 Over several processes (a multi-host slice) the mesh spans every process's devices, grouped by
-process, and ``m`` divides each process's device count: the ``model`` axis never leaves a host
-(its collectives stay on the chip interconnect) and ``data`` spans the hosts.
+process. By default ``m`` divides each process's device count: the ``model`` axis stays within a
+host (its collectives on the chip interconnect) and ``data`` spans the hosts. A model too large for
+one host's chips (DeepSeek-V3) takes a ``model`` axis of whole hosts instead (``m`` a multiple of
+each process's devices): each process then holds (and reads from the checkpoint) only its share
+of the split weights, its experts above all, and a row's activations are stored by the one
+process holding its first copy (``model.extract.local_blocks``).
 A dimension that does not divide evenly stays replicated; XLA inserts the collectives either way,
 so the numbers do not depend on the layout.
 """
@@ -48,9 +52,10 @@ def make_mesh(mesh_type: str, config: DecoderConfig, model_axis_size: int | None
         model = 1
     else:  # default: keep whole key/value heads on each device; a mixture of experts: over the host
         model = model_axis_size or default_model_axis(config, per_process)
-        if per_process % model:
-            raise UserError(f"model axis size {model} does not divide the {per_process} devices of "
-                            "each process (the model axis stays within a host)")
+        if per_process % model and (model % per_process or len(devices) % model):
+            raise UserError(f"model axis size {model} neither divides the {per_process} devices of each process "
+                            f"nor spans whole processes (a multiple of {per_process} dividing all "
+                            f"{len(devices)} devices)")
     return Mesh(np.array(devices).reshape(len(devices) // model, model), ("data", "model"))
 
 

@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     model_config = load_config(model_dir)  # checked before it loads
     check_model_fits(model_config, config.sites, config.max_seq_length,
                      validate_layers(config.layers_to_extract or range(model_config.num_hidden_layers), model_config))
-    loaded = load_model(model_dir, dtype, config.mesh_type, with_head=True)
+    loaded = load_model(model_dir, dtype, config.mesh_type, config.model_axis_size, with_head=True)
     layers = validate_layers(config.layers_to_extract or range(loaded.config.num_hidden_layers),
                              loaded.config)
     tokenizer = load_tokenizer(config.tokenizer or (model_dir if config.model_revision else config.model_path))

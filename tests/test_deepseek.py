@@ -72,9 +72,12 @@ SITE_RUNS = [("deepseek_v3", ["--layers_to_extract", "1,2,3"]),
 
 
 # In processes of their own: a 2d mesh of 2 devices (9 experts in 10 slots, 4 heads, both split over its
-# model axis of 2); a slice of two processes of 4 devices (the experts over each host's 4).
+# model axis of 2); a slice of two processes of 4 devices, the experts over each host's 4, or over all 8
+# (a model axis spanning both hosts: each holds 4 experts' slots, process 0 stores every row).
 SITE_RUNS += [("deepseek_v3", ["--mesh_type", "2d", "--layers_to_extract", "1,3", "two devices"]),
-              ("deepseek_v3", ["--mesh_type", "2d", "--layers_to_extract", "2,3", "two processes"])]
+              ("deepseek_v3", ["--mesh_type", "2d", "--layers_to_extract", "2,3", "two processes"]),
+              ("deepseek_v3", ["--mesh_type", "2d", "--model_axis_size", "8", "--layers_to_extract", "1,3",
+                               "two processes"])]
 
 
 @pytest.mark.parametrize("family, flags", SITE_RUNS)
@@ -180,8 +183,11 @@ def test_greedy_generation_from_the_latent_cache_equals_transformers(varied, fam
 
 
 @pytest.mark.parametrize("family, spec", [("deepseek_v3", "expert:1.2+expert:2.7"), ("deepseek_v3", "route:3.4"),
-                                          ("deepseek_v2", "expert:1.0"), ("glm4_moe", "expert:2.5+route:1.8")])
-def test_expert_removal_and_forced_routing_equal_transformers_hooks(checkpoints, family, spec):
+                                          ("deepseek_v2", "expert:1.0"), ("glm4_moe", "expert:2.5+route:1.8"),
+                                          ("deepseek_v3", "head:1.2+norm:2"), ("deepseek_v2", "head:0.3+attn:2")])
+def test_interventions_equal_transformers_hooks(checkpoints, family, spec):
+    """Expert removal and forced routing through the grouped routers; latent attention's heads (each
+    v_head_dim of o_proj's input) and norms (the q and latent norms among them) removed."""
     from tests.test_moe import assert_expert_interventions_equal_hooks
     assert_expert_interventions_equal_hooks(checkpoints[family], [spec], devices=jax.devices()[:1])
 
@@ -268,3 +274,16 @@ def test_newer_deepseek_types_and_bad_options_are_refused_in_one_line(checkpoint
     v2 = json.loads(pathlib.Path(checkpoints["deepseek_v2"], "config.json").read_text())
     with pytest.raises(UserError, match="topk_method = 'noaux_tc' is not supported"):
         config_from_dict({**v2, "topk_method": "noaux_tc"})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh_type", "2d", "--model_axis_size", "3"], "model axis size 3 neither divides the 8 devices of each process "
+                                                      "nor spans whole processes"),
+    (["--mesh_type", "2d", "--model_axis_size", "16"], "a multiple of 8 dividing all 8 devices"),
+    (["--model_axis_size", "4"], "--model_axis_size 4: a positive size, with --mesh_type 2d")])
+def test_a_model_axis_that_fits_no_mesh_is_refused_in_one_line(checkpoints, tmp_path, flags, message):
+    from tests.test_host_errors import one_line_error
+    write_stream(tmp_path / "stream.jsonl", checkpoints["deepseek_v3"], count=2)
+    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out",
+                                                        checkpoints["deepseek_v3"], *flags))
+    one_line_error(result, message)

@@ -114,7 +114,7 @@ class OrderedExtraction:
         from model.extract import Extractor
         c = self.config
         self.extractor = Extractor.load(c.model_path, c.layers, c.mesh_type, c.dtype, c.batch_size,
-                                        c.max_seq_length, activation_dtype=c.activation_dtype,
+                                        c.max_seq_length, c.model_axis_size, activation_dtype=c.activation_dtype,
                                         attention=c.attention, moe_dispatch=c.moe_dispatch,
                                         batches_in_flight=c.batches_in_flight,
                                         ablation=c.ablation, ablation_means=c.ablation_means,
