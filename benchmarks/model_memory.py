@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import types
 
+import ml_dtypes
 import numpy as np
 
 from model.config import config_from_dict
-from model.params import expected_shape, param_names
+from model.params import expected_shape, param_dtype, param_names
 from model.sharding import default_model_axis, expert_slots, param_spec
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 QWEN3_5_LAYERS = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
 GEMMA4_LAYERS = lambda n: ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
 CONFIGS = {  # the hub's config.json values that set the shapes (a multimodal checkpoint's text_config)
@@ -77,7 +79,8 @@ PARTS = {"experts": ("experts",), "mixers": ("self_attn", "linear_attn"), "embed
 
 
 def per_device_bytes(config, model_axis: int) -> dict[str, float]:
-    """Bytes per device of each part (bfloat16) on a 2d mesh whose model axis is ``model_axis``."""
+    """Bytes per device of each part (bfloat16; float32 where the loader keeps it: DeepSeek's
+    routers) on a 2d mesh whose model axis is ``model_axis``."""
     mesh = types.SimpleNamespace(shape={"data": 1, "model": model_axis})
     out = dict.fromkeys([*PARTS, "MLPs, other"], 0.0)
     for path, _ in param_names(config, config.num_hidden_layers, True, ""):
@@ -87,7 +90,8 @@ def per_device_bytes(config, model_axis: int) -> dict[str, float]:
         spec = param_spec(path, tuple(shape), mesh, config)
         split = mesh.shape["model"] if any(axis == "model" for axis in spec) else 1
         part = next((name for name, keys in PARTS.items() if any(k in path for k in keys)), "MLPs, other")
-        out[part] += 2 * np.prod(shape) / split
+        itemsize = param_dtype(path, config, BFLOAT16).itemsize  # DeepSeek's routers: float32
+        out[part] += itemsize * np.prod(shape) / split
     return out
 
 

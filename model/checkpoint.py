@@ -21,7 +21,8 @@ import numpy as np
 from common.cli import UserError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "F8_E4M3": ml_dtypes.float8_e4m3fn,  # block-FP8 weights (model.fp8)
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # block-FP8 weights, their
+                                                                                    # scales (model.fp8)
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
           "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,7 +65,7 @@ class Checkpoint:
     def dtype(self, name: str) -> np.dtype:
         """Tensor ``name``'s dtype, from the header."""
         path, _, header = self._files[self._where[name]]
-        return np.dtype(DTYPES[header[name]["dtype"]])
+        return np.dtype(_dtype(path, name, header[name]["dtype"]))
 
     def tensor(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """Tensor ``name`` read from disk, or only its ``rows`` [first, last) along axis 0 (one
@@ -83,7 +84,14 @@ class Checkpoint:
         raw = np.fromfile(path, dtype=np.uint8, count=end - start, offset=data_start + start)
         if raw.size != end - start:
             raise UserError(f"{path} is truncated: tensor {name!r} is incomplete")
-        return raw.view(DTYPES[entry["dtype"]]).reshape(shape)
+        return raw.view(_dtype(path, name, entry["dtype"])).reshape(shape)
+
+
+def _dtype(path: str, name: str, stored: str):
+    """The numpy dtype of a safetensors dtype name; ``UserError`` for one this reader lacks."""
+    if stored not in DTYPES:
+        raise UserError(f"{path}: tensor {name!r} has dtype {stored}, which is not read (read: {', '.join(DTYPES)})")
+    return DTYPES[stored]
 
 
 def _read_header(path: str) -> tuple[int, dict]:

@@ -271,12 +271,13 @@ def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh:
     if not cached and kernel in ("fused", "cudnn"):
         if sinks is not None:
             raise ValueError("the fused attention kernels have no attention sinks (attention_for picks tiled)")
-        # The kernel scales by 1/sqrt(D) unless told otherwise.
-        default = c.query_pre_attn_scalar in (None, c.attention_head_dim)
-        scale = 1.0 if divisor is None else (None if default else 1 / divisor)
+        # The kernels take one head size: the narrower of q/k and v (a latent attention's) zero-padded
+        # to the other's, which changes no score and no value; then scaled as told, not by 1/sqrt(D).
         d, dv = q.shape[-1], v.shape[-1]
-        if dv != d:  # the kernels take one head size: the values padded to it (a latent attention's)
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
+        pad = lambda x, width: jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
+        q, k, v = pad(q, max(d, dv)), pad(k, max(d, dv)), pad(v, max(d, dv))
+        default = c.query_pre_attn_scalar in (None, c.attention_head_dim) and d >= dv
+        scale = 1.0 if divisor is None else (None if default else 1 / divisor)
         out = fused_attention(q, k, v, mask, precision, scale, window, "cudnn" if kernel == "cudnn" else None)
         return out[..., :dv]
     if not cached:

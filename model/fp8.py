@@ -2,10 +2,12 @@
 ``fp8``) dequantized at load time, as transformers' ``integrations/finegrained_fp8.py`` does.
 
 A weight [R, C] is stored as float8 (e4m3) with ``<name>_scale_inv`` [ceil(R / r), ceil(C / c)]
-(float32): block (i, j) of r x c values is multiplied by its entry (``weight_block_size`` [r, c],
-128 x 128 on the hub; a last block may be partial). Both are widened to float32 and multiplied
-once: the result equals transformers' dequantization bit for bit in float32, and its rounding to
-bfloat16 is the same single rounding."""
+(float32, bfloat16 or ue8m0 powers of two): block (i, j) of r x c values is multiplied by its
+entry (``weight_block_size`` [r, c], 128 x 128 on the hub). Both are widened to float32 and
+multiplied once: the result equals transformers' dequantization (loading with ``dequantize=True``)
+bit for bit in float32, and its rounding to bfloat16 is the same single rounding. A last, partial
+block (V3's ``kv_a_proj_with_mqa``: 576 rows) takes the entry of its place in the ceil grid, as
+DeepSeek's own code and transformers' backward do (its load-time path takes whole blocks only)."""
 
 from __future__ import annotations
 

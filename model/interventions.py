@@ -8,7 +8,8 @@ compiled forward takes for one intervention.
     mlp:L       block L's MLP output, likewise (after the post-feedforward norm)
     norm:L      every norm of block L (its weight, and a LayerNorm's bias): the
                 pre-attention and pre-MLP norms, the post-attention and post-feedforward
-                norms of a sandwich block, and the q/k norms (Qwen3, Gemma 3, OLMo 2)
+                norms of a sandwich block, and the q/k norms (Qwen3, Gemma 3, OLMo 2) or a
+                latent attention's q and latent norms (DeepSeek)
     expert:L.E  expert E of block L's mixture of experts removed: its router logit is -inf,
                 so the router picks its top k among the others, their probabilities
                 renormalised as the family's router would without it

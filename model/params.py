@@ -102,8 +102,11 @@ class StackedTensor:
     contiguous read of their rows, dequantized where they are MXFP4), so each process reads the
     experts of its own devices only; slots past the experts are all-zero."""
 
-    def __init__(self, checkpoint: Checkpoint, source: Source, slots: int | None = None):
-        self.checkpoint, self.source = checkpoint, source
+    def __init__(self, checkpoint: Checkpoint, source: Source, slots: int | None = None,
+                 shared: dict | None = None):
+        """``shared``: the expert ranges read from the tensor, by range, kept for the other parts of
+        the same fused tensor (gpt-oss's gate and up), read and dequantized once."""
+        self.checkpoint, self.source, self.shared = checkpoint, source, {} if shared is None else shared
         self.quantized = source.name not in checkpoint and source.name + mxfp4.BLOCKS in checkpoint
         if self.quantized:  # [E, out, groups, 16] -> dequantized [E, in, out]
             e, out, groups, _ = checkpoint.shape(source.name + mxfp4.BLOCKS)
@@ -126,15 +129,17 @@ class StackedTensor:
         self._read: dict[tuple[int, int], np.ndarray] = {}
 
     def padded(self, slots: int) -> "StackedTensor":
-        return StackedTensor(self.checkpoint, self.source, slots)
+        return StackedTensor(self.checkpoint, self.source, slots, self.shared)
 
     def rows(self, first: int, last: int) -> np.ndarray:
         """Experts [first, last) (within the real ones) as loaded: [last - first, ...]."""
         if (first, last) not in self._read:
             name, span = self.source.name, (first, last)
-            tensor = (mxfp4.dequantized(self.checkpoint.tensor(name + mxfp4.BLOCKS, span),
-                                        self.checkpoint.tensor(name + mxfp4.SCALES, span))
-                      if self.quantized else self.checkpoint.tensor(name, span))
+            if span not in self.shared:
+                self.shared[span] = (mxfp4.dequantized(self.checkpoint.tensor(name + mxfp4.BLOCKS, span),
+                                                       self.checkpoint.tensor(name + mxfp4.SCALES, span))
+                                     if self.quantized else self.checkpoint.tensor(name, span))
+            tensor = self.shared[span]
             if self.source.part is not None:
                 axis, indices, _ = self.source.part
                 tensor = np.take(tensor, indices, axis=axis)
@@ -258,11 +263,12 @@ def _gpt_oss_moe(config: DecoderConfig, hf: str):
     columns alternate gate and up, ``down_proj`` [E, F, H], and their biases."""
     f = config.moe.expert_size
     yield from _linear(f"{hf}.mlp.router", ("mlp", "router"), True)
-    for proj, start in (("gate_proj", 0), ("up_proj", 1)):  # interleaved: gate, up, gate, up, ...
-        columns = np.arange(start, 2 * f, 2)
-        yield ("mlp", "experts", proj), Source(f"{hf}.mlp.experts.gate_up_proj", part=(2, columns, 2 * f), stacked=True)
+    columns = {"gate_proj": np.arange(0, 2 * f, 2), "up_proj": np.arange(1, 2 * f, 2)}  # gate, up, gate, up, ...
+    for proj, part in columns.items():  # one tensor's parts in turn: it is read once (StackedTensor's shared)
+        yield ("mlp", "experts", proj), Source(f"{hf}.mlp.experts.gate_up_proj", part=(2, part, 2 * f), stacked=True)
+    for proj, part in columns.items():
         yield ("mlp", "experts", f"{proj}_bias"), Source(f"{hf}.mlp.experts.gate_up_proj_bias",
-                                                         part=(1, columns, 2 * f), stacked=True)
+                                                         part=(1, part, 2 * f), stacked=True)
     yield ("mlp", "experts", "down_proj"), Source(f"{hf}.mlp.experts.down_proj", stacked=True)
     yield ("mlp", "experts", "down_proj_bias"), Source(f"{hf}.mlp.experts.down_proj_bias", stacked=True)
 
@@ -561,7 +567,8 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
     return (h,)
 
 
-def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None = None) -> np.ndarray:
+def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None = None,
+                shared: dict | None = None) -> np.ndarray:
     """The values of ``source`` (its part of a fused tensor, copied); ``UserError`` for a fused
     tensor whose size the config's sizes do not give (its parts would be cut in the wrong place)."""
     if source.experts:
@@ -573,7 +580,7 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
             raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
         return ExpertStack(checkpoint, names, source.transpose, fp8_block=fp8_block)
     if source.stacked:
-        return StackedTensor(checkpoint, source)
+        return StackedTensor(checkpoint, source, shared=shared)
     tensor = fp8.read(checkpoint, source.name, fp8_block)
     if source.part is not None:
         axis, indices, size = source.part
@@ -614,11 +621,14 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
     dtype = jnp.dtype(dtype)
     tree: dict = {}
     prefix = text_prefix(checkpoint, layout_of(config))
+    shared: tuple[str, dict] = ("", {})  # a stacked tensor's ranges read, while its parts are loaded
     for path, source in param_names(config, num_layers, with_head, prefix):
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        values = read_source(checkpoint, source, config.weight_block_size)
+        if source.name != shared[0]:
+            shared = (source.name, {})
+        values = read_source(checkpoint, source, config.weight_block_size, shared[1])
         transpose = source.transpose and not (source.experts or source.stacked)  # in their final layout already
         shape = values.shape[::-1] if transpose else values.shape
         expected = expected_shape(path, config, num_layers)

@@ -13,9 +13,9 @@ Over several processes (a multi-host slice) the mesh spans every process's devic
 process. By default ``m`` divides each process's device count: the ``model`` axis stays within a
 host (its collectives on the chip interconnect) and ``data`` spans the hosts. A model too large for
 one host's chips (DeepSeek-V3) takes a ``model`` axis of whole hosts instead (``m`` a multiple of
-each process's devices): each process then holds (and reads from the checkpoint) only its share
-of the split weights, its experts above all, and a row's activations are stored by the one
-process holding its first copy (``model.extract.local_blocks``).
+each process's devices): each process then holds only its share of the split weights and reads
+only its own experts from the checkpoint (``model.params``), and a row's activations are stored by
+the one process holding its first copy (``model.extract.local_blocks``).
 A dimension that does not divide evenly stays replicated; XLA inserts the collectives either way,
 so the numbers do not depend on the layout.
 """

@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     parser = make_parser("runners.verify_model", __doc__.splitlines()[0])
     add_config_flags(parser, VerifyConfig)
     config = config_from_namespace(VerifyConfig, parser.parse_args(argv))
+    config.validate_mesh()
     dtype = resolve_dtype(config.dtype)
     model_dir = config.model_dir()
     model_config = load_config(model_dir)  # checked before it loads

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from common.cli import UserError
-from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, random_sequences, reference_sites,
-                                   relative_error)
+from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, random_sequences,
+                                   reference_activations, reference_sites, relative_error)
 from model.config import config_from_dict, load_config
 from model.extract import Extractor
 from model.sites import (EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SITES, hook_name, key_parts,
@@ -259,6 +259,23 @@ def test_an_fp8_checkpoint_extracts_as_its_dequantized_weights(tmp_path):
             assert np.array_equal(outputs[0][i][layer], values), (i, layer)
 
 
+@pytest.mark.parametrize("v_head_dim", [None, 24])
+def test_the_fused_kernel_pads_the_narrower_head(checkpoints, tmp_path, v_head_dim):
+    """XLA's fused attention takes one head size: values of 10 padded to the q/k heads' 20, or q and
+    k padded to values of 24; every block within 1e-5 of transformers' float64."""
+    from fixtures.tiny_models import write_checkpoint
+    checkpoint = (checkpoints["deepseek_v3"] if v_head_dim is None else
+                  write_checkpoint(tmp_path / "wide_values", "deepseek_v3", seed=4, v_head_dim=v_head_dim))
+    sequences = random_sequences([40, 23], seed=3, vocab=load_config(checkpoint).vocab_size)
+    reference = reference_activations(load_reference(checkpoint, "float64"), sequences)
+    extractor = Extractor.load(checkpoint, dtype="float32", max_seq_length=64, batch_size_per_device=2,
+                               attention="fused", devices=jax.devices()[:1])
+    out = dict(extractor.extract(enumerate(sequences)))
+    for i, expected in enumerate(reference):
+        for layer in expected:
+            assert relative_error(out[i][layer], expected[layer]) <= 1e-5, (v_head_dim, i, layer)
+
+
 def test_newer_deepseek_types_and_bad_options_are_refused_in_one_line(checkpoints):
     base = json.loads(pathlib.Path(checkpoints["deepseek_v3"], "config.json").read_text())
     for changes, message in [({"model_type": "deepseek_v32"}, "lightning indexer"),
@@ -271,6 +288,10 @@ def test_newer_deepseek_types_and_bad_options_are_refused_in_one_line(checkpoint
         with pytest.raises(UserError, match=message) as caught:
             config_from_dict({**base, **changes})
         assert "\n" not in str(caught.value)
+    kimi = config_from_dict({**base, "model_type": "kimi_k2"})  # Kimi K2's config.json names its type so
+    assert kimi.mla == config_from_dict(base).mla and kimi.moe.groups == 3
+    nulls = config_from_dict({**base, "rope_interleave": None, "norm_topk_prob": None})  # off, as transformers reads
+    assert not nulls.mla.rope_interleave and not nulls.moe.normalize_top_k
     v2 = json.loads(pathlib.Path(checkpoints["deepseek_v2"], "config.json").read_text())
     with pytest.raises(UserError, match="topk_method = 'noaux_tc' is not supported"):
         config_from_dict({**v2, "topk_method": "noaux_tc"})

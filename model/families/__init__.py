@@ -40,6 +40,7 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "gpt_oss": (gpt_oss, gpt_oss.ARCHITECTURES),
     "deepseek_v2": (deepseek_v2, deepseek_v2.ARCHITECTURES),
     "deepseek_v3": (deepseek_v3, deepseek_v3.ARCHITECTURES),
+    "kimi_k2": (deepseek_v3, deepseek_v3.ARCHITECTURES),  # Kimi K2's config.json: DeepSeek-V3's model
     "glm4_moe_lite": (deepseek_v3, deepseek_v3.LITE_ARCHITECTURES),
     "glm4_moe": (glm4_moe, glm4_moe.ARCHITECTURES),
 }

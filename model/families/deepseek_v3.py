@@ -1,4 +1,5 @@
-"""DeepSeek-V3 and R1, Kimi K2 and Moonlight (``DeepseekV3ForCausalLM``, model_type ``deepseek_v3``),
+"""DeepSeek-V3 and R1, Kimi K2 and Moonlight (``DeepseekV3ForCausalLM``, model_type ``deepseek_v3``;
+Kimi K2's config.json says ``kimi_k2``),
 and GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``, model_type ``glm4_moe_lite``), as transformers'
 ``DeepseekV3Model`` computes them, through the switches of ``model.config``:
 
@@ -54,9 +55,10 @@ def decoder_config(raw: dict) -> DecoderConfig:
     f = Fields(raw, LITE_DEFAULTS if lite else DEFAULTS, "glm4_moe_lite" if lite else "deepseek_v3")
     layers = f.number("num_hidden_layers")
     dense = dense_layers_by_type(f, layers) if lite else range(min(f.number("first_k_dense_replace"), layers))
+    # Null is off for these two, as transformers reads it (absent: on).
     moe = grouped_moe(f, dense, scoring="sigmoid", selection_bias=True, group_score="top2",
-                      normalize_top_k=bool(f.get("norm_topk_prob")), normalize_epsilon=1e-20)
-    return latent_decoder(f, moe, interleave=bool(f.get("rope_interleave")), rope_in_float32=False)
+                      normalize_top_k=bool(f.optional("norm_topk_prob")), normalize_epsilon=1e-20)
+    return latent_decoder(f, moe, interleave=bool(f.optional("rope_interleave")), rope_in_float32=False)
 
 
 def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool, **switches: Any) -> DecoderConfig:

@@ -29,7 +29,7 @@ def decoder_config(raw: dict) -> DecoderConfig:
     config = shapes(f)
     layers = config["num_hidden_layers"]
     moe = grouped_moe(f, range(min(f.number("first_k_dense_replace"), layers)), scoring="sigmoid",
-                      selection_bias=True, group_score="top2", normalize_top_k=bool(f.get("norm_topk_prob")),
+                      selection_bias=True, group_score="top2", normalize_top_k=bool(f.optional("norm_topk_prob")),
                       normalize_epsilon=1e-20)
     params, where = rope_parameters(f)
     return DecoderConfig("glm4_moe", **config, rope=rope(f, params, where, f.number("rope_theta", float), partial=True),
