@@ -159,7 +159,7 @@ class LoaderStats:
 
 
 @dataclasses.dataclass
-class _Block:
+class Block:
     """One block's tokens, filtered, and what reading it cost."""
     pieces: list[dict[Any, np.ndarray]]   # per sample: {key: [k, width], "sample_ids", ...}
     bytes_read: int
@@ -218,7 +218,7 @@ class TokenLoader:
         buffer = TokenBuffer(max(1, min(room, int(self.kept_tokens.sum()))), self._layout(), rng)
         remaining = self.total_tokens
         try:
-            for block in in_order(self._read_block, plan, c.read_threads, c.read_ahead):
+            for block in in_order(self.read_block, plan, c.read_threads, c.read_ahead):
                 self._count(block)
                 for piece in block.pieces:
                     for part in _split(piece, buffer):
@@ -303,9 +303,9 @@ class TokenLoader:
             layout["token_ids"] = ((), np.dtype(np.int32))
         return layout
 
-    def _read_block(self, bounds: tuple[int, int]) -> _Block:
+    def read_block(self, bounds: tuple[int, int]) -> Block:
         """Reads and decodes rows ``start..stop-1`` (one ranged read per key) and filters
-        their tokens. Runs in a reader thread."""
+        their tokens (in a reader thread of ``batches``, or for an export's worker)."""
         start, stop = bounds
         a, c = self.stored, self.config
         path = a.shard_paths[a.shard[start]]
@@ -343,7 +343,7 @@ class TokenLoader:
                 ids = self.token_ids[sample_id]  # a pooled row's: NO_POSITION
                 piece["token_ids"] = np.where(positions >= 0, ids[np.maximum(positions, 0)], NO_POSITION)
             pieces.append(piece)
-        return _Block(pieces, fetched, int(a.num_tokens[start:stop].sum()), dropped)
+        return Block(pieces, fetched, int(a.num_tokens[start:stop].sum()), dropped)
 
     def _converted(self, key: ArrayKey, values: np.ndarray) -> np.ndarray:
         """[k, width] stored values in the output dtype, normalised if asked (in float32)."""
@@ -352,7 +352,7 @@ class TokenLoader:
             values = (values.astype(np.float32) - shift) * scale
         return values.astype(storage_dtype(self.config.dtype), copy=False)
 
-    def _count(self, block: _Block) -> None:
+    def _count(self, block: Block) -> None:
         self.stats.blocks_read += 1
         self.stats.bytes_read += block.bytes_read
         self.stats.tokens_read += block.tokens_read

@@ -1,27 +1,44 @@
-"""Exports stored activations for a trainer: a SAELens cached-activations directory.
+"""Exports stored activations for a trainer: a SAELens cached-activations directory, or a flat export.
 
     python -m pipeline.export --format saelens --index index.parquet --layers 12 --output_dir sae_cache/
     python -m pipeline.export --format saelens --index index.parquet --layers 12 \
         --sites ln2.hook_normalized,hook_mlp_out --output_dir transcoder_cache/   # a transcoder's pair
     python -m pipeline.export --format saelens --index index.parquet --layers 12 \
         --tokens assistant,-special --output_dir assistant_sae_cache/             # assistant tokens only
+    python -m pipeline.export --format flat --index index.parquet --layers 0,1,2,3 \
+        --sites hook_resid_mid,hook_mlp_out --output_dir clt_export/              # a CLT's every layer, aligned
+    python -m pipeline.export --format flat --store base=gs://b/base/index.parquet,chat=gs://b/chat/index.parquet \
+        --layers 12 --output_dir gs://b/crosscoder/ --runner DataflowRunner ...   # two models' stores, joined
+
+``--format flat`` is a Beam pipeline (``transforms.export``; the local FnApiRunner, or any Beam
+runner's options after the flags): every kept token at its slot of a seeded global permutation,
+output shards of ``--shard_mb`` each a uniform draw from the whole export, byte-identical for any
+number of workers (``activations.flat_layout`` describes the files).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 
+from apache_beam.options.pipeline_options import StandardOptions
+
+from activations.export_plan import StoreSpec, describe_columns, make_plan, parse_stores
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.reader import CorruptShardError
 from activations.selection import parse_selection, selection_flag
 from activations.saelens_export import SaeLensLayout, check_output, column_names, export_info, export_saelens
-from activations.token_loader import LoaderConfig, TokenLoader, row_bytes
-from activations.token_plan import stored_arrays
+from activations.token_loader import NORMALIZATIONS, LoaderConfig, TokenLoader, row_bytes
+from activations.token_plan import blocks, stored_arrays, stored_moments
+from common.beam_pipeline import is_dry_run, make_pipeline, pipeline_options
+from common.files import delete_tree, join, match
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+from model.config import STORED_DTYPES
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, parse_sites
+from transforms.export import ExportFlat, ExportTarget
 
 log = logging.getLogger("pipeline.export")
 BATCH_BYTES = 64 << 20  # tokens are written in batches of about this many bytes
@@ -40,12 +57,22 @@ def seed_flag(text: str) -> int | None:
     return seed
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExportConfig:
     format: str = flag(help="what to write: saelens (a Hugging Face datasets directory that SAELens's "
-                       "ActivationsStore(cached_activations_path=...) reads)", choices=("saelens",))
-    index: str = flag(help="merged index.parquet of pipeline.index or runners.fleet merge (local or gs://); "
-                      "index_arrays.parquet and merged_metadata.json beside it")
+                       "ActivationsStore(cached_activations_path=...) reads) | flat (per shard one .npy array per "
+                       "column and its rows' provenance, shards a uniform draw of a global shuffle: a Beam job; "
+                       "activations/flat_layout.py)", choices=("saelens", "flat"))
+    index: str | None = flag(None, "merged index.parquet of pipeline.index or runners.fleet merge (local or gs://); "
+                             "index_arrays.parquet and merged_metadata.json beside it")
+    store: tuple[StoreSpec, ...] = flag((), "flat: several stores of the same streams joined row by row, "
+                                        "NAME=INDEX,NAME=INDEX (columns NAME/blocks.L.SITE; the first leads)",
+                                        parse=parse_stores)
+    shard_mb: float = flag(256.0, "flat: the arrays of an output shard, about this many MB (a writer holds one)")
+    normalize: str = flag("none", "flat: scale each column by its store's statistics: none | mean_norm | "
+                          "standardize (the statistics are written beside the export either way)",
+                          choices=NORMALIZATIONS)
+    dtype: str = flag("float32", "flat: the arrays' dtype", choices=STORED_DTYPES)
     output_dir: str = flag(help="local directory to create (written beside it, then renamed into place)")
     layers: tuple[int, ...] = flag(help="stored layers to export, one column per site each (e.g. 12 or 6,12)",
                                    parse=int_list)
@@ -79,6 +106,14 @@ class ExportConfig:
         return array_keys(parse_sites(self.sites), self.layers)
 
     def validate(self) -> None:
+        if (self.index is None) == (not self.store):
+            raise UserError("name the store to export: --index INDEX, or (flat) --store NAME=INDEX,...")
+        if self.format == "saelens" and (self.store or self.normalize != "none" or self.dtype != "float32"):
+            raise UserError("--store, --normalize and --dtype are flags of --format flat")
+        if self.format == "flat" and self.max_tokens is not None:
+            raise UserError("--max_tokens: a flat export holds every kept token (export fewer with --tokens)")
+        if self.shard_mb <= 0:
+            raise UserError(f"--shard_mb must be positive, got {self.shard_mb}")
         if not self.layers or len(set(self.layers)) != len(self.layers):
             raise UserError(f"--layers must name distinct layers, got {list(self.layers)}")
         if len(set(self.sites)) != len(self.sites):
@@ -116,8 +151,13 @@ def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
 def main(argv: list[str]) -> int:
     parser = make_parser("pipeline.export", __doc__.splitlines()[0])
     add_config_flags(parser, ExportConfig)
-    config = config_from_namespace(ExportConfig, parser.parse_args(argv))
+    args, beam_args = parser.parse_known_args(argv)
+    config = config_from_namespace(ExportConfig, args)
     config.validate()
+    if config.format == "flat":
+        return export_flat(config, pipeline_options(beam_args))
+    if beam_args:
+        parser.error(f"unrecognized arguments: {' '.join(beam_args)}")
     # A SIGTERM unwinds like an error, so the partial directory is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     check_output(config.output_dir, config.overwrite)
@@ -141,6 +181,66 @@ def main(argv: list[str]) -> int:
           f"layers {list(config.layers)}, columns {list(names.values())}) -> {config.output_dir}; "
           f"left out: {summary['dropped_tokens']}")
     return 0
+
+
+def export_flat(config: ExportConfig, options) -> int:
+    """``--format flat``: plans the export, then runs it as a Beam job."""
+    stores = config.store or (StoreSpec("store", config.index),)
+    dry_run = is_dry_run(options)
+    if not dry_run:
+        clear_flat_output(config.output_dir, config.overwrite)
+    plan, loaders = make_plan(stores, config.keys, int(config.shard_mb * 2**20), config.seed, tokens=config.tokens,
+                              exclude_first_positions=config.exclude_first_positions,
+                              exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
+                              dtype=config.dtype, streams_dir=config.streams_dir, read_threads=1)
+    units = blocks(loaders[0].stored, None, 8 << 20)
+    statistics = export_statistics(plan, config.normalize)
+    target = ExportTarget(config.output_dir, config.dtype, statistics)
+    description = {"normalize": config.normalize, "tokens": config.tokens,
+                   "exclude_first_positions": config.exclude_first_positions,
+                   "exclude_token_ids": list(config.exclude_token_ids)}
+    log.info("exporting %d tokens of %d samples (columns %s) in %d shards of %d rows to %s", plan.total,
+             len(loaders[0].stored), describe_columns(plan), plan.shards, plan.rows_per_shard, config.output_dir)
+    with make_pipeline(options) as pipeline:
+        _ = pipeline | "Export" >> ExportFlat(plan, units, target, description)
+    if dry_run:
+        transforms = pipeline.to_runner_api().components.transforms
+        export_step = next(t for t in transforms.values() if t.unique_name == "Export")
+        steps = [transforms[part].unique_name for part in export_step.subtransforms]
+        print(f"dry run: built the {options.view_as(StandardOptions).runner} export job ({len(units)} units -> "
+              f"{plan.shards} shards; steps {', '.join(steps)}) without submitting it; nothing was written to "
+              f"{config.output_dir}")
+        return 0
+    print(f"exported {plan.total} rows in {plan.shards} shards of {plan.rows_per_shard} (columns "
+          f"{list(plan.columns)}) -> {config.output_dir}")
+    return 0
+
+
+def clear_flat_output(output_dir: str, overwrite: bool) -> None:
+    """A flat export's directory (local or gs://) must hold nothing, unless ``overwrite``: then
+    what it holds goes first (no shard of an earlier export is left among the new ones)."""
+    held = match(join(output_dir, "**")) if "://" in output_dir else (
+        os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+    if held and not overwrite:
+        raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace it)")
+    if held:
+        delete_tree(output_dir)
+
+
+def export_statistics(plan, normalize: str) -> dict | None:
+    """Per column, its store's statistics (what ``--normalize`` scales by); None where the store
+    has none (an index merged before statistics), unless they are needed."""
+    out = {}
+    for name, (store, key) in plan.columns.items():
+        try:
+            moments = stored_moments(plan.stores[store].index, [key])[key]
+        except UserError:
+            if normalize != "none":
+                raise
+            return None
+        out[name] = {"count": moments.count, "mean_norm": moments.mean_norm, "mean": moments.mean.tolist(),
+                     "variance": (moments.m2 / max(moments.count, 1)).tolist(), "applied": normalize}
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""Where every exported token goes: a seeded global permutation of the kept tokens of one or
+several stores of the same streams, cut into output shards of a fixed number of rows.
+
+The kept tokens (after the token selection and filters, ``activations.token_loader``) are
+numbered in a canonical order that no store layout changes: by sample id, then by position.
+Token ``t`` goes to slot ``permuted(t)`` of the export: output shard ``slot // rows_per_shard``,
+row ``slot % rows_per_shard``. ``permuted`` is a keyed bijection of ``[0, n)`` computed token by
+token (a Feistel network over the next power of four, walked back into range), so any worker
+places any token without a global sort: the output depends on the seed and the data only, never
+on how the work was split. Each output shard is a uniform draw from the whole export; without a
+seed, slots are the canonical order.
+
+Several stores (``name=index``, the first one leading) are joined on (sample id, position): the
+same samples, the same kept positions and the same token ids, or the plan refuses them in one
+line naming the first sample that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from activations.reader import storage_dtype
+from activations.token_loader import LoaderConfig, TokenLoader
+from common.cli import UserError
+from model.sites import ArrayKey, describe_key, key_parts
+
+ROUNDS = 4  # Feistel rounds: 4 give a pseudo-random permutation of the domain
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mixed(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def permuted(tokens: np.ndarray, n: int, seed: int | None) -> np.ndarray:
+    """The slots [len] int64 of canonical token numbers ``tokens`` (each in [0, n)) under the
+    seed's bijection of [0, n); ``seed`` None: the identity."""
+    tokens = np.asarray(tokens, np.int64)
+    if seed is None or n <= 1:
+        return tokens
+    half = max(1, (int(n - 1).bit_length() + 1) // 2)  # the domain: 4^half >= n, < 4n
+    low = np.uint64((1 << half) - 1)
+    keys = _mixed(np.arange(1, ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                  ^ _mixed(np.full(ROUNDS, seed, np.uint64)))
+
+    def encrypt(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & low
+        for key in keys:
+            left, right = right, left ^ (_mixed(right ^ key) & low)
+        return (left << np.uint64(half)) | right
+
+    out = encrypt(tokens.astype(np.uint64))
+    outside = out >= np.uint64(n)
+    while outside.any():  # cycle-walking: each value leaves the range at most a few times
+        out[outside] = encrypt(out[outside])
+        outside = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+    """One store of an export: its name (the column prefix where there are several) and index."""
+    name: str
+    index: str
+
+
+def parse_stores(text: str) -> tuple[StoreSpec, ...]:
+    """``--store base=gs://.../index.parquet,chat=...``: named stores, the first one leading."""
+    stores = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, index = part.partition("=")
+        if not sep or not name or not index or not name.replace("_", "").isalnum():
+            raise UserError(f"--store {part!r}: NAME=INDEX, NAME of letters, digits and _")
+        stores.append(StoreSpec(name, index))
+    if len({s.name for s in stores}) != len(stores):
+        raise UserError(f"--store names a store twice: {text}")
+    return tuple(stores)
+
+
+def column_name(store: str | None, key: ArrayKey) -> str:
+    """A column's name: the key's hook name (``blocks.12.hook_resid_post``), after its store's name
+    where several stores are joined (``chat/blocks.12.hook_resid_post``)."""
+    site, layer = key_parts(key)
+    hook = f"blocks.{layer}.{site}"
+    return hook if store is None else f"{store}/{hook}"
+
+
+@dataclasses.dataclass
+class ExportPlan:
+    """An export's tokens and their slots: ``loaders`` (one per store, the first leading) read the
+    kept tokens; ``offsets`` [leading store's rows] number them canonically; ``total`` tokens go
+    to ``shards`` shards of ``rows_per_shard`` rows (the last one shorter)."""
+    stores: tuple[StoreSpec, ...]
+    loader_configs: tuple[LoaderConfig, ...]
+    offsets: np.ndarray        # [rows of the leading store] int64: its first kept token's canonical number
+    total: int
+    rows_per_shard: int
+    seed: int | None
+    columns: dict[str, tuple[int, ArrayKey]]  # column name -> (store number, key)
+    widths: dict[str, int]                    # column name -> width
+
+    @property
+    def shards(self) -> int:
+        return max(1, -(-self.total // self.rows_per_shard))
+
+    def shard_rows(self, shard: int) -> int:
+        """Rows of output shard ``shard``."""
+        return min(self.rows_per_shard, self.total - shard * self.rows_per_shard)
+
+
+def make_plan(stores: Sequence[StoreSpec], keys: Sequence[ArrayKey], shard_bytes: int, seed: int | None,
+              **loader_settings) -> tuple[ExportPlan, list[TokenLoader]]:
+    """The plan of an export of ``keys`` of every store (and the loaders it read them with, to
+    reuse on this process), its output shards of about ``shard_bytes`` of arrays each:
+    ``loader_settings`` go to every store's ``LoaderConfig`` (``tokens``,
+    ``exclude_first_positions``, ``exclude_token_ids``, ``normalize``, ``dtype``, ...)."""
+    configs = tuple(LoaderConfig(index=s.index, layers=tuple(keys), seed=None, with_token_ids=True,
+                                 **loader_settings) for s in stores)
+    loaders = [TokenLoader(c) for c in configs]
+    lead = loaders[0]
+    order = np.argsort(lead.stored.sample_id, kind="stable")  # canonical: by sample id
+    counts = lead.kept_tokens[order]
+    offsets = np.empty(len(order), np.int64)
+    offsets[order] = np.cumsum(counts) - counts
+    for spec, loader in zip(stores[1:], loaders[1:]):
+        _check_joinable(stores[0], lead, spec, loader)
+    several = len(stores) > 1
+    columns = {column_name(s.name if several else None, key): (i, key)
+               for i, s in enumerate(stores) for key in loaders[i].config.keys}
+    widths = {name: loaders[i].stored.width[key] for name, (i, key) in columns.items()}
+    row_bytes = sum(widths.values()) * storage_dtype(configs[0].dtype).itemsize
+    rows_per_shard = max(1, shard_bytes // row_bytes)
+    plan = ExportPlan(tuple(stores), configs, offsets, int(counts.sum()), rows_per_shard, seed, columns, widths)
+    if plan.total == 0:
+        raise UserError(f"{stores[0].index}: no token is left to export (after the selection and filters)")
+    return plan, loaders
+
+
+def _check_joinable(lead_spec: StoreSpec, lead: TokenLoader, spec: StoreSpec, other: TokenLoader) -> None:
+    """The second store holds the leading store's samples with the same tokens (ids) and the
+    same kept rows, or ``UserError`` naming the first sample that differs."""
+    ids, theirs = lead.stored.sample_id, other.stored.sample_id
+    missing = np.setdiff1d(ids, theirs)
+    if len(missing) or len(theirs) != len(ids):
+        example = missing[0] if len(missing) else np.setdiff1d(theirs, ids)[0]
+        raise UserError(f"stores {lead_spec.name} and {spec.name} hold different samples (e.g. sample {example}): "
+                        "export stores of the same streams")
+    where = dict(zip(theirs.tolist(), range(len(theirs))))
+    for row, sample_id in enumerate(ids.tolist()):
+        mine, other_row = lead.token_ids[sample_id], where[sample_id]
+        if not np.array_equal(mine, other.token_ids[sample_id]):
+            raise UserError(f"stores {lead_spec.name} and {spec.name} differ in sample {sample_id}'s tokens: "
+                            "a different tokenizer or stream")
+        if lead.kept_tokens[row] != other.kept_tokens[other_row]:
+            raise UserError(f"stores {lead_spec.name} and {spec.name} keep different tokens of sample {sample_id} "
+                            f"({lead.kept_tokens[row]} and {other.kept_tokens[other_row]}): one was stored with a "
+                            "token selection")
+
+
+def describe_columns(plan: ExportPlan) -> str:
+    return ", ".join(f"{name} ({describe_key(key)}, {plan.widths[name]})" for name, (_, key) in plan.columns.items())
