@@ -56,6 +56,7 @@ def test_two_workers_write_what_one_does_every_token_once_each_shard_from_the_wh
     export(*flags, "--output_dir", str(tmp_path / "two"), "--direct_num_workers", "2",
            "--direct_running_mode", "multi_processing")
     assert files(tmp_path / "one") == files(tmp_path / "two")
+    assert not (tmp_path / "one" / "_spill").exists()  # the chunks' spill, gone once the shards are written
     flat, provenance = rows_of(tmp_path / "one")
     stored = stored_tokens(store, [array_key("hook_mlp_out", 0), array_key("hook_mlp_out", 2)])
     ids = stream_token_ids(os.path.dirname(store))

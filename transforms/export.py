@@ -3,19 +3,26 @@ of an ``activations.export_plan.ExportPlan``.
 
     units of the leading store (runs of neighbouring samples of one shard: one ranged read per key)
       -> ReadUnit: every kept token of the unit, its columns from every store (joined on sample id
-         and position), its slot from the plan's permutation; one chunk per output shard
-      -> GroupByKey(output shard)
-      -> WriteShard: the shard's rows placed at their slots, written (each slot filled exactly once)
-      -> the manifest, once every shard is written
+         and position), its slot from the plan's permutation; one chunk per output shard, spilled
+      -> GroupByKey(output shard): references to the chunks only
+      -> WriteShard: the shard's rows read and placed at their slots, written (each slot filled
+         exactly once)
+      -> the manifest, once every shard is written; the spill deleted
 
-A worker holds one unit's arrays (``block_bytes`` of shard, decoded) while reading and one output
+The chunks go to spill files (``{output_dir}/_spill/``, one a unit, a section an output shard),
+and only (path, offset, length) travels through the shuffle, as ``transforms.spill`` does for
+``pipeline.prepare``: the local runner would hold every element between stages in memory. A
+worker holds one unit's arrays (``block_bytes`` of shard, decoded) while reading and one output
 shard (``rows_per_shard`` rows of every column) while writing. The bytes written depend on the plan
-only: the same for any number of workers, any bundling, any retry.
+only: the same for any number of workers, any bundling, any retry (a retried unit spills to new
+files).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import uuid
 from typing import Any, Iterable, Iterator
 
 import apache_beam as beam
@@ -26,8 +33,31 @@ from activations.flat_layout import LAYOUT, array_file, shard_name, write_manife
 from activations.reader import storage_dtype
 from activations.stored_tokens import read_stored_tokens
 from common.cli import UserError
+from common.files import delete_tree, join, read_range, write_bytes
 
 PROVENANCE = ("sample_id", "position", "token_id", "role")
+SPILL_DIR = "_spill"
+Section = tuple[str, int, int]  # a spill file's path, a chunk's offset and length in it
+
+
+def spilled(root: str, chunks: dict[int, dict[str, np.ndarray]]) -> Iterator[tuple[int, Section]]:
+    """Writes one unit's chunks (by output shard) into one new spill file under ``root``; yields
+    (output shard, its section)."""
+    path = join(root, SPILL_DIR, f"{uuid.uuid4().hex}.npz-sections")
+    data, sections = io.BytesIO(), []
+    for shard, chunk in chunks.items():
+        start = data.tell()  # bfloat16 as its bits (.npy does not know it); WriteShard views them back
+        np.savez(data, **{name: values.view(np.uint16) if values.dtype.name == "bfloat16" else values
+                          for name, values in chunk.items()})
+        sections.append((shard, (path, start, data.tell() - start)))
+    write_bytes(path, data.getvalue())
+    yield from sections
+
+
+def read_section(section: Section) -> dict[str, np.ndarray]:
+    path, offset, length = section
+    with np.load(io.BytesIO(read_range(path, offset, length))) as arrays:
+        return {name: arrays[name] for name in arrays.files}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +72,8 @@ class ReadUnit(beam.DoFn):
     """A unit of the leading store -> (output shard, chunk): the chunk's ``slot`` [n] (row in the
     shard), each column [n, width] and the provenance columns, for its tokens bound there."""
 
-    def __init__(self, plan: ExportPlan):
-        self.plan = plan
+    def __init__(self, plan: ExportPlan, root: str):
+        self.plan, self.root = plan, root
 
     def setup(self) -> None:
         from activations.token_loader import TokenLoader
@@ -57,7 +87,7 @@ class ReadUnit(beam.DoFn):
                         for reason in ("selection", "first_positions", "token_ids")}
         self.exported = beam.metrics.Metrics.counter("export", "tokens")
 
-    def process(self, bounds: tuple[int, int]) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    def process(self, bounds: tuple[int, int]) -> Iterator[tuple[int, Section]]:
         plan, lead = self.plan, self.loaders[0]
         block = lead.read_block(tuple(bounds))
         for reason, n in block.dropped.items():
@@ -74,8 +104,9 @@ class ReadUnit(beam.DoFn):
         order = np.argsort(shard, kind="stable")
         shard = shard[order]
         edges = np.flatnonzero(np.diff(shard)) + 1
-        for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(shard)]):
-            yield int(shard[lo]), {name: values[order[lo:hi]] for name, values in tokens.items()}
+        chunks = {int(shard[lo]): {name: values[order[lo:hi]] for name, values in tokens.items()}
+                  for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(shard)])}
+        yield from spilled(self.root, chunks)
         self.exported.inc(len(slots))
 
     def _tokens(self, row: int, piece: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
@@ -107,24 +138,25 @@ class ReadUnit(beam.DoFn):
 
 
 class WriteShard(beam.DoFn):
-    """(output shard, its chunks) -> the shard written; yields (shard, rows, bytes)."""
+    """(output shard, its chunks' spill sections) -> the shard written; yields (shard, rows, bytes)."""
 
     def __init__(self, plan: ExportPlan, target: ExportTarget):
         self.plan, self.target = plan, target
 
-    def process(self, element: tuple[int, Iterable[dict[str, np.ndarray]]]) -> Iterator[tuple[int, int, int]]:
-        shard, chunks = element
+    def process(self, element: tuple[int, Iterable[Section]]) -> Iterator[tuple[int, int, int]]:
+        shard, sections = element
         plan, dtype = self.plan, storage_dtype(self.target.dtype)
         rows = plan.shard_rows(shard)
         arrays = {name: np.zeros((rows, plan.widths[name]), dtype) for name in plan.columns}
         provenance = {"sample_id": np.zeros(rows, np.int64), "position": np.zeros(rows, np.int64),
                       "token_id": np.zeros(rows, np.int32), "role": np.zeros(rows, np.int8)}
         filled = np.zeros(rows, np.int32)
-        for chunk in chunks:
+        for section in sections:
+            chunk = read_section(section)
             slot = chunk["slot"]
             np.add.at(filled, slot, 1)
             for name in arrays:
-                arrays[name][slot] = chunk[name]
+                arrays[name][slot] = chunk[name].view(dtype) if dtype.name == "bfloat16" else chunk[name]
             for name in provenance:
                 provenance[name][slot] = chunk[name]
         if not (filled == 1).all():
@@ -154,6 +186,7 @@ class WriteManifest(beam.DoFn):
             "shards": [{"directory": shard_name(s), "rows": rows, "bytes": size} for s, rows, size in shards],
         }
         write_manifest(self.target.output_dir, manifest, self.target.statistics)
+        delete_tree(join(self.target.output_dir, SPILL_DIR))
         yield manifest
 
 
@@ -168,7 +201,7 @@ class ExportFlat(beam.PTransform):
     def expand(self, pipeline):
         written = (pipeline
                    | "Units" >> beam.Create(self.units, reshuffle=True)
-                   | "ReadUnits" >> beam.ParDo(ReadUnit(self.plan))
+                   | "ReadUnits" >> beam.ParDo(ReadUnit(self.plan, self.target.output_dir))
                    | "ByOutputShard" >> beam.GroupByKey()
                    | "WriteShards" >> beam.ParDo(WriteShard(self.plan, self.target)))
         return (written

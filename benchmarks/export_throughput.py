@@ -1,0 +1,114 @@
+"""The flat export's throughput and memory, and how fast its layout reads back, in one run.
+
+For a synthetic 2-machine store (``fixtures.stored_activations``: float16, hidden 256, 2 layers,
+64..512 tokens a sample) at 1x and ``--scale`` times the samples:
+  * ``pipeline.export --format flat`` on the local FnApiRunner with 2 workers
+    (``multi_processing``), in a process of its own: rows/s in all and per worker, and the peak
+    RSS (``VmHWM``, polled from outside) of the runner process and of each worker;
+  * the export read back by ``FlatExport.batches`` (every column, batches of 4096 rows, shard by
+    shard, a thread reading ahead) against ``np.fromfile`` of the same files one after the other:
+    GB/s of each (the best of 5 rounds, alternated) and the ratio, from the disk (each file's
+    pages dropped from the page cache before each round: ``posix_fadvise``) and from the page
+    cache (a read of memory: the ratio is the reader's own overhead).
+
+    python benchmarks/export_throughput.py [--scale 8] [--samples_per_machine 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from activations.flat_layout import FlatExport  # noqa: E402
+from benchmarks.prepare_throughput import PeakRss  # noqa: E402
+from fixtures.stored_activations import StoredSpec, write_stored  # noqa: E402
+
+
+def export(index: str, out: str) -> dict:
+    """One export with 2 local workers, in a process of its own: seconds and peak RSS."""
+    command = [sys.executable, "-m", "pipeline.export", "--format", "flat", "--index", index, "--layers", "0,1",
+               "--seed", "0", "--shard_mb", "16", "--output_dir", out, "--no_progress",
+               "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
+    start = time.perf_counter()
+    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with PeakRss(child.pid) as rss:
+        _, stderr = child.communicate()
+    seconds = time.perf_counter() - start
+    if child.returncode:
+        raise SystemExit(f"the export failed:\n{stderr[-3000:]}")
+    return {"seconds": seconds, "runner": rss.peaks.get(child.pid, ("", 0))[1], "workers": rss.workers()}
+
+
+def evicted(paths: list[str]) -> None:
+    """The files' pages dropped from the page cache (clean pages: no root needed), so that the
+    next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_rates(out: str, cold: bool, rounds: int = 5) -> tuple[float, float, int]:
+    """(GB/s of FlatExport.batches, GB/s of np.fromfile of the same files, bytes): the best of
+    ``rounds`` rounds of each, alternated; ``cold``: each read from the disk (the files evicted
+    from the page cache first), else from the page cache."""
+    flat = FlatExport(out)
+    paths = [flat.path(s, c) for s in range(len(flat.shards)) for c in flat.columns]
+    size = sum(os.path.getsize(p) for p in paths)
+
+    def loader() -> None:
+        assert sum(len(next(iter(batch.values()))) for batch in flat.batches(4096)) == flat.rows
+
+    def plain() -> None:
+        for p in paths:
+            np.fromfile(p, np.uint8)
+
+    best = {loader: float("inf"), plain: float("inf")}
+    for _ in range(rounds):
+        for read in best:
+            if cold:
+                evicted(paths)
+            start = time.perf_counter()
+            read()
+            best[read] = min(best[read], time.perf_counter() - start)
+    return size / best[loader] / 1e9, size / best[plain] / 1e9, size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples_per_machine", type=int, default=32)
+    parser.add_argument("--scale", type=int, default=8)
+    args = parser.parse_args()
+    for scale in (1, args.scale):
+        with tempfile.TemporaryDirectory() as root:
+            spec = StoredSpec(num_machines=2, samples_per_machine=args.samples_per_machine * scale, lengths=(64, 512),
+                              hidden_size=256, layers=(0, 1), dtype="float16", shard_size_bytes=4 << 20)
+            index = write_stored(root, spec)
+            out = os.path.join(root, "export")
+            run = export(index, out)
+            rows = FlatExport(out).rows
+            workers = ", ".join(f"{w / 2**20:.0f}" for w in run["workers"])
+            for cold in (True, False):
+                loader, plain, size = read_rates(out, cold)
+                print(f"{scale}x: flat read from {'the disk' if cold else 'the page cache'}: {loader:.2f} GB/s vs "
+                      f"np.fromfile {plain:.2f} GB/s ({loader / plain:.2f}x)")
+            print(f"{scale}x: {rows} rows ({size / 1e6:.0f} MB of float32 arrays) in {run['seconds']:.1f} s: "
+                  f"{rows / run['seconds']:.0f} rows/s, {rows / run['seconds'] / 2:.0f} per worker; peak RSS runner "
+                  f"{run['runner'] / 2**20:.0f} MiB, workers {workers} MiB")
+
+
+if __name__ == "__main__":
+    main()
