@@ -121,6 +121,8 @@ def make_plan(stores: Sequence[StoreSpec], keys: Sequence[ArrayKey], shard_bytes
     reuse on this process), its output shards of about ``shard_bytes`` of arrays each:
     ``loader_settings`` go to every store's ``LoaderConfig`` (``tokens``,
     ``exclude_first_positions``, ``exclude_token_ids``, ``normalize``, ``dtype``, ...)."""
+    if seed is not None and not 0 <= seed < 2**63:
+        raise UserError(f"--seed must be below 2^63 for an export, got {seed}")
     configs = tuple(LoaderConfig(index=s.index, layers=tuple(keys), seed=None, with_token_ids=True,
                                  **loader_settings) for s in stores)
     loaders = [TokenLoader(c) for c in configs]
@@ -158,10 +160,10 @@ def _check_joinable(lead_spec: StoreSpec, lead: TokenLoader, spec: StoreSpec, ot
         if not np.array_equal(mine, other.token_ids[sample_id]):
             raise UserError(f"stores {lead_spec.name} and {spec.name} differ in sample {sample_id}'s tokens: "
                             "a different tokenizer or stream")
-        if lead.kept_tokens[row] != other.kept_tokens[other_row]:
+        if not np.array_equal(lead.kept(row)[1], other.kept(other_row)[1]):
             raise UserError(f"stores {lead_spec.name} and {spec.name} keep different tokens of sample {sample_id} "
                             f"({lead.kept_tokens[row]} and {other.kept_tokens[other_row]}): one was stored with a "
-                            "token selection")
+                            "token selection, or truncated otherwise")
 
 
 def describe_columns(plan: ExportPlan) -> str:

@@ -11,7 +11,7 @@ export; row ``i`` of every array of a shard is the same token, described by row 
 ``rows.parquet``. A column of several stores is named ``STORE/blocks.L.SITE``; its file
 ``STORE__blocks.L.SITE.npy``. float32 and float16 arrays are plain ``.npy``; bfloat16 ones hold
 the raw 16 bits (``.npy`` of ``<u2``; the manifest says ``bfloat16``): in torch,
-``torch.from_numpy(np.load(path, mmap_mode="r")).view(torch.bfloat16)``, in numpy
+``torch.from_numpy(np.load(path).view(np.int16)).view(torch.bfloat16)``, in numpy
 ``.view(ml_dtypes.bfloat16)``. A reader in ten lines needs the manifest's ``columns`` (name, file,
 width, dtype) and ``shards`` (directory, rows) only.
 """
@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common.cli import UserError
-from common.files import join, read_optional, write_bytes
+from common.files import join, open_read, read_optional, write_bytes
 from common.roles import ROLES
 
 LAYOUT = "activation-export-flat/1"
@@ -103,9 +103,12 @@ class FlatExport:
         return join(self.root, self.shards[shard]["directory"], self.columns[column]["file"])
 
     def array(self, shard: int, column: str, mmap: bool = True) -> np.ndarray:
-        """Shard ``shard``'s [rows, width] array of ``column``, in its dtype."""
-        values = np.load(self.path(shard, column), mmap_mode="r" if mmap else None)
-        return _typed(values, self.columns[column]["dtype"])
+        """Shard ``shard``'s [rows, width] array of ``column``, in its dtype (memory-mapped where
+        local and ``mmap``; read whole from gs://)."""
+        path = self.path(shard, column)
+        if "://" in path:
+            return self._read_whole(shard, column)
+        return _typed(np.load(path, mmap_mode="r" if mmap else None), self.columns[column]["dtype"])
 
     def provenance(self, shard: int) -> pa.Table:
         return pq.read_table(join(self.root, self.shards[shard]["directory"], ROWS))
@@ -113,8 +116,10 @@ class FlatExport:
     def batches(self, batch_rows: int, columns: list[str] | None = None, read_ahead: int = 2,
                 ) -> Iterator[dict[str, np.ndarray]]:
         """Every row once, in order (the export is shuffled already), in batches of ``batch_rows``
-        (``{column: [batch, width]}``): each shard's arrays read whole, sequentially, by a thread
-        ``read_ahead`` shards ahead of the consumer."""
+        (``{column: [batch, width]}``; a shard's last batch may be shorter): each shard's arrays
+        read whole, sequentially, by a thread ``read_ahead`` (>= 1) shards ahead of the consumer."""
+        if batch_rows < 1 or read_ahead < 1:
+            raise UserError(f"batch_rows and read_ahead must be at least 1, got {batch_rows} and {read_ahead}")
         columns = list(self.columns) if columns is None else columns
         unknown = [c for c in columns if c not in self.columns]
         if unknown:
@@ -134,14 +139,16 @@ class FlatExport:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _read_whole(self, shard: int, column: str) -> np.ndarray:
-        """A column's array of a shard, read into memory in one sequential read."""
+        """A column's array of a shard, read into memory in one sequential read (local or gs://)."""
         path = self.path(shard, column)
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             fmt = np.lib.format
             header = fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0) else fmt.read_array_header_2_0
             shape, _, dtype = header(f)
-            values = np.fromfile(f, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
-        return _typed(values, self.columns[column]["dtype"])
+            count = int(np.prod(shape))
+            values = (np.fromfile(f, dtype=dtype, count=count) if "://" not in path else
+                      np.frombuffer(f.read(), dtype=dtype, count=count))
+        return _typed(values.reshape(shape), self.columns[column]["dtype"])
 
 
 def _typed(values: np.ndarray, dtype: str) -> np.ndarray:

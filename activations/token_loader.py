@@ -268,10 +268,10 @@ class TokenLoader:
     def _kept_tokens(self, arrays: StoredArrays) -> np.ndarray:
         if self.tokens is None and not self.config.exclude_token_ids:
             return np.maximum(arrays.num_tokens - self.config.exclude_first_positions, 0)
-        kept = np.array([len(self._kept(row)[0]) for row in range(len(arrays))], dtype=np.int64)
+        kept = np.array([len(self.kept(row)[0]) for row in range(len(arrays))], dtype=np.int64)
         return np.minimum(kept, 1) if self.pools else kept
 
-    def _kept(self, row: int) -> tuple[np.ndarray | slice, np.ndarray, dict[str, int]]:
+    def kept(self, row: int) -> tuple[np.ndarray | slice, np.ndarray, dict[str, int]]:
         """(which of a stored sample's rows pass the selection and the filters: a slice where only
         leading ones go, their token positions, how many went for each reason)."""
         a, c = self.stored, self.config
@@ -330,7 +330,7 @@ class TokenLoader:
         pieces, dropped = [], dict.fromkeys(LoaderStats().dropped, 0)
         for k, row in enumerate(range(start, stop)):
             sample_id = int(a.sample_id[row])
-            rows, positions, gone = self._kept(row)  # rows: a slice where only leading ones go (a view)
+            rows, positions, gone = self.kept(row)  # rows: a slice where only leading ones go (a view)
             for reason, n in gone.items():
                 dropped[reason] += n
             piece = {key: self._converted(key, per_key[key][k][rows]) for key in c.keys}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -33,7 +34,7 @@ from activations.selection import parse_selection, selection_flag
 from activations.saelens_export import SaeLensLayout, check_output, column_names, export_info, export_saelens
 from activations.token_loader import NORMALIZATIONS, LoaderConfig, TokenLoader, row_bytes
 from activations.token_plan import blocks, stored_arrays, stored_moments
-from common.beam_pipeline import is_dry_run, make_pipeline, pipeline_options
+from common.beam_pipeline import is_dry_run, is_local, make_pipeline, pipeline_options
 from common.files import delete_tree, join, match
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import STORED_DTYPES
@@ -70,10 +71,11 @@ class ExportConfig:
                                         parse=parse_stores)
     shard_mb: float = flag(256.0, "flat: the arrays of an output shard, about this many MB (a writer holds one)")
     normalize: str = flag("none", "flat: scale each column by its store's statistics: none | mean_norm | "
-                          "standardize (the statistics are written beside the export either way)",
+                          "standardize (written beside the export either way, where the store has them)",
                           choices=NORMALIZATIONS)
     dtype: str = flag("float32", "flat: the arrays' dtype", choices=STORED_DTYPES)
-    output_dir: str = flag(help="local directory to create (written beside it, then renamed into place)")
+    output_dir: str = flag(help="directory to create: saelens local (written beside it, then renamed into place); "
+                           "flat local or gs:// (the manifest, written last, marks it complete)")
     layers: tuple[int, ...] = flag(help="stored layers to export, one column per site each (e.g. 12 or 6,12)",
                                    parse=int_list)
     sites: tuple[str, ...] = flag(DEFAULT_SITES, "stored sites to export at each layer, named as TransformerLens "
@@ -126,7 +128,7 @@ class ExportConfig:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
         if not (self.buffer_gb > 0 and self.max_file_gb > 0):
             raise UserError("--buffer_gb and --max_file_gb must be positive")
-        if self.tokens is not None and parse_selection(self.tokens).pooled:
+        if self.format == "saelens" and self.tokens is not None and parse_selection(self.tokens).pooled:
             raise UserError(f"--tokens {self.tokens}: a pooled selection gives one vector a sample, not tokens "
                             "SAELens trains on (read it with activations.token_loader)")
 
@@ -187,8 +189,13 @@ def export_flat(config: ExportConfig, options) -> int:
     """``--format flat``: plans the export, then runs it as a Beam job."""
     stores = config.store or (StoreSpec("store", config.index),)
     dry_run = is_dry_run(options)
+    if not is_local(options) and not dry_run:  # the workers are elsewhere: they read and write the bucket only
+        local = [path for path in (config.output_dir, config.streams_dir, *(s.index for s in stores))
+                 if path and "://" not in path]
+        if local:
+            raise UserError(f"{local[0]!r}: a remote runner's workers cannot reach a local path (give gs:// paths)")
     if not dry_run:
-        clear_flat_output(config.output_dir, config.overwrite)
+        check_flat_output(config.output_dir, config.overwrite)
     plan, loaders = make_plan(stores, config.keys, int(config.shard_mb * 2**20), config.seed, tokens=config.tokens,
                               exclude_first_positions=config.exclude_first_positions,
                               exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
@@ -201,8 +208,16 @@ def export_flat(config: ExportConfig, options) -> int:
                    "exclude_token_ids": list(config.exclude_token_ids)}
     log.info("exporting %d tokens of %d samples (columns %s) in %d shards of %d rows to %s", plan.total,
              len(loaders[0].stored), describe_columns(plan), plan.shards, plan.rows_per_shard, config.output_dir)
-    with make_pipeline(options) as pipeline:
-        _ = pipeline | "Export" >> ExportFlat(plan, units, target, description)
+    if not dry_run and config.overwrite:  # planned: the old export goes only now
+        delete_tree(config.output_dir)
+    try:
+        with make_pipeline(options) as pipeline:
+            _ = pipeline | "Export" >> ExportFlat(plan, units, target, description)
+    except Exception as e:  # a worker's UserError (a shard unreadable, streams missing), wrapped by the runner
+        reason = next((line.split("UserError: ", 1)[1] for line in str(e).splitlines() if "UserError: " in line), None)
+        if reason is None:
+            raise
+        raise UserError(f"{reason} (in the export job; its shards written so far are in {config.output_dir})") from None
     if dry_run:
         transforms = pipeline.to_runner_api().components.transforms
         export_step = next(t for t in transforms.values() if t.unique_name == "Export")
@@ -216,15 +231,25 @@ def export_flat(config: ExportConfig, options) -> int:
     return 0
 
 
-def clear_flat_output(output_dir: str, overwrite: bool) -> None:
-    """A flat export's directory (local or gs://) must hold nothing, unless ``overwrite``: then
-    what it holds goes first (no shard of an earlier export is left among the new ones)."""
-    held = match(join(output_dir, "**")) if "://" in output_dir else (
-        os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+FLAT_ENTRIES = re.compile(r"(shard_\d+|_spill|export\.json|statistics\.json)$")  # what a flat export holds
+
+
+def check_flat_output(output_dir: str, overwrite: bool) -> None:
+    """A flat export's directory (local or gs://, not a bucket's root) must hold nothing, or with
+    ``overwrite`` an earlier flat export (deleted once the new one is planned, so that none of
+    its shards stays among the new ones); anything else there is refused."""
+    if "://" in output_dir and not output_dir.split("://", 1)[1].strip("/").count("/"):
+        raise UserError(f"--output_dir {output_dir!r}: give a folder in the bucket, not its root")
+    if "://" in output_dir:
+        prefix = output_dir.rstrip("/") + "/"
+        held = sorted({path[len(prefix):].split("/", 1)[0] for path in match(join(output_dir, "**"))})
+    else:
+        held = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
     if held and not overwrite:
-        raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace it)")
-    if held:
-        delete_tree(output_dir)
+        raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace an earlier export)")
+    strange = [name for name in held if not FLAT_ENTRIES.match(name)]
+    if strange:
+        raise UserError(f"{output_dir!r} holds {strange[0]!r}, which no flat export writes: not replaced")
 
 
 def export_statistics(plan, normalize: str) -> dict | None:

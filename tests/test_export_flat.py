@@ -82,6 +82,8 @@ def test_two_workers_write_what_one_does_every_token_once_each_shard_from_the_wh
 
 
 def test_the_permutation_is_a_seeded_bijection():
+    for n in [*range(1, 70), 255, 256, 257, 1023, 1024, 1025]:  # around powers of two and of four
+        assert sorted(permuted(np.arange(n), n, 11).tolist()) == list(range(n)), n
     n = 1000
     for seed in (0, 7):
         slots = permuted(np.arange(n), n, seed)
@@ -114,7 +116,7 @@ def test_a_clt_export_and_a_transcoder_pair_hold_each_token_s_stored_arrays(stor
     column = "blocks.2.hook_mlp_out"
     raw = np.load(flat.path(0, column), mmap_mode="r")  # no package needed: 16-bit words
     assert isinstance(raw, np.memmap) and raw.dtype == np.uint16
-    as_torch = torch.from_numpy(np.array(raw)).view(torch.bfloat16)
+    as_torch = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
     assert torch.equal(as_torch.float(), torch.from_numpy(flat.array(0, column).astype(np.float32)))
     manifest = json.loads((tmp_path / "clt" / "export.json").read_text())
     assert [c["name"] for c in manifest["columns"]] == [f"blocks.{l}.{s}" for l in (0, 1, 2)
@@ -159,7 +161,35 @@ def test_normalized_columns_and_the_statistics_beside_them(store, tmp_path):
     assert list(zip(rows["sample_id"], rows["position"]))[:3] == [(0, 0), (0, 1), (0, 2)]  # unshuffled: canonical
 
 
-def test_dataflow_dry_run_builds_the_export_job(store, capsys):
+def test_a_selection_and_excluded_ids_leave_each_kept_token_once(store, tmp_path):
+    ids = stream_token_ids(os.path.dirname(store))
+    common = collections.Counter(t for seq in ids.values() for t in seq).most_common(2)
+    excluded = [t for t, _ in common]
+    export("--index", store, "--layers", "1", "--sites", "hook_mlp_out", "--seed", "6", "--exclude_first_positions",
+           "2", "--exclude_token_ids", ",".join(map(str, excluded)), "--output_dir", str(tmp_path / "out"))
+    flat, provenance = rows_of(tmp_path / "out")
+    seen = [(int(s), int(p)) for rows in provenance for s, p in zip(rows["sample_id"], rows["position"])]
+    expected = {(s, p) for s, seq in ids.items() for p, t in enumerate(seq) if p >= 2 and t not in excluded}
+    assert len(seen) == len(set(seen)) == flat.rows and set(seen) == expected
+
+
+def test_overwrite_replaces_an_earlier_export_and_nothing_else(store, tmp_path):
+    from common.cli import UserError
+    flags = ["--index", store, "--layers", "1", "--sites", "hook_mlp_out", "--seed", "1", "--shard_mb", "0.004"]
+    export(*flags, "--output_dir", str(tmp_path / "out"))
+    with pytest.raises(UserError, match="exists and is not empty"):
+        export(*flags, "--output_dir", str(tmp_path / "out"))
+    export(*flags, "--shard_mb", "0.01", "--overwrite", "--output_dir", str(tmp_path / "out"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("shard_")) == \
+        [s["directory"] for s in FlatExport(str(tmp_path / "out")).shards]  # none of the first export's left
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="holds 'notes.txt', which no flat export writes"):
+        export(*flags, "--overwrite", "--output_dir", str(tmp_path / "mine"))
+    assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_dataflow_dry_run_builds_the_export_job_and_a_real_run_needs_bucket_paths(store, tmp_path, capsys):
     code = export_main(["--format", "flat", "--index", store, "--layers", "1", "--sites", "hook_mlp_out",
                         "--output_dir", "gs://some-bucket/export", "--runner", "DataflowRunner", "--dry_run=True",
                         "--project", "my-project", "--region", "us-central1",
@@ -168,3 +198,7 @@ def test_dataflow_dry_run_builds_the_export_job(store, capsys):
     assert code == 0 and printed.startswith("dry run: built the DataflowRunner export job"), printed
     assert ("steps Export/Units, Export/ReadUnits, Export/ByOutputShard, Export/WriteShards, Export/AllShards, "
             "Export/WriteManifest") in printed
+    result = run_in_process("pipeline.export", "--format", "flat", "--index", store, "--layers", "1", "--sites",
+                            "hook_mlp_out", "--output_dir", "gs://some-bucket/export", "--runner", "DataflowRunner",
+                            "--project", "my-project", "--region", "us-central1", "--temp_location", "gs://some-bucket/t")
+    one_line_error(result, "a remote runner's workers cannot reach a local path (give gs:// paths)", "pipeline.export")

@@ -13,9 +13,10 @@ The chunks go to spill files (``{output_dir}/_spill/``, one a unit, a section an
 and only (path, offset, length) travels through the shuffle, as ``transforms.spill`` does for
 ``pipeline.prepare``: the local runner would hold every element between stages in memory. A
 worker holds one unit's arrays (``block_bytes`` of shard, decoded) while reading and one output
-shard (``rows_per_shard`` rows of every column) while writing. The bytes written depend on the plan
-only: the same for any number of workers, any bundling, any retry (a retried unit spills to new
-files).
+shard (``rows_per_shard`` rows of every column, and its bytes as written) while writing, beside
+each store's plan and token ids (~50 bytes a sample and 4 a token: the provenance columns). The
+bytes written depend on the plan only: the same for any number of workers, any bundling, any retry
+(a retried unit spills to new files).
 """
 
 from __future__ import annotations
