@@ -110,6 +110,12 @@ class ExportPlan:
     def shards(self) -> int:
         return max(1, -(-self.total // self.rows_per_shard))
 
+    @property
+    def shard_bytes(self) -> int:
+        """An output shard's arrays, in bytes (its last one's fewer)."""
+        itemsize = storage_dtype(self.loader_configs[0].dtype).itemsize
+        return self.rows_per_shard * sum(self.widths.values()) * itemsize
+
     def shard_rows(self, shard: int) -> int:
         """Rows of output shard ``shard``."""
         return min(self.rows_per_shard, self.total - shard * self.rows_per_shard)

@@ -9,14 +9,14 @@ of an ``activations.export_plan.ExportPlan``.
          exactly once)
       -> the manifest, once every shard is written; the spill deleted
 
-The chunks go to spill files (``{output_dir}/_spill/``, one a unit, a section an output shard),
-and only (path, offset, length) travels through the shuffle, as ``transforms.spill`` does for
-``pipeline.prepare``: the local runner would hold every element between stages in memory. A
-worker holds one unit's arrays (``block_bytes`` of shard, decoded) while reading and one output
-shard (``rows_per_shard`` rows of every column, and its bytes as written) while writing, beside
-each store's plan and token ids (~50 bytes a sample and 4 a token: the provenance columns). The
-bytes written depend on the plan only: the same for any number of workers, any bundling, any retry
-(a retried unit spills to new files).
+The chunks go to spill files (``{output_dir}/_spill/``, one per output shard's bytes of a worker's
+bundle, a section an output shard), and only (path, offset, length) travels through the shuffle, as
+``transforms.spill`` does for ``pipeline.prepare``: the local runner would hold every element
+between stages in memory. A worker holds one unit's arrays (``block_bytes`` of shard, decoded) and
+about an output shard of chunks while reading, and one output shard (``rows_per_shard`` rows of
+every column, and its bytes as written) while writing, beside each store's plan and token ids (~50
+bytes a sample and 4 a token: the provenance columns). The bytes written depend on the plan only:
+the same for any number of workers, any bundling, any retry (a retried bundle spills to new files).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.transforms.window import GlobalWindows
 
 from activations.export_plan import ExportPlan, permuted
 from activations.flat_layout import LAYOUT, array_file, shard_name, write_manifest, write_shard
@@ -38,6 +39,10 @@ from common.files import delete_tree, join, read_range, write_bytes
 
 PROVENANCE = ("sample_id", "position", "token_id", "role")
 SPILL_DIR = "_spill"
+# A worker's chunks are gathered over its bundle's units and spilled together past an output shard's
+# bytes, at most this many (and at the bundle's end): fewer, larger sections than one file a unit (a
+# unit spreads its tokens over every output shard), for a worker's memory of about a shard more.
+FLUSH_BYTES = 64 << 20
 Section = tuple[str, int, int]  # a spill file's path, a chunk's offset and length in it
 
 
@@ -88,6 +93,22 @@ class ReadUnit(beam.DoFn):
                         for reason in ("selection", "first_positions", "token_ids")}
         self.exported = beam.metrics.Metrics.counter("export", "tokens")
 
+    def start_bundle(self) -> None:
+        self.pending: dict[int, list[dict[str, np.ndarray]]] = {}  # output shard -> chunks not yet spilled
+        self.pending_bytes = 0
+
+    def finish_bundle(self) -> Iterator:
+        for element in self._flush():  # outputs of finish_bundle carry their window: the global one
+            yield GlobalWindows.windowed_value(element)
+
+    def _flush(self) -> Iterator[tuple[int, Section]]:
+        """The gathered chunks spilled into one file, a section an output shard."""
+        chunks = {shard: {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+                  for shard, parts in sorted(self.pending.items())}
+        self.pending, self.pending_bytes = {}, 0
+        if chunks:
+            yield from spilled(self.root, chunks)
+
     def process(self, bounds: tuple[int, int]) -> Iterator[tuple[int, Section]]:
         plan, lead = self.plan, self.loaders[0]
         block = lead.read_block(tuple(bounds))
@@ -105,10 +126,13 @@ class ReadUnit(beam.DoFn):
         order = np.argsort(shard, kind="stable")
         shard = shard[order]
         edges = np.flatnonzero(np.diff(shard)) + 1
-        chunks = {int(shard[lo]): {name: values[order[lo:hi]] for name, values in tokens.items()}
-                  for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(shard)])}
-        yield from spilled(self.root, chunks)
+        for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(shard)]):
+            chunk = {name: values[order[lo:hi]] for name, values in tokens.items()}
+            self.pending.setdefault(int(shard[lo]), []).append(chunk)
+            self.pending_bytes += sum(values.nbytes for values in chunk.values())
         self.exported.inc(len(slots))
+        if self.pending_bytes >= min(FLUSH_BYTES, plan.shard_bytes):
+            yield from self._flush()
 
     def _tokens(self, row: int, piece: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
         """One sample's kept tokens: their canonical numbers, columns and provenance."""
