@@ -18,12 +18,13 @@ line naming the first sample that differs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from activations.reader import storage_dtype
 from activations.token_loader import LoaderConfig, TokenLoader
+from activations.token_plan import stored_moments
 from common.cli import UserError
 from model.sites import ArrayKey, describe_key, key_parts
 
@@ -170,6 +171,25 @@ def _check_joinable(lead_spec: StoreSpec, lead: TokenLoader, spec: StoreSpec, ot
             raise UserError(f"stores {lead_spec.name} and {spec.name} keep different tokens of sample {sample_id} "
                             f"({lead.kept_tokens[row]} and {other.kept_tokens[other_row]}): one was stored with a "
                             "token selection, or truncated otherwise")
+
+
+def column_statistics(plan: ExportPlan, normalize: str) -> dict[str, Any] | None:
+    """Per column, its store's statistics (what ``normalize`` scales by), for ``statistics.json``;
+    None where a store has none (an index merged before statistics), unless they are needed."""
+    out = {}
+    for store, spec in enumerate(plan.stores):
+        keys = {name: key for name, (i, key) in plan.columns.items() if i == store}
+        try:
+            moments = stored_moments(spec.index, list(keys.values()))
+        except UserError:
+            if normalize != "none":
+                raise
+            return None
+        for name, key in keys.items():
+            m = moments[key]
+            out[name] = {"count": m.count, "mean_norm": m.mean_norm, "mean": m.mean.tolist(),
+                         "variance": m.variance.tolist(), "applied": normalize}
+    return {name: out[name] for name in plan.columns}
 
 
 def describe_columns(plan: ExportPlan) -> str:

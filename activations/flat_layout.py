@@ -21,6 +21,8 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
+import os
+import re
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,11 +30,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common.cli import UserError
-from common.files import join, open_read, read_optional, write_bytes
+from common.files import join, match, open_read, read_optional, write_bytes
 from common.roles import ROLES
 
 LAYOUT = "activation-export-flat/1"
 MANIFEST, STATISTICS, ROWS = "export.json", "statistics.json", "rows.parquet"
+SPILL_DIR = "_spill"  # what the export job spills while it runs (transforms.export), deleted at its end
+# Each row's provenance, as the job carries it (a role as its code: common.roles, -1 unknown).
+PROVENANCE = {"sample_id": np.int64, "position": np.int64, "token_id": np.int32, "role": np.int8}
 ROWS_SCHEMA = pa.schema([("sample_id", pa.int64()), ("position", pa.int64()), ("token_id", pa.int32()),
                          ("role", pa.string())])
 
@@ -73,6 +78,25 @@ def write_shard(root: str, shard: int, arrays: dict[str, np.ndarray], rows: dict
     pq.write_table(table, out, compression="zstd")
     write_bytes(join(folder, ROWS), out.getvalue())
     return written + out.tell()
+
+
+def check_output_dir(output_dir: str, overwrite: bool) -> None:
+    """A flat export's directory (local or gs://, not a bucket's root) must hold nothing, or with
+    ``overwrite`` an earlier flat export (deleted once the new one is planned, so that none of
+    its shards stays among the new ones); anything else there is refused."""
+    if "://" in output_dir and not output_dir.split("://", 1)[1].strip("/").count("/"):
+        raise UserError(f"--output_dir {output_dir!r}: give a folder in the bucket, not its root")
+    if "://" in output_dir:
+        prefix = output_dir.rstrip("/") + "/"
+        held = sorted({path[len(prefix):].split("/", 1)[0] for path in match(join(output_dir, "**"))})
+    else:
+        held = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    if held and not overwrite:
+        raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace an earlier export)")
+    ours = (MANIFEST, STATISTICS, SPILL_DIR)
+    strange = [name for name in held if name not in ours and not re.fullmatch(r"shard_\d+", name)]
+    if strange:
+        raise UserError(f"{output_dir!r} holds {strange[0]!r}, which no flat export writes: not replaced")
 
 
 def write_manifest(root: str, manifest: dict[str, Any], statistics: dict[str, Any] | None) -> None:

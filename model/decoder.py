@@ -338,7 +338,7 @@ class LatentAttention(nn.Module):
                             else apply_rope(y, cos, sin))
         q_rot, k_rot = rotate(q[..., dn:]), rotate(compressed[..., None, m.kv_lora_rank:])  # [B, S, N|1, Dr]
         prescaled = accumulate is not None
-        q = jnp.concatenate([q[..., :dn], q_rot.astype(q.dtype)], axis=-1)
+        q = jnp.concatenate([q[..., :dn], q_rot], axis=-1)
         divisor = c.query_scale_divisor
         if prescaled:  # scaled in float32, rounded once to matmul operands
             q, k_rot = (q / divisor).astype(self.dtype), k_rot.astype(self.dtype)

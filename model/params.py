@@ -220,9 +220,9 @@ def _moe(config: DecoderConfig, hf: str):
 
 
 def _latent_attention(config: DecoderConfig, hf: str):
-    """A latent attention's tensors below ``self_attn`` (``model.decoder.LatentAttention``); where the
-    checkpoint pairs the rotated dims as (0, 1), (2, 3), ... (``rope_interleave``), the rows making
-    them reordered to evens then odds, rotate-half's layout, in q and in the shared key part alike."""
+    """A latent attention's tensors below ``self_attn``, but for ``o_proj`` (``model.decoder.LatentAttention``);
+    where the checkpoint pairs the rotated dims as (0, 1), (2, 3), ... (``rope_interleave``), the rows
+    making them reordered to evens then odds, rotate-half's layout, in q and in the shared key part alike."""
     c, m = config, config.mla
     n, dn, dr = c.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim
     pairs = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)]) if m.rope_interleave else np.arange(dr)
@@ -239,7 +239,6 @@ def _latent_attention(config: DecoderConfig, hf: str):
     yield from _linear(f"{attn}.kv_a_proj_with_mqa", ("self_attn", "kv_a_proj_with_mqa"), c.qkv_bias, kv_rows)
     yield from _norm(f"{attn}.kv_a_layernorm", ("self_attn", "kv_a_layernorm"), c)
     yield from _linear(f"{attn}.kv_b_proj", ("self_attn", "kv_b_proj"), False)
-    yield from _linear(f"{attn}.o_proj", ("self_attn", "o_proj"), c.o_bias)
 
 
 def _gemma4_moe(config: DecoderConfig, hf: str):
@@ -291,7 +290,7 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     else:
         for proj in own:
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
-    if not c.is_deltanet(layer) and c.mla is None:
+    if not c.is_deltanet(layer):
         yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
     if c.attention_sinks and not c.is_deltanet(layer):
         yield ("self_attn", "sinks"), Source(f"{hf}.self_attn.sinks")

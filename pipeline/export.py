@@ -20,22 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import re
 import signal
 import sys
 
 from apache_beam.options.pipeline_options import StandardOptions
 
-from activations.export_plan import StoreSpec, describe_columns, make_plan, parse_stores
+from activations.export_plan import StoreSpec, column_statistics, describe_columns, make_plan, parse_stores
+from activations.flat_layout import check_output_dir
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.reader import CorruptShardError
 from activations.selection import parse_selection, selection_flag
 from activations.saelens_export import SaeLensLayout, check_output, column_names, export_info, export_saelens
 from activations.token_loader import NORMALIZATIONS, LoaderConfig, TokenLoader, row_bytes
-from activations.token_plan import blocks, stored_arrays, stored_moments
+from activations.token_plan import blocks, stored_arrays
 from common.beam_pipeline import is_dry_run, is_local, make_pipeline, pipeline_options
-from common.files import delete_tree, join, match
+from common.files import delete_tree
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import STORED_DTYPES
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, parse_sites
@@ -195,13 +194,13 @@ def export_flat(config: ExportConfig, options) -> int:
         if local:
             raise UserError(f"{local[0]!r}: a remote runner's workers cannot reach a local path (give gs:// paths)")
     if not dry_run:
-        check_flat_output(config.output_dir, config.overwrite)
+        check_output_dir(config.output_dir, config.overwrite)
     plan, loaders = make_plan(stores, config.keys, int(config.shard_mb * 2**20), config.seed, tokens=config.tokens,
                               exclude_first_positions=config.exclude_first_positions,
                               exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
                               dtype=config.dtype, streams_dir=config.streams_dir, read_threads=1)
-    units = blocks(loaders[0].stored, None, 8 << 20)
-    statistics = export_statistics(plan, config.normalize)
+    units = blocks(loaders[0].stored, None, loaders[0].config.block_bytes)
+    statistics = column_statistics(plan, config.normalize)
     target = ExportTarget(config.output_dir, config.dtype, statistics)
     description = {"normalize": config.normalize, "tokens": config.tokens,
                    "exclude_first_positions": config.exclude_first_positions,
@@ -229,43 +228,6 @@ def export_flat(config: ExportConfig, options) -> int:
     print(f"exported {plan.total} rows in {plan.shards} shards of {plan.rows_per_shard} (columns "
           f"{list(plan.columns)}) -> {config.output_dir}")
     return 0
-
-
-FLAT_ENTRIES = re.compile(r"(shard_\d+|_spill|export\.json|statistics\.json)$")  # what a flat export holds
-
-
-def check_flat_output(output_dir: str, overwrite: bool) -> None:
-    """A flat export's directory (local or gs://, not a bucket's root) must hold nothing, or with
-    ``overwrite`` an earlier flat export (deleted once the new one is planned, so that none of
-    its shards stays among the new ones); anything else there is refused."""
-    if "://" in output_dir and not output_dir.split("://", 1)[1].strip("/").count("/"):
-        raise UserError(f"--output_dir {output_dir!r}: give a folder in the bucket, not its root")
-    if "://" in output_dir:
-        prefix = output_dir.rstrip("/") + "/"
-        held = sorted({path[len(prefix):].split("/", 1)[0] for path in match(join(output_dir, "**"))})
-    else:
-        held = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
-    if held and not overwrite:
-        raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace an earlier export)")
-    strange = [name for name in held if not FLAT_ENTRIES.match(name)]
-    if strange:
-        raise UserError(f"{output_dir!r} holds {strange[0]!r}, which no flat export writes: not replaced")
-
-
-def export_statistics(plan, normalize: str) -> dict | None:
-    """Per column, its store's statistics (what ``--normalize`` scales by); None where the store
-    has none (an index merged before statistics), unless they are needed."""
-    out = {}
-    for name, (store, key) in plan.columns.items():
-        try:
-            moments = stored_moments(plan.stores[store].index, [key])[key]
-        except UserError:
-            if normalize != "none":
-                raise
-            return None
-        out[name] = {"count": moments.count, "mean_norm": moments.mean_norm, "mean": moments.mean.tolist(),
-                     "variance": (moments.m2 / max(moments.count, 1)).tolist(), "applied": normalize}
-    return out
 
 
 if __name__ == "__main__":

@@ -31,14 +31,12 @@ import numpy as np
 from apache_beam.transforms.window import GlobalWindows
 
 from activations.export_plan import ExportPlan, permuted
-from activations.flat_layout import LAYOUT, array_file, shard_name, write_manifest, write_shard
+from activations.flat_layout import LAYOUT, PROVENANCE, SPILL_DIR, array_file, shard_name, write_manifest, write_shard
 from activations.reader import storage_dtype
 from activations.stored_tokens import read_stored_tokens
 from common.cli import UserError
 from common.files import delete_tree, join, read_range, write_bytes
 
-PROVENANCE = ("sample_id", "position", "token_id", "role")
-SPILL_DIR = "_spill"
 # A worker's chunks are gathered over its bundle's units and spilled together past an output shard's
 # bytes, at most this many (and at the bundle's end): fewer, larger sections than one file a unit (a
 # unit spreads its tokens over every output shard), for a worker's memory of about a shard more.
@@ -173,8 +171,7 @@ class WriteShard(beam.DoFn):
         plan, dtype = self.plan, storage_dtype(self.target.dtype)
         rows = plan.shard_rows(shard)
         arrays = {name: np.zeros((rows, plan.widths[name]), dtype) for name in plan.columns}
-        provenance = {"sample_id": np.zeros(rows, np.int64), "position": np.zeros(rows, np.int64),
-                      "token_id": np.zeros(rows, np.int32), "role": np.zeros(rows, np.int8)}
+        provenance = {name: np.zeros(rows, kind) for name, kind in PROVENANCE.items()}
         filled = np.zeros(rows, np.int32)
         for section in sections:
             chunk = read_section(section)
