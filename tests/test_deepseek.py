@@ -73,8 +73,7 @@ SITE_RUNS = [("deepseek_v3", ["--layers_to_extract", "1,2,3"]),
 
 # In processes of their own: a 2d mesh of 2 devices (9 experts in 10 slots, 4 heads, both split over its
 # model axis of 2); a slice of two processes of 4 devices, the experts over all 8 (a model axis spanning
-# both hosts: each holds 8 of the 16 slots, process 0 stores every row). (A model axis within each host of a
-# slice: tests/test_moe.py.)
+# both hosts: each holds 8 of the 16 slots, process 0 stores every row).
 SITE_RUNS += [("deepseek_v3", ["--mesh_type", "2d", "--layers_to_extract", "1,3", "two devices"]),
               ("deepseek_v3", ["--mesh_type", "2d", "--model_axis_size", "8", "--layers_to_extract", "1,3",
                                "two processes"])]

@@ -55,16 +55,16 @@ def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(che
         assert ratio <= 0.85, (layer, ratio)
 
 
-@pytest.mark.parametrize("flags", [[], ["--mesh_type", "2d"]])
-def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path, flags):
+def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path):
     """Every site gpt-oss has (no mlp.hook_post: its experts have their own; the router's logits,
-    choice and weights), at every block; on a 2d mesh its 5 experts over 8 devices."""
+    choice and weights), at every block; on a 2d mesh its 5 experts over 8 devices (all-data
+    meshes of mixtures: tests/test_moe.py)."""
     config = load_config(checkpoint)
     sites = [site for site in SITES if missing_reason(site, config) is None]
     assert len(sites) == 11
     records = write_stream(tmp_path / "stream.jsonl", checkpoint)
     result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint,
-                                                        "--sites", ",".join(sites), *flags))
+                                                        "--sites", ",".join(sites), "--mesh_type", "2d"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_equals_transformers(checkpoint, records, stored(tmp_path / "out" / "machine_000"), sites)
 

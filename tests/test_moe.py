@@ -1,10 +1,11 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense block, OLMoE, Mixtral)
 through ``runners.tpu_host``: every site at every layer equals transformers' float64 forward
 (router logits and weights within 1e-5, the chosen experts equal wherever transformers' top-k
-margin exceeds 1e-6), on meshes of 8 devices (data only; experts over a model axis of 8), of 2
-devices (experts over both), and of two processes of 4 devices; both dispatches. Expert removal and forced routing equal
-transformers' router with hooks; per-expert token counts of a two-machine fleet equal one
-machine's. (Logits, generation, bfloat16, the hub layout: tests/test_families.py.)"""
+margin exceeds 1e-6), on meshes of 8 devices (data only; experts over a model axis of 8) and of 2
+devices (experts over both); both dispatches. (Experts over a slice of two processes:
+tests/test_deepseek.py; a 2d mesh over two processes: tests/test_family_runs.py.) Expert removal
+and forced routing equal transformers' router with hooks; per-expert token counts of a
+two-machine fleet equal one machine's. (Logits, generation, bfloat16, the hub layout: tests/test_families.py.)"""
 
 import json
 
@@ -15,7 +16,6 @@ import pytest
 from activations.index import stats_path
 from activations.site_stats import table_moments
 from common.cli import UserError
-from fixtures.gcs_emulator import free_port
 from fixtures.hf_reference import (intervention_hooks, load_reference, reference_activations, reference_sites,
                                    relative_error, remove_hooks)
 from model.config import config_from_dict, load_config
@@ -25,7 +25,7 @@ from model.sites import EXPERT_INDICES, ROUTER_LOGITS, SITES, array_key, missing
 from tests.conftest import run_cli, run_in_process
 from tests.test_family_runs import runner, write_stream
 from tests.test_host_errors import one_line_error
-from tests.test_multihost import start_slice, stored
+from tests.test_multihost import stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -37,7 +37,6 @@ CASES = {
     "qwen2_moe": ("qwen2_moe", ["--mesh_type", "2d", "--moe_dispatch", "dense", "--layers_to_extract", "0,2"], None),
     "olmoe": ("olmoe", ["--mesh_type", "2d", "--moe_dispatch", "grouped"], None),  # model axis 8: 9 experts, 16 slots
     "mixtral": ("mixtral", ["--mesh_type", "2d"], TWO_DEVICES),  # 2 devices on the model axis: 5 experts, 6 slots
-    "qwen3_moe_slice": ("qwen3_moe", ["--mesh_type", "2d"], "two processes"),  # 2 x 4 devices: 5 experts, 8 slots
 }
 LAYERS = {"qwen2_moe": [0, 2]}
 
@@ -62,16 +61,10 @@ def runs(checkpoints, tmp_path_factory):
         layers = LAYERS.get(case, range(load_config(model_dir).num_hidden_layers))
         sites = sites_of(model_dir, layers)
         args = runner(folder / "stream.jsonl", folder / "out", model_dir, *flags, "--sites", ",".join(sites))
-        if env == "two processes":
-            for process in start_slice(args, free_port()):
-                _, stderr = process.communicate(timeout=300)
-                assert process.returncode == 0, stderr[-3000:]
-        else:
-            result = (run_cli if env else run_in_process)("runners.tpu_host", *args, env=env)
-            assert result.returncode == 0, result.stderr[-3000:]
+        result = (run_cli if env else run_in_process)("runners.tpu_host", *args, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
         machine = folder / "out" / "machine_000"
-        metadata = json.loads((machine / ("metadata.json" if env != "two processes" else
-                                          "process_00/metadata.json")).read_text())
+        metadata = json.loads((machine / "metadata.json").read_text())
         out[case] = model_dir, records, list(layers), sites, metadata, stored(machine), folder / "out"
     return out
 
