@@ -8,11 +8,17 @@ row ``slot % rows_per_shard``. ``permuted`` is a keyed bijection of ``[0, n)`` c
 token (a Feistel network over the next power of four, walked back into range), so any worker
 places any token without a global sort: the output depends on the seed and the data only, never
 on how the work was split. Each output shard is a uniform draw from the whole export; without a
-seed, slots are the canonical order.
+seed, slots are the canonical order. Tokens at slots past ``exported`` (``--max_tokens``, or short
+of a format's last whole row) are left out: with a seed, a uniform draw of them.
 
 Several stores (``name=index``, the first one leading) are joined on (sample id, position): the
 same samples, the same kept positions and the same token ids, or the plan refuses them in one
 line naming the first sample that differs.
+
+What a worker needs of the plan row by row (each leading row's first canonical number, its
+sample's token ids, its row in every other store) the planner writes to files under the export's
+spill (``PlanFiles``); a worker reads a unit's share of them with ranged reads, so neither the job
+graph nor a worker holds them for the whole store.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from activations.reader import storage_dtype
+from activations.token_ids import TokenIds
 from activations.token_loader import LoaderConfig, TokenLoader
 from activations.token_plan import stored_moments
 from common.cli import UserError
+from common.files import join, read_range, write_bytes
 from model.sites import ArrayKey, describe_key, key_parts
 
 ROUNDS = 4  # Feistel rounds: 4 give a pseudo-random permutation of the domain
@@ -93,15 +101,66 @@ def column_name(store: str | None, key: ArrayKey) -> str:
     return hook if store is None else f"{store}/{hook}"
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """A unit's share of the plan (rows ``start..stop-1`` of the leading store)."""
+    offsets: np.ndarray            # [rows] int64: each row's first kept token's canonical number
+    token_ids: TokenIds            # the rows' samples' token ids
+    rows: dict[int, np.ndarray]    # other store -> [rows] int64: the same samples' rows there
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFiles:
+    """The plan's per-row arrays as raw little-endian files under ``root`` (written once by the
+    planner, read by ranged reads): ``offsets.bin`` int64 [rows]; ``token_starts.bin`` int64
+    [rows + 1] and ``token_ids.bin`` int32, each row's sample's token ids in row order;
+    ``rows_S.bin`` int64 [rows] for each other store S."""
+    root: str
+    others: tuple[int, ...]        # the other stores' numbers
+
+    def write(self, offsets: np.ndarray, loaders: Sequence[TokenLoader]) -> None:
+        lead = loaders[0]
+        sample_ids = lead.stored.sample_id
+        ids = [lead.token_ids[int(s)] for s in sample_ids]
+        starts = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype("<i8")
+        write_bytes(join(self.root, "offsets.bin"), np.asarray(offsets, "<i8").tobytes())
+        write_bytes(join(self.root, "token_starts.bin"), starts.tobytes())
+        write_bytes(join(self.root, "token_ids.bin"),
+                    (np.concatenate(ids) if ids else np.empty(0)).astype("<i4").tobytes())
+        for store in self.others:
+            theirs = loaders[store].stored.sample_id
+            order = np.argsort(theirs, kind="stable")
+            rows = order[np.searchsorted(theirs, sample_ids, sorter=order)]  # the planner checked they are there
+            write_bytes(join(self.root, f"rows_{store}.bin"), rows.astype("<i8").tobytes())
+
+    def unit(self, bounds: tuple[int, int], sample_ids: np.ndarray) -> UnitPlan:
+        """The share of rows ``bounds`` (whose samples are ``sample_ids`` [rows])."""
+        start, stop = bounds
+        starts = self._read("token_starts.bin", "<i8", start, stop + 1)
+        flat = self._read("token_ids.bin", "<i4", int(starts[0]), int(starts[-1])).astype(np.int32)
+        order = np.argsort(sample_ids, kind="stable")  # TokenIds looks samples up by sorted id
+        token_ids = TokenIds(np.asarray(sample_ids, np.int64)[order], (starts[:-1] - starts[0])[order],
+                             np.diff(starts)[order], flat)
+        return UnitPlan(self._read("offsets.bin", "<i8", start, stop), token_ids,
+                        {store: self._read(f"rows_{store}.bin", "<i8", start, stop) for store in self.others})
+
+    def _read(self, name: str, dtype: str, start: int, stop: int) -> np.ndarray:
+        size = np.dtype(dtype).itemsize
+        data = read_range(join(self.root, name), start * size, (stop - start) * size) if stop > start else b""
+        return np.frombuffer(data, dtype).astype(np.int64 if dtype == "<i8" else np.int32)
+
+
 @dataclasses.dataclass
 class ExportPlan:
     """An export's tokens and their slots: ``loaders`` (one per store, the first leading) read the
-    kept tokens; ``offsets`` [leading store's rows] number them canonically; ``total`` tokens go
-    to ``shards`` shards of ``rows_per_shard`` rows (the last one shorter)."""
+    kept tokens, numbered canonically (``files``: each leading row's first number); of their
+    ``total``, the tokens at slots below ``exported`` go to ``shards`` shards of ``rows_per_shard``
+    rows (the last one shorter), the others are left out (a uniform draw of them when shuffled)."""
     stores: tuple[StoreSpec, ...]
     loader_configs: tuple[LoaderConfig, ...]
-    offsets: np.ndarray        # [rows of the leading store] int64: its first kept token's canonical number
-    total: int
+    files: PlanFiles
+    total: int                 # kept tokens (after the selection and filters)
+    exported: int              # <= total: --max_tokens, whole rows of a format's row (SAELens's context)
     rows_per_shard: int
     seed: int | None
     columns: dict[str, tuple[int, ArrayKey]]  # column name -> (store number, key)
@@ -109,7 +168,7 @@ class ExportPlan:
 
     @property
     def shards(self) -> int:
-        return max(1, -(-self.total // self.rows_per_shard))
+        return max(1, -(-self.exported // self.rows_per_shard))
 
     @property
     def shard_bytes(self) -> int:
@@ -119,15 +178,18 @@ class ExportPlan:
 
     def shard_rows(self, shard: int) -> int:
         """Rows of output shard ``shard``."""
-        return min(self.rows_per_shard, self.total - shard * self.rows_per_shard)
+        return min(self.rows_per_shard, self.exported - shard * self.rows_per_shard)
 
 
 def make_plan(stores: Sequence[StoreSpec], keys: Sequence[ArrayKey], shard_bytes: int, seed: int | None,
-              **loader_settings) -> tuple[ExportPlan, list[TokenLoader]]:
-    """The plan of an export of ``keys`` of every store (and the loaders it read them with, to
-    reuse on this process), its output shards of about ``shard_bytes`` of arrays each:
-    ``loader_settings`` go to every store's ``LoaderConfig`` (``tokens``,
-    ``exclude_first_positions``, ``exclude_token_ids``, ``normalize``, ``dtype``, ...)."""
+              files: str, max_tokens: int | None = None, row_tokens: int = 1, **loader_settings,
+              ) -> tuple[ExportPlan, list[TokenLoader], np.ndarray]:
+    """The plan of an export of ``keys`` of every store, its output shards of about
+    ``shard_bytes`` of arrays each, in whole rows of ``row_tokens`` tokens, at most ``max_tokens``
+    tokens; the loaders it read them with (to reuse on this process) and the leading rows'
+    offsets, for ``plan.files.write`` (under ``files``): ``loader_settings`` go to every store's
+    ``LoaderConfig`` (``tokens``, ``exclude_first_positions``, ``exclude_token_ids``,
+    ``normalize``, ``dtype``, ...)."""
     if seed is not None and not 0 <= seed < 2**63:
         raise UserError(f"--seed must be below 2^63 for an export, got {seed}")
     configs = tuple(LoaderConfig(index=s.index, layers=tuple(keys), seed=None, with_token_ids=True,
@@ -145,11 +207,18 @@ def make_plan(stores: Sequence[StoreSpec], keys: Sequence[ArrayKey], shard_bytes
                for i, s in enumerate(stores) for key in loaders[i].config.keys}
     widths = {name: loaders[i].stored.width[key] for name, (i, key) in columns.items()}
     row_bytes = sum(widths.values()) * storage_dtype(configs[0].dtype).itemsize
-    rows_per_shard = max(1, shard_bytes // row_bytes)
-    plan = ExportPlan(tuple(stores), configs, offsets, int(counts.sum()), rows_per_shard, seed, columns, widths)
-    if plan.total == 0:
+    rows_per_shard = max(row_tokens, shard_bytes // row_bytes // row_tokens * row_tokens)
+    total = int(counts.sum())
+    if total == 0:
         raise UserError(f"{stores[0].index}: no token is left to export (after the selection and filters)")
-    return plan, loaders
+    exported = min(total, total if max_tokens is None else max_tokens)
+    exported -= exported % row_tokens
+    if exported == 0:
+        raise UserError(f"{min(total, max_tokens or total)} tokens selected: fewer than one row of "
+                        f"--context_size {row_tokens}")
+    plan_files = PlanFiles(files, tuple(range(1, len(stores))))
+    return (ExportPlan(tuple(stores), configs, plan_files, total, exported, rows_per_shard, seed, columns, widths),
+            loaders, offsets)
 
 
 def _check_joinable(lead_spec: StoreSpec, lead: TokenLoader, spec: StoreSpec, other: TokenLoader) -> None:

@@ -19,11 +19,12 @@ width, dtype) and ``shards`` (directory, rows) only.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,9 @@ import pyarrow.parquet as pq
 from common.cli import UserError
 from common.files import join, match, open_read, read_optional, write_bytes
 from common.roles import ROLES
+
+if TYPE_CHECKING:
+    from activations.export_plan import ExportPlan
 
 LAYOUT = "activation-export-flat/1"
 MANIFEST, STATISTICS, ROWS = "export.json", "statistics.json", "rows.parquet"
@@ -80,29 +84,59 @@ def write_shard(root: str, shard: int, arrays: dict[str, np.ndarray], rows: dict
     return written + out.tell()
 
 
-def check_output_dir(output_dir: str, overwrite: bool) -> None:
-    """A flat export's directory (local or gs://, not a bucket's root) must hold nothing, or with
-    ``overwrite`` an earlier flat export (deleted once the new one is planned, so that none of
-    its shards stays among the new ones); anything else there is refused."""
+# What a flat export's directory holds; anything else there is never replaced.
+WRITTEN = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(STATISTICS)}|{SPILL_DIR}|shard_\d+")
+
+
+def check_output_dir(output_dir: str, overwrite: bool, written: re.Pattern = WRITTEN, what: str = "flat") -> None:
+    """An export's directory (local or gs://, not a bucket's root) must hold nothing, or with
+    ``overwrite`` an earlier export of its format (names matching ``written``; deleted once the
+    new one is planned, so that none of its files stays among the new ones); anything else there
+    is refused."""
     if "://" in output_dir and not output_dir.split("://", 1)[1].strip("/").count("/"):
         raise UserError(f"--output_dir {output_dir!r}: give a folder in the bucket, not its root")
     if "://" in output_dir:
         prefix = output_dir.rstrip("/") + "/"
         held = sorted({path[len(prefix):].split("/", 1)[0] for path in match(join(output_dir, "**"))})
+    elif os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"{output_dir!r} is a file, not a directory: not replaced")
     else:
         held = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
     if held and not overwrite:
         raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace an earlier export)")
-    ours = (MANIFEST, STATISTICS, SPILL_DIR)
-    strange = [name for name in held if name not in ours and not re.fullmatch(r"shard_\d+", name)]
+    strange = [name for name in held if not written.fullmatch(name)]
     if strange:
-        raise UserError(f"{output_dir!r} holds {strange[0]!r}, which no flat export writes: not replaced")
+        raise UserError(f"{output_dir!r} holds {strange[0]!r}, which no {what} export writes: not replaced")
 
 
-def write_manifest(root: str, manifest: dict[str, Any], statistics: dict[str, Any] | None) -> None:
-    if statistics:
-        write_bytes(join(root, STATISTICS), json.dumps(statistics, indent=1).encode())
-    write_bytes(join(root, MANIFEST), json.dumps(manifest, indent=1).encode())
+@dataclasses.dataclass(frozen=True)
+class FlatFormat:
+    """The flat layout as an export job's ``transforms.export.ShardFormat``."""
+    output_dir: str
+    dtype: str                                 # float32 | float16 | bfloat16
+    statistics: dict[str, Any] | None          # per column, what it was normalised by (statistics.json)
+    description: dict[str, Any]                # the selection and filters, for the manifest
+
+    def write_shard(self, plan: "ExportPlan", shard: int, arrays: dict[str, np.ndarray],
+                    provenance: dict[str, np.ndarray]) -> int:
+        return write_shard(self.output_dir, shard, arrays, provenance)
+
+    def finish(self, plan: "ExportPlan", shards: list[tuple[int, int, int]], dropped: dict[str, int]) -> dict[str, Any]:
+        """``export.json`` (and ``statistics.json``), written last."""
+        manifest = {
+            "layout": LAYOUT, "rows": plan.exported, "rows_per_shard": plan.rows_per_shard, "seed": plan.seed,
+            "dtype": self.dtype, **self.description,
+            "dropped_tokens": {**dropped, "max_tokens": plan.total - plan.exported},
+            "columns": [{"name": name, "file": array_file(name), "store": plan.stores[store].name,
+                         "key": str(key), "width": plan.widths[name], "dtype": self.dtype}
+                        for name, (store, key) in plan.columns.items()],
+            "stores": [{"name": s.name, "index": s.index} for s in plan.stores],
+            "shards": [{"directory": shard_name(s), "rows": rows, "bytes": size} for s, rows, size in shards],
+        }
+        if self.statistics:
+            write_bytes(join(self.output_dir, STATISTICS), json.dumps(self.statistics, indent=1).encode())
+        write_bytes(join(self.output_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+        return manifest
 
 
 class FlatExport:

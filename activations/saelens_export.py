@@ -7,18 +7,15 @@ by its hook (``blocks.L.hook_resid_post``, ``blocks.L.hook_mlp_out``, ``blocks.L
 feature type ``Array2D((context_size, width), "float32")`` at the site's own width, and
 ``token_ids`` as ``Sequence(Value("int32"), length=context_size)``. Every column of a row holds
 the same tokens: two sites of one layer (``ln2.hook_normalized`` and ``hook_mlp_out``) are a
-transcoder's input and target, row by row. SAELens reads the rows in
-order, so the order is decided here: the token loader's, shuffled across every shard by a seed,
-or, with no seed, storage order (shard by shard, position by position: each sample's tokens
-together and in order).
+transcoder's input and target, row by row. SAELens reads the rows in order, so the order is
+decided here, by the export job (``transforms.export``, the same job as the flat layout's): every
+kept token at its slot of a seeded global permutation (``activations.export_plan``), each Arrow
+file a uniform draw from the whole store; with no seed, by sample id, each sample's tokens
+together and in order.
 
 Rows are filled token after token: a row may end one sample and begin the next (as SAELens packs
-its own tokenized datasets), so no row is ever padded. Only the export's last tokens, fewer than
-a row, are left out, and counted.
-
-The Arrow files are written straight into place by ``datasets``' own ``ArrowWriter``, never
-copied; ``state.json`` and ``dataset_info.json`` are those ``save_to_disk`` writes for the same
-features and description, with the data files listed.
+its own tokenized datasets), so no row is ever padded. Only the tokens short of a last whole row
+(and past ``--max_tokens``) are left out, and counted: when shuffled, a uniform draw of them.
 """
 
 from __future__ import annotations
@@ -28,20 +25,27 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
+import re
 import tempfile
-import uuid
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 
+from activations.flat_layout import SPILL_DIR
 from activations.layer_names import column_name, layer_names
 from activations.token_loader import TokenLoader
 from common.cli import UserError
+from common.files import join, write_bytes
 from model.sites import RESID_POST, ArrayKey, describe_key
 
-EXPORT_INFO_FILE = "activation_export.json"
+if TYPE_CHECKING:
+    from activations.export_plan import ExportPlan
+
+EXPORT_INFO_FILE, STATE_FILE = "activation_export.json", "state.json"
+# What an export's directory holds; anything else there is never replaced.
+WRITTEN = re.compile(rf"{re.escape(EXPORT_INFO_FILE)}|{re.escape(STATE_FILE)}|dataset_info\.json|{SPILL_DIR}|"
+                     r"data-\d{5}-of-\d{5}\.arrow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,111 +97,59 @@ def column_names(keys: Sequence[ArrayKey], template: str) -> dict[ArrayKey, str]
     return names
 
 
-def check_output(output_dir: str, overwrite: bool) -> None:
-    """``output_dir`` must be a local path holding nothing, unless ``overwrite``."""
-    if "://" in output_dir:
-        raise UserError(f"--output_dir must be a local directory, got {output_dir!r} (copy the finished "
-                        "directory to the bucket; SAELens reads it from local disk)")
-    if not overwrite and os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
-        raise UserError(f"{output_dir!r} exists and is not empty (pass --overwrite to replace it)")
+@dataclasses.dataclass(frozen=True)
+class SaeLensFormat:
+    """SAELens's directory as an export job's ``transforms.export.ShardFormat``: output shard
+    ``i`` of ``n`` is ``data-{i:05d}-of-{n:05d}.arrow`` (written by ``datasets``' own
+    ``ArrowWriter``), its rows ``rows_per_shard / context_size`` whole rows of the shuffled
+    tokens; ``state.json`` (written last: the export is complete) and ``dataset_info.json`` are
+    those ``save_to_disk`` writes for the same features and description, with the files listed."""
+    output_dir: str
+    layout: SaeLensLayout
+    info: dict[str, Any]            # export_info: what the export holds and where it came from
+    dtype: str = "float32"          # SAELens reads float32
+
+    def write_shard(self, plan: "ExportPlan", shard: int, arrays: dict[str, np.ndarray],
+                    provenance: dict[str, np.ndarray]) -> int:
+        from datasets.arrow_writer import ArrowWriter
+        features = self.layout.features()
+        table = self.layout.table({key: arrays[name] for name, (_, key) in plan.columns.items()},
+                                  provenance["token_id"], features)
+        sink = pa.BufferOutputStream()
+        writer = ArrowWriter(features=features, stream=sink)
+        writer.write_table(table)
+        writer.finalize()
+        data = sink.getvalue().to_pybytes()
+        write_bytes(join(self.output_dir, data_file(shard, plan.shards)), data)
+        return len(data)
+
+    def finish(self, plan: "ExportPlan", shards: list[tuple[int, int, int]], dropped: dict[str, int]) -> dict[str, Any]:
+        limit = min(plan.total, plan.total if self.info["max_tokens"] is None else self.info["max_tokens"])
+        summary = {**self.info, "rows": plan.exported // self.layout.context_size, "tokens": plan.exported,
+                   "dropped_tokens": {"last_partial_row": limit - plan.exported, "max_tokens": plan.total - limit,
+                                      **dropped}}
+        names = [data_file(shard, plan.shards) for shard, _, _ in shards]
+        features = self.layout.features()
+        from datasets import Dataset, DatasetInfo
+        with tempfile.TemporaryDirectory() as empty, _no_progress_bars():
+            info = DatasetInfo(description=describe(summary), features=features)
+            Dataset.from_dict({name: [] for name in features}, info=info).save_to_disk(empty)
+            with open(os.path.join(empty, "state.json")) as f:
+                state = json.load(f)
+            with open(os.path.join(empty, "dataset_info.json"), "rb") as f:
+                dataset_info = f.read()
+        state["_data_files"] = [{"filename": name} for name in names]
+        state["_fingerprint"] = hashlib.blake2b(json.dumps(summary, sort_keys=True).encode(),
+                                                digest_size=8).hexdigest()
+        write_bytes(join(self.output_dir, "dataset_info.json"), dataset_info)
+        write_bytes(join(self.output_dir, EXPORT_INFO_FILE), (json.dumps(summary, indent=2) + "\n").encode())
+        write_bytes(join(self.output_dir, STATE_FILE), json.dumps(state, indent=2, sort_keys=True).encode())
+        return summary
 
 
-def prepare_output(output_dir: str, overwrite: bool) -> str:
-    """A fresh directory beside ``output_dir`` to write into; the export is renamed into place
-    only when complete."""
-    check_output(output_dir, overwrite)
-    partial = os.path.join(os.path.dirname(os.path.abspath(output_dir)),
-                           f".{os.path.basename(os.path.abspath(output_dir))}.partial-{uuid.uuid4().hex[:8]}")
-    try:
-        os.makedirs(partial)
-        return partial
-    except OSError as e:
-        raise UserError(f"cannot write beside {output_dir!r}: {e.strerror}") from None
-
-
-def export_saelens(loader: TokenLoader, output_dir: str, layout: SaeLensLayout, max_file_bytes: int,
-                   info: dict[str, Any], overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Writes the loader's tokens (one epoch) as a SAELens cached-activations directory; returns
-    the export's metadata (also in ``activation_export.json`` and the dataset description)."""
-    from datasets.arrow_writer import ArrowWriter
-    from tqdm import tqdm
-    if loader.total_tokens < layout.context_size:
-        raise UserError(f"{loader.total_tokens} tokens selected: fewer than one row of "
-                        f"--context_size {layout.context_size}")
-    features = layout.features()
-    partial = prepare_output(output_dir, overwrite)
-    try:
-        files, writer, file_bytes, rows, tokens = [], None, 0, 0, 0
-        with tqdm(total=loader.total_tokens, unit="tok", unit_scale=True, disable=not progress,
-                  desc="export") as bar:
-            for batch in loader:
-                table = layout.table(batch.activations, batch.token_ids, features)
-                if writer is None:
-                    files.append(f"part-{len(files):05d}.arrow")
-                    writer = ArrowWriter(features=features, path=os.path.join(partial, files[-1]))
-                    file_bytes = 0
-                writer.write_table(table)
-                rows, tokens = rows + table.num_rows, tokens + table.num_rows * layout.context_size
-                file_bytes += table.nbytes
-                bar.update(len(batch))
-                if file_bytes >= max_file_bytes:
-                    writer.finalize()
-                    writer.close()
-                    writer = None
-        if writer is not None:
-            writer.finalize()
-            writer.close()
-        summary = {**info, "rows": rows, "tokens": tokens,
-                   "dropped_tokens": {"last_partial_row": loader.total_tokens - tokens,
-                                      **loader.stats.dropped}}
-        _finish(partial, files, features, summary)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    _move_into_place(partial, output_dir, overwrite)
-    return summary
-
-
-def _move_into_place(partial: str, output_dir: str, overwrite: bool) -> None:
-    """Renames the finished export to ``output_dir``. What is there is replaced only with
-    ``overwrite``, and only once the new export is in place; otherwise the export stays where it
-    was written and the error says where."""
-    try:
-        check_output(output_dir, overwrite)  # again: something may have appeared meanwhile
-    except UserError as e:
-        raise UserError(f"{e}; the finished export is in {partial!r}") from None
-    old = f"{partial}.replaced"
-    if os.path.lexists(output_dir):
-        os.rename(output_dir, old)
-    os.rename(partial, output_dir)
-    if os.path.isdir(old) and not os.path.islink(old):
-        shutil.rmtree(old)
-    elif os.path.lexists(old):
-        os.remove(old)
-
-
-def _finish(folder: str, parts: list[str], features, summary: dict[str, Any]) -> None:
-    """Names the data files as ``save_to_disk`` does and writes its ``state.json`` and
-    ``dataset_info.json`` (taken from ``save_to_disk`` of an empty dataset with the same
-    features and description), then ``activation_export.json``."""
-    from datasets import Dataset, DatasetInfo
-    names = [f"data-{i:05d}-of-{len(parts):05d}.arrow" for i in range(len(parts))]
-    for part, name in zip(parts, names):
-        os.rename(os.path.join(folder, part), os.path.join(folder, name))
-    with tempfile.TemporaryDirectory() as empty, _no_progress_bars():
-        info = DatasetInfo(description=describe(summary), features=features)
-        Dataset.from_dict({name: [] for name in features}, info=info).save_to_disk(empty)
-        with open(os.path.join(empty, "state.json")) as f:
-            state = json.load(f)
-        shutil.copy(os.path.join(empty, "dataset_info.json"), os.path.join(folder, "dataset_info.json"))
-    state["_data_files"] = [{"filename": name} for name in names]
-    state["_fingerprint"] = hashlib.blake2b(json.dumps(summary, sort_keys=True).encode(),
-                                            digest_size=8).hexdigest()
-    with open(os.path.join(folder, "state.json"), "w") as f:
-        json.dump(state, f, indent=2, sort_keys=True)
-    with open(os.path.join(folder, EXPORT_INFO_FILE), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+def data_file(shard: int, shards: int) -> str:
+    """An Arrow file's name, as ``save_to_disk`` names it."""
+    return f"data-{shard:05d}-of-{shards:05d}.arrow"
 
 
 @contextlib.contextmanager
@@ -213,7 +165,8 @@ def _no_progress_bars():
             datasets.enable_progress_bars()
 
 
-def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str) -> dict[str, Any]:
+def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str, seed: int | None,
+                max_tokens: int | None) -> dict[str, Any]:
     """What the export holds and where it came from (before counting rows): ``layers`` names
     each column (its key's layer, site, hook name, width and meaning)."""
     c, machines = loader.config, loader.metadata.get("machines", [])
@@ -226,11 +179,11 @@ def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str) 
             "exported_dtype": "float32", "hidden_size": hidden.pop() if len(hidden) == 1 else None,
             "context_size": layout.context_size, "hook_name_template": hook_template,
             "layers": [layer_names(k, depth, layout.widths[k], hook_template) for k in c.keys],
-            "seed": c.seed, "samples": len(loader.stored),
+            "seed": seed, "samples": len(loader.stored),
             "selection": c.tokens,  # read with (activations.selection); the store's own below
             "stored_selection": None if loader.stored.selection is None else str(loader.stored.selection),
             "exclude_first_positions": c.exclude_first_positions,
-            "exclude_token_ids": list(c.exclude_token_ids), "max_tokens": c.max_tokens,
+            "exclude_token_ids": list(c.exclude_token_ids), "max_tokens": max_tokens,
             "token_ids_from": "streams: " + (c.streams_dir or "the stream paths recorded by each runner")}
 
 
@@ -249,8 +202,8 @@ def describe_column(names: dict[str, Any]) -> str:
 def describe(summary: dict[str, Any]) -> str:
     """The dataset's description: which model, columns, dtype and index it came from."""
     columns = "; ".join(describe_column(names) for names in summary["layers"])
-    order = ("rows in storage order (shard by shard, position by position)" if summary["seed"] is None else
-             f"tokens shuffled across all samples with seed {summary['seed']}")
+    order = ("rows in sample-id order (each sample's tokens together, position by position)"
+             if summary["seed"] is None else f"tokens shuffled across all samples with seed {summary['seed']}")
     dropped = summary["dropped_tokens"]
     return (f"Activations of {summary['model']} at TransformerLens's hooks: this project's layer L is the "
             f"output of decoder block L (blocks.L.hook_resid_post), before the final norm. {columns}. "
@@ -258,7 +211,8 @@ def describe(summary: dict[str, Any]) -> str:
             f"exported as float32, hidden size {summary['hidden_size']}. {summary['rows']} rows of "
             f"{summary['context_size']} tokens ({summary['tokens']} tokens of {summary['samples']} samples), "
             f"{order}; a row may span two samples, never padded. Left out: {dropped['last_partial_row']} "
-            f"tokens short of a last row; of the samples read, {dropped['selection']} tokens outside the "
-            f"selection ({summary['selection'] or 'every token'}), {dropped['first_positions']} first positions "
-            f"and {dropped['token_ids']} excluded token ids. Token ids from the {summary['token_ids_from']}. "
+            f"tokens short of a last row, {dropped['max_tokens']} past --max_tokens, "
+            f"{dropped.get('selection', 0)} tokens outside the selection ({summary['selection'] or 'every token'}), "
+            f"{dropped.get('first_positions', 0)} first positions and {dropped.get('token_ids', 0)} excluded token "
+            "ids. Token ids from the {summary['token_ids_from']}. "
             f"Index: {summary['index']}.")

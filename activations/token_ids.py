@@ -30,6 +30,12 @@ class TokenIds:
     lengths: np.ndarray   # [samples] int64
     flat: np.ndarray      # [tokens] int32
 
+    @classmethod
+    def empty(cls) -> "TokenIds":
+        """Of no sample (a reader given its samples' ids later)."""
+        none = np.empty(0, np.int64)
+        return cls(none, none, none, np.empty(0, np.int32))
+
     def _slot(self, sample_id: int) -> slice:
         i = int(np.searchsorted(self.ids, sample_id))
         if i == len(self.ids) or self.ids[i] != sample_id:

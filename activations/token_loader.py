@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -54,6 +55,10 @@ from model.sites import ArrayKey, describe_key, normalized_key
 
 T = TypeVar("T")
 NORMALIZATIONS = ("none", "mean_norm", "standardize")
+
+
+# Why a stored token is not read: outside the selection, among the first positions left out, an excluded id.
+DROP_REASONS = ("selection", "first_positions", "token_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +158,7 @@ class LoaderStats:
     bytes_read: int = 0              # shard bytes fetched (compressed)
     tokens_read: int = 0             # tokens stored in the samples read, before the filters
     tokens_returned: int = 0
-    dropped: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"selection": 0, "first_positions": 0, "token_ids": 0})
+    dropped: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     peak_buffered_tokens: int = 0    # the most tokens the shuffle buffer ever held
 
 
@@ -170,8 +174,10 @@ class Block:
 class TokenLoader:
     """Batches of tokens from a merged index; iterating it reads one epoch (epoch 0)."""
 
-    def __init__(self, config: LoaderConfig, stored: StoredArrays | None = None):
-        """``stored``: ``stored_arrays(config.index, config.keys)``, if already read."""
+    def __init__(self, config: LoaderConfig, stored: StoredArrays | None = None, token_ids: TokenIds | None = None):
+        """``stored``: ``stored_arrays(config.index, config.keys)``, if already read; ``token_ids``:
+        the samples' token ids, if already read (or, for ``read_block`` alone, those of the rows
+        about to be read: ``use_token_ids``), instead of the streams'."""
         config.validate()  # before reading anything
         self.config = config
         self.stored = stored if stored is not None else stored_arrays(config.index, config.keys)
@@ -182,8 +188,9 @@ class TokenLoader:
                             "token positions or ids to leave out")
         # What each stored row is, where the store or the read selects tokens.
         self.tokens = self.stored.tokens or (read_stored_tokens(config.index) if self.selection else None)
-        self.token_ids = self._token_ids(self.stored) if config.needs_token_ids else None
-        self.kept_tokens = self._kept_tokens(self.stored)   # [samples] rows left after the selection and filters
+        self.token_ids = token_ids
+        if token_ids is None and config.needs_token_ids:
+            self.token_ids = self._token_ids(self.stored)
         self.scaling = {}  # key -> (shift, scale), when normalising
         if config.normalize != "none":
             moments = stored_moments(config.index, config.keys)
@@ -264,6 +271,15 @@ class TokenLoader:
     def pools(self) -> bool:
         """Whether the read pools each sample's selected rows into one."""
         return self.selection is not None and self.selection.pooled
+
+    def use_token_ids(self, token_ids: TokenIds) -> None:
+        """Reads with these token ids from now on (an export's worker: those of its unit's samples)."""
+        self.token_ids = token_ids
+
+    @functools.cached_property
+    def kept_tokens(self) -> np.ndarray:
+        """[samples] rows of each stored sample left after the selection and filters."""
+        return self._kept_tokens(self.stored)
 
     def _kept_tokens(self, arrays: StoredArrays) -> np.ndarray:
         if self.tokens is None and not self.config.exclude_token_ids:

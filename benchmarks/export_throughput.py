@@ -37,7 +37,7 @@ from fixtures.stored_activations import StoredSpec, write_stored  # noqa: E402
 def export(index: str, out: str) -> dict:
     """One export with 2 local workers, in a process of its own: seconds and peak RSS."""
     command = [sys.executable, "-m", "pipeline.export", "--format", "flat", "--index", index, "--layers", "0,1",
-               "--seed", "0", "--shard_mb", "16", "--output_dir", out, "--no_progress",
+               "--seed", "0", "--shard_mb", "16", "--output_dir", out,
                "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
     start = time.perf_counter()
     child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -8,7 +8,8 @@ start to its last batch of 4096 tokens:
       batches; no shuffling (the baseline);
   (b) the token loader shuffled across all shards, with a buffer of --buffer_gb (<= 1 GB);
   (c) the token loader unshuffled (stored order);
-and (d) ``pipeline.export --format saelens`` of the same tokens (shuffled, context 128).
+and (d) ``pipeline.export --format saelens`` of the same tokens (globally shuffled, context 128: the
+Beam export job on the local runner, one worker, its start included).
 Target: (b) >= 50% of (a)'s tokens/s. The files sit in the page cache after writing: the
 figures are the reading side's CPU cost, not the disk's.
 
@@ -96,9 +97,9 @@ def main() -> None:
               f"{shuffled.stats.bytes_read / shuffled.stats.blocks_read / 1e6:.1f} MB")
         from pipeline.export import main as export
         out = os.path.join(work, "saelens")
-        timed("(d) pipeline.export --format saelens (shuffled)",
-              lambda: export(["--format", "saelens", "--index", index, "--layers", str(LAYER), "--output_dir", out,
-                              "--buffer_gb", str(args.buffer_gb), "--no_progress"]) or shuffled.total_tokens)
+        timed("(d) pipeline.export --format saelens (globally shuffled)",
+              lambda: export(["--format", "saelens", "--index", index, "--layers", str(LAYER), "--output_dir", out])
+              or shuffled.total_tokens)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

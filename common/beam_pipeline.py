@@ -8,7 +8,9 @@ Every other runner (``--runner DataflowRunner`` ...) is used as given.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Iterator
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
@@ -59,3 +61,22 @@ def make_pipeline(options: PipelineOptions) -> beam.Pipeline:
         return beam.Pipeline(options=options)
     except ValueError as e:  # Beam's validation of the runner's options (project, region, ...)
         raise UserError(" ".join(str(e).split())) from None
+
+
+@contextlib.contextmanager
+def worker_user_errors(context: str) -> Iterator[None]:
+    """Runs a pipeline's body so that a worker's ``UserError`` (wrapped by the runner) reaches the
+    user as its own one line, ``context`` appended; the runner's log of the failed bundle (a
+    traceback) is silenced, since every other error is raised again whole."""
+    runner_log = logging.getLogger("apache_beam.runners.common")
+    level = runner_log.level
+    runner_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except Exception as e:
+        reason = next((line.split("UserError: ", 1)[1] for line in str(e).splitlines() if "UserError: " in line), None)
+        if reason is None:
+            raise
+        raise UserError(f"{reason}{context}") from None
+    finally:
+        runner_log.setLevel(level)

@@ -10,42 +10,40 @@
     python -m pipeline.export --format flat --store base=gs://b/base/index.parquet,chat=gs://b/chat/index.parquet \
         --layers 12 --output_dir gs://b/crosscoder/ --runner DataflowRunner ...   # two models' stores, joined
 
-``--format flat`` is a Beam pipeline (``transforms.export``; the local FnApiRunner, or any Beam
+Either format is one Beam pipeline (``transforms.export``; the local FnApiRunner, or any Beam
 runner's options after the flags): every kept token at its slot of a seeded global permutation,
-output shards of ``--shard_mb`` each a uniform draw from the whole export, byte-identical for any
-number of workers (``activations.flat_layout`` describes the files).
+output shards (``--shard_mb``; for SAELens, Arrow files) each a uniform draw from the whole export,
+byte-identical for any number of workers (``activations.flat_layout`` and
+``activations.saelens_export`` describe the files).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
-import sys
 
 from apache_beam.options.pipeline_options import StandardOptions
 
-from activations.export_plan import StoreSpec, column_statistics, describe_columns, make_plan, parse_stores
-from activations.flat_layout import check_output_dir
+from activations import flat_layout, saelens_export
+from activations.export_plan import ExportPlan, StoreSpec, column_statistics, describe_columns, make_plan, parse_stores
+from activations.flat_layout import SPILL_DIR, FlatFormat, check_output_dir
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
-from activations.reader import CorruptShardError
+from activations.saelens_export import SaeLensFormat, SaeLensLayout, column_names, export_info
 from activations.selection import parse_selection, selection_flag
-from activations.saelens_export import SaeLensLayout, check_output, column_names, export_info, export_saelens
-from activations.token_loader import NORMALIZATIONS, LoaderConfig, TokenLoader, row_bytes
-from activations.token_plan import blocks, stored_arrays
-from common.beam_pipeline import is_dry_run, is_local, make_pipeline, pipeline_options
-from common.files import delete_tree
+from activations.token_loader import NORMALIZATIONS, TokenLoader
+from activations.token_plan import blocks
+from common.beam_pipeline import is_dry_run, is_local, make_pipeline, pipeline_options, worker_user_errors
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
+from common.files import delete_tree, join
 from model.config import STORED_DTYPES
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, parse_sites
-from transforms.export import ExportFlat, ExportTarget
+from transforms.export import ExportShards, ShardFormat
 
 log = logging.getLogger("pipeline.export")
-BATCH_BYTES = 64 << 20  # tokens are written in batches of about this many bytes
 
 
 def seed_flag(text: str) -> int | None:
-    """``--seed``: an integer >= 0, or ``none`` for storage order."""
+    """``--seed``: an integer >= 0, or ``none`` for sample-id order."""
     if text.lower() == "none":
         return None
     try:
@@ -59,34 +57,34 @@ def seed_flag(text: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExportConfig:
-    format: str = flag(help="what to write: saelens (a Hugging Face datasets directory that SAELens's "
+    format: str = flag(help="what to write, either as a Beam job whose output shards are each a uniform draw of "
+                       "a global shuffle: saelens (a Hugging Face datasets directory that SAELens's "
                        "ActivationsStore(cached_activations_path=...) reads) | flat (per shard one .npy array per "
-                       "column and its rows' provenance, shards a uniform draw of a global shuffle: a Beam job; "
-                       "activations/flat_layout.py)", choices=("saelens", "flat"))
+                       "column and its rows' provenance: activations/flat_layout.py)", choices=("saelens", "flat"))
     index: str | None = flag(None, "merged index.parquet of pipeline.index or runners.fleet merge (local or gs://); "
                              "index_arrays.parquet and merged_metadata.json beside it")
     store: tuple[StoreSpec, ...] = flag((), "flat: several stores of the same streams joined row by row, "
                                         "NAME=INDEX,NAME=INDEX (columns NAME/blocks.L.SITE; the first leads)",
                                         parse=parse_stores)
-    shard_mb: float = flag(256.0, "flat: the arrays of an output shard, about this many MB (a writer holds one)")
+    shard_mb: float = flag(256.0, "an output shard's arrays (saelens: an Arrow file's), about this many MB, "
+                           "in whole rows (a writer holds one)")
     normalize: str = flag("none", "flat: scale each column by its store's statistics: none | mean_norm | "
                           "standardize (written beside the export either way, where the store has them)",
                           choices=NORMALIZATIONS)
     dtype: str = flag("float32", "flat: the arrays' dtype", choices=STORED_DTYPES)
-    output_dir: str = flag(help="directory to create: saelens local (written beside it, then renamed into place); "
-                           "flat local or gs:// (the manifest, written last, marks it complete)")
+    output_dir: str = flag(help="directory to create, local or gs:// (SAELens reads it from local disk); the "
+                           "manifest (flat: export.json, saelens: state.json), written last, marks it complete")
     layers: tuple[int, ...] = flag(help="stored layers to export, one column per site each (e.g. 12 or 6,12)",
                                    parse=int_list)
     sites: tuple[str, ...] = flag(DEFAULT_SITES, "stored sites to export at each layer, named as TransformerLens "
                                   "names its hooks (e.g. hook_mlp_out or ln2.hook_normalized,hook_mlp_out: a "
                                   "transcoder's input and target in the same rows; docs/sites.md)", parse=parse_sites)
     context_size: int = flag(128, "tokens per row (SAELens's context_size)")
-    seed: int | None = flag(0, "shuffle the tokens across all samples with this seed; none: storage order "
-                            "(shard by shard, position by position). SAELens reads rows in order",
-                            parse=seed_flag)
+    seed: int | None = flag(0, "shuffle the tokens across all samples with this seed; none: by sample id, each "
+                            "sample's tokens together and in order. SAELens reads rows in order", parse=seed_flag)
     hook_name: str = flag(SAELENS_HOOK_TEMPLATE, "column name; {layer} and {site} are replaced (a literal "
                           "name for one column)")
-    max_tokens: int | None = flag(None, "export at most this many tokens (a random subset when shuffled)")
+    max_tokens: int | None = flag(None, "export at most this many tokens (a uniform draw when shuffled)")
     streams_dir: str | None = flag(None, "streams of pipeline.prepare holding the token ids (default: the "
                                    "stream each runner recorded in its metadata.json)")
     exclude_token_ids: tuple[int, ...] = flag((), "leave out tokens with these ids (e.g. Qwen2.5's "
@@ -95,11 +93,7 @@ class ExportConfig:
     tokens: str | None = flag(None, "export only the tokens of a selection, e.g. assistant,-special for an "
                               "assistant-only SAE (docs/datasets.md#token-selection; not a pooled one: SAELens "
                               "trains on tokens)", parse=selection_flag)
-    buffer_gb: float = flag(1.0, "shuffle buffer size: tokens are drawn from this many GB of float32 rows")
-    read_threads: int = flag(4, "threads reading and decompressing shards")
-    max_file_gb: float = flag(0.5, "start a new Arrow file past this size")
-    overwrite: bool = flag(False, "replace an existing, non-empty --output_dir")
-    progress: bool = flag(True, "a progress bar on stderr")
+    overwrite: bool = flag(False, "replace an earlier export of the format in --output_dir (nothing else)")
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -111,8 +105,8 @@ class ExportConfig:
             raise UserError("name the store to export: --index INDEX, or (flat) --store NAME=INDEX,...")
         if self.format == "saelens" and (self.store or self.normalize != "none" or self.dtype != "float32"):
             raise UserError("--store, --normalize and --dtype are flags of --format flat")
-        if self.format == "flat" and self.max_tokens is not None:
-            raise UserError("--max_tokens: a flat export holds every kept token (export fewer with --tokens)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"--max_tokens must be at least 1, got {self.max_tokens}")
         if self.shard_mb <= 0:
             raise UserError(f"--shard_mb must be positive, got {self.shard_mb}")
         if not self.layers or len(set(self.layers)) != len(self.layers):
@@ -125,28 +119,9 @@ class ExportConfig:
                             "(read them with activations.token_loader or duckdb)")
         if self.context_size < 1:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
-        if not (self.buffer_gb > 0 and self.max_file_gb > 0):
-            raise UserError("--buffer_gb and --max_file_gb must be positive")
         if self.format == "saelens" and self.tokens is not None and parse_selection(self.tokens).pooled:
             raise UserError(f"--tokens {self.tokens}: a pooled selection gives one vector a sample, not tokens "
                             "SAELens trains on (read it with activations.token_loader)")
-
-
-def loader_config(config: ExportConfig, token_bytes: int) -> LoaderConfig:
-    """The loader behind an export: batches of whole rows (no larger than the buffer or an Arrow
-    file), a buffer of ``buffer_gb``."""
-    buffer_tokens = int(config.buffer_gb * 1e9 // token_bytes)
-    if buffer_tokens < config.context_size:
-        raise UserError(f"--buffer_gb {config.buffer_gb} holds {buffer_tokens} tokens: less than one row of "
-                        f"--context_size {config.context_size}")
-    batch_bytes = min(BATCH_BYTES, buffer_tokens * token_bytes, int(config.max_file_gb * 1e9))
-    rows = max(1, batch_bytes // (token_bytes * config.context_size))
-    return LoaderConfig(index=config.index, layers=tuple(config.keys), batch_tokens=rows * config.context_size,
-                        seed=config.seed, buffer_tokens=buffer_tokens,
-                        exclude_first_positions=config.exclude_first_positions,
-                        exclude_token_ids=config.exclude_token_ids, with_token_ids=True,
-                        streams_dir=config.streams_dir, max_tokens=config.max_tokens,
-                        read_threads=config.read_threads, tokens=config.tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -155,37 +130,11 @@ def main(argv: list[str]) -> int:
     args, beam_args = parser.parse_known_args(argv)
     config = config_from_namespace(ExportConfig, args)
     config.validate()
-    if config.format == "flat":
-        return export_flat(config, pipeline_options(beam_args))
-    if beam_args:
-        parser.error(f"unrecognized arguments: {' '.join(beam_args)}")
-    # A SIGTERM unwinds like an error, so the partial directory is removed.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    check_output(config.output_dir, config.overwrite)
-    names = column_names(config.keys, config.hook_name)
-    stored = stored_arrays(config.index, config.keys)  # its widths decide the batch
-    if stored.selection is not None and stored.selection.pooled:
-        raise UserError(f"{config.index} holds one pooled row a sample (--tokens {stored.selection}), not tokens "
-                        "SAELens trains on (read it with activations.token_loader)")
-    loader = TokenLoader(loader_config(config, row_bytes(stored.width.values())), stored)
-    layout = SaeLensLayout(config.context_size, stored.width, names)
-    log.info("exporting %d tokens of %d samples (columns %s) to %s", loader.total_tokens,
-             len(loader.stored), list(names.values()), config.output_dir)
-    try:
-        summary = export_saelens(loader, config.output_dir, layout, int(config.max_file_gb * 1e9),
-                                 export_info(loader, layout, config.hook_name), config.overwrite, config.progress)
-    except CorruptShardError as e:  # nothing was written: the output appears only when complete
-        raise UserError(str(e)) from None
-    except KeyboardInterrupt:
-        raise UserError(f"interrupted; nothing written to {config.output_dir!r}") from None
-    print(f"exported {summary['rows']} rows of {config.context_size} tokens ({summary['tokens']} tokens, "
-          f"layers {list(config.layers)}, columns {list(names.values())}) -> {config.output_dir}; "
-          f"left out: {summary['dropped_tokens']}")
-    return 0
+    return export(config, pipeline_options(beam_args))
 
 
-def export_flat(config: ExportConfig, options) -> int:
-    """``--format flat``: plans the export, then runs it as a Beam job."""
+def export(config: ExportConfig, options) -> int:
+    """Plans the export, then runs it as a Beam job."""
     stores = config.store or (StoreSpec("store", config.index),)
     dry_run = is_dry_run(options)
     if not is_local(options) and not dry_run:  # the workers are elsewhere: they read and write the bucket only
@@ -193,30 +142,34 @@ def export_flat(config: ExportConfig, options) -> int:
                  if path and "://" not in path]
         if local:
             raise UserError(f"{local[0]!r}: a remote runner's workers cannot reach a local path (give gs:// paths)")
+    saelens = config.format == "saelens"
     if not dry_run:
-        check_output_dir(config.output_dir, config.overwrite)
-    plan, loaders = make_plan(stores, config.keys, int(config.shard_mb * 2**20), config.seed, tokens=config.tokens,
-                              exclude_first_positions=config.exclude_first_positions,
-                              exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
-                              dtype=config.dtype, streams_dir=config.streams_dir, read_threads=1)
+        check_output_dir(config.output_dir, config.overwrite, *((saelens_export.WRITTEN, "saelens") if saelens else
+                                                                (flat_layout.WRITTEN, "flat")))
+    names = column_names(config.keys, config.hook_name) if saelens else None
+    plan, loaders, offsets = make_plan(stores, config.keys, int(config.shard_mb * 2**20), config.seed,
+                                       join(config.output_dir, SPILL_DIR, "plan"), max_tokens=config.max_tokens,
+                                       row_tokens=config.context_size if saelens else 1, tokens=config.tokens,
+                                       exclude_first_positions=config.exclude_first_positions,
+                                       exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
+                                       dtype=config.dtype, streams_dir=config.streams_dir, read_threads=1)
+    form = saelens_format(config, plan, loaders[0], names) if saelens else flat_format(config, plan)
     units = blocks(loaders[0].stored, None, loaders[0].config.block_bytes)
-    statistics = column_statistics(plan, config.normalize)
-    target = ExportTarget(config.output_dir, config.dtype, statistics)
-    description = {"normalize": config.normalize, "tokens": config.tokens,
-                   "exclude_first_positions": config.exclude_first_positions,
-                   "exclude_token_ids": list(config.exclude_token_ids)}
-    log.info("exporting %d tokens of %d samples (columns %s) in %d shards of %d rows to %s", plan.total,
-             len(loaders[0].stored), describe_columns(plan), plan.shards, plan.rows_per_shard, config.output_dir)
-    if not dry_run and config.overwrite:  # planned: the old export goes only now
-        delete_tree(config.output_dir)
+    log.info("exporting %d of %d tokens of %d samples (columns %s) in %d shards of %d rows to %s", plan.exported,
+             plan.total, len(loaders[0].stored), describe_columns(plan), plan.shards, plan.rows_per_shard,
+             config.output_dir)
+    if not dry_run:
+        if config.overwrite:  # planned: the old export goes only now
+            delete_tree(config.output_dir)
+        plan.files.write(offsets, loaders)
     try:
-        with make_pipeline(options) as pipeline:
-            _ = pipeline | "Export" >> ExportFlat(plan, units, target, description)
-    except Exception as e:  # a worker's UserError (a shard unreadable, streams missing), wrapped by the runner
-        reason = next((line.split("UserError: ", 1)[1] for line in str(e).splitlines() if "UserError: " in line), None)
-        if reason is None:
-            raise
-        raise UserError(f"{reason} (in the export job; its shards written so far are in {config.output_dir})") from None
+        with worker_user_errors(f" (in the export job; it did not finish: its shards written so far are in "
+                                f"{config.output_dir})"), make_pipeline(options) as pipeline:
+            _ = pipeline | "Export" >> ExportShards(plan, units, form)
+    except BaseException:
+        if not dry_run:
+            delete_tree(join(config.output_dir, SPILL_DIR))  # nothing resumes from it
+        raise
     if dry_run:
         transforms = pipeline.to_runner_api().components.transforms
         export_step = next(t for t in transforms.values() if t.unique_name == "Export")
@@ -225,9 +178,27 @@ def export_flat(config: ExportConfig, options) -> int:
               f"{plan.shards} shards; steps {', '.join(steps)}) without submitting it; nothing was written to "
               f"{config.output_dir}")
         return 0
-    print(f"exported {plan.total} rows in {plan.shards} shards of {plan.rows_per_shard} (columns "
-          f"{list(plan.columns)}) -> {config.output_dir}")
+    print(f"exported {plan.exported} of {plan.total} tokens in {plan.shards} shards of {plan.rows_per_shard} "
+          f"(columns {', '.join(names.values()) if saelens else ', '.join(plan.columns)}) -> {config.output_dir}")
     return 0
+
+
+def flat_format(config: ExportConfig, plan: ExportPlan) -> ShardFormat:
+    description = {"normalize": config.normalize, "tokens": config.tokens,
+                   "exclude_first_positions": config.exclude_first_positions,
+                   "exclude_token_ids": list(config.exclude_token_ids), "max_tokens": config.max_tokens}
+    return FlatFormat(config.output_dir, config.dtype, column_statistics(plan, config.normalize), description)
+
+
+def saelens_format(config: ExportConfig, plan: ExportPlan, lead: TokenLoader,
+                   names: dict[ArrayKey, str]) -> ShardFormat:
+    if lead.pooled_store:
+        raise UserError(f"{config.index} holds one pooled row a sample (--tokens {lead.stored.selection}), not "
+                        "tokens SAELens trains on (read it with activations.token_loader)")
+    layout = SaeLensLayout(config.context_size, {key: plan.widths[name] for name, (_, key) in plan.columns.items()},
+                           names)
+    return SaeLensFormat(config.output_dir, layout,
+                         export_info(lead, layout, config.hook_name, config.seed, config.max_tokens))
 
 
 if __name__ == "__main__":

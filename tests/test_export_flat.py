@@ -34,7 +34,7 @@ def store(tmp_path_factory):
 
 
 def export(*flags) -> None:
-    code = export_main(["--format", "flat", "--no_progress", *flags])
+    code = export_main(["--format", "flat", *flags])
     assert code == 0
 
 
@@ -79,6 +79,34 @@ def test_two_workers_write_what_one_does_every_token_once_each_shard_from_the_wh
         counts = collections.Counter(home[int(s)] for s in rows["sample_id"])
         for path, n in counts.items():
             assert n / len(rows["sample_id"]) <= 2 * share[path] / len(seen) + 0.1, (path, n)
+
+
+def test_the_job_reads_each_unit_s_share_of_the_plan_and_never_the_streams(tmp_path):
+    """A worker's offsets, token ids (for the provenance and --exclude_token_ids) and joined rows
+    come from the plan's files: with the streams gone once planned, the job writes what a plain
+    export writes."""
+    from activations.export_plan import StoreSpec, column_statistics, make_plan
+    from activations.flat_layout import SPILL_DIR, FlatFormat
+    from activations.token_plan import blocks
+    from common.beam_pipeline import make_pipeline, pipeline_options
+    from transforms.export import ExportShards
+    index = write_stored(str(tmp_path / "store"), SPEC)
+    flags = {"seed": 5, "exclude_token_ids": (7, 8, 9, 10, 11)}
+    export("--index", index, "--layers", "1", "--sites", "hook_mlp_out", "--seed", "5", "--shard_mb", "0.004",
+           "--exclude_token_ids", "7,8,9,10,11", "--output_dir", str(tmp_path / "plain"))
+    out = str(tmp_path / "planned")
+    plan, loaders, offsets = make_plan([StoreSpec("store", index)], [array_key("hook_mlp_out", 1)], 4194,
+                                       flags["seed"], os.path.join(out, SPILL_DIR, "plan"),
+                                       exclude_token_ids=flags["exclude_token_ids"], read_threads=1)
+    plan.files.write(offsets, loaders)
+    os.rename(tmp_path / "store" / "streams", tmp_path / "streams_gone")
+    description = {"normalize": "none", "tokens": None, "exclude_first_positions": 0,
+                   "exclude_token_ids": list(flags["exclude_token_ids"]), "max_tokens": None}
+    form = FlatFormat(out, "float32", column_statistics(plan, "none"), description)
+    with make_pipeline(pipeline_options([])) as pipeline:
+        _ = pipeline | ExportShards(plan, blocks(loaders[0].stored, None, loaders[0].config.block_bytes), form)
+    written, plain = files(tmp_path / "planned"), files(tmp_path / "plain")
+    assert written == plain and FlatExport(out).manifest["dropped_tokens"]["token_ids"] > 0
 
 
 def test_the_permutation_is_a_seeded_bijection():
@@ -189,16 +217,17 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(store, tmp_path):
     assert (tmp_path / "mine" / "notes.txt").exists()
 
 
-def test_dataflow_dry_run_builds_the_export_job_and_a_real_run_needs_bucket_paths(store, tmp_path, capsys):
-    code = export_main(["--format", "flat", "--index", store, "--layers", "1", "--sites", "hook_mlp_out",
+@pytest.mark.parametrize("form", ["flat", "saelens"])
+def test_dataflow_dry_run_builds_the_export_job_and_a_real_run_needs_bucket_paths(store, form, capsys):
+    code = export_main(["--format", form, "--index", store, "--layers", "1", "--sites", "hook_mlp_out",
                         "--output_dir", "gs://some-bucket/export", "--runner", "DataflowRunner", "--dry_run=True",
-                        "--project", "my-project", "--region", "us-central1",
+                        "--project", "my-project", "--region", "us-central1", "--context_size", "8",
                         "--temp_location", "gs://some-bucket/tmp"])
     printed = capsys.readouterr().out
     assert code == 0 and printed.startswith("dry run: built the DataflowRunner export job"), printed
-    assert ("steps Export/Units, Export/ReadUnits, Export/ByOutputShard, Export/WriteShards, Export/AllShards, "
-            "Export/WriteManifest") in printed
-    result = run_in_process("pipeline.export", "--format", "flat", "--index", store, "--layers", "1", "--sites",
+    assert ("steps Export/Units, Export/ReadUnits, Export/CountDropped, Export/ByOutputShard, Export/WriteShards, "
+            "Export/AllShards, Export/WriteManifest") in printed
+    result = run_in_process("pipeline.export", "--format", form, "--index", store, "--layers", "1", "--sites",
                             "hook_mlp_out", "--output_dir", "gs://some-bucket/export", "--runner", "DataflowRunner",
                             "--project", "my-project", "--region", "us-central1", "--temp_location", "gs://some-bucket/t")
     one_line_error(result, "a remote runner's workers cannot reach a local path (give gs:// paths)", "pipeline.export")

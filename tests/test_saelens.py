@@ -12,7 +12,7 @@ import pytest
 
 from activations.reader import iter_activations
 from activations.token_loader import LoaderConfig, TokenLoader
-from fixtures.stored_activations import storage_order
+from fixtures.stored_activations import export_order
 from tests.conftest import REPO, read_streams, run_cli, run_in_process
 
 pytestmark = pytest.mark.slow
@@ -68,9 +68,9 @@ def one_epoch(store):
 
 
 def stored_in_order(index, layer):
-    """Every stored token of ``layer`` in storage order (shard by shard, position by position),
-    read from whole shards."""
-    ids = storage_order(index)
+    """Every stored token of ``layer`` in an unshuffled export's order (by sample id, position by
+    position), read from whole shards."""
+    ids = export_order(index)
     arrays = dict(iter_activations(index, ids, layer))
     return np.concatenate([arrays[i] for i in ids])
 
@@ -78,7 +78,7 @@ def stored_in_order(index, layer):
 def test_activations_store_reads_the_unshuffled_export_as_stored(run_output, arc_streams, tmp_path):
     path = export(run_output, tmp_path / "ordered", "--seed", "none")
     streams = {r["sample_id"]: r for s in read_streams(arc_streams, 2) for r in s}
-    stored_ids = np.concatenate([streams[i]["input_ids"] for i in storage_order(run_output)])
+    stored_ids = np.concatenate([streams[i]["input_ids"] for i in export_order(run_output)])
     for layer in LAYERS:
         got, ids = one_epoch(activations_store(path, f"blocks.{layer}.hook_resid_post"))
         expected = stored_in_order(run_output, layer)

@@ -15,9 +15,10 @@ from activations.index import arrays_path, merged_metadata_path, read_parquet, s
 from activations.site_stats import Moments, table_moments
 from activations.token_loader import LoaderConfig, TokenLoader
 from common.cli import UserError
-from fixtures.stored_activations import StoredSpec, storage_order, stored_tokens, stream_token_ids, write_stored
+from fixtures.stored_activations import (StoredSpec, export_order, storage_order, stored_tokens, stream_token_ids,
+                                        write_stored)
 from tests.conftest import run_in_process
-from tests.test_export_saelens import column, export, in_storage_order
+from tests.test_export_saelens import column, export, in_export_order
 from tests.test_saelens import activations_store, one_epoch
 
 Z, LN2, MLP_OUT = "blocks.1.attn.hook_z", "blocks.1.ln2.hook_normalized", "blocks.1.hook_mlp_out"
@@ -121,9 +122,9 @@ def test_activations_store_reads_a_site_export_as_stored(stored, tmp_path, key):
     assert ds.features[key] == Array2D(shape=(8, WIDTHS[key]), dtype="float32")
     got, ids = one_epoch(activations_store(str(tmp_path / "out"), key, d_in=WIDTHS[key], context=8,
                                            train_batch_size_tokens=8))
-    expected = in_storage_order(index, arrays, key)
+    expected = in_export_order(index, arrays, key)
     assert len(got) == len(expected) // 8 * 8 and np.array_equal(got, expected[:len(got)])
-    flat_ids = [t for s in storage_order(index) for t in stream_token_ids(os.path.dirname(index))[s]]
+    flat_ids = [t for s in export_order(index) for t in stream_token_ids(os.path.dirname(index))[s]]
     assert ids.tolist() == flat_ids[:len(got)]
     info = json.loads((tmp_path / "out" / "activation_export.json").read_text())
     from model.sites import SITES

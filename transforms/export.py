@@ -1,38 +1,43 @@
-"""The export as Beam transforms: ``ExportFlat`` writes a flat export (``activations.flat_layout``)
-of an ``activations.export_plan.ExportPlan``.
+"""The export as Beam transforms: ``ExportShards`` writes an ``activations.export_plan.ExportPlan``
+in a ``ShardFormat``: the flat layout (``activations.flat_layout.FlatFormat``) or SAELens's
+cached-activations directory (``activations.saelens_export.SaeLensFormat``).
 
     units of the leading store (runs of neighbouring samples of one shard: one ranged read per key)
       -> ReadUnit: every kept token of the unit, its columns from every store (joined on sample id
-         and position), its slot from the plan's permutation; one chunk per output shard, spilled
+         and position), its slot from the plan's permutation (slots past the plan's ``exported``
+         left out); one chunk per output shard, spilled; the tokens dropped, counted by reason
       -> GroupByKey(output shard): references to the chunks only
-      -> WriteShard: the shard's rows read and placed at their slots, written (each slot filled
-         exactly once)
-      -> the manifest, once every shard is written; the spill deleted
+      -> WriteShard: the shard's rows read and placed at their slots (each slot filled exactly
+         once), written by the format
+      -> the format's manifest, once every shard is written; the spill deleted
 
 The chunks go to spill files (``{output_dir}/_spill/``, one per output shard's bytes of a worker's
 bundle, a section an output shard), and only (path, offset, length) travels through the shuffle, as
 ``transforms.spill`` does for ``pipeline.prepare``: the local runner would hold every element
-between stages in memory. A worker holds one unit's arrays (``block_bytes`` of shard, decoded) and
-about an output shard of chunks while reading, and one output shard (``rows_per_shard`` rows of
-every column, and its bytes as written) while writing, beside each store's plan and token ids (~50
-bytes a sample and 4 a token: the provenance columns). The bytes written depend on the plan only:
-the same for any number of workers, any bundling, any retry (a retried bundle spills to new files).
+between stages in memory. A worker holds one unit's arrays (``block_bytes`` of shard, decoded), its
+share of the plan (its rows' offsets and token ids, read from ``PlanFiles``) and about an output
+shard of chunks while reading, and one output shard (``rows_per_shard`` rows of every column, and
+its bytes as written) while writing, beside each store's index (``stored_arrays``: about 40 bytes
+a sample and 16 a sample and key; with a selection, its tokens table). Neither the job graph nor a
+worker holds the whole store's token ids. The bytes written depend on the plan only: the same for
+any number of workers, any bundling, any retry (a retried bundle spills to new files).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import uuid
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.transforms.window import GlobalWindows
 
-from activations.export_plan import ExportPlan, permuted
-from activations.flat_layout import LAYOUT, PROVENANCE, SPILL_DIR, array_file, shard_name, write_manifest, write_shard
-from activations.reader import storage_dtype
+from activations.export_plan import ExportPlan, UnitPlan, permuted
+from activations.flat_layout import PROVENANCE, SPILL_DIR
+from activations.reader import CorruptShardError, storage_dtype
+from activations.token_ids import TokenIds
+from activations.token_loader import DROP_REASONS, Block, TokenLoader
 from activations.stored_tokens import read_stored_tokens
 from common.cli import UserError
 from common.files import delete_tree, join, read_range, write_bytes
@@ -64,31 +69,50 @@ def read_section(section: Section) -> dict[str, np.ndarray]:
         return {name: arrays[name] for name in arrays.files}
 
 
-@dataclasses.dataclass(frozen=True)
-class ExportTarget:
-    """Where and how the export is written."""
+DROPPED = "dropped"  # ReadUnit's second output: {reason: tokens} of a unit
+
+
+class ShardFormat(Protocol):
+    """How an export's output shards and its manifest are written (picklable: it travels to the
+    workers). ``dtype`` is the arrays' (float32 | float16 | bfloat16)."""
     output_dir: str
-    dtype: str                       # float32 | float16 | bfloat16
-    statistics: dict[str, Any] | None = None  # per column, what it was normalised by (statistics.json)
+    dtype: str
+
+    def write_shard(self, plan: ExportPlan, shard: int, arrays: dict[str, np.ndarray],
+                    provenance: dict[str, np.ndarray]) -> int:
+        """Writes output shard ``shard`` (each column [rows, width], each provenance column
+        [rows]); returns the bytes written. The same bytes for the same rows, whoever writes."""
+
+    def finish(self, plan: ExportPlan, shards: list[tuple[int, int, int]], dropped: dict[str, int]) -> dict[str, Any]:
+        """Writes what marks the export complete, from every shard's (shard, rows, bytes) and
+        the tokens dropped by reason; returns the manifest."""
+
+
+def sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in counts:
+        for reason, n in part.items():
+            total[reason] = total.get(reason, 0) + n
+    return total
 
 
 class ReadUnit(beam.DoFn):
     """A unit of the leading store -> (output shard, chunk): the chunk's ``slot`` [n] (row in the
-    shard), each column [n, width] and the provenance columns, for its tokens bound there."""
+    shard), each column [n, width] and the provenance columns, for its tokens bound there; and,
+    tagged ``DROPPED``, its tokens left out by reason."""
 
     def __init__(self, plan: ExportPlan, root: str):
         self.plan, self.root = plan, root
 
     def setup(self) -> None:
-        from activations.token_loader import TokenLoader
-        self.loaders = [TokenLoader(c) for c in self.plan.loader_configs]
-        self.rows = [dict(zip(loader.stored.sample_id.tolist(), range(len(loader.stored)))) for loader in self.loaders]
+        # Token ids come unit by unit from the plan's files, never from the streams.
+        self.loaders = [TokenLoader(c, token_ids=TokenIds.empty()) for c in self.plan.loader_configs]
         try:  # the roles of the leading store's tokens (a store from before roles has none)
             self.roles = read_stored_tokens(self.plan.stores[0].index)
         except UserError:
             self.roles = None
         self.dropped = {reason: beam.metrics.Metrics.counter("export", f"dropped_{reason}")
-                        for reason in ("selection", "first_positions", "token_ids")}
+                        for reason in DROP_REASONS}
         self.exported = beam.metrics.Metrics.counter("export", "tokens")
 
     def start_bundle(self) -> None:
@@ -109,17 +133,27 @@ class ReadUnit(beam.DoFn):
 
     def process(self, bounds: tuple[int, int]) -> Iterator[tuple[int, Section]]:
         plan, lead = self.plan, self.loaders[0]
-        block = lead.read_block(tuple(bounds))
+        start, stop = bounds
+        unit = plan.files.unit((start, stop), lead.stored.sample_id[start:stop])
+        for loader in self.loaders:
+            loader.use_token_ids(unit.token_ids)  # the stores' token ids are the same (planned)
+        block = _read_block(lead, (start, stop))
         for reason, n in block.dropped.items():
             self.dropped[reason].inc(n)
         parts = []
-        for row, piece in zip(range(*bounds), block.pieces):
+        for k, piece in enumerate(block.pieces):
             if len(piece["positions"]):
-                parts.append(self._tokens(row, piece))
+                parts.append(self._tokens(unit, k, piece))
+        yield beam.pvalue.TaggedOutput(DROPPED, dict(block.dropped))
         if not parts:
             return
         tokens = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
         slots = permuted(tokens.pop("number"), plan.total, plan.seed)
+        inside = slots < plan.exported  # the others: past --max_tokens, or short of a last whole row
+        if not inside.all():
+            tokens, slots = {name: values[inside] for name, values in tokens.items()}, slots[inside]
+        if not len(slots):
+            return
         shard, tokens["slot"] = np.divmod(slots, plan.rows_per_shard)
         order = np.argsort(shard, kind="stable")
         shard = shard[order]
@@ -132,18 +166,19 @@ class ReadUnit(beam.DoFn):
         if self.pending_bytes >= min(FLUSH_BYTES, plan.shard_bytes):
             yield from self._flush()
 
-    def _tokens(self, row: int, piece: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
-        """One sample's kept tokens: their canonical numbers, columns and provenance."""
+    def _tokens(self, unit: UnitPlan, k: int, piece: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
+        """The kept tokens of the unit's ``k``-th sample: their canonical numbers, columns and provenance."""
         plan = self.plan
         sample_id, positions = int(piece["sample_ids"][0]), piece["positions"]
         pieces = {0: piece}
         for store in sorted({i for i, _ in plan.columns.values()} - {0}):
-            other = self.loaders[store].read_block((self.rows[store][sample_id], self.rows[store][sample_id] + 1))
+            row = int(unit.rows[store][k])
+            other = _read_block(self.loaders[store], (row, row + 1))
             pieces[store] = other.pieces[0]
             if not np.array_equal(pieces[store]["positions"], positions):
                 raise ValueError(f"store {plan.stores[store].name} keeps other positions of sample {sample_id}")
         out = {name: pieces[store][key] for name, (store, key) in plan.columns.items()}
-        out["number"] = plan.offsets[row] + np.arange(len(positions))
+        out["number"] = unit.offsets[k] + np.arange(len(positions))
         out.update(sample_id=piece["sample_ids"], position=positions, token_id=piece["token_ids"].astype(np.int32),
                    role=self._roles(sample_id, positions))
         return out
@@ -160,15 +195,23 @@ class ReadUnit(beam.DoFn):
         return np.where(positions >= 0, codes[np.maximum(positions, 0)], -1).astype(np.int8)
 
 
+def _read_block(loader: TokenLoader, bounds: tuple[int, int]) -> Block:
+    """``loader.read_block``, a corrupt shard as the user's one line."""
+    try:
+        return loader.read_block(bounds)
+    except CorruptShardError as e:  # one line for the user, through the runner
+        raise UserError(str(e)) from None
+
+
 class WriteShard(beam.DoFn):
     """(output shard, its chunks' spill sections) -> the shard written; yields (shard, rows, bytes)."""
 
-    def __init__(self, plan: ExportPlan, target: ExportTarget):
-        self.plan, self.target = plan, target
+    def __init__(self, plan: ExportPlan, form: ShardFormat):
+        self.plan, self.form = plan, form
 
     def process(self, element: tuple[int, Iterable[Section]]) -> Iterator[tuple[int, int, int]]:
         shard, sections = element
-        plan, dtype = self.plan, storage_dtype(self.target.dtype)
+        plan, dtype = self.plan, storage_dtype(self.form.dtype)
         rows = plan.shard_rows(shard)
         arrays = {name: np.zeros((rows, plan.widths[name]), dtype) for name in plan.columns}
         provenance = {name: np.zeros(rows, kind) for name, kind in PROVENANCE.items()}
@@ -184,48 +227,42 @@ class WriteShard(beam.DoFn):
         if not (filled == 1).all():
             raise ValueError(f"output shard {shard}: {int((filled == 0).sum())} rows unfilled, "
                              f"{int((filled > 1).sum())} filled twice")
-        yield shard, rows, write_shard(self.target.output_dir, shard, arrays, provenance)
+        yield shard, rows, self.form.write_shard(plan, shard, arrays, provenance)
 
 
 class WriteManifest(beam.DoFn):
-    """Every shard's (shard, rows, bytes) -> ``export.json`` (and ``statistics.json``)."""
+    """Every shard's (shard, rows, bytes) and the tokens dropped -> the format's manifest; the
+    spill deleted."""
 
-    def __init__(self, plan: ExportPlan, target: ExportTarget, description: dict[str, Any]):
-        self.plan, self.target, self.description = plan, target, description
+    def __init__(self, plan: ExportPlan, form: ShardFormat):
+        self.plan, self.form = plan, form
 
-    def process(self, written: list[tuple[int, int, int]]) -> Iterator[dict[str, Any]]:
-        plan = self.plan
+    def process(self, written: list[tuple[int, int, int]], dropped: dict[str, int]) -> Iterator[dict[str, Any]]:
         shards = sorted(written)
-        if [s for s, _, _ in shards] != list(range(plan.shards)):
-            raise ValueError(f"{len(shards)} of {plan.shards} output shards written")
-        manifest = {
-            "layout": LAYOUT, "rows": plan.total, "rows_per_shard": plan.rows_per_shard, "seed": plan.seed,
-            "dtype": self.target.dtype, **self.description,
-            "columns": [{"name": name, "file": array_file(name), "store": plan.stores[store].name,
-                         "key": str(key), "width": plan.widths[name], "dtype": self.target.dtype}
-                        for name, (store, key) in plan.columns.items()],
-            "stores": [{"name": s.name, "index": s.index} for s in plan.stores],
-            "shards": [{"directory": shard_name(s), "rows": rows, "bytes": size} for s, rows, size in shards],
-        }
-        write_manifest(self.target.output_dir, manifest, self.target.statistics)
-        delete_tree(join(self.target.output_dir, SPILL_DIR))
+        if [s for s, _, _ in shards] != list(range(self.plan.shards)):
+            raise ValueError(f"{len(shards)} of {self.plan.shards} output shards written")
+        manifest = self.form.finish(self.plan, shards, {**dict.fromkeys(DROP_REASONS, 0), **dropped})
+        delete_tree(join(self.form.output_dir, SPILL_DIR))
         yield manifest
 
 
-class ExportFlat(beam.PTransform):
-    """The whole flat export of ``plan``, from the leading store's ``units`` (row ranges)."""
+class ExportShards(beam.PTransform):
+    """The whole export of ``plan`` in ``form``, from the leading store's ``units`` (row ranges)."""
 
-    def __init__(self, plan: ExportPlan, units: list[tuple[int, int]], target: ExportTarget,
-                 description: dict[str, Any]):
+    def __init__(self, plan: ExportPlan, units: list[tuple[int, int]], form: ShardFormat):
         super().__init__()
-        self.plan, self.units, self.target, self.description = plan, units, target, description
+        self.plan, self.units, self.form = plan, units, form
 
     def expand(self, pipeline):
-        written = (pipeline
-                   | "Units" >> beam.Create(self.units, reshuffle=True)
-                   | "ReadUnits" >> beam.ParDo(ReadUnit(self.plan, self.target.output_dir))
+        read = (pipeline
+                | "Units" >> beam.Create(self.units, reshuffle=True)
+                | "ReadUnits" >> beam.ParDo(ReadUnit(self.plan, self.form.output_dir)).with_outputs(
+                    DROPPED, main="chunks"))
+        dropped = read[DROPPED] | "CountDropped" >> beam.CombineGlobally(sum_counts)
+        written = (read.chunks
                    | "ByOutputShard" >> beam.GroupByKey()
-                   | "WriteShards" >> beam.ParDo(WriteShard(self.plan, self.target)))
+                   | "WriteShards" >> beam.ParDo(WriteShard(self.plan, self.form)))
         return (written
                 | "AllShards" >> beam.combiners.ToList()
-                | "WriteManifest" >> beam.ParDo(WriteManifest(self.plan, self.target, self.description)))
+                | "WriteManifest" >> beam.ParDo(WriteManifest(self.plan, self.form),
+                                                beam.pvalue.AsSingleton(dropped)))
