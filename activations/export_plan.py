@@ -24,6 +24,7 @@ graph nor a worker holds them for the whole store.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,6 +38,12 @@ from common.files import join, read_range, write_bytes
 from model.sites import ArrayKey, describe_key, key_parts
 
 ROUNDS = 4  # Feistel rounds: 4 give a pseudo-random permutation of the domain
+# The shuffle's passes (transforms.export): one pass spreads every unit over every output shard, so
+# a shard gathers (export bytes / a worker's flush) sections of (shard bytes x flush / export bytes)
+# each: fine up to a few hundred shards, then too many too small reads. Two passes go through
+# buckets of about sqrt(shards) shards first, for sections about sqrt(shards) times larger.
+SHUFFLES = ("auto", "1", "2")
+TWO_PASS_SHARDS = 256
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -162,6 +169,7 @@ class ExportPlan:
     total: int                 # kept tokens (after the selection and filters)
     exported: int              # <= total: --max_tokens, whole rows of a format's row (SAELens's context)
     rows_per_shard: int
+    shards_per_bucket: int     # 1: one shuffle pass; more: a first pass to buckets of this many shards (SHUFFLES)
     seed: int | None
     columns: dict[str, tuple[int, ArrayKey]]  # column name -> (store number, key)
     widths: dict[str, int]                    # column name -> width
@@ -169,6 +177,16 @@ class ExportPlan:
     @property
     def shards(self) -> int:
         return max(1, -(-self.exported // self.rows_per_shard))
+
+    @property
+    def passes(self) -> int:
+        return 1 if self.shards_per_bucket == 1 else 2
+
+    def routed(self, slots: np.ndarray, first_pass: bool) -> np.ndarray:
+        """[n] where tokens at ``slots`` go next: their bucket in a two-pass shuffle's first pass,
+        else their output shard."""
+        shards = slots // self.rows_per_shard
+        return shards // self.shards_per_bucket if first_pass and self.passes == 2 else shards
 
     @property
     def shard_bytes(self) -> int:
@@ -181,15 +199,24 @@ class ExportPlan:
         return min(self.rows_per_shard, self.exported - shard * self.rows_per_shard)
 
 
+def shards_per_bucket(shards: int, passes: str) -> int:
+    """How many output shards a first pass's bucket holds (1: one pass). ``auto``: two passes past
+    ``TWO_PASS_SHARDS`` shards, buckets of about sqrt(shards) shards, so that both passes' spill
+    sections are about sqrt(shards) times a one-pass section."""
+    if passes == "1" or (passes == "auto" and shards <= TWO_PASS_SHARDS):
+        return 1
+    return max(1, math.isqrt(shards - 1) + 1)
+
+
 def make_plan(stores: Sequence[StoreSpec], keys: Sequence[ArrayKey], shard_bytes: int, seed: int | None,
-              files: str, max_tokens: int | None = None, row_tokens: int = 1, **loader_settings,
-              ) -> tuple[ExportPlan, list[TokenLoader], np.ndarray]:
+              files: str, max_tokens: int | None = None, row_tokens: int = 1, passes: str = "auto",
+              **loader_settings) -> tuple[ExportPlan, list[TokenLoader], np.ndarray]:
     """The plan of an export of ``keys`` of every store, its output shards of about
     ``shard_bytes`` of arrays each, in whole rows of ``row_tokens`` tokens, at most ``max_tokens``
-    tokens; the loaders it read them with (to reuse on this process) and the leading rows'
-    offsets, for ``plan.files.write`` (under ``files``): ``loader_settings`` go to every store's
-    ``LoaderConfig`` (``tokens``, ``exclude_first_positions``, ``exclude_token_ids``,
-    ``normalize``, ``dtype``, ...)."""
+    tokens, shuffled in ``passes`` (``SHUFFLES``); the loaders it read them with (to reuse on this
+    process) and the leading rows' offsets, for ``plan.files.write`` (under ``files``):
+    ``loader_settings`` go to every store's ``LoaderConfig`` (``tokens``,
+    ``exclude_first_positions``, ``exclude_token_ids``, ``normalize``, ``dtype``, ...)."""
     if seed is not None and not 0 <= seed < 2**63:
         raise UserError(f"--seed must be below 2^63 for an export, got {seed}")
     configs = tuple(LoaderConfig(index=s.index, layers=tuple(keys), seed=None, with_token_ids=True,
@@ -217,8 +244,9 @@ def make_plan(stores: Sequence[StoreSpec], keys: Sequence[ArrayKey], shard_bytes
         raise UserError(f"{min(total, max_tokens or total)} tokens selected: fewer than one row of "
                         f"--context_size {row_tokens}")
     plan_files = PlanFiles(files, tuple(range(1, len(stores))))
-    return (ExportPlan(tuple(stores), configs, plan_files, total, exported, rows_per_shard, seed, columns, widths),
-            loaders, offsets)
+    per_bucket = shards_per_bucket(-(-exported // rows_per_shard), passes)
+    return (ExportPlan(tuple(stores), configs, plan_files, total, exported, rows_per_shard, per_bucket, seed,
+                       columns, widths), loaders, offsets)
 
 
 def _check_joinable(lead_spec: StoreSpec, lead: TokenLoader, spec: StoreSpec, other: TokenLoader) -> None:

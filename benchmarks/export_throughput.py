@@ -4,7 +4,8 @@ For a synthetic 2-machine store (``fixtures.stored_activations``: float16, hidde
 64..512 tokens a sample) at 1x and ``--scale`` times the samples:
   * ``pipeline.export --format flat`` on the local FnApiRunner with 2 workers
     (``multi_processing``), in a process of its own: rows/s in all and per worker, and the peak
-    RSS (``VmHWM``, polled from outside) of the runner process and of each worker;
+    RSS (``VmHWM``, polled from outside) of the runner process and of each worker; at the larger
+    scale also with ``--shuffle_passes 2`` (its output checked identical);
   * the export read back by ``FlatExport.batches`` (every column, batches of 4096 rows, shard by
     shard, a thread reading ahead) against ``np.fromfile`` of the same files one after the other:
     GB/s of each (the best of 5 rounds, alternated) and the ratio, from the disk (each file's
@@ -34,10 +35,10 @@ from benchmarks.prepare_throughput import PeakRss  # noqa: E402
 from fixtures.stored_activations import StoredSpec, write_stored  # noqa: E402
 
 
-def export(index: str, out: str) -> dict:
+def export(index: str, out: str, passes: str = "1") -> dict:
     """One export with 2 local workers, in a process of its own: seconds and peak RSS."""
     command = [sys.executable, "-m", "pipeline.export", "--format", "flat", "--index", index, "--layers", "0,1",
-               "--seed", "0", "--shard_mb", "16", "--output_dir", out,
+               "--seed", "0", "--shard_mb", "16", "--output_dir", out, "--shuffle_passes", passes,
                "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
     start = time.perf_counter()
     child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,6 +48,10 @@ def export(index: str, out: str) -> dict:
     if child.returncode:
         raise SystemExit(f"the export failed:\n{stderr[-3000:]}")
     return {"seconds": seconds, "runner": rss.peaks.get(child.pid, ("", 0))[1], "workers": rss.workers()}
+
+
+def files(root: str) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
 
 
 def evicted(paths: list[str]) -> None:
@@ -108,6 +113,13 @@ def main() -> None:
             print(f"{scale}x: {rows} rows ({size / 1e6:.0f} MB of float32 arrays) in {run['seconds']:.1f} s: "
                   f"{rows / run['seconds']:.0f} rows/s, {rows / run['seconds'] / 2:.0f} per worker; peak RSS runner "
                   f"{run['runner'] / 2**20:.0f} MiB, workers {workers} MiB")
+            if scale > 1:
+                two = export(index, os.path.join(root, "two_passes"), passes="2")
+                same = files(out) == files(os.path.join(root, "two_passes"))
+                print(f"{scale}x, two shuffle passes: {rows / two['seconds']:.0f} rows/s, "
+                      f"{rows / two['seconds'] / 2:.0f} per worker; peak RSS runner {two['runner'] / 2**20:.0f} MiB, "
+                      f"workers {', '.join(f'{w / 2**20:.0f}' for w in two['workers'])} MiB; output "
+                      f"{'identical' if same else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ import logging
 from apache_beam.options.pipeline_options import StandardOptions
 
 from activations import flat_layout, saelens_export
-from activations.export_plan import ExportPlan, StoreSpec, column_statistics, describe_columns, make_plan, parse_stores
+from activations.export_plan import (SHUFFLES, ExportPlan, StoreSpec, column_statistics, describe_columns, make_plan,
+                                     parse_stores)
 from activations.flat_layout import SPILL_DIR, FlatFormat, check_output_dir
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.saelens_export import SaeLensFormat, SaeLensLayout, column_names, export_info
@@ -66,6 +67,10 @@ class ExportConfig:
     store: tuple[StoreSpec, ...] = flag((), "flat: several stores of the same streams joined row by row, "
                                         "NAME=INDEX,NAME=INDEX (columns NAME/blocks.L.SITE; the first leads)",
                                         parse=parse_stores)
+    shuffle_passes: str = flag("auto", "passes of the global shuffle: 1 (each unit straight to every output shard), "
+                               "2 (through buckets of about sqrt(shards) shards first: larger spill reads for "
+                               "exports of many shards), auto (2 past 256 shards); the output is the same",
+                               choices=SHUFFLES)
     shard_mb: float = flag(256.0, "an output shard's arrays (saelens: an Arrow file's), about this many MB, "
                            "in whole rows (a writer holds one)")
     normalize: str = flag("none", "flat: scale each column by its store's statistics: none | mean_norm | "
@@ -150,14 +155,15 @@ def export(config: ExportConfig, options) -> int:
     plan, loaders, offsets = make_plan(stores, config.keys, int(config.shard_mb * 2**20), config.seed,
                                        join(config.output_dir, SPILL_DIR, "plan"), max_tokens=config.max_tokens,
                                        row_tokens=config.context_size if saelens else 1, tokens=config.tokens,
+                                       passes=config.shuffle_passes,
                                        exclude_first_positions=config.exclude_first_positions,
                                        exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
                                        dtype=config.dtype, streams_dir=config.streams_dir, read_threads=1)
     form = saelens_format(config, plan, loaders[0], names) if saelens else flat_format(config, plan)
     units = blocks(loaders[0].stored, None, loaders[0].config.block_bytes)
-    log.info("exporting %d of %d tokens of %d samples (columns %s) in %d shards of %d rows to %s", plan.exported,
-             plan.total, len(loaders[0].stored), describe_columns(plan), plan.shards, plan.rows_per_shard,
-             config.output_dir)
+    log.info("exporting %d of %d tokens of %d samples (columns %s) in %d shards of %d rows to %s, shuffled in %d "
+             "pass(es)", plan.exported, plan.total, len(loaders[0].stored), describe_columns(plan), plan.shards,
+             plan.rows_per_shard, config.output_dir, plan.passes)
     if not dry_run:
         if config.overwrite:  # planned: the old export goes only now
             delete_tree(config.output_dir)

@@ -49,13 +49,17 @@ def rows_of(out: pathlib.Path) -> tuple[FlatExport, list[dict]]:
                    zip(table.column_names, table.columns)} for table in map(flat.provenance, range(len(flat.shards)))]
 
 
-def test_two_workers_write_what_one_does_every_token_once_each_shard_from_the_whole_store(store, tmp_path):
+def test_two_workers_write_what_one_does_every_token_once_each_shard_from_the_whole_store(store, tmp_path, caplog):
+    caplog.set_level("INFO", logger="pipeline.export")
     flags = ["--index", store, "--layers", "0,2", "--sites", "hook_mlp_out", "--seed", "3", "--shard_mb", "0.004",
              "--exclude_first_positions", "1"]
     export(*flags, "--output_dir", str(tmp_path / "one"))
     export(*flags, "--output_dir", str(tmp_path / "two"), "--direct_num_workers", "2",
            "--direct_running_mode", "multi_processing")
-    assert files(tmp_path / "one") == files(tmp_path / "two")
+    export(*flags, "--output_dir", str(tmp_path / "passes"), "--shuffle_passes", "2", "--direct_num_workers", "2",
+           "--direct_running_mode", "multi_processing")  # through buckets of 3 shards first
+    assert "in 9 shards of" in caplog.text and "shuffled in 2 pass(es)" in caplog.text
+    assert files(tmp_path / "one") == files(tmp_path / "two") == files(tmp_path / "passes")
     assert not (tmp_path / "one" / "_spill").exists()  # the chunks' spill, gone once the shards are written
     flat, provenance = rows_of(tmp_path / "one")
     stored = stored_tokens(store, [array_key("hook_mlp_out", 0), array_key("hook_mlp_out", 2)])

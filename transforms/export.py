@@ -5,22 +5,30 @@ cached-activations directory (``activations.saelens_export.SaeLensFormat``).
     units of the leading store (runs of neighbouring samples of one shard: one ranged read per key)
       -> ReadUnit: every kept token of the unit, its columns from every store (joined on sample id
          and position), its slot from the plan's permutation (slots past the plan's ``exported``
-         left out); one chunk per output shard, spilled; the tokens dropped, counted by reason
+         left out); one chunk per output shard (first pass of two: per bucket of shards), spilled;
+         the tokens dropped, counted by reason
+     [-> GroupByKey(bucket) -> units of a bucket's sections -> RouteBucketUnit: their tokens, one
+         chunk per output shard, spilled again: a two-pass shuffle only]
       -> GroupByKey(output shard): references to the chunks only
       -> WriteShard: the shard's rows read and placed at their slots (each slot filled exactly
          once), written by the format
       -> the format's manifest, once every shard is written; the spill deleted
 
 The chunks go to spill files (``{output_dir}/_spill/``, one per output shard's bytes of a worker's
-bundle, a section an output shard), and only (path, offset, length) travels through the shuffle, as
+bundle, a section a key), and only (path, offset, length) travels through the shuffle, as
 ``transforms.spill`` does for ``pipeline.prepare``: the local runner would hold every element
-between stages in memory. A worker holds one unit's arrays (``block_bytes`` of shard, decoded), its
-share of the plan (its rows' offsets and token ids, read from ``PlanFiles``) and about an output
-shard of chunks while reading, and one output shard (``rows_per_shard`` rows of every column, and
-its bytes as written) while writing, beside each store's index (``stored_arrays``: about 40 bytes
-a sample and 16 a sample and key; with a selection, its tokens table). Neither the job graph nor a
-worker holds the whole store's token ids. The bytes written depend on the plan only: the same for
-any number of workers, any bundling, any retry (a retried bundle spills to new files).
+between stages in memory. One pass gives each output shard (export bytes / flush) sections of
+(shard bytes x flush / export bytes) each, too small past a few hundred shards; two passes
+(``activations.export_plan.SHUFFLES``) make both passes' sections about sqrt(shards) times larger
+for one more write and read of every byte. A worker holds one unit's arrays (``block_bytes`` of
+shard, decoded), its share of the plan (its rows' offsets and token ids, read from ``PlanFiles``)
+and about an output shard of chunks while reading (a second pass: a unit of about a shard of
+sections, and as much gathered), and one output shard (``rows_per_shard`` rows of every column,
+and its bytes as written) while writing, beside each store's index (``stored_arrays``: about 44
+bytes a sample and 16 a sample and key; with a selection, its tokens table). Neither the job graph
+nor a worker holds the whole store's token ids. The bytes written depend on the plan only: the
+same for any number of workers or passes, any bundling, any retry (a retried bundle spills to new
+files).
 """
 
 from __future__ import annotations
@@ -69,6 +77,36 @@ def read_section(section: Section) -> dict[str, np.ndarray]:
         return {name: arrays[name] for name in arrays.files}
 
 
+class Gatherer:
+    """A worker's chunks by where they go next (a bucket or an output shard), spilled together
+    once past ``flush_bytes`` (and at the bundle's end: ``flush``)."""
+
+    def __init__(self, root: str, flush_bytes: int):
+        self.root, self.flush_bytes = root, flush_bytes
+        self.pending: dict[int, list[dict[str, np.ndarray]]] = {}
+        self.pending_bytes = 0
+
+    def add(self, keys: np.ndarray, tokens: dict[str, np.ndarray]) -> Iterator[tuple[int, Section]]:
+        """Gathers ``tokens`` (columns [n, ...]) by ``keys`` [n]; yields sections when it spills."""
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        edges = np.flatnonzero(np.diff(keys)) + 1
+        for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(keys)]):
+            chunk = {name: values[order[lo:hi]] for name, values in tokens.items()}
+            self.pending.setdefault(int(keys[lo]), []).append(chunk)
+            self.pending_bytes += sum(values.nbytes for values in chunk.values())
+        if self.pending_bytes >= self.flush_bytes:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[tuple[int, Section]]:
+        """The gathered chunks spilled into one file, a section a key."""
+        chunks = {key: {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+                  for key, parts in sorted(self.pending.items())}
+        self.pending, self.pending_bytes = {}, 0
+        if chunks:
+            yield from spilled(self.root, chunks)
+
+
 DROPPED = "dropped"  # ReadUnit's second output: {reason: tokens} of a unit
 
 
@@ -97,9 +135,9 @@ def sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
 
 
 class ReadUnit(beam.DoFn):
-    """A unit of the leading store -> (output shard, chunk): the chunk's ``slot`` [n] (row in the
-    shard), each column [n, width] and the provenance columns, for its tokens bound there; and,
-    tagged ``DROPPED``, its tokens left out by reason."""
+    """A unit of the leading store -> (output shard, or first-pass bucket; a chunk's spill section):
+    the chunk's ``slot`` [n] (in the whole export), each column [n, width] and the provenance
+    columns, for its tokens bound there; and, tagged ``DROPPED``, its tokens left out by reason."""
 
     def __init__(self, plan: ExportPlan, root: str):
         self.plan, self.root = plan, root
@@ -116,20 +154,11 @@ class ReadUnit(beam.DoFn):
         self.exported = beam.metrics.Metrics.counter("export", "tokens")
 
     def start_bundle(self) -> None:
-        self.pending: dict[int, list[dict[str, np.ndarray]]] = {}  # output shard -> chunks not yet spilled
-        self.pending_bytes = 0
+        self.gather = Gatherer(self.root, min(FLUSH_BYTES, self.plan.shard_bytes))
 
     def finish_bundle(self) -> Iterator:
-        for element in self._flush():  # outputs of finish_bundle carry their window: the global one
+        for element in self.gather.flush():  # outputs of finish_bundle carry their window: the global one
             yield GlobalWindows.windowed_value(element)
-
-    def _flush(self) -> Iterator[tuple[int, Section]]:
-        """The gathered chunks spilled into one file, a section an output shard."""
-        chunks = {shard: {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-                  for shard, parts in sorted(self.pending.items())}
-        self.pending, self.pending_bytes = {}, 0
-        if chunks:
-            yield from spilled(self.root, chunks)
 
     def process(self, bounds: tuple[int, int]) -> Iterator[tuple[int, Section]]:
         plan, lead = self.plan, self.loaders[0]
@@ -154,17 +183,9 @@ class ReadUnit(beam.DoFn):
             tokens, slots = {name: values[inside] for name, values in tokens.items()}, slots[inside]
         if not len(slots):
             return
-        shard, tokens["slot"] = np.divmod(slots, plan.rows_per_shard)
-        order = np.argsort(shard, kind="stable")
-        shard = shard[order]
-        edges = np.flatnonzero(np.diff(shard)) + 1
-        for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(shard)]):
-            chunk = {name: values[order[lo:hi]] for name, values in tokens.items()}
-            self.pending.setdefault(int(shard[lo]), []).append(chunk)
-            self.pending_bytes += sum(values.nbytes for values in chunk.values())
+        tokens["slot"] = slots
         self.exported.inc(len(slots))
-        if self.pending_bytes >= min(FLUSH_BYTES, plan.shard_bytes):
-            yield from self._flush()
+        yield from self.gather.add(plan.routed(slots, first_pass=True), tokens)
 
     def _tokens(self, unit: UnitPlan, k: int, piece: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
         """The kept tokens of the unit's ``k``-th sample: their canonical numbers, columns and provenance."""
@@ -203,6 +224,40 @@ def _read_block(loader: TokenLoader, bounds: tuple[int, int]) -> Block:
         raise UserError(str(e)) from None
 
 
+def bucket_units(element: tuple[int, Iterable[Section]], unit_bytes: int) -> Iterator[list[Section]]:
+    """A first-pass bucket's sections, in units of about ``unit_bytes`` (a second pass reads one at a time)."""
+    _, sections = element
+    unit, size = [], 0
+    for section in sections:
+        unit.append(section)
+        size += section[2]
+        if size >= unit_bytes:
+            yield unit
+            unit, size = [], 0
+    if unit:
+        yield unit
+
+
+class RouteBucketUnit(beam.DoFn):
+    """A two-pass shuffle's second pass: a unit of a bucket's sections -> (output shard, chunk
+    section), gathered and spilled as ``ReadUnit`` does."""
+
+    def __init__(self, plan: ExportPlan, root: str):
+        self.plan, self.root = plan, root
+
+    def start_bundle(self) -> None:
+        self.gather = Gatherer(self.root, min(FLUSH_BYTES, self.plan.shard_bytes))
+
+    def finish_bundle(self) -> Iterator:
+        for element in self.gather.flush():
+            yield GlobalWindows.windowed_value(element)
+
+    def process(self, sections: list[Section]) -> Iterator[tuple[int, Section]]:
+        chunks = [read_section(section) for section in sections]
+        tokens = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+        yield from self.gather.add(self.plan.routed(tokens["slot"], first_pass=False), tokens)
+
+
 class WriteShard(beam.DoFn):
     """(output shard, its chunks' spill sections) -> the shard written; yields (shard, rows, bytes)."""
 
@@ -218,7 +273,7 @@ class WriteShard(beam.DoFn):
         filled = np.zeros(rows, np.int32)
         for section in sections:
             chunk = read_section(section)
-            slot = chunk["slot"]
+            slot = chunk["slot"] - shard * plan.rows_per_shard  # its row
             np.add.at(filled, slot, 1)
             for name in arrays:
                 arrays[name][slot] = chunk[name].view(dtype) if dtype.name == "bfloat16" else chunk[name]
@@ -259,7 +314,14 @@ class ExportShards(beam.PTransform):
                 | "ReadUnits" >> beam.ParDo(ReadUnit(self.plan, self.form.output_dir)).with_outputs(
                     DROPPED, main="chunks"))
         dropped = read[DROPPED] | "CountDropped" >> beam.CombineGlobally(sum_counts)
-        written = (read.chunks
+        chunks = read.chunks
+        if self.plan.passes == 2:
+            chunks = (chunks
+                      | "ByBucket" >> beam.GroupByKey()
+                      | "BucketUnits" >> beam.FlatMap(bucket_units, min(FLUSH_BYTES, self.plan.shard_bytes))
+                      | "SpreadBucketUnits" >> beam.Reshuffle()
+                      | "RouteBucketUnits" >> beam.ParDo(RouteBucketUnit(self.plan, self.form.output_dir)))
+        written = (chunks
                    | "ByOutputShard" >> beam.GroupByKey()
                    | "WriteShards" >> beam.ParDo(WriteShard(self.plan, self.form)))
         return (written
