@@ -169,10 +169,11 @@ class ReadUnit(beam.DoFn):
         block = _read_block(lead, (start, stop))
         for reason, n in block.dropped.items():
             self.dropped[reason].inc(n)
+        others = {store: self._joined(store, unit.rows[store]) for store in plan.files.others}
         parts = []
         for k, piece in enumerate(block.pieces):
             if len(piece["positions"]):
-                parts.append(self._tokens(unit, k, piece))
+                parts.append(self._tokens(unit, k, piece, {store: pieces[k] for store, pieces in others.items()}))
         yield beam.pvalue.TaggedOutput(DROPPED, dict(block.dropped))
         if not parts:
             return
@@ -187,16 +188,32 @@ class ReadUnit(beam.DoFn):
         self.exported.inc(len(slots))
         yield from self.gather.add(plan.routed(slots, first_pass=True), tokens)
 
-    def _tokens(self, unit: UnitPlan, k: int, piece: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
-        """The kept tokens of the unit's ``k``-th sample: their canonical numbers, columns and provenance."""
+    def _joined(self, store: int, rows: np.ndarray) -> list[dict[Any, np.ndarray]]:
+        """Another store's pieces of the unit's samples (at ``rows`` there), in the unit's order:
+        read by runs of consecutive rows of one shard (one ranged read per run and key)."""
+        if not len(rows):
+            return []
+        shard, order = self.loaders[store].stored.shard, np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        # A run ends where the next row is not the next one of the same shard.
+        ends = [i + 1 for i in range(len(ordered) - 1)
+                if ordered[i + 1] != ordered[i] + 1 or shard[ordered[i + 1]] != shard[ordered[i]]] + [len(ordered)]
+        pieces: list[dict[Any, np.ndarray]] = [{}] * len(rows)
+        for start, stop in zip([0, *ends[:-1]], ends):
+            block = _read_block(self.loaders[store], (int(ordered[start]), int(ordered[stop - 1]) + 1))
+            for j, piece in zip(order[start:stop], block.pieces):
+                pieces[j] = piece
+        return pieces
+
+    def _tokens(self, unit: UnitPlan, k: int, piece: dict[Any, np.ndarray], others: dict[int, dict[Any, np.ndarray]],
+                ) -> dict[str, np.ndarray]:
+        """The kept tokens of the unit's ``k``-th sample (``others``: its pieces in the other
+        stores): their canonical numbers, columns and provenance."""
         plan = self.plan
         sample_id, positions = int(piece["sample_ids"][0]), piece["positions"]
-        pieces = {0: piece}
-        for store in sorted({i for i, _ in plan.columns.values()} - {0}):
-            row = int(unit.rows[store][k])
-            other = _read_block(self.loaders[store], (row, row + 1))
-            pieces[store] = other.pieces[0]
-            if not np.array_equal(pieces[store]["positions"], positions):
+        pieces = {0: piece, **others}
+        for store, other in others.items():
+            if not np.array_equal(other["positions"], positions):
                 raise ValueError(f"store {plan.stores[store].name} keeps other positions of sample {sample_id}")
         out = {name: pieces[store][key] for name, (store, key) in plan.columns.items()}
         out["number"] = unit.offsets[k] + np.arange(len(positions))
