@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from activations.flat_layout import SPILL_DIR
+from activations.flat_layout import SPILL_DIR, STATISTICS
 from activations.layer_names import column_name, layer_names
 from activations.token_loader import TokenLoader
 from common.cli import UserError
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 EXPORT_INFO_FILE, STATE_FILE = "activation_export.json", "state.json"
 # What an export's directory holds; anything else there is never replaced.
-WRITTEN = re.compile(rf"{re.escape(EXPORT_INFO_FILE)}|{re.escape(STATE_FILE)}|dataset_info\.json|{SPILL_DIR}|"
-                     r"data-\d{5}-of-\d{5}\.arrow")
+WRITTEN = re.compile(rf"{re.escape(EXPORT_INFO_FILE)}|{re.escape(STATE_FILE)}|{re.escape(STATISTICS)}|"
+                     rf"dataset_info\.json|{SPILL_DIR}|data-\d{{5}}-of-\d{{5}}\.arrow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,7 @@ class SaeLensFormat:
     output_dir: str
     layout: SaeLensLayout
     info: dict[str, Any]            # export_info: what the export holds and where it came from
+    statistics: dict[str, Any] | None = None  # per column, what it was normalised by (statistics.json)
     dtype: str = "float32"          # SAELens reads float32
 
     def write_shard(self, plan: "ExportPlan", shard: int, arrays: dict[str, np.ndarray],
@@ -141,6 +142,8 @@ class SaeLensFormat:
         state["_data_files"] = [{"filename": name} for name in names]
         state["_fingerprint"] = hashlib.blake2b(json.dumps(summary, sort_keys=True).encode(),
                                                 digest_size=8).hexdigest()
+        if self.statistics:
+            write_bytes(join(self.output_dir, STATISTICS), json.dumps(self.statistics, indent=1).encode())
         write_bytes(join(self.output_dir, "dataset_info.json"), dataset_info)
         write_bytes(join(self.output_dir, EXPORT_INFO_FILE), (json.dumps(summary, indent=2) + "\n").encode())
         write_bytes(join(self.output_dir, STATE_FILE), json.dumps(state, indent=2, sort_keys=True).encode())
@@ -202,13 +205,15 @@ def describe_column(names: dict[str, Any]) -> str:
 def describe(summary: dict[str, Any]) -> str:
     """The dataset's description: which model, columns, dtype and index it came from."""
     columns = "; ".join(describe_column(names) for names in summary["layers"])
+    how = summary.get("normalize", "none")
+    normalized = "" if how == "none" else f" after {how} by the store's statistics (statistics.json)"
     order = ("rows in sample-id order (each sample's tokens together, position by position)"
              if summary["seed"] is None else f"tokens shuffled across all samples with seed {summary['seed']}")
     dropped = summary["dropped_tokens"]
     return (f"Activations of {summary['model']} at TransformerLens's hooks: this project's layer L is the "
             f"output of decoder block L (blocks.L.hook_resid_post), before the final norm. {columns}. "
             f"Every column of a row holds the same tokens. Stored as {summary['stored_dtype']}, "
-            f"exported as float32, hidden size {summary['hidden_size']}. {summary['rows']} rows of "
+            f"exported as float32{normalized}, hidden size {summary['hidden_size']}. {summary['rows']} rows of "
             f"{summary['context_size']} tokens ({summary['tokens']} tokens of {summary['samples']} samples), "
             f"{order}; a row may span two samples, never padded. Left out: {dropped['last_partial_row']} "
             f"tokens short of a last row, {dropped['max_tokens']} past --max_tokens, "

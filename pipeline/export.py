@@ -73,8 +73,8 @@ class ExportConfig:
                                choices=SHUFFLES)
     shard_mb: float = flag(256.0, "an output shard's arrays (saelens: an Arrow file's), about this many MB, "
                            "in whole rows (a writer holds one)")
-    normalize: str = flag("none", "flat: scale each column by its store's statistics: none | mean_norm | "
-                          "standardize (written beside the export either way, where the store has them)",
+    normalize: str = flag("none", "scale each column by its store's statistics: none | mean_norm | standardize "
+                          "(statistics.json beside the export either way, where the store has them)",
                           choices=NORMALIZATIONS)
     dtype: str = flag("float32", "flat: the arrays' dtype", choices=STORED_DTYPES)
     output_dir: str = flag(help="directory to create, local or gs:// (SAELens reads it from local disk); the "
@@ -108,8 +108,8 @@ class ExportConfig:
     def validate(self) -> None:
         if (self.index is None) == (not self.store):
             raise UserError("name the store to export: --index INDEX, or (flat) --store NAME=INDEX,...")
-        if self.format == "saelens" and (self.store or self.normalize != "none" or self.dtype != "float32"):
-            raise UserError("--store, --normalize and --dtype are flags of --format flat")
+        if self.format == "saelens" and (self.store or self.dtype != "float32"):
+            raise UserError("--store and --dtype are flags of --format flat (SAELens reads one store, in float32)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"--max_tokens must be at least 1, got {self.max_tokens}")
         if self.shard_mb <= 0:
@@ -190,6 +190,7 @@ def export(config: ExportConfig, options) -> int:
 
 
 def flat_format(config: ExportConfig, plan: ExportPlan) -> ShardFormat:
+    """The flat layout's writer, its manifest describing the selection and filters."""
     description = {"normalize": config.normalize, "tokens": config.tokens,
                    "exclude_first_positions": config.exclude_first_positions,
                    "exclude_token_ids": list(config.exclude_token_ids), "max_tokens": config.max_tokens}
@@ -198,13 +199,16 @@ def flat_format(config: ExportConfig, plan: ExportPlan) -> ShardFormat:
 
 def saelens_format(config: ExportConfig, plan: ExportPlan, lead: TokenLoader,
                    names: dict[ArrayKey, str]) -> ShardFormat:
+    """SAELens's directory's writer, its columns named ``names``; a pooled store refused."""
     if lead.pooled_store:
         raise UserError(f"{config.index} holds one pooled row a sample (--tokens {lead.stored.selection}), not "
                         "tokens SAELens trains on (read it with activations.token_loader)")
     layout = SaeLensLayout(config.context_size, {key: plan.widths[name] for name, (_, key) in plan.columns.items()},
                            names)
-    return SaeLensFormat(config.output_dir, layout,
-                         export_info(lead, layout, config.hook_name, config.seed, config.max_tokens))
+    info = export_info(lead, layout, config.hook_name, config.seed, config.max_tokens)
+    statistics = column_statistics(plan, config.normalize)  # by SAELens's column names
+    statistics = statistics and {names[key]: statistics[name] for name, (_, key) in plan.columns.items()}
+    return SaeLensFormat(config.output_dir, layout, {**info, "normalize": config.normalize}, statistics)
 
 
 if __name__ == "__main__":

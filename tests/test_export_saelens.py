@@ -88,6 +88,19 @@ def test_shuffled_rows_hold_each_token_once_the_same_token_in_every_column(store
     assert found != sorted(found)
 
 
+def test_standardized_columns_and_the_statistics_beside_them(stored, tmp_path):
+    index, arrays = stored
+    ds = export(index, tmp_path / "out", "--layers", "2", "--seed", "none", "--context_size", "8",
+                "--normalize", "standardize", "--hook_name", "resid")
+    statistics = json.loads((tmp_path / "out" / "statistics.json").read_text())["resid"]
+    assert statistics["applied"] == "standardize"
+    mean, std = np.array(statistics["mean"], np.float32), np.sqrt(np.array(statistics["variance"])).astype(np.float32)
+    exported = column(ds, "resid").reshape(-1, 12)
+    truth = in_export_order(index, arrays, 2)[:len(exported)]
+    np.testing.assert_allclose(exported, (truth - mean) / std, rtol=1e-5, atol=1e-5)
+    assert "after standardize by the store's statistics" in ds.info.description
+
+
 def test_token_ids_from_streams_in_parts(stored, tmp_path):
     index, _ = stored
     parted = shutil.copytree(os.path.join(os.path.dirname(index), "streams"), tmp_path / "streams")
