@@ -10,7 +10,7 @@ For a synthetic 2-machine store (``fixtures.stored_activations``: float16, hidde
     shard, a thread reading ahead) against ``np.fromfile`` of the same files one after the other:
     GB/s of each (the best of 5 rounds, alternated) and the ratio, from the disk (each file's
     pages dropped from the page cache before each round: ``posix_fadvise``) and from the page
-    cache (a read of memory: the ratio is the reader's own overhead).
+    cache (a read of memory, about 1 GB a round: the ratio is the reader's own overhead).
 
     python benchmarks/export_throughput.py [--scale 8] [--samples_per_machine 32]
 """
@@ -69,17 +69,21 @@ def evicted(paths: list[str]) -> None:
 def read_rates(out: str, cold: bool, rounds: int = 5) -> tuple[float, float, int]:
     """(GB/s of FlatExport.batches, GB/s of np.fromfile of the same files, bytes): the best of
     ``rounds`` rounds of each, alternated; ``cold``: each read from the disk (the files evicted
-    from the page cache first), else from the page cache."""
+    from the page cache first), else from the page cache, the export read over and over for about
+    1 GB a round (a read of memory lasts milliseconds: timer and scheduler noise would decide)."""
     flat = FlatExport(out)
     paths = [flat.path(s, c) for s in range(len(flat.shards)) for c in flat.columns]
     size = sum(os.path.getsize(p) for p in paths)
+    repeats = 1 if cold else max(1, int(1e9 // size))
 
     def loader() -> None:
-        assert sum(len(next(iter(batch.values()))) for batch in flat.batches(4096)) == flat.rows
+        for _ in range(repeats):
+            assert sum(len(next(iter(batch.values()))) for batch in flat.batches(4096)) == flat.rows
 
     def plain() -> None:
-        for p in paths:
-            np.fromfile(p, np.uint8)
+        for _ in range(repeats):
+            for p in paths:
+                np.fromfile(p, np.uint8)
 
     best = {loader: float("inf"), plain: float("inf")}
     for _ in range(rounds):
@@ -89,7 +93,7 @@ def read_rates(out: str, cold: bool, rounds: int = 5) -> tuple[float, float, int
             start = time.perf_counter()
             read()
             best[read] = min(best[read], time.perf_counter() - start)
-    return size / best[loader] / 1e9, size / best[plain] / 1e9, size
+    return size * repeats / best[loader] / 1e9, size * repeats / best[plain] / 1e9, size
 
 
 def main() -> None:
