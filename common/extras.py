@@ -2,7 +2,7 @@
 
 ``pip install -e .`` installs what prepare, the runner and the reader need (what a Dataflow
 worker or a TPU host installs); the rest comes in extras (``setup.py``): ``tpu-vm``, ``gke``,
-``charts``, ``tracking``. ``require`` imports a module of one, or says in one line which extra
+``charts``, ``tracking``, ``probes``. ``require`` imports a module of one, or says in one line which extra
 to install.
 """
 

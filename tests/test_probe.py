@@ -1,0 +1,117 @@
+"""``runners.probe`` on stores with a planted direction (``fixtures.stored_activations``: a binary
+label per sample, every token moved along a fixed unit vector by it): the probe and the
+diff-in-means find it, the statistics' means are the arrays', the split keeps each group on one
+side, a fleet's store probes as one machine's, and bad input is one line."""
+
+import os
+import shutil
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from activations.index import arrays_path, merged_metadata_path, stats_path, tokens_path
+from fixtures.stored_activations import StoredSpec, planted_direction, stored_tokens, write_stored
+from probing.directions import label_means, read_directions
+from probing.fit import held_out
+from probing.rows import read_rows
+from tests.conftest import run_in_process
+from tests.test_host_errors import one_line_error
+
+SPEC = StoredSpec(num_machines=2, samples_per_machine=40, lengths=(4, 12), hidden_size=16, layers=(0, 1),
+                  planted=4.0, shard_size_bytes=6_000)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """A 2-machine planted store, and the same samples stored by one machine."""
+    root = tmp_path_factory.mktemp("planted")
+    return write_stored(str(root / "fleet"), SPEC), write_stored(str(root / "one"), SPEC, one_machine=True)
+
+
+def probe(index, out, *flags):
+    result = run_in_process("runners.probe", "--index", index, "--label", "label", "--layers", "0,1",
+                            "--output_dir", str(out), *flags)
+    assert result.returncode == 0, result.stderr
+    return pd.read_csv(out / "results.csv"), read_directions(str(out / "directions.npz"))
+
+
+def cosine(a, b):
+    return float(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_the_probe_and_the_diff_in_means_find_the_planted_direction(stores, tmp_path):
+    index = stores[0]
+    table, (arrays, metadata) = probe(index, tmp_path / "out")
+    # Two labels 4 apart along one direction in unit noise: the best possible accuracy is Phi(2) = 0.977.
+    assert list(table["layer"]) == [0, 1] and (table["metric"] == "accuracy").all()
+    assert (table["held_out"] >= 0.93).all() and (table["baseline"] >= 0.93).all(), table
+    assert (table["held_out_rows"] > 0).all() and (table["train_rows"] > 3 * table["held_out_rows"]).all()
+    truth = planted_direction(SPEC)
+    for layer in (0, 1):
+        assert cosine(arrays[f"probe/blocks.{layer}.hook_resid_post"], truth) >= 0.9
+        diff = arrays[f"diff_in_means/blocks.{layer}.hook_resid_post"]
+        assert cosine(diff, truth) >= 0.9 and 3 <= np.linalg.norm(diff) <= 5  # the planted 4, give or take noise
+    described = (metadata["label"], metadata["negative"], metadata["positive"], metadata["model"])
+    assert described == ("label", 0, 1, "random")
+    assert (tmp_path / "out" / "by_layer.png").stat().st_size > 0
+    regression, _ = probe(index, tmp_path / "ridge", "--task", "regression")
+    assert (regression["metric"] == "r2").all() and (regression["held_out"] >= 0.5).all()
+
+
+def test_the_statistics_means_are_the_arrays_means(stores):
+    index = stores[0]
+    labels = dict(zip(*pq.read_table(index, columns=["sample_id", "label"]).to_pydict().values()))
+    means = label_means(index, [0, 1], "label", [0, 1])
+    stored = stored_tokens(index, [0, 1])
+    for layer in (0, 1):
+        for value in (0, 1):
+            rows = np.concatenate([a for (s, key), a in stored.items() if key == layer and labels[s] == value])
+            expected = rows.astype(np.float64).mean(0)
+            assert np.abs(means[layer][value] - expected).max() <= 1e-12 * np.abs(expected).max()
+
+
+def test_the_split_keeps_each_group_on_one_side(stores, tmp_path):
+    rows = read_rows(stores[0], [0], "label", "sample_id", None, None, seed=3)
+    test = held_out(rows.groups, 0.25, seed=3)
+    assert not set(rows.sample_ids[test].tolist()) & set(rows.sample_ids[~test].tolist())
+    assert abs(len(set(rows.sample_ids[test].tolist())) - 0.25 * 80) <= 1
+    by_machine = read_rows(stores[0], [0], "label", "machine_id", None, None, seed=3)
+    test = held_out(by_machine.groups, 0.25, seed=3)  # two groups: one held out, whole
+    assert sorted({(g, t) for g, t in zip(by_machine.groups.tolist(), test.tolist())}) in (
+        [(0, False), (1, True)], [(0, True), (1, False)])
+    probe(stores[0], tmp_path / "out", "--group_column", "machine_id")
+    split = pd.read_parquet(tmp_path / "out" / "split.parquet")
+    assert split.groupby("group")["held_out"].nunique().eq(1).all() and split["held_out"].nunique() == 2
+
+
+def test_a_fleet_store_probes_as_one_machine_s(stores, tmp_path):
+    fleet, one = (probe(index, tmp_path / name) for index, name in zip(stores, ("fleet", "one")))
+    pd.testing.assert_frame_equal(fleet[0], one[0], check_exact=False, rtol=1e-9)
+    (fleet_arrays, _), (one_arrays, _) = fleet[1], one[1]
+    assert fleet_arrays.keys() == one_arrays.keys()
+    for name, values in fleet_arrays.items():  # the probes exactly; the means to float64 rounding (float32 kept)
+        np.testing.assert_allclose(values, one_arrays[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_bad_input_is_one_line(stores, tmp_path):
+    index = stores[0]
+    flags = ["--index", index, "--layers", "0", "--output_dir", str(tmp_path / "x")]
+    one_line_error(run_in_process("runners.probe", *flags, "--label", "topic"),
+                   "--label topic: ", "runners.probe")
+    one_line_error(run_in_process("runners.probe", *flags, "--label", "label", "--group_column", "chat"),
+                   "--group_column chat: ", "runners.probe")
+    # The same store, its label made constant.
+    constant = tmp_path / "constant"
+    constant.mkdir()
+    for path in (arrays_path(index), merged_metadata_path(index), stats_path(index), tokens_path(index)):
+        if os.path.exists(path):
+            shutil.copy(path, constant / os.path.basename(path))
+    table = pq.read_table(index)
+    table = table.set_column(table.schema.get_field_index("label"), "label", pa.array([1] * len(table), pa.int64()))
+    pq.write_table(table, constant / "index.parquet")
+    one_line_error(run_in_process("runners.probe", "--index", str(constant / "index.parquet"), "--layers", "0",
+                                  "--label", "label", "--output_dir", str(tmp_path / "y")),
+                   "every row read has the value 1", "runners.probe")
