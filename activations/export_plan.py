@@ -127,18 +127,21 @@ class PlanFiles:
 
     def write(self, offsets: np.ndarray, loaders: Sequence[TokenLoader]) -> None:
         lead = loaders[0]
-        sample_ids = lead.stored.sample_id
-        ids = [lead.token_ids[int(s)] for s in sample_ids]
-        starts = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype("<i8")
-        write_bytes(join(self.root, "offsets.bin"), np.asarray(offsets, "<i8").tobytes())
-        write_bytes(join(self.root, "token_starts.bin"), starts.tobytes())
-        write_bytes(join(self.root, "token_ids.bin"),
-                    (np.concatenate(ids) if ids else np.empty(0)).astype("<i4").tobytes())
+        table, sample_ids = lead.token_ids, lead.stored.sample_id
+        where = np.searchsorted(table.ids, sample_ids)  # each leading row's sample in the token ids
+        lengths = table.lengths[where]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
+        ids = np.empty(int(starts[-1]), "<i4")  # in row order: one more copy of the ids, no more
+        for row, (first, length) in enumerate(zip(table.starts[where].tolist(), lengths.tolist())):
+            ids[starts[row]:starts[row] + length] = table.flat[first:first + length]
+        write_bytes(join(self.root, "offsets.bin"), memoryview(np.ascontiguousarray(offsets, "<i8")))
+        write_bytes(join(self.root, "token_starts.bin"), memoryview(starts))
+        write_bytes(join(self.root, "token_ids.bin"), memoryview(ids))
         for store in self.others:
             theirs = loaders[store].stored.sample_id
             order = np.argsort(theirs, kind="stable")
             rows = order[np.searchsorted(theirs, sample_ids, sorter=order)]  # the planner checked they are there
-            write_bytes(join(self.root, f"rows_{store}.bin"), rows.astype("<i8").tobytes())
+            write_bytes(join(self.root, f"rows_{store}.bin"), memoryview(np.ascontiguousarray(rows, "<i8")))
 
     def unit(self, bounds: tuple[int, int], sample_ids: np.ndarray) -> UnitPlan:
         """The share of rows ``bounds`` (whose samples are ``sample_ids`` [rows])."""

@@ -88,6 +88,13 @@ def write_shard(root: str, shard: int, arrays: dict[str, np.ndarray], rows: dict
 WRITTEN = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(STATISTICS)}|{SPILL_DIR}|shard_\d+")
 
 
+def write_statistics(root: str, statistics: dict[str, Any] | None) -> None:
+    """``statistics.json``: per column, its store's statistics and what was applied (by the
+    planner, before the job: the workers never carry them)."""
+    if statistics:
+        write_bytes(join(root, STATISTICS), json.dumps(statistics, indent=1).encode())
+
+
 def check_output_dir(output_dir: str, overwrite: bool, written: re.Pattern = WRITTEN, what: str = "flat") -> None:
     """An export's directory (local or gs://, not a bucket's root) must hold nothing, or with
     ``overwrite`` an earlier export of its format (names matching ``written``; deleted once the
@@ -114,7 +121,6 @@ class FlatFormat:
     """The flat layout as an export job's ``transforms.export.ShardFormat``."""
     output_dir: str
     dtype: str                                 # float32 | float16 | bfloat16
-    statistics: dict[str, Any] | None          # per column, what it was normalised by (statistics.json)
     description: dict[str, Any]                # the selection and filters, for the manifest
 
     def write_shard(self, plan: "ExportPlan", shard: int, arrays: dict[str, np.ndarray],
@@ -122,7 +128,7 @@ class FlatFormat:
         return write_shard(self.output_dir, shard, arrays, provenance)
 
     def finish(self, plan: "ExportPlan", shards: list[tuple[int, int, int]], dropped: dict[str, int]) -> dict[str, Any]:
-        """``export.json`` (and ``statistics.json``), written last."""
+        """``export.json``, written last."""
         manifest = {
             "layout": LAYOUT, "rows": plan.exported, "rows_per_shard": plan.rows_per_shard, "seed": plan.seed,
             "dtype": self.dtype, **self.description,
@@ -133,8 +139,6 @@ class FlatFormat:
             "stores": [{"name": s.name, "index": s.index} for s in plan.stores],
             "shards": [{"directory": shard_name(s), "rows": rows, "bytes": size} for s, rows, size in shards],
         }
-        if self.statistics:
-            write_bytes(join(self.output_dir, STATISTICS), json.dumps(self.statistics, indent=1).encode())
         write_bytes(join(self.output_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         return manifest
 

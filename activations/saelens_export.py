@@ -107,7 +107,6 @@ class SaeLensFormat:
     output_dir: str
     layout: SaeLensLayout
     info: dict[str, Any]            # export_info: what the export holds and where it came from
-    statistics: dict[str, Any] | None = None  # per column, what it was normalised by (statistics.json)
     dtype: str = "float32"          # SAELens reads float32
 
     def write_shard(self, plan: "ExportPlan", shard: int, arrays: dict[str, np.ndarray],
@@ -120,9 +119,9 @@ class SaeLensFormat:
         writer = ArrowWriter(features=features, stream=sink)
         writer.write_table(table)
         writer.finalize()
-        data = sink.getvalue().to_pybytes()
+        data = sink.getvalue()  # a buffer: written without another copy
         write_bytes(join(self.output_dir, data_file(shard, plan.shards)), data)
-        return len(data)
+        return data.size
 
     def finish(self, plan: "ExportPlan", shards: list[tuple[int, int, int]], dropped: dict[str, int]) -> dict[str, Any]:
         limit = min(plan.total, plan.total if self.info["max_tokens"] is None else self.info["max_tokens"])
@@ -142,8 +141,6 @@ class SaeLensFormat:
         state["_data_files"] = [{"filename": name} for name in names]
         state["_fingerprint"] = hashlib.blake2b(json.dumps(summary, sort_keys=True).encode(),
                                                 digest_size=8).hexdigest()
-        if self.statistics:
-            write_bytes(join(self.output_dir, STATISTICS), json.dumps(self.statistics, indent=1).encode())
         write_bytes(join(self.output_dir, "dataset_info.json"), dataset_info)
         write_bytes(join(self.output_dir, EXPORT_INFO_FILE), (json.dumps(summary, indent=2) + "\n").encode())
         write_bytes(join(self.output_dir, STATE_FILE), json.dumps(state, indent=2, sort_keys=True).encode())
@@ -219,5 +216,5 @@ def describe(summary: dict[str, Any]) -> str:
             f"tokens short of a last row, {dropped['max_tokens']} past --max_tokens, "
             f"{dropped.get('selection', 0)} tokens outside the selection ({summary['selection'] or 'every token'}), "
             f"{dropped.get('first_positions', 0)} first positions and {dropped.get('token_ids', 0)} excluded token "
-            "ids. Token ids from the {summary['token_ids_from']}. "
+            f"ids. Token ids from the {summary['token_ids_from']}. "
             f"Index: {summary['index']}.")

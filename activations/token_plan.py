@@ -56,7 +56,9 @@ class StoredArrays:
         return len(self.sample_id)
 
 
-def _read_index(path: str, what: str, **kwargs):
+def read_index_table(path: str, what: str, **kwargs) -> pa.Table:
+    """An index Parquet file (``what``, for the error), ``kwargs`` to ``read_parquet``; one line
+    when it is missing or unreadable."""
     try:
         return read_parquet(path, **kwargs)
     except FileNotFoundError:
@@ -72,8 +74,8 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
     if not keys:
         raise UserError("name at least one layer to read")
     keys = [normalized_key(k) for k in keys]
-    samples = _read_index(index, "merged index", columns=["sample_id", "machine_id", "num_tokens"])
-    arrays = _read_index(arrays_path(index), ARRAYS_WHAT,
+    samples = read_index_table(index, "merged index", columns=["sample_id", "machine_id", "num_tokens"])
+    arrays = read_index_table(arrays_path(index), ARRAYS_WHAT,
                          filters=[("layer", "in", sorted({key_parts(k)[1] for k in keys}))])
     samples = samples.to_pandas().set_index("sample_id")
     frames = {k: _key_rows(arrays, k).to_pandas().sort_values(["shard_path", "position"], ignore_index=True)
@@ -119,7 +121,7 @@ def _key_rows(arrays: pa.Table, key: ArrayKey) -> pa.Table:
 
 def _stored_keys(index: str) -> list[ArrayKey]:
     """Every key the per-array index holds (for messages: it reads the whole table)."""
-    frame = _read_index(arrays_path(index), ARRAYS_WHAT).to_pandas()
+    frame = read_index_table(arrays_path(index), ARRAYS_WHAT).to_pandas()
     frame = frame.drop_duplicates(["layer", "site"] if "site" in frame.columns else ["layer"])
     return sorted(set(frame_keys(frame)), key=lambda k: key_parts(k)[::-1])
 

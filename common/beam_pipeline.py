@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import Iterator
 
 import apache_beam as beam
@@ -19,6 +20,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from common.cli import UserError
 
 LOCAL_RUNNERS = (None, "DirectRunner", "FnApiRunner", "SwitchingDirectRunner")
+_STEP_NOTE = re.compile(r" \[while running '[^']*'\]")  # what Beam appends to a worker's error
 
 
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
@@ -67,16 +69,19 @@ def make_pipeline(options: PipelineOptions) -> beam.Pipeline:
 def worker_user_errors(context: str) -> Iterator[None]:
     """Runs a pipeline's body so that a worker's ``UserError`` (wrapped by the runner) reaches the
     user as its own one line, ``context`` appended; the runner's log of the failed bundle (a
-    traceback) is silenced, since every other error is raised again whole."""
+    traceback) is silenced, since every other error is raised again whole. (Worker processes of
+    their own, ``--direct_running_mode multi_processing``, print theirs before it.)"""
     runner_log = logging.getLogger("apache_beam.runners.common")
     level = runner_log.level
     runner_log.setLevel(logging.CRITICAL)
     try:
         yield
+    except UserError as e:  # raised by an in-process worker, Beam's note of the step appended
+        raise UserError(f"{_STEP_NOTE.sub('', str(e))}{context}") from None
     except Exception as e:
         reason = next((line.split("UserError: ", 1)[1] for line in str(e).splitlines() if "UserError: " in line), None)
         if reason is None:
             raise
-        raise UserError(f"{reason}{context}") from None
+        raise UserError(f"{_STEP_NOTE.sub('', reason)}{context}") from None
     finally:
         runner_log.setLevel(level)

@@ -109,11 +109,12 @@ def read_range(path: str, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` (local or ``gs://``), creating parent directories."""
+def write_bytes(path: str, data: bytes | memoryview) -> None:
+    """Writes ``data`` (bytes, or any buffer: written locally without a copy) to ``path`` (local
+    or ``gs://``), creating parent directories."""
     if path.startswith("gs://"):
         bucket, key = _split_gs(path)
-        gcs_client().bucket(bucket).blob(key).upload_from_string(data)
+        gcs_client().bucket(bucket).blob(key).upload_from_string(data if isinstance(data, bytes) else bytes(data))
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "wb") as f:

@@ -27,7 +27,7 @@ from apache_beam.options.pipeline_options import StandardOptions
 from activations import flat_layout, saelens_export
 from activations.export_plan import (SHUFFLES, ExportPlan, StoreSpec, column_statistics, describe_columns, make_plan,
                                      parse_stores)
-from activations.flat_layout import SPILL_DIR, FlatFormat, check_output_dir
+from activations.flat_layout import SPILL_DIR, FlatFormat, check_output_dir, write_statistics
 from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.saelens_export import SaeLensFormat, SaeLensLayout, column_names, export_info
 from activations.selection import parse_selection, selection_flag
@@ -142,9 +142,9 @@ def export(config: ExportConfig, options) -> int:
     """Plans the export, then runs it as a Beam job."""
     stores = config.store or (StoreSpec("store", config.index),)
     dry_run = is_dry_run(options)
-    if not is_local(options) and not dry_run:  # the workers are elsewhere: they read and write the bucket only
-        local = [path for path in (config.output_dir, config.streams_dir, *(s.index for s in stores))
-                 if path and "://" not in path]
+    local_run = is_local(options)
+    if not local_run and not dry_run:  # the workers are elsewhere: they read the stores and write the bucket only
+        local = [path for path in (config.output_dir, *(s.index for s in stores)) if "://" not in path]
         if local:
             raise UserError(f"{local[0]!r}: a remote runner's workers cannot reach a local path (give gs:// paths)")
     saelens = config.format == "saelens"
@@ -159,22 +159,26 @@ def export(config: ExportConfig, options) -> int:
                                        exclude_first_positions=config.exclude_first_positions,
                                        exclude_token_ids=config.exclude_token_ids, normalize=config.normalize,
                                        dtype=config.dtype, streams_dir=config.streams_dir, read_threads=1)
-    form = saelens_format(config, plan, loaders[0], names) if saelens else flat_format(config, plan)
+    form = saelens_format(config, plan, loaders[0], names) if saelens else flat_format(config)
+    statistics = column_statistics(plan, config.normalize)
+    if statistics and saelens:  # by SAELens's column names
+        statistics = {names[key]: statistics[name] for name, (_, key) in plan.columns.items()}
     units = blocks(loaders[0].stored, None, loaders[0].config.block_bytes)
     log.info("exporting %d of %d tokens of %d samples (columns %s) in %d shards of %d rows to %s, shuffled in %d "
              "pass(es)", plan.exported, plan.total, len(loaders[0].stored), describe_columns(plan), plan.shards,
              plan.rows_per_shard, config.output_dir, plan.passes)
-    if not dry_run:
-        if config.overwrite:  # planned: the old export goes only now
-            delete_tree(config.output_dir)
-        plan.files.write(offsets, loaders)
+    if not dry_run and config.overwrite:  # planned: the old export goes only now
+        delete_tree(config.output_dir)
     try:
+        if not dry_run:
+            plan.files.write(offsets, loaders)
+            write_statistics(config.output_dir, statistics)
         with worker_user_errors(f" (in the export job; it did not finish: its shards written so far are in "
                                 f"{config.output_dir})"), make_pipeline(options) as pipeline:
             _ = pipeline | "Export" >> ExportShards(plan, units, form)
     except BaseException:
-        if not dry_run:
-            delete_tree(join(config.output_dir, SPILL_DIR))  # nothing resumes from it
+        if local_run and not dry_run:  # nothing resumes from the spill (a remote job may still run: left to it)
+            delete_tree(join(config.output_dir, SPILL_DIR))
         raise
     if dry_run:
         transforms = pipeline.to_runner_api().components.transforms
@@ -189,12 +193,12 @@ def export(config: ExportConfig, options) -> int:
     return 0
 
 
-def flat_format(config: ExportConfig, plan: ExportPlan) -> ShardFormat:
+def flat_format(config: ExportConfig) -> ShardFormat:
     """The flat layout's writer, its manifest describing the selection and filters."""
     description = {"normalize": config.normalize, "tokens": config.tokens,
                    "exclude_first_positions": config.exclude_first_positions,
                    "exclude_token_ids": list(config.exclude_token_ids), "max_tokens": config.max_tokens}
-    return FlatFormat(config.output_dir, config.dtype, column_statistics(plan, config.normalize), description)
+    return FlatFormat(config.output_dir, config.dtype, description)
 
 
 def saelens_format(config: ExportConfig, plan: ExportPlan, lead: TokenLoader,
@@ -206,9 +210,7 @@ def saelens_format(config: ExportConfig, plan: ExportPlan, lead: TokenLoader,
     layout = SaeLensLayout(config.context_size, {key: plan.widths[name] for name, (_, key) in plan.columns.items()},
                            names)
     info = export_info(lead, layout, config.hook_name, config.seed, config.max_tokens)
-    statistics = column_statistics(plan, config.normalize)  # by SAELens's column names
-    statistics = statistics and {names[key]: statistics[name] for name, (_, key) in plan.columns.items()}
-    return SaeLensFormat(config.output_dir, layout, {**info, "normalize": config.normalize}, statistics)
+    return SaeLensFormat(config.output_dir, layout, {**info, "normalize": config.normalize})
 
 
 if __name__ == "__main__":

@@ -52,6 +52,12 @@ class Probe:
     intercept: np.ndarray
     classes: list | None
 
+    @property
+    def converged(self) -> bool:
+        """Whether the solver stopped before its iteration limit (ridge: always)."""
+        iterations = getattr(self.model, "n_iter_", None)
+        return iterations is None or bool(np.max(iterations) < getattr(self.model, "max_iter", np.inf))
+
     def score(self, features: np.ndarray, labels: np.ndarray) -> float:
         """Accuracy (classification) or R^2 (regression) on these rows."""
         return float(self.model.score(np.asarray(features, np.float64), _targets(labels, self.classes)))

@@ -39,3 +39,15 @@ def write_chart(table: pd.DataFrame, folder: str, label: str) -> str:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def summary(table: pd.DataFrame, label: str) -> str:
+    """One line: how many probes, and the best held-out one with its baseline."""
+    line = f"{len(table)} probes of {label!r} ({table['task'].iloc[0]})"
+    scored = table.dropna(subset=["held_out"])
+    if scored.empty:
+        return line
+    best = scored.loc[scored["held_out"].idxmax()]
+    baseline = "" if pd.isna(best["baseline"]) else f" (diff-in-means {best['baseline']:.4f})"
+    return (f"{line}; best held-out {best['metric']} {best['held_out']:.4f} at {best['site']} layer "
+            f"{best['layer']}{baseline}")

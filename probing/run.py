@@ -15,6 +15,7 @@ import pandas as pd
 
 from activations.selection import selection_flag
 from common.cli import UserError, flag, int_list
+from common.extras import require
 from common.files import write_bytes
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, key_parts, parse_sites
 from probing.directions import label_means, write_directions
@@ -67,6 +68,11 @@ class ProbeConfig:
             raise UserError(f"--sites {ids[0]}: it holds expert ids, not activations to probe")
         if "://" in self.output_dir:
             raise UserError(f"--output_dir {self.output_dir!r}: a local folder (copy it to a bucket after)")
+        if self.seed < 0:
+            raise UserError(f"--seed must be >= 0, got {self.seed}")
+        require("sklearn.linear_model", "probes", "runners.probe")  # before reading anything
+        if self.chart:
+            require("matplotlib", "charts", "--chart (turn it off with --no_chart)")
 
 
 def run_probes(config: ProbeConfig) -> pd.DataFrame:
@@ -78,9 +84,11 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
     task = task_of(rows.label_type, config.task)
     values = sorted(set(rows.labels.tolist()))
     if len(values) < 2:
-        raise UserError(f"--label {config.label}: every row read has the value {values[0] if values else None!r}: "
-                        "nothing to probe for")
+        raise UserError(f"--label {config.label}: every row read has the value {values[0]!r}: nothing to probe for")
     test = held_out(rows.groups, config.test_fraction, config.seed)
+    if task == "classification" and len(set(rows.labels[~test].tolist())) < 2:
+        raise UserError(f"the training rows hold one value of --label {config.label}: choose another --group_column "
+                        f"({config.group_column}) or --test_fraction")
     log.info("%d rows (%d train, %d held out; %d left out: null label), %s, classes %s", len(test),
              (~test).sum(), test.sum(), rows.null_labels, task, values if task == "classification" else "-")
     means = label_means(config.index, keys, config.label, values) if task == "classification" else None
@@ -100,11 +108,14 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
                         "metric": "accuracy" if task == "classification" else "r2",
                         "held_out": probe.score(features[test], rows.labels[test]),
                         "train": probe.score(features[~test], rows.labels[~test]), "baseline": baseline,
+                        "converged": probe.converged,
                         "train_rows": int((~test).sum()), "held_out_rows": int(test.sum()),
+                        "null_label_rows": rows.null_labels,
                         "classes": len(values) if task == "classification" else None})
         probes[f"blocks.{layer}.{site}/coef"], probes[f"blocks.{layer}.{site}/intercept"] = probe.coef, probe.intercept
-        if probe.coef.shape[0] == 1:  # a binary classifier or a regression: one direction
-            directions["probe", key] = probe.coef[0] / np.linalg.norm(probe.coef[0])
+        norm = np.linalg.norm(probe.coef[0])
+        if probe.coef.shape[0] == 1 and (task == "regression" or len(values) == 2) and norm > 0:
+            directions["probe", key] = probe.coef[0] / norm  # toward the positive value, or larger ones
         if means is not None and len(values) == 2:
             directions["diff_in_means", key] = means[key][values[1]] - means[key][values[0]]
     table = write_results(results, config.output_dir)
@@ -120,7 +131,8 @@ def _write_outputs(config: ProbeConfig, rows: ProbeRows, test: np.ndarray, task:
     machines = rows.loader.metadata.get("machines", [])
     models = sorted({m.get("model") for m in machines if m.get("model")})
     two = task == "classification" and len(values) == 2
-    metadata = {"model": models[0] if len(models) == 1 else models, "index": config.index, "label": config.label,
+    metadata = {"model": models[0] if len(models) == 1 else (models or None), "index": config.index,
+                "label": config.label,
                 "task": task, "negative": values[0] if two else None, "positive": values[1] if two else None,
                 "tokens": config.tokens, "regularization": config.regularization}
     if directions:
@@ -129,6 +141,6 @@ def _write_outputs(config: ProbeConfig, rows: ProbeRows, test: np.ndarray, task:
     np.savez(out, metadata=np.array(json.dumps({**metadata, "classes": values if task == "classification" else None})),
              **probes)
     write_bytes(os.path.join(config.output_dir, PROBES), out.getvalue())
-    sides = pd.DataFrame({"group": [repr(g) for g in rows.groups.tolist()], "sample_id": rows.sample_ids,
-                          "held_out": test}).drop_duplicates("sample_id")
+    sides = pd.DataFrame({"group": [str(g) for g in rows.groups.tolist()], "sample_id": rows.sample_ids,
+                          "held_out": test}).drop_duplicates("sample_id")  # a group as text
     sides.to_parquet(os.path.join(config.output_dir, SPLIT), index=False)

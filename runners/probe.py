@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from common.cli import add_config_flags, config_from_namespace, make_parser, run_main
+from probing.report import summary
 from probing.run import ProbeConfig, run_probes
 
 
@@ -15,10 +16,7 @@ def main(argv: list[str]) -> int:
     add_config_flags(parser, ProbeConfig)
     config = config_from_namespace(ProbeConfig, parser.parse_args(argv))
     table = run_probes(config)
-    best = table.loc[table["held_out"].idxmax()]
-    print(f"runners.probe: {len(table)} probes of {config.label!r} ({table['task'].iloc[0]}); best held-out "
-          f"{best['metric']} {best['held_out']:.4f} at {best['site']} layer {best['layer']} (diff-in-means "
-          f"{best['baseline']:.4f}) -> {config.output_dir}")
+    print(f"runners.probe: {summary(table, config.label)} -> {config.output_dir}")
     return 0
 
 

@@ -90,7 +90,7 @@ def test_the_job_reads_each_unit_s_share_of_the_plan_and_never_the_streams(tmp_p
     come from the plan's files: with the streams gone once planned, the job writes what a plain
     export writes."""
     from activations.export_plan import StoreSpec, column_statistics, make_plan
-    from activations.flat_layout import SPILL_DIR, FlatFormat
+    from activations.flat_layout import SPILL_DIR, FlatFormat, write_statistics
     from activations.token_plan import blocks
     from common.beam_pipeline import make_pipeline, pipeline_options
     from transforms.export import ExportShards
@@ -106,7 +106,8 @@ def test_the_job_reads_each_unit_s_share_of_the_plan_and_never_the_streams(tmp_p
     os.rename(tmp_path / "store" / "streams", tmp_path / "streams_gone")
     description = {"normalize": "none", "tokens": None, "exclude_first_positions": 0,
                    "exclude_token_ids": list(flags["exclude_token_ids"]), "max_tokens": None}
-    form = FlatFormat(out, "float32", column_statistics(plan, "none"), description)
+    write_statistics(out, column_statistics(plan, "none"))
+    form = FlatFormat(out, "float32", description)
     with make_pipeline(pipeline_options([])) as pipeline:
         _ = pipeline | ExportShards(plan, blocks(loaders[0].stored, None, loaders[0].config.block_bytes), form)
     written, plain = files(tmp_path / "planned"), files(tmp_path / "plain")

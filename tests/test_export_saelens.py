@@ -173,8 +173,9 @@ def test_a_corrupt_shard_stops_the_export_unfinished(tmp_path):
         f.write(b"\xff\xff\xff\xff")
     result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, "--layers", "0",
                             "--output_dir", str(tmp_path / "out"), "--seed", "none")
-    assert result.returncode == 2 and "corrupt gzip member in" in result.stderr.splitlines()[-1]
-    assert "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and "corrupt gzip member in" in last and "(in the export job;" in last
+    assert "Traceback" not in result.stderr and "[while running" not in last
     left = os.listdir(tmp_path / "out") if (tmp_path / "out").exists() else []
     assert "state.json" not in left and "_spill" not in left  # not marked complete; the spill deleted
 

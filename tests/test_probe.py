@@ -87,13 +87,43 @@ def test_the_split_keeps_each_group_on_one_side(stores, tmp_path):
     assert split.groupby("group")["held_out"].nunique().eq(1).all() and split["held_out"].nunique() == 2
 
 
-def test_a_fleet_store_probes_as_one_machine_s(stores, tmp_path):
-    fleet, one = (probe(index, tmp_path / name) for index, name in zip(stores, ("fleet", "one")))
+@pytest.mark.parametrize("flags", [[], ["--max_rows", "300"]])
+def test_a_fleet_store_probes_as_one_machine_s(stores, tmp_path, flags):
+    fleet, one = (probe(index, tmp_path / name, *flags) for index, name in zip(stores, ("fleet", "one")))
     pd.testing.assert_frame_equal(fleet[0], one[0], check_exact=False, rtol=1e-9)
     (fleet_arrays, _), (one_arrays, _) = fleet[1], one[1]
     assert fleet_arrays.keys() == one_arrays.keys()
     for name, values in fleet_arrays.items():  # the probes exactly; the means to float64 rounding (float32 kept)
         np.testing.assert_allclose(values, one_arrays[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    rows = fleet[0]["train_rows"] + fleet[0]["held_out_rows"]
+    expected = 300 if flags else sum(len(a) for a in stored_tokens(stores[0], [0]).values())  # a draw, or all
+    assert ((rows - expected).abs() <= (60 if flags else 0)).all(), (rows, expected)
+
+
+def copy_store(index, folder, label_values, statistics=True):
+    """The store's index files in ``folder``, its label column replaced by ``label_values``."""
+    folder.mkdir()
+    for path in (arrays_path(index), merged_metadata_path(index), tokens_path(index),
+                 *([stats_path(index)] if statistics else [])):
+        if os.path.exists(path):
+            shutil.copy(path, folder / os.path.basename(path))
+    table = pq.read_table(index)
+    values = label_values(table["sample_id"].to_pylist(), table["label"].to_pylist())
+    table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(values))
+    pq.write_table(table, folder / "index.parquet")
+    return str(folder / "index.parquet")
+
+
+def test_a_text_label_with_nulls_and_a_store_without_statistics(stores, tmp_path):
+    index = copy_store(stores[0], tmp_path / "text", statistics=False, label_values=lambda ids, labels: [
+        None if i % 10 == 3 else ("yes" if label else "no") for i, label in zip(ids, labels)])
+    table, (arrays, metadata) = probe(index, tmp_path / "out")
+    nulls = sum(len(a) for (s, _), a in stored_tokens(stores[0], [0]).items() if s % 10 == 3)
+    assert (table["null_label_rows"] == nulls).all() and table["baseline"].isna().all()
+    assert (table["held_out"] >= 0.9).all()
+    assert sorted(arrays) == ["probe/blocks.0.hook_resid_post", "probe/blocks.1.hook_resid_post"]  # no statistics
+    assert (metadata["negative"], metadata["positive"]) == ("no", "yes")
+    assert cosine(arrays["probe/blocks.0.hook_resid_post"], planted_direction(SPEC)) >= 0.9  # toward "yes"
 
 
 def test_bad_input_is_one_line(stores, tmp_path):
@@ -103,15 +133,17 @@ def test_bad_input_is_one_line(stores, tmp_path):
                    "--label topic: ", "runners.probe")
     one_line_error(run_in_process("runners.probe", *flags, "--label", "label", "--group_column", "chat"),
                    "--group_column chat: ", "runners.probe")
-    # The same store, its label made constant.
-    constant = tmp_path / "constant"
-    constant.mkdir()
-    for path in (arrays_path(index), merged_metadata_path(index), stats_path(index), tokens_path(index)):
-        if os.path.exists(path):
-            shutil.copy(path, constant / os.path.basename(path))
-    table = pq.read_table(index)
-    table = table.set_column(table.schema.get_field_index("label"), "label", pa.array([1] * len(table), pa.int64()))
-    pq.write_table(table, constant / "index.parquet")
-    one_line_error(run_in_process("runners.probe", "--index", str(constant / "index.parquet"), "--layers", "0",
-                                  "--label", "label", "--output_dir", str(tmp_path / "y")),
-                   "every row read has the value 1", "runners.probe")
+    one_line_error(run_in_process("runners.probe", *flags, "--label", "label", "--group_column", "truncated"),
+                   "1 group(s) of rows: a held-out split needs at least 2", "runners.probe")
+    one_line_error(run_in_process("runners.probe", *flags, "--label", "label", "--seed", "-1"),
+                   "--seed must be >= 0", "runners.probe")
+    one_line_error(run_in_process("runners.probe", *flags[2:], "--index", str(tmp_path / "none.parquet"),
+                                  "--label", "label"), "no index at", "runners.probe")
+    constant = copy_store(index, tmp_path / "constant", lambda ids, labels: [1] * len(ids))
+    one_line_error(run_in_process("runners.probe", "--index", constant, "--layers", "0", "--label", "label",
+                                  "--output_dir", str(tmp_path / "y")), "every row read has the value 1",
+                   "runners.probe")
+    text = copy_store(index, tmp_path / "text", lambda ids, labels: [str(label) for label in labels])
+    one_line_error(run_in_process("runners.probe", "--index", text, "--layers", "0", "--label", "label",
+                                  "--task", "regression", "--output_dir", str(tmp_path / "z")),
+                   "--task regression needs a numeric label", "runners.probe")

@@ -25,7 +25,8 @@ shard, decoded), its share of the plan (its rows' offsets and token ids, read fr
 and about an output shard of chunks while reading (a second pass: a unit of about a shard of
 sections, and as much gathered), and one output shard (``rows_per_shard`` rows of every column,
 and its bytes as written) while writing, beside each store's index (``stored_arrays``: about 44
-bytes a sample and 16 a sample and key; with a selection, its tokens table). Neither the job graph
+bytes a sample and 16 a sample and key) and the leading store's tokens table (roles; with a
+selection stored, each stored row's position). Neither the job graph
 nor a worker holds the whole store's token ids. The bytes written depend on the plan only: the
 same for any number of workers or passes, any bundling, any retry (a retried bundle spills to new
 files).
@@ -58,8 +59,8 @@ Section = tuple[str, int, int]  # a spill file's path, a chunk's offset and leng
 
 
 def spilled(root: str, chunks: dict[int, dict[str, np.ndarray]]) -> Iterator[tuple[int, Section]]:
-    """Writes one unit's chunks (by output shard) into one new spill file under ``root``; yields
-    (output shard, its section)."""
+    """Writes a worker's gathered chunks (by where they go next: an output shard, or a first
+    pass's bucket) into one new spill file under ``root``; yields (key, its section)."""
     path = join(root, SPILL_DIR, f"{uuid.uuid4().hex}.npz-sections")
     data, sections = io.BytesIO(), []
     for shard, chunk in chunks.items():
@@ -146,7 +147,7 @@ class ReadUnit(beam.DoFn):
         # Token ids come unit by unit from the plan's files, never from the streams.
         self.loaders = [TokenLoader(c, token_ids=TokenIds.empty()) for c in self.plan.loader_configs]
         try:  # the roles of the leading store's tokens (a store from before roles has none)
-            self.roles = read_stored_tokens(self.plan.stores[0].index)
+            self.roles = self.loaders[0].tokens or read_stored_tokens(self.plan.stores[0].index)
         except UserError:
             self.roles = None
         self.dropped = {reason: beam.metrics.Metrics.counter("export", f"dropped_{reason}")
@@ -313,9 +314,8 @@ class WriteManifest(beam.DoFn):
         shards = sorted(written)
         if [s for s, _, _ in shards] != list(range(self.plan.shards)):
             raise ValueError(f"{len(shards)} of {self.plan.shards} output shards written")
-        manifest = self.form.finish(self.plan, shards, {**dict.fromkeys(DROP_REASONS, 0), **dropped})
-        delete_tree(join(self.form.output_dir, SPILL_DIR))
-        yield manifest
+        delete_tree(join(self.form.output_dir, SPILL_DIR))  # first: a finished export holds no spill
+        yield self.form.finish(self.plan, shards, {**dict.fromkeys(DROP_REASONS, 0), **dropped})
 
 
 class ExportShards(beam.PTransform):
