@@ -29,6 +29,8 @@ def write_charts(summary: pd.DataFrame, folder: str, num_layers: int, num_heads:
         elif kind in ("expert", "route"):  # the results' head column holds the expert
             what = "removed expert" if kind == "expert" else "expert all tokens are routed to"
             _heatmap(plt, rows, num_layers, num_experts, f"Δloss per {what}", path, "expert")
+        elif kind == "steer":
+            _bars(plt, rows, f"Δloss per block steered ({mode})", path)
         else:
             _bars(plt, rows, f"Δloss per {LABELS[kind]} ({mode} ablation)", path)
         paths.append(path)

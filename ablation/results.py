@@ -34,11 +34,12 @@ SCHEMA = pa.schema([
 
 
 def describe(intervention: Intervention) -> dict[str, Any]:
-    """kind, layer, head, mode of a one-atom intervention (nulls otherwise)."""
+    """kind, layer, head, mode (a steering's ``alpha=A``) of a one-atom intervention (nulls otherwise)."""
     if len(intervention.atoms) != 1:
         return {"kind": None, "layer": None, "head": None, "mode": None}
     atom = intervention.atoms[0]
-    return {"kind": atom.kind, "layer": atom.layer, "head": atom.head, "mode": atom.mode}
+    mode = f"alpha={atom.alpha:g}" if atom.kind == "steer" else atom.mode  # a steering's scale
+    return {"kind": atom.kind, "layer": atom.layer, "head": atom.head, "mode": mode}
 
 
 def load_results(output_dir: str) -> pd.DataFrame:

@@ -594,6 +594,8 @@ class DecoderLayer(nn.Module):
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
                                                                    jnp.zeros_like(x)))
+            steer = a["steer"].astype(x.dtype)  # [H]: a steering direction; where zero, x bit for bit (-0.0 kept)
+            x = jnp.where(steer == 0, x, x + steer)
         return x, new_cache
 
 

@@ -15,9 +15,14 @@ compiled forward takes for one intervention.
                 renormalised as the family's router would without it
     route:L.E   every token of block L sent to expert E alone, with weight 1 (a shared
                 expert still adds its part); the routing sites still record the router's choice
+    steer:L:FILE[:alpha=A][:direction=KIND]
+                A times a direction added to block L's output (hook_resid_post) at every
+                token: the array ``KIND/blocks.L.hook_resid_post`` of a directions file
+                (``probing.directions``: runners.probe writes them; KIND diff_in_means, the
+                default where the file has it, or probe), A 1 by default; FILE local or gs://
 
-Each is followed by ``:mode=zero`` (the default) or ``:mode=mean`` (``expert`` and ``route``
-have no mode), and several joined by ``+`` form one intervention (``head:3.1+head:3.2``).
+Each is followed by ``:mode=zero`` (the default) or ``:mode=mean`` (``expert``, ``route`` and
+``steer`` have no mode), and several joined by ``+`` form one intervention (``head:3.1+head:3.2``).
 ``zero`` removes the component: zeros for a head, attn or mlp output, the bare residual for a
 layer, and a neutral weight for a norm (the norm then only normalises: w = 1 for x * w, w = 0
 for Gemma's x * (1 + w), and a LayerNorm's bias 0). ``mean`` replaces it by its mean over the
@@ -48,11 +53,12 @@ from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
 
-KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route")
+KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer")
 INDEXED = {"head": "head", "expert": "expert", "route": "expert"}  # kinds with a second index: what it counts
 MODES = ("zero", "mean")
 _ATOM = re.compile(r"(?P<kind>[a-z_]+):(?P<target>[^:]+)(?::mode=(?P<mode>[a-z]+))?")
 _INDEX = re.compile(r"\*|\d+|\d+-\d+")
+STEER_OPTIONS = {"alpha": float, "direction": str}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -62,8 +68,15 @@ class Atom:
     layer: int
     head: int | None = None  # the head, or for expert and route the expert
     mode: str = "zero"
+    path: str = ""           # steer: the directions file
+    alpha: float = 1.0       # steer: the direction's scale
+    direction: str = ""      # steer: the kind of direction in the file ("": diff_in_means where it has one)
 
     def __str__(self) -> str:
+        if self.kind == "steer":
+            options = (f":alpha={self.alpha:g}" if self.alpha != 1 else "") + (
+                f":direction={self.direction}" if self.direction else "")
+            return f"steer:{self.layer}:{self.path}{options}"
         target = f"{self.layer}.{self.head}" if self.kind in INDEXED else str(self.layer)
         return f"{self.kind}:{target}" + (":mode=mean" if self.mode == "mean" else "")
 
@@ -104,8 +117,34 @@ def _indices(text: str, what: str, count: int, spec: str) -> list[int]:
     return indices
 
 
+def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
+    """``steer:L:FILE[:alpha=A][:direction=KIND]`` (FILE may hold colons: gs://) -> one atom per layer."""
+    layers, _, rest = text.strip()[len("steer:"):].partition(":")
+    options: dict[str, object] = {}
+    while True:
+        head, colon, last = rest.rpartition(":")
+        name, equals, value = last.partition("=")
+        if not (colon and equals and name in STEER_OPTIONS):
+            break
+        try:
+            options[name] = STEER_OPTIONS[name](value)
+        except ValueError:
+            raise UserError(f"intervention {spec!r}: {name} must be a number, got {value!r}") from None
+        rest = head
+    if not rest:
+        raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND], e.g. "
+                        "steer:12:probe_out/directions.npz:alpha=4")
+    direction = str(options.get("direction", ""))
+    if direction not in ("", "diff_in_means", "probe"):
+        raise UserError(f"intervention {spec!r}: direction must be diff_in_means or probe, got {direction!r}")
+    return [Atom("steer", layer, path=rest, alpha=float(options.get("alpha", 1.0)), direction=direction)
+            for layer in _indices(layers, "layer", num_layers, spec)]
+
+
 def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: int = 0) -> list[Atom]:
     """The atoms one pattern stands for (``head:*.0`` -> one per block)."""
+    if text.strip().startswith("steer:"):
+        return _steer_atoms(text, spec, num_layers)
     match = _ATOM.fullmatch(text.strip())
     if not match:
         raise UserError(f"intervention {spec!r}: expected KIND:TARGET[:mode=zero|mean], e.g. head:3.7 "
@@ -143,9 +182,9 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
         parts = [_atoms(part, spec, num_layers, num_heads, num_experts) for part in spec.split("+")]
         for combination in itertools.product(*parts):
             atoms = tuple(sorted(set(combination)))
-            targets = [(a.kind, a.layer, a.head) for a in atoms]
+            targets = [(a.kind, a.layer, a.head, a.path, a.direction) for a in atoms]
             if len(set(targets)) != len(targets):
-                twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head)) > 1)
+                twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head, a.path, a.direction)) > 1)
                 raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
             routes = [a.layer for a in atoms if a.kind == "route"]
             if len(set(routes)) != len(routes):
@@ -239,6 +278,7 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     for kind in ("attn", "mlp", "block", "norm"):
         arrays[f"{kind}_keep"] = np.ones(num_layers, bool)
         arrays[f"{kind}_fill"] = np.zeros(num_layers, bool)
+    arrays["steer"] = np.zeros((num_layers, h), np.float32)  # [L, H]: added to each block's output
     if config.moe is not None:
         arrays["expert_keep"] = np.ones((num_layers, config.moe.num_experts), bool)  # [L, E]
         arrays["route_to"] = np.full(num_layers, -1, np.int32)  # [L]: the expert every token goes to, or -1
@@ -257,8 +297,37 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
         if atom.kind == "route":
             arrays["route_to"][atom.layer] = atom.head
             continue
+        if atom.kind == "steer":
+            arrays["steer"][atom.layer] += np.float32(atom.alpha) * steering_vector(atom, config)
+            continue
         kind = "block" if atom.kind == "layer" else atom.kind
         where = (atom.layer, atom.head) if atom.kind == "head" else atom.layer
         arrays[f"{kind}_keep"][where] = False
         arrays[f"{kind}_fill"][where] = atom.mode == "mean"
     return arrays
+
+
+def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
+    """[hidden] float32: the direction ``atom`` adds at its block's output, from its file; one line
+    when the file is of another model (another family, depth or hidden size) or lacks it. (A file
+    of another checkpoint of the same shape, a base model's direction steering its chat model, is
+    allowed.)"""
+    from probing.directions import read_directions  # the file's format lives with what writes it
+    arrays, metadata = read_directions(atom.path)
+    shape = {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
+             "hidden_size": config.hidden_size}
+    other = [f"{name} {metadata[name]} (this model: {value})" for name, value in shape.items()
+             if metadata.get(name) is not None and metadata[name] != value]
+    if other:
+        raise UserError(f"{atom.path!r} holds directions of another model: {', '.join(other)}")
+    kinds = [atom.direction] if atom.direction else ["diff_in_means", "probe"]
+    names = [f"{kind}/blocks.{atom.layer}.hook_resid_post" for kind in kinds]
+    found = next((name for name in names if name in arrays), None)
+    if found is None:
+        raise UserError(f"{atom.path!r} has no {' or '.join(names)} to steer {atom} with (it has "
+                        f"{', '.join(sorted(arrays)) or 'nothing'})")
+    vector = arrays[found]
+    if vector.shape != (config.hidden_size,):
+        raise UserError(f"{atom.path!r}: {found} is {vector.shape[-1]} wide, the model's hidden size is "
+                        f"{config.hidden_size}")
+    return vector.astype(np.float32)

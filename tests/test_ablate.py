@@ -178,8 +178,16 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     means = scorer.means(r["input_ids"] for r in records)
     means.save(str(tmp_path / "means.npz"))
     reference = load_reference(path)
-    for spec in ("head:1.2", "mlp:2:mode=mean"):
-        out = tmp_path / spec.replace(":", "_")
+    from model.config import load_config
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    config = load_config(path)
+    directions = str(tmp_path / "directions.npz")  # a direction added to block 1's output, as steering does
+    write_directions(directions, {("diff_in_means", array_key(RESID_POST, 1)):
+                                  np.random.default_rng(1).standard_normal(config.hidden_size).astype(np.float32)},
+                     {"model_type": config.model_type, "hidden_size": config.hidden_size})
+    for number, spec in enumerate(("head:1.2", f"mlp:2:mode=mean+steer:1:{directions}:alpha=3")):
+        out = tmp_path / f"run_{number}"
         result = run_cli("runners.tpu_host", "--machine_id", "0", "--streams_dir", str(arc_streams),
                          "--model_path", path, "--output_dir", str(out), "--batch_size", "2",
                          "--max_seq_length", "160", "--dtype", "float32", "--layers_to_extract", "1,3",

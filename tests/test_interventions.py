@@ -20,7 +20,8 @@ from fixtures.hf_reference import (decoder_blocks, intervention_hooks, load_refe
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 LENGTHS = [3, 64, 17, 40]  # one padded batch of 4
 TARGETS = {"head": "1.2", "layer": "1", "attn": "2", "mlp": "0", "norm": "2"}
-DENSE_KINDS = [kind for kind in KINDS if kind not in ("expert", "route")]  # expert and route: tests/test_moe.py
+# expert and route: tests/test_moe.py; steer: below.
+DENSE_KINDS = [kind for kind in KINDS if kind not in ("expert", "route", "steer")]
 
 
 # Every kind x mode on Qwen2 (biases), Llama, Gemma 2 (sandwich, (1 + w) norms, soft-caps) and
@@ -142,6 +143,60 @@ def matches_hooks(case, kind: str, mode: str) -> None:
         for layer, block in enumerate(blocks):  # every block but the last, whose output HF norms
             assert relative_error(residuals[layer, row, :n], block) <= 1e-5, (spec, layer, n)
         assert not np.allclose(residuals[-1, row, :n], plain_residuals[-1, row, :n])  # it did something
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Llama's block; Gemma 2's sandwich norms, soft-caps
+def test_steering_equals_a_hook_adding_the_direction(case_of, family, tmp_path):
+    """A direction of a directions file (probing.directions), 2.5 times, added to block 1's
+    output, against transformers with a forward hook adding the same vector to the same module."""
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model, ref, sequences, means = case_of(family)
+    c = model.config
+    vector = np.random.default_rng(0).standard_normal(c.hidden_size).astype(np.float32)
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector,
+                            ("probe", array_key(RESID_POST, 1)): -vector},
+                     {"model_type": c.model_type, "num_hidden_layers": c.num_hidden_layers,
+                      "hidden_size": c.hidden_size})
+    [intervention] = parse_interventions([f"steer:1:{path}:alpha=2.5"], model.num_layers, c.num_attention_heads)
+    assert str(intervention.atoms[0]) == f"steer:1:{path}:alpha=2.5"
+    residuals, logits = ours(model, sequences, intervention, means)
+    plain, _ = ours(model, sequences, Intervention(), means)
+    for row, (seq, (blocks, ref_logits)) in enumerate(zip(sequences, reference(ref, sequences, intervention, means))):
+        n = len(seq)
+        assert relative_error(logits[row, :n], ref_logits) <= 1e-5, n
+        for layer, block in enumerate(blocks):
+            assert relative_error(residuals[layer, row, :n], block) <= 1e-5, (layer, n)
+    np.testing.assert_allclose(residuals[1] - plain[1], np.broadcast_to(2.5 * vector, residuals[1].shape),
+                               atol=1e-5)  # exactly the direction, at block 1
+    [opposite] = parse_interventions([f"steer:1:{path}:alpha=2.5:direction=probe"], model.num_layers,
+                                     c.num_attention_heads)
+    np.testing.assert_allclose(ours(model, sequences, opposite, means)[0][1] - plain[1],
+                               np.broadcast_to(-2.5 * vector, residuals[1].shape), atol=1e-5)
+
+
+def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model = qwen2[0]
+    c = model.config
+    vector = np.ones(c.hidden_size, np.float32)
+    cases = {"other": ({"model_type": "llama"}, vector, "holds directions of another model: model_type llama"),
+             "wide": ({}, np.ones(c.hidden_size + 1, np.float32), f"hidden size is {c.hidden_size}"),
+             "layer": ({}, vector, "has no diff_in_means/blocks.0.hook_resid_post or probe/blocks.0.hook_resid_post")}
+    for name, (metadata, values, message) in cases.items():
+        path = str(tmp_path / f"{name}.npz")
+        write_directions(path, {("diff_in_means", array_key(RESID_POST, 0 if name != "layer" else 1)): values},
+                         metadata)
+        [intervention] = parse_interventions([f"steer:0:{path}"], model.num_layers, c.num_attention_heads)
+        with pytest.raises(UserError, match=message.replace("(", r"\(")):
+            ablation_arrays(intervention, c, model.num_layers)
+    for spec, message in ((f"steer:0:{tmp_path}/none.npz", "no directions file"), ("steer:0", "expected steer:LAYER"),
+                          (f"steer:0:{path}:alpha=x", "alpha must be a number")):
+        with pytest.raises(UserError, match=message):
+            ablation_arrays(parse_interventions([spec], model.num_layers, c.num_attention_heads)[0], c,
+                            model.num_layers)
 
 
 def test_two_atoms_together(setup):
