@@ -130,8 +130,12 @@ def _write_outputs(config: ProbeConfig, rows: ProbeRows, test: np.ndarray, task:
     """directions.npz, probes.npz and split.parquet (each group's side)."""
     machines = rows.loader.metadata.get("machines", [])
     models = sorted({m.get("model") for m in machines if m.get("model")})
+    shape = {}  # what a steering checks the file against (model.interventions.steering_vector)
+    for name in ("model_type", "num_hidden_layers", "hidden_size"):
+        found = {m.get(name) for m in machines} - {None}
+        shape[name] = found.pop() if len(found) == 1 else None
     two = task == "classification" and len(values) == 2
-    metadata = {"model": models[0] if len(models) == 1 else (models or None), "index": config.index,
+    metadata = {"model": models[0] if len(models) == 1 else (models or None), **shape, "index": config.index,
                 "label": config.label,
                 "task": task, "negative": values[0] if two else None, "positive": values[1] if two else None,
                 "tokens": config.tokens, "regularization": config.regularization}

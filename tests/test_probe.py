@@ -56,6 +56,7 @@ def test_the_probe_and_the_diff_in_means_find_the_planted_direction(stores, tmp_
         assert cosine(diff, truth) >= 0.9 and 3 <= np.linalg.norm(diff) <= 5  # the planted 4, give or take noise
     described = (metadata["label"], metadata["negative"], metadata["positive"], metadata["model"])
     assert described == ("label", 0, 1, "random")
+    assert (metadata["hidden_size"], metadata["num_hidden_layers"]) == (SPEC.hidden_size, 2)
     assert (tmp_path / "out" / "by_layer.png").stat().st_size > 0
     regression, _ = probe(index, tmp_path / "ridge", "--task", "regression")
     assert (regression["metric"] == "r2").all() and (regression["held_out"] >= 0.5).all()
