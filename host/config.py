@@ -97,9 +97,9 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
     process_id: int | None = flag(None, "this process's index, 0..num_processes-1 (default: detected)")
     distributed_timeout_s: int = flag(100, "a process of the machine that stops answering for this "
                                       "long ends the others, failed (JAX's heartbeat timeout)")
-    ablate: str | None = flag(None, "extract under one intervention, e.g. head:3.7, layer:5 or "
-                              "mlp:2:mode=mean (spec: model/interventions.py); recorded in metadata.json "
-                              "and the index's ablation column")
+    ablate: str | None = flag(None, "extract (and, with --generate, write) under one intervention, e.g. "
+                              "head:3.7, mlp:2:mode=mean or steer:12:directions.npz:alpha=4 (spec: "
+                              "model/interventions.py); recorded in metadata.json and the index's ablation column")
     ablation_means: str | None = flag(None, "means.npz written by runners.ablate (local or gs://), for an "
                                       "--ablate with mode=mean")
     tokens: str | None = flag(None, "store only the rows of these tokens, a selection (e.g. assistant,-special | "
@@ -159,9 +159,6 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
                 raise UserError("--lease_s holds a one-process machine; a multi-host slice is not "
                                 "leased (Dataflow TPU workers are single-host)")
         self.validate_generation(self.max_seq_length)
-        if self.generate is not None and self.ablate:
-            raise UserError("--generate with --ablate: the model would write without the intervention it is "
-                            "extracted under; generating under an intervention is not supported yet")
         if self.generate is not None and (self.multi_process or self.distributed == "on"):
             raise UserError("--generate runs on one-process machines only, not yet on a multi-host slice")
         if len(set(self.stats_by)) != len(self.stats_by):

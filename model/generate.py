@@ -96,12 +96,13 @@ class Generator:
     sampling without its seed, stop-list width)."""
 
     def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
-                 residual_dtype: Any = None, mesh: Mesh | None = None):
+                 residual_dtype: Any = None, mesh: Mesh | None = None, ablation: dict | None = None):
         """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
         None: the compute dtype). The cache holds keys and values in the compute dtype; with
         learned positions it may not outgrow their table. ``mesh``: the one ``params`` live on
         (``model.loading.load_model``'s): a batch's rows, and their caches, are split over its
-        ``data`` axis (None: one device)."""
+        ``data`` axis (None: one device). ``ablation``: an intervention's arrays over every block
+        (``model.interventions.ablation_arrays``), applied to the prompt and to every step."""
         if config.positions == "learned" and cache_length > config.max_position_embeddings:
             raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
                             f"{config.max_position_embeddings} tokens (pass --max_seq_length "
@@ -113,6 +114,7 @@ class Generator:
         self.mesh = mesh
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
+        self.ablation = None if ablation is None else {name: jnp.asarray(a) for name, a in ablation.items()}
 
     def cache_bytes(self, rows: int) -> int:
         """Bytes of the cache of ``rows`` rows: ``_empty_cache``'s arrays, by their shapes alone
@@ -188,7 +190,8 @@ class Generator:
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, self.cache_length - p)))  # [B, P, T]
         positions = jnp.broadcast_to(jnp.arange(p), (rows, p))
         outputs, caches = self.model.apply({"params": params}, input_ids, positions, mask,
-                                           self.config.num_hidden_layers, self._empty_cache(rows), 0)
+                                           self.config.num_hidden_layers, self._empty_cache(rows), 0,
+                                           ablation=self.ablation)
         last = jnp.take_along_axis(outputs[-1], jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, H]
         return self._logits(params, last), caches
 
@@ -196,7 +199,7 @@ class Generator:
         """Each row's new token [B] at its own position [B] -> (logits [B, V], caches)."""
         mask = (jnp.arange(self.cache_length)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, T]
         outputs, caches = self.model.apply({"params": params}, tokens[:, None], positions[:, None], mask,
-                                           self.config.num_hidden_layers, caches, positions)
+                                           self.config.num_hidden_layers, caches, positions, ablation=self.ablation)
         return self._logits(params, outputs[-1][:, 0]), caches
 
     @functools.partial(jax.jit, static_argnums=(0, 5, 6))

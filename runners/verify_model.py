@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import load_config
-from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
+from model.extract import Extractor, ablation_for, check_model_fits, resolve_dtype, validate_layers
+from model.sites import blocks_needed, parse_sites
 from model.generate import STOP_TOKEN, Generator, stop_token_ids
 from model.loading import load_model
 from model.report import PromptResult, report_text
@@ -36,6 +37,9 @@ class VerifyConfig(ModelSettings, SiteSettings):
     layers_to_extract: tuple[int, ...] | None = flag(None, "layers for the statistics, e.g. 6,12,18 "
                                                      "(default: all); each site of --sites at each", parse=int_list)
     output: str = flag("model_generation_verification.txt", "report path")
+    ablate: str | None = flag(None, "generate (and take the statistics) under one intervention, e.g. "
+                              "steer:12:probe_out/directions.npz:alpha=4 or head:3.7 (docs/ablation.md)")
+    ablation_means: str | None = flag(None, "means.npz of runners.ablate, for an --ablate with mode=mean")
 
 
 def arc_prompts(config: VerifyConfig, tokenizer) -> list:
@@ -58,6 +62,8 @@ def main(argv: list[str]) -> int:
     model_config = load_config(model_dir)  # checked before it loads
     check_model_fits(model_config, config.sites, config.max_seq_length,
                      validate_layers(config.layers_to_extract or range(model_config.num_hidden_layers), model_config))
+    # The intervention over every block (they all write), checked before the model loads.
+    ablation = ablation_for(config.ablate, config.ablation_means, model_config, model_config.num_hidden_layers)
     loaded = load_model(model_dir, dtype, config.mesh_type, config.model_axis_size, with_head=True)
     layers = validate_layers(config.layers_to_extract or range(loaded.config.num_hidden_layers),
                              loaded.config)
@@ -65,8 +71,11 @@ def main(argv: list[str]) -> int:
     prompts = arc_prompts(config, tokenizer)
     extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length,
                                       residual_dtype=config.residual_dtype, sites=config.sites)
+    if ablation is not None:  # the statistics under it too (its arrays over the blocks the extractor runs)
+        computed = blocks_needed(parse_sites(config.sites), layers)
+        extractor.ablation = {name: array[:computed] for name, array in ablation.items()}
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
-                          residual_dtype=extractor.residual_dtype, mesh=loaded.mesh)
+                          residual_dtype=extractor.residual_dtype, mesh=loaded.mesh, ablation=ablation)
     activations = dict(extractor.extract((s.sample_id, s.input_ids) for s in prompts))
     stop_ids = stop_token_ids(model_dir, tokenizer)
     continuations = generator.continuations([s.input_ids for s in prompts], config.max_new_tokens, stop_ids,

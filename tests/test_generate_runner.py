@@ -104,6 +104,44 @@ def test_selecting_the_generated_role_stores_exactly_the_continuations_rows(gree
             np.testing.assert_array_equal(picked["activation"], entry["activation"][start:])
 
 
+def test_a_run_under_a_steering_writes_and_stores_under_it(stream, tiny_checkpoints, greedy, tmp_path):
+    """--generate with --ablate steer:...: each continuation is the steered generator's, and the
+    activations stored are the steered model's (transformers with the same forward hook)."""
+    from fixtures.hf_reference import intervention_hooks, remove_hooks
+    from model.interventions import ablation_arrays, parse_one
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model = tiny_checkpoints["gqa_tied"]
+    loaded = load_model(model, jnp.float32, with_head=True, devices=jax.devices()[:1])
+    c = loaded.config
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)):
+                            np.random.default_rng(3).standard_normal(c.hidden_size).astype(np.float32) * 4},
+                     {"model_type": c.model_type, "hidden_size": c.hidden_size})
+    spec = f"steer:1:{path}"
+    result = run_host_cli(*args_for(stream, tmp_path / "out", model, "--ablate", spec))
+    assert result.returncode == 0, result.stderr
+    entries, plain = stored(tmp_path / "out" / "machine_000"), stored(greedy)
+    intervention = parse_one(spec, c)
+    generator = Generator(c, loaded.params, jnp.float32, cache_length=96, mesh=loaded.mesh,
+                          ablation=ablation_arrays(intervention, c, c.num_hidden_layers))
+    reference = load_reference(model, "float32")
+    undo = intervention_hooks(reference, intervention)
+    changed = 0
+    try:
+        for record in [json.loads(line) for line in stream.read_text().splitlines()][:3]:
+            prompt = record["input_ids"][:96 - NEW]
+            generation = entries[record["sample_id"]][1]["generation"]
+            assert generation["token_ids"] == generator.continuations([prompt], NEW, stop_token_ids(model))[0].tokens
+            changed += generation["token_ids"] != plain[record["sample_id"]][1]["generation"]["token_ids"]
+            expected = reference_activations(reference, [prompt + generation["token_ids"]])[0]  # the hook's
+            for layer in (1, 3):
+                assert relative_error(entries[record["sample_id"]][layer]["activation"], expected[layer]) <= 1e-5
+    finally:
+        remove_hooks(undo)
+    assert changed  # the steering changed what the model wrote
+
+
 def test_a_sampled_run_killed_and_resumed_stores_what_an_uninterrupted_one_does(arc_streams, tiny_checkpoints,
                                                                              tmp_path):
     long_stream(arc_streams, tmp_path / "long.jsonl", copies=2)
@@ -196,7 +234,6 @@ def test_a_batch_whose_cache_would_not_fit_is_continued_a_few_prompts_at_a_time(
     (["--generate", "96"], "--generate 96 leaves no room for a prompt in --max_seq_length 96"),
     (["--temperature", "0.8"], "--temperature choose how --generate writes: pass --generate N"),
     (["--generate", "4", "--top_p", "0.9"], "--top_p and top_k choose among sampled tokens"),
-    (["--generate", "4", "--ablate", "layer:1"], "--generate with --ablate"),
     (["--stop", "###"], "--stop choose how --generate writes: pass --generate N"),
     (["--generate", "4", "--stop", "###"], "--stop finds strings in a continuation's text, which needs a tokenizer"),
 ])

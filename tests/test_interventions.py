@@ -176,6 +176,42 @@ def test_steering_equals_a_hook_adding_the_direction(case_of, family, tmp_path):
                                np.broadcast_to(-2.5 * vector, residuals[1].shape), atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_generation_under_steering_equals_transformers_with_the_hook(case_of, family, tmp_path):
+    """The generator (model.generate) with a steering's arrays, on the prompt and at every step,
+    against transformers' generate with the same forward hook on block 1."""
+    import torch
+    from fixtures.hf_reference import agreeing_prefix
+    from model.generate import Generator
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model, ref, sequences, means = case_of(family)
+    c = model.config
+    vector = np.random.default_rng(2).standard_normal(c.hidden_size).astype(np.float32)
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector}, {"hidden_size": c.hidden_size})
+    [intervention] = parse_interventions([f"steer:1:{path}:alpha=4"], model.num_layers, c.num_attention_heads)
+    prompts = [seq[:12] for seq in sequences[1:3]]
+    generator = Generator(c, model.params, jnp.float32, cache_length=64,
+                          ablation=ablation_arrays(intervention, c, c.num_hidden_layers))
+    plain = Generator(c, model.params, jnp.float32, cache_length=64).continuations(prompts, 16)
+    steered = generator.continuations(prompts, 16)
+    assert any(a.tokens != b.tokens for a, b in zip(steered, plain))  # it steers
+    undo = intervention_hooks(ref, intervention)
+    try:
+        for prompt, ours_ in zip(prompts, steered):
+            with torch.no_grad():
+                mask = torch.ones(1, len(prompt), dtype=torch.long)
+                result = ref.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0, output_logits=True,
+                                      return_dict_in_generate=True)
+            theirs = result.sequences[0, len(prompt):].tolist()
+            compared, equal = agreeing_prefix(ours_.tokens, theirs, result.logits)
+            assert compared == equal >= 8, (ours_.tokens, theirs)
+    finally:
+        remove_hooks(undo)
+
+
 def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
     from model.sites import RESID_POST, array_key
     from probing.directions import write_directions

@@ -28,7 +28,7 @@ def test_report_has_continuations_and_layer_statistics(tiny_checkpoints, qwen_to
     assert all(float(row.split()[-1]) < 3 for row in table), table
 
 
-@pytest.mark.parametrize("problem", ["layer 40", "missing file", "architecture", "not a dir"])
+@pytest.mark.parametrize("problem", ["layer 40", "missing file", "architecture", "not a dir", "steering"])
 def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path, problem):
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoints["gqa_tied"], model)
@@ -45,6 +45,9 @@ def test_user_errors_are_one_line(tiny_checkpoints, qwen_tokenizer_dir, tmp_path
         (model / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"],
                                                        "model_type": "falcon"}))
         expected = "unsupported architecture 'FalconForCausalLM'"
+    elif problem == "steering":
+        args += ["--ablate", f"steer:1:{tmp_path}/none.npz:alpha=4"]
+        expected = "no directions file at"
     else:
         args[1] = str(tmp_path / "nothing_here")
         expected = "is not a checkpoint directory"

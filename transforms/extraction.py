@@ -167,10 +167,13 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     would not fit the ``free`` bytes of a device (None: measured, ``model.generate.free_bytes``),
     stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
     ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
+    from model.extract import ablation_for
     from model.generate import CACHE_SHARE, Generator, free_bytes, stop_token_ids
     from transforms.tokenize import load_tokenizer, special_ids
-    generator = Generator(extractor.config, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
-                          residual_dtype=extractor.residual_dtype, mesh=extractor.mesh)
+    model = extractor.config  # under the extraction's intervention, over every block: they all write
+    ablation = ablation_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
+    generator = Generator(model, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
+                          residual_dtype=extractor.residual_dtype, mesh=extractor.mesh, ablation=ablation)
     rows = generator.rows_that_fit(extractor.batch_size, free_bytes(extractor.mesh) if free is None else free)
     if rows < extractor.batch_size:
         log.warning("--generate: %d prompts continued at a time, not %d: the key/value cache of %d would "
