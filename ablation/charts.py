@@ -5,6 +5,7 @@ other kind, one chart per mode."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -23,7 +24,7 @@ def write_charts(summary: pd.DataFrame, folder: str, num_layers: int, num_heads:
     single = summary[summary["kind"].notna()]
     paths = []
     for (kind, mode), rows in single.groupby(["kind", "mode"], sort=True):
-        path = os.path.join(folder, f"delta_loss_{kind}_{mode}.png")
+        path = os.path.join(folder, f"delta_loss_{kind}_{re.sub(r'[^A-Za-z0-9=.-]+', '_', mode).strip('_')}.png")
         if kind == "head":
             _heatmap(plt, rows, num_layers, num_heads, f"Δloss per head ({mode} ablation)", path)
         elif kind in ("expert", "route"):  # the results' head column holds the expert

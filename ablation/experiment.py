@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -28,11 +28,11 @@ from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
 from model.config import load_config
 from model.interventions import (BASELINE, Intervention, Means, ablation_arrays, check_blocks,
-                                 parse_interventions)
+                                 parse_interventions, steering_digests)
 from model.scoring import InterventionModel, scored_tokens
 
 log = logging.getLogger("runners.ablate")
-MEANS_FILE, EXPERIMENT_FILE, RUN_FILE = "means.npz", "experiment.json", "run.json"
+MEANS_FILE, EXPERIMENT_FILE, RUN_FILE, STEERING_FILE = "means.npz", "experiment.json", "run.json", "steering.json"
 
 
 @dataclasses.dataclass
@@ -52,7 +52,8 @@ class RunReport:
 
 
 def settings(config: AblationConfig) -> dict[str, Any]:
-    """What decides the numbers: a re-run into the same output must keep it."""
+    """What decides the numbers: a re-run into the same output must keep it (the steerings'
+    files: ``check_steering``)."""
     import jax.numpy as jnp
     from model.extract import resolve_dtype, resolve_residual_dtype, residual_dtype_name
     dtype = resolve_dtype(config.dtype)
@@ -60,6 +61,26 @@ def settings(config: AblationConfig) -> dict[str, Any]:
             "max_seq_length": config.max_seq_length, "dtype": jnp.dtype(dtype).name,
             "residual_dtype": residual_dtype_name(dtype, resolve_residual_dtype(config.residual_dtype)),
             "attention": config.attention}
+
+
+def check_steering(output_dir: str, grid: Sequence[Intervention]) -> None:
+    """Records each directions file the grid steers with by its contents' hash
+    (``steering.json``); refuses a re-run whose file at a recorded path now holds other vectors
+    (the results would mix). A grid may add files."""
+    steers = tuple(atom for intervention in grid for atom in intervention.atoms if atom.kind == "steer")
+    current = steering_digests(Intervention(steers)) or {}
+    path = os.path.join(output_dir, STEERING_FILE)
+    stored = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+    changed = [name for name, digest in current.items() if stored.get(name, digest) != digest]
+    if changed:
+        raise UserError(f"{changed[0]!r} holds other directions than when {output_dir!r} was scored with it: "
+                        "use another --output_dir (or the file as it was)")
+    if current.keys() - stored.keys():
+        with open(path, "w") as f:
+            json.dump({**stored, **current}, f, indent=2)
 
 
 def check_settings(output_dir: str, current: dict[str, Any]) -> None:
@@ -98,6 +119,7 @@ def run_experiment(config: AblationConfig) -> RunReport:
     start = time.perf_counter()
     grid, records, model_config = plan(config)
     check_settings(config.output_dir, settings(config))
+    check_steering(config.output_dir, grid)
     everything = [Intervention(), *grid]  # the baseline first: every other is scored against it
     done = load_results(config.output_dir)
     finished = set(zip(done["intervention"], done["sample_id"]))

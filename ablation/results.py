@@ -34,11 +34,13 @@ SCHEMA = pa.schema([
 
 
 def describe(intervention: Intervention) -> dict[str, Any]:
-    """kind, layer, head, mode (a steering's ``alpha=A``) of a one-atom intervention (nulls otherwise)."""
+    """kind, layer, head, mode (a steering's ``FILE[:alpha=A][:direction=K]``) of a one-atom
+    intervention (nulls otherwise)."""
     if len(intervention.atoms) != 1:
         return {"kind": None, "layer": None, "head": None, "mode": None}
     atom = intervention.atoms[0]
-    mode = f"alpha={atom.alpha:g}" if atom.kind == "steer" else atom.mode  # a steering's scale
+    # A steering's: what follows its layer (file, alpha, direction), the same at every layer of a grid.
+    mode = str(atom).split(":", 2)[2] if atom.kind == "steer" else atom.mode
     return {"kind": atom.kind, "layer": atom.layer, "head": atom.head, "mode": mode}
 
 

@@ -66,6 +66,7 @@ from model.attention import attention_for
 from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
+from model.interventions import steering_digests
 from model.sharding import make_mesh
 from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
@@ -207,7 +208,13 @@ def check_model(config: HostConfig) -> None:
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     sites = parse_sites(config.sites)
     check_model_fits(model, sites, config.max_seq_length, layers)
-    intervention_for(config.ablate, config.ablation_means, model, blocks_needed(sites, layers))
+    intervention_for(config.ablate, config.ablation_means, model, intervened_blocks(config, model, sites, layers))
+
+
+def intervened_blocks(config: HostConfig, model: DecoderConfig, sites, layers) -> int:
+    """The blocks an ``--ablate`` may act on: those computed, or with ``--generate`` every one
+    (they all write)."""
+    return model.num_hidden_layers if config.generate is not None else blocks_needed(sites, layers)
 
 
 def run_process(config: HostConfig, placement: Placement | None = None,
@@ -505,7 +512,8 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
     must keep them."""
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     sites = parse_sites(config.sites)
-    intervention = intervention_for(config.ablate, config.ablation_means, model, blocks_needed(sites, layers))
+    intervention = intervention_for(config.ablate, config.ablation_means, model,
+                                    intervened_blocks(config, model, sites, layers))
     # A checkpoint from before --ablate has neither key: each reads as None, the same as unset.
     dtype = resolve_dtype(config.dtype)
     return {"layers_to_extract": list(layers), "sites": list(sites), "dtype": jnp.dtype(dtype).name,
@@ -514,6 +522,8 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
             "max_seq_length": config.max_seq_length, "long_samples": config.long_samples,
             "ablate": intervention.name if intervention else None,
             "ablation_means": _digest(config.ablation_means) if intervention and intervention.needs_means else None,
+            # Checkpoints from before steering read None: the same vectors, wherever their file is.
+            "steering": steering_digests(intervention),
             # Checkpoints from before these read None: every token stored, no groups.
             "tokens": config.tokens, "stats_by": list(config.stats_by) or None,
             # Checkpoints from before --generate read None: nothing generated.

@@ -351,7 +351,11 @@ class Extractor:
         # A kernel the model cannot use fails before it loads.
         attention_for(None, attention, config, resolve_dtype(dtype))
         check_model_fits(config, sites, max_seq_length, layers)
-        arrays = ablation_for(ablation, ablation_means, config, blocks_needed(sites, layers))
+        # Generating (whole_model), an intervention acts on every block; the extraction's forward
+        # takes the blocks it computes.
+        computed = blocks_needed(sites, layers)
+        arrays = ablation_for(ablation, ablation_means, config, config.num_hidden_layers if whole_model else computed)
+        arrays = arrays and {name: array[:computed] for name, array in arrays.items()}
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=None if whole_model else blocks_needed(sites, layers), with_head=whole_model,
                             devices=devices)

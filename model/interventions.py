@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import logging
 import os
 import re
 from typing import Sequence
@@ -53,6 +54,7 @@ from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
 
+log = logging.getLogger("model.interventions")
 KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer")
 INDEXED = {"head": "head", "expert": "expert", "route": "expert"}  # kinds with a second index: what it counts
 MODES = ("zero", "mean")
@@ -74,7 +76,7 @@ class Atom:
 
     def __str__(self) -> str:
         if self.kind == "steer":
-            options = (f":alpha={self.alpha:g}" if self.alpha != 1 else "") + (
+            options = (f":alpha={alpha_text(self.alpha)}" if self.alpha != 1 else "") + (
                 f":direction={self.direction}" if self.direction else "")
             return f"steer:{self.layer}:{self.path}{options}"
         target = f"{self.layer}.{self.head}" if self.kind in INDEXED else str(self.layer)
@@ -117,6 +119,13 @@ def _indices(text: str, what: str, count: int, spec: str) -> list[int]:
     return indices
 
 
+def alpha_text(alpha: float) -> str:
+    """A steering's scale as its spec writes it: exact (it parses back to the same float), no
+    ``+`` (which joins atoms), no trailing ``.0``."""
+    text = repr(float(alpha)).replace("e+", "e")
+    return text[:-2] if text.endswith(".0") else text
+
+
 def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
     """``steer:L:FILE[:alpha=A][:direction=KIND]`` (FILE may hold colons: gs://) -> one atom per layer."""
     layers, _, rest = text.strip()[len("steer:"):].partition(":")
@@ -131,6 +140,12 @@ def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
         except ValueError:
             raise UserError(f"intervention {spec!r}: {name} must be a number, got {value!r}") from None
         rest = head
+    stray = re.fullmatch(r".*:([a-z_]+)=[^:/]*", rest)  # an option steer does not take, read as the path's end
+    if stray:
+        raise UserError(f"intervention {spec!r}: steer takes alpha= and direction=, not {stray[1]}= "
+                        "(a steering has no mode)")
+    if not np.isfinite(float(options.get("alpha", 1.0))):
+        raise UserError(f"intervention {spec!r}: alpha must be finite")
     if not rest:
         raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND], e.g. "
                         "steer:12:probe_out/directions.npz:alpha=4")
@@ -185,6 +200,9 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
             targets = [(a.kind, a.layer, a.head, a.path, a.direction) for a in atoms]
             if len(set(targets)) != len(targets):
                 twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head, a.path, a.direction)) > 1)
+                if twice.kind == "steer":
+                    raise UserError(f"intervention {spec!r}: block {twice.layer} is steered twice by one direction "
+                                    "(give one alpha)")
                 raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
             routes = [a.layer for a in atoms if a.kind == "route"]
             if len(set(routes)) != len(routes):
@@ -206,10 +224,13 @@ def parse_one(spec: str, config: DecoderConfig) -> Intervention:
 
 def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -> None:
     """``UserError`` for an expert or route atom on a block whose MLP is dense (Qwen's
-    mlp_only_layers), or a head atom on a block that mixes with Gated DeltaNet (no attention
-    heads: ``attn:L`` removes its mixer)."""
+    mlp_only_layers), a head atom on a block that mixes with Gated DeltaNet (no attention
+    heads: ``attn:L`` removes its mixer), or a steering whose file does not fit the model (read
+    now, before any weight is)."""
     for intervention in interventions:
         for atom in intervention.atoms:
+            if atom.kind == "steer":
+                steering_vector(atom, config)
             if atom.kind == "head" and config.is_deltanet(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with Gated DeltaNet: "
                                 f"it has no attention heads (attn:{atom.layer} removes its mixer)")
@@ -307,6 +328,16 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     return arrays
 
 
+def steering_digests(intervention: Intervention | None) -> dict[str, str] | None:
+    """A short hash of each steering's directions file, by path (None: no steering): a resume, or
+    a re-run into the same output, must steer with the same vectors."""
+    import hashlib
+    paths = sorted({a.path for a in intervention.atoms if a.kind == "steer"}) if intervention else []
+    if not paths:
+        return None
+    return {path: hashlib.blake2b(read_optional(path) or b"", digest_size=8).hexdigest() for path in paths}
+
+
 def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
     """[hidden] float32: the direction ``atom`` adds at its block's output, from its file; one line
     when the file is of another model (another family, depth or hidden size) or lacks it. (A file
@@ -320,6 +351,9 @@ def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
              if metadata.get(name) is not None and metadata[name] != value]
     if other:
         raise UserError(f"{atom.path!r} holds directions of another model: {', '.join(other)}")
+    unknown = [name for name in shape if metadata.get(name) is None]
+    if unknown:
+        log.warning("%s does not record the model's %s: only its width is checked", atom.path, ", ".join(unknown))
     kinds = [atom.direction] if atom.direction else ["diff_in_means", "probe"]
     names = [f"{kind}/blocks.{atom.layer}.hook_resid_post" for kind in kinds]
     found = next((name for name in names if name in arrays), None)

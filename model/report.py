@@ -61,12 +61,14 @@ def numerics(dtype: str, residual_dtype: str) -> list[tuple[str, str]]:
 
 
 def report_text(model_path: str, dtype: str, results: Sequence[PromptResult],
-                residual_dtype: str | None = None) -> str:
+                residual_dtype: str | None = None, intervention: str | None = None) -> str:
+    """The report; ``intervention``: the spec everything was computed under (``--ablate``), if any."""
     stats = layer_statistics(results)
     bad = {layer: s["non_finite"] for layer, s in stats.items() if s["non_finite"]}
     residual_dtype = residual_dtype or dtype
     lines = ["Model generation verification: review before deployment.",
              f"Model: {model_path}   dtype: {dtype}   residual stream: {residual_dtype}   prompts: {len(results)}",
+             *([f"Under the intervention: {intervention}"] if intervention else []),
              "NaN/Inf in activations: " + (f"YES {bad}" if bad else "none"), "",
              "--- dtypes used where ---"]
     lines += [f"{part:<70} {used}" for part, used in numerics(dtype, residual_dtype)]

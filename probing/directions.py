@@ -16,6 +16,7 @@ added direction); a probe's weight has none of its own.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from typing import Any, Sequence
@@ -66,8 +67,10 @@ def write_directions(path: str, directions: dict[tuple[str, ArrayKey], np.ndarra
     write_bytes(path, out.getvalue())
 
 
+@functools.lru_cache(maxsize=8)  # a grid's steerings read their file once, not once a batch
 def read_directions(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(arrays by name, metadata) of a directions file; one line when it is none."""
+    """(arrays by name, metadata) of a directions file (not to be modified: cached by path);
+    one line when it is none."""
     data = read_optional(path)
     if data is None:
         raise UserError(f"no directions file at {path!r}")

@@ -88,7 +88,8 @@ def main(argv: list[str]) -> int:
                                     tokenizer.decode(generated), continuation.finish == STOP_TOKEN,
                                     activations[sample.sample_id]))
     with open(config.output, "w") as f:
-        f.write(report_text(config.model_path, jnp.dtype(dtype).name, results, extractor.residual_dtype_name))
+        f.write(report_text(config.model_path, jnp.dtype(dtype).name, results, extractor.residual_dtype_name,
+                            config.ablate))
     print(f"wrote {config.output}")
     return 0
 

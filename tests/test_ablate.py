@@ -165,6 +165,23 @@ def test_bad_specs_fail_before_the_model_loads(answered_stream, tmp_path, spec, 
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_a_re_run_steering_with_a_changed_file_is_refused(tmp_path):
+    from ablation.experiment import STEERING_FILE, check_steering
+    from common.cli import UserError
+    from model.interventions import parse_interventions
+    first, second = tmp_path / "a.npz", tmp_path / "b.npz"
+    first.write_bytes(b"one")
+    grid = parse_interventions([f"steer:1:{first}", f"steer:2:{first}:alpha=2"], 4, 2)
+    check_steering(str(tmp_path), grid)
+    check_steering(str(tmp_path), grid)  # the same file: fine
+    second.write_bytes(b"two")
+    check_steering(str(tmp_path), [*grid, *parse_interventions([f"steer:1:{second}"], 4, 2)])  # a file added
+    assert sorted(json.loads((tmp_path / STEERING_FILE).read_text())) == sorted([str(first), str(second)])
+    first.write_bytes(b"changed")
+    with pytest.raises(UserError, match="holds other directions than when"):
+        check_steering(str(tmp_path), grid)
+
+
 def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_checkpoints, tmp_path):
     import jax
     import jax.numpy as jnp

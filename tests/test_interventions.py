@@ -219,6 +219,7 @@ def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
     c = model.config
     vector = np.ones(c.hidden_size, np.float32)
     cases = {"other": ({"model_type": "llama"}, vector, "holds directions of another model: model_type llama"),
+             "deeper": ({"num_hidden_layers": 99}, vector, "num_hidden_layers 99"),
              "wide": ({}, np.ones(c.hidden_size + 1, np.float32), f"hidden size is {c.hidden_size}"),
              "layer": ({}, vector, "has no diff_in_means/blocks.0.hook_resid_post or probe/blocks.0.hook_resid_post")}
     for name, (metadata, values, message) in cases.items():
@@ -233,6 +234,29 @@ def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
         with pytest.raises(UserError, match=message):
             ablation_arrays(parse_interventions([spec], model.num_layers, c.num_attention_heads)[0], c,
                             model.num_layers)
+
+
+def test_a_steering_spec_parses_back_from_its_name(tmp_path):
+    from model.interventions import Atom
+    path = "gs://bucket/a:b/directions.npz"
+    specs = {f"steer:3:{path}:direction=probe:alpha=-0.5": Atom("steer", 3, path=path, alpha=-0.5, direction="probe"),
+             f"steer:3:{path}:alpha=1e-05": Atom("steer", 3, path=path, alpha=1e-05),
+             f"steer:3:{path}:alpha=1000000": Atom("steer", 3, path=path, alpha=1e6),
+             f"steer:3:{path}:alpha=0.1234567": Atom("steer", 3, path=path, alpha=0.1234567),
+             f"steer:3:{path}": Atom("steer", 3, path=path)}
+    for spec, atom in specs.items():
+        [intervention] = parse_interventions([spec], 4, 2)
+        assert intervention.atoms == (atom,), spec
+        assert parse_interventions([intervention.name], 4, 2) == [intervention]  # the name parses back
+    grid = parse_interventions([f"steer:*:{path}:alpha=1e20"], 4, 2)
+    assert [iv.name for iv in grid] == [f"steer:{layer}:{path}:alpha=1e20" for layer in range(4)]
+    for spec, message in ((f"steer:1:{path}:mode=mean", "steer takes alpha= and direction=, not mode="),
+                          (f"steer:1:{path}:alpha=inf", "alpha must be finite"),
+                          (f"steer:1:{path}:direction=mean", "direction must be diff_in_means or probe"),
+                          (f"steer:1:{path}:alpha=1+steer:1:{path}:alpha=2", "block 1 is steered twice"),
+                          (f"steer:9:{path}", "layer 9 does not exist")):
+        with pytest.raises(UserError, match=message):
+            parse_interventions([spec], 4, 2)
 
 
 def test_two_atoms_together(setup):
