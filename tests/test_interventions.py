@@ -145,7 +145,7 @@ def matches_hooks(case, kind: str, mode: str) -> None:
         assert not np.allclose(residuals[-1, row, :n], plain_residuals[-1, row, :n])  # it did something
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Llama's block; Gemma 2's sandwich norms, soft-caps
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4"])  # sandwich norms; Gemma 4's layer scalar
 def test_steering_equals_a_hook_adding_the_direction(case_of, family, tmp_path):
     """A direction of a directions file (probing.directions), 2.5 times, added to block 1's
     output, against transformers with a forward hook adding the same vector to the same module."""
