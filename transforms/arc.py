@@ -141,3 +141,16 @@ def scored_answer(text: str, expected: Any) -> dict[str, Any]:
     return {"answer_correct": grid is not None and grid == parse_grid(expected, "the expected output"),
             "answer_rows": None if grid is None else len(grid),
             "answer_cols": None if grid is None else len(grid[0])}
+
+
+def arc_same_shape(task: dict) -> bool | None:
+    """Whether every test output grid of an ARC task has its input's shape (None where an output
+    is not given): whether the model must keep the grid's size or find a new one."""
+    tests = task.get("test") or []
+    if not tests or any("output" not in t for t in tests):
+        return None
+    return all(_grid_shape(t["input"]) == _grid_shape(t["output"]) for t in tests)
+
+
+def _grid_shape(grid: list) -> tuple[int, int]:
+    return len(grid), len(grid[0]) if grid else 0

@@ -34,6 +34,7 @@ files).
 
 from __future__ import annotations
 
+import collections
 import io
 import uuid
 from typing import Any, Iterable, Iterator, Protocol
@@ -128,11 +129,7 @@ class ShardFormat(Protocol):
 
 
 def sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for part in counts:
-        for reason, n in part.items():
-            total[reason] = total.get(reason, 0) + n
-    return total
+    return dict(sum(map(collections.Counter, counts), collections.Counter()))
 
 
 class ReadUnit(beam.DoFn):

