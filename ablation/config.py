@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from common.cli import UserError, flag
 from common.extras import require
@@ -18,8 +19,10 @@ from model.settings import ModelRunSettings, ProfileSettings
 
 
 def spec_list(text: str) -> tuple[str, ...]:
-    """One word of ``--interventions``: a spec (specs hold no spaces or commas)."""
-    return tuple(part for part in text.replace(",", " ").split() if part)
+    """One word of ``--interventions``: specs, split at spaces and at a comma before a kind (a
+    steering's ``tokens=user,assistant`` keeps its comma)."""
+    from model.interventions import KINDS
+    return tuple(part for part in re.sub(f",(?=(?:{'|'.join(KINDS)}):)", " ", text).split() if part)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,8 +27,8 @@ from common.cli import UserError
 from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
 from model.config import load_config
-from model.interventions import (BASELINE, Intervention, Means, ablation_arrays, check_blocks,
-                                 parse_interventions, steering_digests)
+from model.interventions import (BASELINE, STEER_TOKENS, Intervention, Means, ablation_arrays, check_blocks,
+                                 parse_interventions, steered_token_mask, steering_digests)
 from model.scoring import InterventionModel, scored_tokens
 
 log = logging.getLogger("runners.ablate")
@@ -112,6 +112,8 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     records = read_records(config.stream, config.max_samples, config.max_seq_length)
     if not records:
         raise UserError(f"no records in {config.stream!r}")
+    for tokens in {iv.steer_tokens for iv in grid} - {None}:  # the stream has the roles they choose by
+        steered_token_mask(tokens, [records[0].roles], 1, len(records[0].input_ids), [records[0].sample_id])
     return grid, records, model_config
 
 
@@ -196,7 +198,8 @@ def _score_window(model: InterventionModel, window: list[Record], pending: list[
             if not needed:
                 continue
             with profiler.batch() if profiler is not None else contextlib.nullcontext():
-                residuals = base if iv.name == BASELINE else model.residuals(ids, lengths, arrays(iv))
+                residuals = (base if iv.name == BASELINE
+                             else model.residuals(ids, lengths, _batch_arrays(iv, arrays, ids, batch_records)))
                 result = model.scores(residuals, unablated, lengths, len(batch_records))
             report.forwards += 1
             rows += [{"intervention": iv.name, **describe(iv), "sample_id": batch_records[i].sample_id,
@@ -205,6 +208,15 @@ def _score_window(model: InterventionModel, window: list[Record], pending: list[
                       "truncated": batch_records[i].truncated,
                       "resid_change": result.resid_change[i].astype(np.float32).tolist()} for i in needed]
     return rows
+
+
+def _batch_arrays(iv: Intervention, arrays: Callable[[Intervention], dict[str, np.ndarray]], ids: np.ndarray,
+                  records: list[Record]) -> dict[str, np.ndarray]:
+    """The intervention's arrays for one batch: with a steering of chosen tokens, which they are."""
+    if iv.steer_tokens is None:
+        return arrays(iv)
+    mask = steered_token_mask(iv.steer_tokens, [r.roles for r in records], *ids.shape, [r.sample_id for r in records])
+    return {**arrays(iv), STEER_TOKENS: mask}
 
 
 def _write_outputs(config: AblationConfig, model_config: Any, results: pd.DataFrame,

@@ -15,6 +15,7 @@ class Record:
     input_ids: tuple[int, ...]   # at most max_seq_length tokens
     answer_start: int | None     # first scored token: the expected answer (ARC --include_answers)
     truncated: bool              # cut here to max_seq_length
+    roles: list | None = None    # its tokens' role runs (common.roles), uncut; None: a stream from before roles
 
 
 def read_records(stream: str, max_samples: int | None, max_seq_length: int) -> list[Record]:
@@ -22,5 +23,5 @@ def read_records(stream: str, max_samples: int | None, max_seq_length: int) -> l
     parts), validated, each cut to ``max_seq_length`` tokens (its answer may then be cut too, or lie
     wholly past the cut)."""
     return [Record(r["sample_id"], r.get("source", ""), tuple(r["input_ids"][:max_seq_length]),
-                   r.get("answer_start"), len(r["input_ids"]) > max_seq_length)
+                   r.get("answer_start"), len(r["input_ids"]) > max_seq_length, r.get("roles"))
             for r in stream_records(open_stream(stream), 0, max_samples, None)]

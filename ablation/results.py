@@ -34,7 +34,7 @@ SCHEMA = pa.schema([
 
 
 def describe(intervention: Intervention) -> dict[str, Any]:
-    """kind, layer, head, mode (a steering's ``FILE[:alpha=A][:direction=K]``) of a one-atom
+    """kind, layer, head, mode (a steering's ``FILE[:alpha=A]...``: what follows its layer) of a one-atom
     intervention (nulls otherwise)."""
     if len(intervention.atoms) != 1:
         return {"kind": None, "layer": None, "head": None, "mode": None}

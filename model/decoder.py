@@ -63,7 +63,8 @@ from model.attention import causal_attention, dense_attention, fused_attention, 
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
-from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID
+from model.interventions import STEER_SITES, STEER_TOKENS
+from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID, RESID_POST, RESID_PRE
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -505,6 +506,17 @@ def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
     return jax.tree.map(lambda y: y.transpose(1, 0, 2, 3).reshape(b, s, y.shape[-1]), out)
 
 
+def steered(x: jax.Array, steer: jax.Array | None, site: str, tokens: jax.Array | None = None) -> jax.Array:
+    """``x`` [B, S, H] plus the steering ``steer`` [len(STEER_SITES), H] adds at ``site``, at the
+    ``tokens`` [B, S] (bool; None: every token); elsewhere, and where the vector is zero, ``x`` bit
+    for bit (-0.0 kept), so an unsteered forward is the plain one."""
+    if steer is None:
+        return x
+    vector = steer[STEER_SITES.index(site)].astype(x.dtype)  # [H]
+    skip = vector == 0 if tokens is None else (vector == 0) | ~tokens[..., None]  # [H] or [B, S, H]
+    return jnp.where(skip, x, x + vector)
+
+
 def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
     """A sublayer's output [B, S, H], unless ablated: then zero, or with fill its mean [H]."""
     if not ablation:
@@ -537,6 +549,9 @@ class DecoderLayer(nn.Module):
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
         heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
+        steer = a["steer"] if ablation is not None else None  # [len(STEER_SITES), H]
+        steered_at = lambda value, site: steered(value, steer, site, a.get(STEER_TOKENS))  # noqa: E731
+        x = steered_at(x, RESID_PRE)
         block_in = x
         attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x
         if self.deltanet:
@@ -551,11 +566,11 @@ class DecoderLayer(nn.Module):
                                                               heads, norm, kv_from)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
-        attn_out = _replaced(attn_out, a, "attn")
+        attn_out = steered_at(_replaced(attn_out, a, "attn"), ATTN_OUT)
         self.sow("stats", "attn_output", attn_out)
         self.sow("sites", ATTN_OUT, attn_out)
         if not c.parallel_residual:  # the MLP reads the stream after attention's addition
-            x = x + attn_out
+            x = steered_at(x + attn_out, RESID_MID)
             self.sow("sites", RESID_MID, x)
         mlp_in = x
         if c.pre_norms:
@@ -580,7 +595,7 @@ class DecoderLayer(nn.Module):
                 self.sow("sites", MLP_POST, hidden)
         if c.sandwich_norms:
             mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
-        mlp_out = _replaced(mlp_out, a, "mlp")
+        mlp_out = steered_at(_replaced(mlp_out, a, "mlp"), MLP_OUT)
         self.sow("stats", "mlp_output", mlp_out)
         self.sow("sites", MLP_OUT, mlp_out)
         # Added in transformers' order: (mlp + attn) + x for a parallel block.
@@ -594,9 +609,7 @@ class DecoderLayer(nn.Module):
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
                                                                    jnp.zeros_like(x)))
-            steer = a["steer"].astype(x.dtype)  # [H]: a steering direction; where zero, x bit for bit (-0.0 kept)
-            x = jnp.where(steer == 0, x, x + steer)
-        return x, new_cache
+        return steered_at(x, RESID_POST), new_cache
 
 
     def dense_and_experts(self, x: jax.Array, mlp_in: jax.Array, ablation: dict, norm) -> jax.Array:
@@ -735,7 +748,8 @@ class Decoder(nn.Module):
                                               num_layers)  # [B, S, L, P]
         outputs, new_caches = [], []
         for i in range(num_layers):
-            block = None if ablation is None else {name: array[i] for name, array in ablation.items()}
+            block = None if ablation is None else {name: array if name == STEER_TOKENS else array[i]
+                                                   for name, array in ablation.items()}
             source = c.kv_source(i)  # a kv-sharing block attends to an earlier block's keys and values
             x, cache = self.layers[i](x, *tables[rotations[i]], mask, positions,
                                       None if caches is None or source is not None else caches[i], cache_index,

@@ -36,7 +36,8 @@ from model.hub import resolve_model_dir
 from model.attention import attention_for, causal_mask
 from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig, load_config
 from model.loading import LoadedModel, load_model
-from model.decoder import Decoder, chunk_tokens_for
+from model.decoder import Decoder, chunk_tokens_for, steered
+from model.interventions import STEER_TOKENS
 from model.sharding import batch_sharding
 from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
                          array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites, site_width)
@@ -216,8 +217,11 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
             for key, group in width_groups(config, site, layers).items():
                 if site == RESID_POST:
                     per_layer = [outputs[layer] for layer in group]
-                elif site == RESID_PRE:
-                    per_layer = [outputs[layer - 1] if layer else state["sites"]["embeddings"][0] for layer in group]
+                elif site == RESID_PRE:  # the block's input as the block sees it: after a steering there
+                    per_layer = [steered(outputs[layer - 1] if layer else state["sites"]["embeddings"][0],
+                                         ablation["steer"][layer] if ablation and layer < len(ablation["steer"])
+                                         else None, RESID_PRE, ablation and ablation.get(STEER_TOKENS))
+                                 for layer in group]
                 else:
                     per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in group]
                 stacked = jnp.stack(per_layer)  # [len(group), B, S, width]
@@ -323,6 +327,7 @@ class Extractor:
     sites: tuple[str, ...] = DEFAULT_SITES  # model.sites, in block order
     moe_dispatch: str = "auto"    # a mixture of experts' (model.config.MOE_DISPATCHES)
     pool: str | None = None       # with a selection: mean pools each sequence's selected rows
+    steer_tokens: str | None = None  # the ablation's steerings add to these tokens only (extract's items say which)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int, int | None], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                              repr=False)
@@ -354,6 +359,8 @@ class Extractor:
         # Generating (whole_model), an intervention acts on every block; the extraction's forward
         # takes the blocks it computes.
         computed = blocks_needed(sites, layers)
+        intervention = intervention_for(ablation, ablation_means, config,
+                                        config.num_hidden_layers if whole_model else computed)
         arrays = ablation_for(ablation, ablation_means, config, config.num_hidden_layers if whole_model else computed)
         arrays = arrays and {name: array[:computed] for name, array in arrays.items()}
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
@@ -363,6 +370,7 @@ class Extractor:
                                     activation_dtype, attention, batches_in_flight, residual_dtype, sites,
                                     moe_dispatch, pool)
         extractor.ablation = arrays
+        extractor.steer_tokens = intervention and intervention.steer_tokens
         return extractor
 
     @classmethod
@@ -422,9 +430,12 @@ class Extractor:
             lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
             select = () if selected is None else ((jax.ShapeDtypeStruct((rows, selected), jnp.int32, sharding=sharding),
                                                    lengths),)
+            ablation = self.ablation
+            if self.steer_tokens:
+                mask = jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=sharding)  # [B, S]
+                ablation = {**ablation, STEER_TOKENS: mask}
             with self.observer.compiling(rows, length):
-                self._executables[key] = self._forward.lower(self.params, ids, lengths, self.ablation,
-                                                             *select).compile()
+                self._executables[key] = self._forward.lower(self.params, ids, lengths, ablation, *select).compile()
         return self._executables[key]
 
     def padded(self, sequences: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -450,10 +461,12 @@ class Extractor:
         return positions, counts
 
     def dispatch(self, sequences: Sequence[Sequence[int]], length: int,
-                 selected: Sequence[np.ndarray] | None = None) -> InFlight:
+                 selected: Sequence[np.ndarray] | None = None,
+                 steered: Sequence[np.ndarray] | None = None) -> InFlight:
         """Places up to ``batch_size`` sequences, padded to ``length``, on the devices and starts
         their forward, without waiting for it. ``selected``: per sequence, the positions of the
-        rows to keep (only those come back; with ``pool``, their mean)."""
+        rows to keep (only those come back; with ``pool``, their mean). ``steered``: per
+        sequence, the positions its steering adds to (with ``steer_tokens``)."""
         ids, lengths = self.padded(sequences, length)
         rows = ids.shape[0]
         sharding = batch_sharding(self.mesh)
@@ -462,9 +475,17 @@ class Extractor:
             positions, counts = self.selection_arrays(selected, rows, length)
             select = ((placed(positions, sharding), placed(counts, sharding)),)
             kept = np.minimum(counts, 1) if self.pool else counts
+        ablation = self.ablation
+        if self.steer_tokens:
+            if steered is None:
+                raise ValueError(f"the intervention steers tokens={self.steer_tokens}: each sequence's are needed")
+            mask = np.zeros((rows, length), bool)  # [B, S]
+            for row, positions_steered in enumerate(steered):
+                mask[row, positions_steered] = True
+            ablation = {**ablation, STEER_TOKENS: placed(mask, sharding)}
         forward = self.executable(rows, length, None if selected is None else positions.shape[1])
         with self.observer.batch(rows, length):
-            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), self.ablation, *select)
+            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), ablation, *select)
         for _, data in (block for site_out in out.values() for block in local_blocks(site_out)):
             data.copy_to_host_async()  # starts the transfer as soon as the forward ends
         return InFlight(out, kept, len(sequences))
@@ -501,11 +522,13 @@ class Extractor:
         self.observer.computed(batch.count)
         return results
 
-    def extract(self, items: Iterable[tuple[T, Sequence[int]] | tuple[T, Sequence[int], np.ndarray]]
+    def extract(self, items: Iterable[tuple[T, Sequence[int]] | tuple[T, Sequence[int], np.ndarray | None]
+                                      | tuple[T, Sequence[int], np.ndarray | None, np.ndarray]]
                 ) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:
         """(key, input_ids) pairs -> (key, {array key: [num_tokens, width]}), batched by length bucket.
         Items (key, input_ids, positions) keep only the rows at ``positions`` ([selected, width]),
-        or with ``pool`` their mean ([1, width], or [0, width] where none is selected).
+        or with ``pool`` their mean ([1, width], or [0, width] where none is selected); None keeps
+        every row. A fourth element, with ``steer_tokens``: the positions the steering adds to.
 
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
         than ``max_seq_length`` raises ``ValueError``. Up to ``batches_in_flight`` batches are
@@ -513,9 +536,11 @@ class Extractor:
         """
         in_flight: collections.deque[tuple[list[T], InFlight]] = collections.deque()
         for batch in self.batches(items):
-            selected = [item[2] for item in batch.items] if len(batch.items[0]) == 3 else None
+            first = batch.items[0]
+            selected = [item[2] for item in batch.items] if len(first) > 2 and first[2] is not None else None
+            steered = [item[3] for item in batch.items] if len(first) > 3 else None
             in_flight.append(([item[0] for item in batch.items],
-                              self.dispatch([item[1] for item in batch.items], batch.length, selected)))
+                              self.dispatch([item[1] for item in batch.items], batch.length, selected, steered)))
             if len(in_flight) >= self.batches_in_flight:
                 yield from self._collected(*in_flight.popleft())
         while in_flight:

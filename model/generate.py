@@ -36,6 +36,7 @@ from model.buckets import bucket_for, bucket_lengths
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import placed
+from model.interventions import STEER_TOKENS, steered_token_mask, steers_written_tokens
 from model.sampling import GREEDY, Sampling
 from model.sharding import batch_sharding
 
@@ -96,13 +97,18 @@ class Generator:
     sampling without its seed, stop-list width)."""
 
     def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
-                 residual_dtype: Any = None, mesh: Mesh | None = None, ablation: dict | None = None):
+                 residual_dtype: Any = None, mesh: Mesh | None = None, ablation: dict | None = None,
+                 steer_tokens: str | None = None, thinking: bool = False):
         """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
         None: the compute dtype). The cache holds keys and values in the compute dtype; with
         learned positions it may not outgrow their table. ``mesh``: the one ``params`` live on
         (``model.loading.load_model``'s): a batch's rows, and their caches, are split over its
         ``data`` axis (None: one device). ``ablation``: an intervention's arrays over every block
-        (``model.interventions.ablation_arrays``), applied to the prompt and to every step."""
+        (``model.interventions.ablation_arrays``), applied to the prompt and to every step;
+        ``steer_tokens``: the token selection its steerings share (``Intervention.steer_tokens``;
+        None: every token), read on each prompt's roles, and for each written token whether it
+        keeps role ``generated`` (``steers_written_tokens``; ``thinking``: the tokenizer marks
+        thinking sections)."""
         if config.positions == "learned" and cache_length > config.max_position_embeddings:
             raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
                             f"{config.max_position_embeddings} tokens (pass --max_seq_length "
@@ -115,6 +121,8 @@ class Generator:
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
         self.ablation = None if ablation is None else {name: jnp.asarray(a) for name, a in ablation.items()}
+        self.steer_tokens = steer_tokens
+        self.steers_written = steers_written_tokens(steer_tokens, thinking)
 
     def cache_bytes(self, rows: int) -> int:
         """Bytes of the cache of ``rows`` rows: ``_empty_cache``'s arrays, by their shapes alone
@@ -181,9 +189,9 @@ class Generator:
         """Next-token logits [B, V] of the last block's outputs [B, H]."""
         return self.model.apply({"params": params}, hidden, method=Decoder.logits)
 
-    def _prefill(self, params, input_ids, lengths):
+    def _prefill(self, params, input_ids, lengths, steered_prompt=None):
         """input_ids [B, P] right-padded, lengths [B] -> (logits [B, V] at each row's last real
-        token, caches)."""
+        token, caches). ``steered_prompt`` [B, P]: the tokens a steering of chosen tokens adds to."""
         rows, p = input_ids.shape
         mask = causal_mask(lengths, p)  # [B, P, P]
         # Attend over the whole cache: keys past P are masked out for the prompt's queries.
@@ -191,21 +199,29 @@ class Generator:
         positions = jnp.broadcast_to(jnp.arange(p), (rows, p))
         outputs, caches = self.model.apply({"params": params}, input_ids, positions, mask,
                                            self.config.num_hidden_layers, self._empty_cache(rows), 0,
-                                           ablation=self.ablation)
+                                           ablation=self._ablation(steered_prompt))
         last = jnp.take_along_axis(outputs[-1], jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, H]
         return self._logits(params, last), caches
+
+    def _ablation(self, steered: jax.Array | None) -> dict | None:
+        """The intervention's arrays, with the tokens [B, S] its steerings add to where they choose them."""
+        return self.ablation if steered is None else {**self.ablation, STEER_TOKENS: steered}
 
     def _step(self, params, tokens, positions, caches):
         """Each row's new token [B] at its own position [B] -> (logits [B, V], caches)."""
         mask = (jnp.arange(self.cache_length)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, T]
+        written = None if self.steers_written else jnp.zeros((tokens.shape[0], 1), bool)  # [B, 1]
         outputs, caches = self.model.apply({"params": params}, tokens[:, None], positions[:, None], mask,
-                                           self.config.num_hidden_layers, caches, positions, ablation=self.ablation)
+                                           self.config.num_hidden_layers, caches, positions,
+                                           ablation=self._ablation(written))
         return self._logits(params, outputs[-1][:, 0]), caches
 
     @functools.partial(jax.jit, static_argnums=(0, 5, 6))
-    def _generate(self, params, input_ids, lengths, words, max_new_tokens: int, sampling: Sampling, stop_ids):
+    def _generate(self, params, input_ids, lengths, words, max_new_tokens: int, sampling: Sampling, stop_ids,
+                  steered_prompt=None):
         """-> (tokens [B, N] (0 past each row's end), counts [B]); rows of length 0 write nothing.
         ``words`` [B, 4]: each row's seed and sample id words; ``stop_ids`` [S] (-1: none);
+        ``steered_prompt``: ``_prefill``'s;
         ``sampling``: its seed is not read (``words`` carry it), so seeds share one compile."""
         rows = input_ids.shape[0]
 
@@ -218,7 +234,7 @@ class Generator:
             done = done | jnp.isin(tokens, stop_ids) | (step + 1 >= max_new_tokens)
             return tokens, out, done, counts
 
-        logits, caches = self._prefill(params, input_ids, lengths)
+        logits, caches = self._prefill(params, input_ids, lengths, steered_prompt)
         out = jnp.zeros((rows, max_new_tokens), jnp.int32)
         first = chosen(logits, jnp.int32(0), out, lengths == 0, jnp.zeros((rows,), jnp.int32))
 
@@ -239,10 +255,12 @@ class Generator:
 
     def continuations(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       stop_ids: Sequence[int] = (), sampling: Sampling = GREEDY,
-                      sample_ids: Sequence[int] | None = None) -> list[Continuation]:
+                      sample_ids: Sequence[int] | None = None, roles: Sequence[Any] | None = None
+                      ) -> list[Continuation]:
         """Each prompt's continuation, up to ``max_new_tokens`` (a stop token included where one
         ends it), computed together. ``sample_ids``: each prompt's, which with the seed make its
-        random draws (default: the prompts' order). The draws do not depend on the batch; the
+        random draws (default: the prompts' order). ``roles``: each prompt's role runs, which a
+        steering of chosen tokens reads (``steer_tokens``). The draws do not depend on the batch; the
         logits they are drawn from may, by rounding, where the batch's shape changes the kernels
         (float32 on this CPU: not at all, ``tests/test_generation.py``)."""
         if sampling.problem():
@@ -266,10 +284,15 @@ class Generator:
         words[:len(prompts), 2:] = id_words(sample_ids if sample_ids is not None else range(len(prompts)))
         stops = np.full((1 << max(0, len(set(stop_ids)) - 1).bit_length(),), -1, np.int32)  # -1: no token
         stops[:len(set(stop_ids))] = sorted(set(stop_ids))
+        steered = None
+        if self.steer_tokens:  # [B, P]
+            steered = steered_token_mask(self.steer_tokens, [None] * len(prompts) if roles is None else roles,
+                                         *ids.shape, sample_ids)
         if self.mesh is not None:  # each device receives its rows
             ids, lengths, words = (placed(x, batch_sharding(self.mesh)) for x in (ids, lengths, words))
+            steered = steered if steered is None else placed(steered, batch_sharding(self.mesh))
         tokens, counts = jax.device_get(self._generate(self.params, ids, lengths, words, max_new_tokens,
-                                                       dataclasses.replace(sampling, seed=0), stops))
+                                                       dataclasses.replace(sampling, seed=0), stops, steered))
         stop_set = set(stop_ids)
         out = []
         for row in range(len(prompts)):

@@ -15,11 +15,14 @@ compiled forward takes for one intervention.
                 renormalised as the family's router would without it
     route:L.E   every token of block L sent to expert E alone, with weight 1 (a shared
                 expert still adds its part); the routing sites still record the router's choice
-    steer:L:FILE[:alpha=A][:direction=KIND]
-                A times a direction added to block L's output (hook_resid_post) at every
-                token: the array ``KIND/blocks.L.hook_resid_post`` of a directions file
-                (``probing.directions``: runners.probe writes them; KIND diff_in_means, the
-                default where the file has it, or probe), A 1 by default; FILE local or gs://
+    steer:L:FILE[:alpha=A][:direction=KIND][:site=SITE][:tokens=ROLES]
+                A times a direction added at every token (or, with tokens=, at the tokens
+                of these roles: ``steering_tokens``) to SITE of block L (``STEER_SITES``:
+                a point of the residual stream, or what a sublayer adds to it; hook_resid_post,
+                the block's output, by default): the array ``KIND/blocks.L.SITE`` of a
+                directions file (``probing.directions``: runners.probe writes them; KIND
+                diff_in_means, the default where the file has it, or probe), A 1 by default;
+                FILE local or gs://. What is stored at SITE is the steered value
 
 Each is followed by ``:mode=zero`` (the default) or ``:mode=mean`` (``expert``, ``route`` and
 ``steer`` have no mode), and several joined by ``+`` form one intervention (``head:3.1+head:3.2``).
@@ -53,6 +56,7 @@ import numpy as np
 from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
+from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, missing_reason
 
 log = logging.getLogger("model.interventions")
 KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer")
@@ -60,7 +64,14 @@ INDEXED = {"head": "head", "expert": "expert", "route": "expert"}  # kinds with 
 MODES = ("zero", "mean")
 _ATOM = re.compile(r"(?P<kind>[a-z_]+):(?P<target>[^:]+)(?::mode=(?P<mode>[a-z]+))?")
 _INDEX = re.compile(r"\*|\d+|\d+-\d+")
-STEER_OPTIONS = {"alpha": float, "direction": str}
+STEER_OPTIONS = {"alpha": float, "direction": str, "site": str, "tokens": str}
+# The per-batch entry of an intervention's arrays, beside the per-block ones (``steered_token_mask``):
+# [B, S] bool, which tokens its steerings add to; absent, every token.
+STEER_TOKENS = "steer_tokens"
+# Where a steering may add its direction, in block order (the rows of ``ablation_arrays``'
+# ``steer``): the block's input, attention's addition, the stream between, the MLP's addition, the
+# block's output. Each is [hidden] wide and flows on through the stream.
+STEER_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -73,11 +84,15 @@ class Atom:
     path: str = ""           # steer: the directions file
     alpha: float = 1.0       # steer: the direction's scale
     direction: str = ""      # steer: the kind of direction in the file ("": diff_in_means where it has one)
+    site: str = RESID_POST   # steer: where in the block it is added (STEER_SITES)
+    tokens: str = ""         # steer: the tokens it is added to (steering_tokens; "": every token)
 
     def __str__(self) -> str:
         if self.kind == "steer":
             options = (f":alpha={alpha_text(self.alpha)}" if self.alpha != 1 else "") + (
-                f":direction={self.direction}" if self.direction else "")
+                f":direction={self.direction}" if self.direction else "") + (
+                f":site={self.site}" if self.site != RESID_POST else "") + (
+                f":tokens={self.tokens}" if self.tokens else "")
             return f"steer:{self.layer}:{self.path}{options}"
         target = f"{self.layer}.{self.head}" if self.kind in INDEXED else str(self.layer)
         return f"{self.kind}:{target}" + (":mode=mean" if self.mode == "mean" else "")
@@ -92,6 +107,11 @@ class Intervention:
     def name(self) -> str:
         """The canonical spec (atoms sorted), or ``baseline``."""
         return "+".join(str(a) for a in self.atoms) or BASELINE
+
+    @property
+    def steer_tokens(self) -> str | None:
+        """The token selection its steerings share (``steering_tokens``); None: every token."""
+        return next((a.tokens for a in self.atoms if a.kind == "steer" and a.tokens), None)
 
     @property
     def needs_means(self) -> bool:
@@ -127,33 +147,54 @@ def alpha_text(alpha: float) -> str:
 
 
 def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
-    """``steer:L:FILE[:alpha=A][:direction=KIND]`` (FILE may hold colons: gs://) -> one atom per layer."""
+    """``steer:L:FILE[:alpha=A][:direction=KIND][:site=SITE][:tokens=ROLES]`` (FILE may hold
+    colons: gs://) -> one atom per layer."""
     layers, _, rest = text.strip()[len("steer:"):].partition(":")
+    # FILE (it may hold colons: gs://), then NAME=VALUE options (a token selection may hold commas).
+    rest, *given = re.split(r":(?=[a-z_]+=)", rest)
     options: dict[str, object] = {}
-    while True:
-        head, colon, last = rest.rpartition(":")
-        name, equals, value = last.partition("=")
-        if not (colon and equals and name in STEER_OPTIONS):
-            break
+    for option in given:
+        name, _, value = option.partition("=")
+        if name not in STEER_OPTIONS:
+            raise UserError(f"intervention {spec!r}: steer takes alpha=, direction=, site= and tokens=, not {name}= "
+                            "(a steering has no mode)")
+        if name in options:
+            raise UserError(f"intervention {spec!r}: {name}= is given twice")
         try:
             options[name] = STEER_OPTIONS[name](value)
         except ValueError:
             raise UserError(f"intervention {spec!r}: {name} must be a number, got {value!r}") from None
-        rest = head
-    stray = re.fullmatch(r".*:([a-z_]+)=[^:/]*", rest)  # an option steer does not take, read as the path's end
-    if stray:
-        raise UserError(f"intervention {spec!r}: steer takes alpha= and direction=, not {stray[1]}= "
-                        "(a steering has no mode)")
     if not np.isfinite(float(options.get("alpha", 1.0))):
         raise UserError(f"intervention {spec!r}: alpha must be finite")
     if not rest:
-        raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND], e.g. "
-                        "steer:12:probe_out/directions.npz:alpha=4")
+        raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND][:site=SITE], "
+                        "e.g. steer:12:probe_out/directions.npz:alpha=4")
     direction = str(options.get("direction", ""))
     if direction not in ("", "diff_in_means", "probe"):
         raise UserError(f"intervention {spec!r}: direction must be diff_in_means or probe, got {direction!r}")
-    return [Atom("steer", layer, path=rest, alpha=float(options.get("alpha", 1.0)), direction=direction)
-            for layer in _indices(layers, "layer", num_layers, spec)]
+    site = str(options.get("site", RESID_POST))
+    if site not in STEER_SITES:
+        raise UserError(f"intervention {spec!r}: a steering adds to the residual stream or to what a sublayer adds "
+                        f"to it: site must be one of {', '.join(STEER_SITES)}, got {site!r}")
+    tokens = steering_tokens(str(options["tokens"]), spec) if "tokens" in options else ""
+    return [Atom("steer", layer, path=rest, alpha=float(options.get("alpha", 1.0)), direction=direction, site=site,
+                 tokens=tokens) for layer in _indices(layers, "layer", num_layers, spec)]
+
+
+def steering_tokens(text: str, spec: str) -> str:
+    """A steering's token selection (``tokens=``) in its canonical form: terms of
+    ``activations.selection`` that choose a token by its own role (``ROLE``, ``-ROLE``), so that
+    the choice is the same in a whole sequence, a prompt and each token being written."""
+    from activations.selection import parse_selection
+    try:
+        selection = parse_selection(text)
+    except UserError as e:
+        raise UserError(f"intervention {spec!r}: tokens={text}: {str(e).split(': ', 1)[-1]}") from None
+    if selection.ends or selection.pooled or selection.exclude_special:
+        raise UserError(f"intervention {spec!r}: tokens={text}: a steering chooses its tokens by their role alone "
+                        "(ROLE and -ROLE terms, e.g. tokens=user or tokens=-template; no first, last, mean or "
+                        "-special)")
+    return str(selection)
 
 
 def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: int = 0) -> list[Atom]:
@@ -197,13 +238,18 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
         parts = [_atoms(part, spec, num_layers, num_heads, num_experts) for part in spec.split("+")]
         for combination in itertools.product(*parts):
             atoms = tuple(sorted(set(combination)))
-            targets = [(a.kind, a.layer, a.head, a.path, a.direction) for a in atoms]
+            targets = [(a.kind, a.layer, a.head, a.path, a.direction, a.site) for a in atoms]
             if len(set(targets)) != len(targets):
-                twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head, a.path, a.direction)) > 1)
+                twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head, a.path, a.direction,
+                                                                a.site)) > 1)
                 if twice.kind == "steer":
-                    raise UserError(f"intervention {spec!r}: block {twice.layer} is steered twice by one direction "
-                                    "(give one alpha)")
+                    raise UserError(f"intervention {spec!r}: block {twice.layer}'s {twice.site} is steered twice by "
+                                    "one direction (give one alpha)")
                 raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
+            selections = {a.tokens for a in atoms if a.kind == "steer"}
+            if len(selections) > 1:
+                raise UserError(f"intervention {spec!r}: its steerings choose different tokens "
+                                f"({', '.join(repr(t or 'every token') for t in sorted(selections))}): they share one")
             routes = [a.layer for a in atoms if a.kind == "route"]
             if len(set(routes)) != len(routes):
                 raise UserError(f"intervention {spec!r}: block {routes[0]}'s tokens are routed to two experts")
@@ -230,6 +276,8 @@ def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -
     for intervention in interventions:
         for atom in intervention.atoms:
             if atom.kind == "steer":
+                if reason := missing_reason(atom.site, config, atom.layer):
+                    raise UserError(f"intervention {intervention.name!r}: {reason}")
                 steering_vector(atom, config)
             if atom.kind == "head" and config.is_deltanet(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with Gated DeltaNet: "
@@ -299,7 +347,8 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     for kind in ("attn", "mlp", "block", "norm"):
         arrays[f"{kind}_keep"] = np.ones(num_layers, bool)
         arrays[f"{kind}_fill"] = np.zeros(num_layers, bool)
-    arrays["steer"] = np.zeros((num_layers, h), np.float32)  # [L, H]: added to each block's output
+    # [L, len(STEER_SITES), H]: what each block adds at each steering site
+    arrays["steer"] = np.zeros((num_layers, len(STEER_SITES), h), np.float32)
     if config.moe is not None:
         arrays["expert_keep"] = np.ones((num_layers, config.moe.num_experts), bool)  # [L, E]
         arrays["route_to"] = np.full(num_layers, -1, np.int32)  # [L]: the expert every token goes to, or -1
@@ -319,13 +368,54 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
             arrays["route_to"][atom.layer] = atom.head
             continue
         if atom.kind == "steer":
-            arrays["steer"][atom.layer] += np.float32(atom.alpha) * steering_vector(atom, config)
+            arrays["steer"][atom.layer, STEER_SITES.index(atom.site)] += (np.float32(atom.alpha)
+                                                                           * steering_vector(atom, config))
             continue
         kind = "block" if atom.kind == "layer" else atom.kind
         where = (atom.layer, atom.head) if atom.kind == "head" else atom.layer
         arrays[f"{kind}_keep"][where] = False
         arrays[f"{kind}_fill"][where] = atom.mode == "mean"
     return arrays
+
+
+def steered_positions(tokens: str, runs: Sequence | None, length: int, sample_id: int | None = None) -> np.ndarray:
+    """[selected] int32: the positions, below ``length``, of a sequence with these role runs
+    (common.roles) that a steering with the selection ``tokens`` adds to."""
+    from activations.selection import parse_selection
+    from common.roles import missing_roles, role_codes
+    if runs is None:
+        raise missing_roles(f"a steering's tokens={tokens}", sample_id)
+    codes = role_codes(runs)[:length]
+    return parse_selection(tokens).positions_of(codes, None, len(codes))
+
+
+def steered_token_mask(tokens: str, roles: Sequence[Sequence | None], rows: int, length: int,
+                       sample_ids: Sequence[int] | None = None) -> np.ndarray:
+    """[rows, length] bool, the ``STEER_TOKENS`` input of a batch: the tokens of each sequence
+    (its role runs) that a steering with the selection ``tokens`` adds to (``steered_positions``;
+    rows past them and padding False)."""
+    mask = np.zeros((rows, length), bool)
+    for row, runs in enumerate(roles):
+        mask[row, steered_positions(tokens, runs, length, None if sample_ids is None else sample_ids[row])] = True
+    return mask
+
+
+def steers_written_tokens(tokens: str | None, thinking: bool = False) -> bool:
+    """Whether a steering with the selection ``tokens`` adds to each token the model writes: its
+    role ``generated``, or where the tokenizer marks ``thinking`` sections that too (a token's is
+    not known while it is written, so the selection must treat the two alike)."""
+    if not tokens:
+        return True
+    from activations.selection import parse_selection
+    from common.roles import GENERATED, ROLE_CODES, WRITTEN_ROLES
+    selection = parse_selection(tokens)
+    kept = {role: len(selection.positions_of(np.array([ROLE_CODES[role]], np.uint8), None, 1)) == 1
+            for role in (WRITTEN_ROLES if thinking else (GENERATED,))}
+    if len(set(kept.values())) > 1:
+        kept_one, left_out = sorted(kept, key=kept.get, reverse=True)
+        raise UserError(f"a steering's tokens={tokens} keeps {kept_one} tokens but not {left_out}: while generating, "
+                        "whether a written token is thinking is not yet known (treat both alike)")
+    return kept[GENERATED]
 
 
 def steering_digests(intervention: Intervention | None) -> dict[str, str] | None:
@@ -339,8 +429,8 @@ def steering_digests(intervention: Intervention | None) -> dict[str, str] | None
 
 
 def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
-    """[hidden] float32: the direction ``atom`` adds at its block's output, from its file; one line
-    when the file is of another model (another family, depth or hidden size) or lacks it. (A file
+    """[hidden] float32: the direction ``atom`` adds at its site, from its file; one line when the
+    file is of another model (another family, depth or hidden size) or lacks it. (A file
     of another checkpoint of the same shape, a base model's direction steering its chat model, is
     allowed.)"""
     from probing.directions import read_directions  # the file's format lives with what writes it
@@ -355,7 +445,7 @@ def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
     if unknown:
         log.warning("%s does not record the model's %s: only its width is checked", atom.path, ", ".join(unknown))
     kinds = [atom.direction] if atom.direction else ["diff_in_means", "probe"]
-    names = [f"{kind}/blocks.{atom.layer}.hook_resid_post" for kind in kinds]
+    names = [f"{kind}/blocks.{atom.layer}.{atom.site}" for kind in kinds]
     found = next((name for name in names if name in arrays), None)
     if found is None:
         raise UserError(f"{atom.path!r} has no {' or '.join(names)} to steer {atom} with (it has "

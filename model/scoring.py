@@ -31,7 +31,7 @@ import numpy as np
 
 from model.buckets import bucket_for, bucket_lengths
 from model.extract import Extractor, make_forward, placed
-from model.interventions import Means
+from model.interventions import STEER_TOKENS, Means
 from model.loading import LoadedModel
 from model.attention import attention_for, causal_mask
 from model.decoder import Decoder, chunk_tokens_for
@@ -103,7 +103,9 @@ class InterventionModel:
         self.linear_head = c.final_logit_softcap is None  # logits linear in the hidden state
         self._compiled: dict[tuple[str, int, int], Any] = {}
         self.compiles, self.compile_s = 0, 0.0
-        self._functions = {"residuals": self._residuals_fn(), "unablated": self._unablated_fn(),
+        residuals = self._residuals_fn()
+        # A steering of chosen tokens takes one more input (STEER_TOKENS): compiled apart.
+        self._functions = {"residuals": residuals, "steered_residuals": residuals, "unablated": self._unablated_fn(),
                            "scores": self._scores_fn(), "stats": self._stats_fn()}
 
     # The compiled functions.
@@ -236,10 +238,13 @@ class InterventionModel:
         return self.extractor.padded(sequences, length)
 
     def residuals(self, ids: np.ndarray, lengths: np.ndarray, ablation: dict[str, np.ndarray]) -> jax.Array:
-        """[L, rows, length, H] block outputs under the intervention ``ablation``, left on the devices."""
+        """[L, rows, length, H] block outputs under the intervention ``ablation`` (with
+        ``STEER_TOKENS`` [rows, length]: a steering's tokens), left on the devices."""
         sharding = batch_sharding(self.mesh)
-        return self._call("residuals", ids.shape, self.params, placed(ids, sharding),
-                          placed(lengths, sharding), ablation)
+        if STEER_TOKENS in ablation:
+            ablation = {**ablation, STEER_TOKENS: placed(ablation[STEER_TOKENS], sharding)}
+        return self._call("steered_residuals" if STEER_TOKENS in ablation else "residuals", ids.shape, self.params,
+                          placed(ids, sharding), placed(lengths, sharding), ablation)
 
     def unablated(self, base: jax.Array, ids: np.ndarray, scored: Sequence[np.ndarray]) -> Unablated:
         """What scoring against the unablated ``base`` residuals needs, for the scored tokens of

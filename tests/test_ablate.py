@@ -165,6 +165,29 @@ def test_bad_specs_fail_before_the_model_loads(answered_stream, tmp_path, spec, 
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_a_grid_steering_chosen_tokens_scores_them_alone(answered_stream, model_with_norms, tmp_path):
+    """Steering the tokens of roles every prompt token has is steering every token; of a role no
+    prompt token has (generated), the unsteered model; of the user's tokens, neither."""
+    from model.config import load_config
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    config = load_config(model_with_norms)
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)):
+                            np.random.default_rng(2).standard_normal(config.hidden_size).astype(np.float32)},
+                     {"hidden_size": config.hidden_size})
+    steer = f"steer:1:{path}:alpha=4"
+    specs = [steer, f"{steer}:tokens=-generated", f"{steer}:tokens=generated", f"{steer}:tokens=user,template"]
+    result = ablate("--model_path", model_with_norms, "--stream", answered_stream, "--max_samples", "6",
+                    "--batch_size", "8", "--output_dir", str(tmp_path / "out"), "--interventions", ",".join(specs))
+    assert result.returncode == 0, result.stderr
+    results = pq.read_table(tmp_path / "out" / "results.parquet").to_pandas()
+    loss = {spec: results[results.intervention == spec].set_index("sample_id").loss for spec in ["baseline", *specs]}
+    pd.testing.assert_series_equal(loss[specs[1]], loss[steer], check_names=False)
+    pd.testing.assert_series_equal(loss[specs[2]], loss["baseline"], check_names=False)
+    assert (loss[specs[3]] != loss[steer]).any() and (loss[specs[3]] != loss["baseline"]).any()
+
+
 def test_a_re_run_steering_with_a_changed_file_is_refused(tmp_path):
     from ablation.experiment import STEERING_FILE, check_steering
     from common.cli import UserError
@@ -186,7 +209,7 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     import jax
     import jax.numpy as jnp
     import torch
-    from model.interventions import parse_interventions
+    from model.interventions import parse_interventions, steered_token_mask
     from model.loading import load_model
     from model.scoring import InterventionModel
     path = tiny_checkpoints["gqa_tied"]
@@ -203,7 +226,8 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     write_directions(directions, {("diff_in_means", array_key(RESID_POST, 1)):
                                   np.random.default_rng(1).standard_normal(config.hidden_size).astype(np.float32)},
                      {"model_type": config.model_type, "hidden_size": config.hidden_size})
-    for number, spec in enumerate(("head:1.2", f"mlp:2:mode=mean+steer:1:{directions}:alpha=3")):
+    # The steering on the tokens of the ARC prompt's text, not its template's.
+    for number, spec in enumerate(("head:1.2", f"mlp:2:mode=mean+steer:1:{directions}:alpha=3:tokens=-template")):
         out = tmp_path / f"run_{number}"
         result = run_cli("runners.tpu_host", "--machine_id", "0", "--streams_dir", str(arc_streams),
                          "--model_path", path, "--output_dir", str(out), "--batch_size", "2",
@@ -218,20 +242,22 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
         stored = {layer: {e["sample_id"]: e["activation"] for e in shard[layer]} for layer in (1, 3)}
         assert set(stored[1]) == {r["sample_id"] for r in records}
         [intervention] = parse_interventions([spec], 4, 4)
-        undo = intervention_hooks(reference, intervention, means)
         caught = {}
-        hooks = [reference.model.layers[layer].register_forward_hook(
-            lambda m, a, o, layer=layer, caught=caught: caught.__setitem__(
-                layer, (o[0] if isinstance(o, tuple) else o)[0].numpy()))
-            for layer in (1, 3)]
-        try:
-            for record in records[:6]:
+        for record in records[:6]:
+            n = len(record["input_ids"])
+            steered = steered_token_mask("-template", [record["roles"]], 1, n)[0] if number else None
+            assert steered is None or 0 < steered.sum() < n  # some tokens steered, not all
+            undo = intervention_hooks(reference, intervention, means, steered=steered)
+            undo += [reference.model.layers[layer].register_forward_hook(  # after the intervention's: what flows on
+                lambda m, a, o, layer=layer, caught=caught: caught.__setitem__(
+                    layer, (o[0] if isinstance(o, tuple) else o)[0].numpy())) for layer in (1, 3)]
+            try:
                 with torch.no_grad():
                     reference(torch.tensor([record["input_ids"]]))
-                for layer in (1, 3):
-                    assert relative_error(stored[layer][record["sample_id"]], caught[layer]) <= 1e-5, (spec, layer)
-        finally:
-            remove_hooks(undo + hooks)
+            finally:
+                remove_hooks(undo)
+            for layer in (1, 3):
+                assert relative_error(stored[layer][record["sample_id"]], caught[layer]) <= 1e-5, (spec, layer)
     # Resuming with another intervention is refused; so is a bad spec, before the model loads.
     common = ["--machine_id", "0", "--streams_dir", str(arc_streams), "--model_path", path, "--output_dir",
               str(tmp_path / "resumed"), "--batch_size", "2", "--max_seq_length", "160", "--dtype", "float32",

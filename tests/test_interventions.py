@@ -176,6 +176,94 @@ def test_steering_equals_a_hook_adding_the_direction(case_of, family, tmp_path):
                                np.broadcast_to(-2.5 * vector, residuals[1].shape), atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4", "qwen2_moe"])  # a mixture of experts' MLP output
+def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
+    """Directions added to a block's input, attention's output, the stream between and the MLP's
+    output (each its own vector) against transformers with hooks at those modules: the logits and
+    every block's output, and each site as stored (after its steering: the value that flows on)."""
+    from fixtures.hf_reference import reference_sites, site_places
+    from model.extract import make_sites_forward
+    from model.interventions import STEER_SITES
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model, ref, sequences, means = case_of(family)
+    c = model.config
+    places = [("hook_resid_pre", 0), ("hook_attn_out", 1), ("hook_resid_mid", 1), ("hook_mlp_out", 2)]
+    rng = np.random.default_rng(3)
+    vectors = {place: rng.standard_normal(c.hidden_size).astype(np.float32) for place in places}
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(site, layer)): v for (site, layer), v in vectors.items()},
+                     {"hidden_size": c.hidden_size})
+    spec = "+".join(f"steer:{layer}:{path}:alpha={alpha}:site={site}"
+                    for (site, layer), alpha in zip(places, (2, -1, 3, 1.5)))
+    [intervention] = parse_interventions([spec], model.num_layers, c.num_attention_heads, c.num_experts)
+    assert parse_interventions([intervention.name], model.num_layers, c.num_attention_heads, c.num_experts) == [
+        intervention]
+    residuals, logits = ours(model, sequences, intervention, means)
+    for row, (seq, (blocks, ref_logits)) in enumerate(zip(sequences, reference(ref, sequences, intervention, means))):
+        n = len(seq)
+        assert relative_error(logits[row, :n], ref_logits) <= 1e-5, n
+        for layer, block in enumerate(blocks):
+            assert relative_error(residuals[layer, row, :n], block) <= 1e-5, (layer, n)
+    sites = tuple(site for site in STEER_SITES if site != RESID_POST)
+    layers = tuple(range(model.num_layers))  # every block: Gemma 4's per-layer inputs are the whole model's
+    forward = make_sites_forward(c, jnp.float32, layers, sites, model.mesh)
+    ids, lengths = model.inputs(sequences, 64)
+    stored = forward(model.params, ids, lengths, ablation_arrays(intervention, c, model.num_layers, means))
+    undo = intervention_hooks(ref, intervention, means)
+    try:
+        expected = reference_sites(ref, sequences, site_places(sites, layers))
+    finally:
+        remove_hooks(undo)
+    for row, (seq, theirs) in enumerate(zip(sequences, expected)):
+        for (site, layer), value in theirs.items():
+            if (site, layer) == ("hook_attn_out", 1):  # the reference's has block 1's hook_resid_mid steering too
+                continue
+            assert relative_error(np.asarray(stored[site][layer, row, :len(seq)]), value) <= 1e-5, (
+                site, layer)
+
+
+def user_then_assistant(n: int) -> list:
+    """Role runs of a sequence of ``n`` tokens: a user half, then an assistant half."""
+    return [["user", n // 2], ["assistant", n - n // 2]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_steering_chosen_tokens_equals_a_hook_adding_there_only(case_of, family, tmp_path):
+    """tokens=user: the direction added at the user tokens alone, against transformers with a hook
+    adding it at those positions only."""
+    from model.interventions import STEER_TOKENS, steered_token_mask
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model, ref, sequences, means = case_of(family)
+    c = model.config
+    vector = np.random.default_rng(4).standard_normal(c.hidden_size).astype(np.float32)
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector}, {"hidden_size": c.hidden_size})
+    [intervention] = parse_interventions([f"steer:1:{path}:alpha=3:tokens=user"], model.num_layers,
+                                         c.num_attention_heads)
+    assert intervention.steer_tokens == "user" and intervention.name.endswith(":alpha=3:tokens=user")
+    ids, lengths = model.inputs(sequences, 64)
+    roles = [user_then_assistant(len(seq)) for seq in sequences]
+    mask = steered_token_mask("user", roles, *ids.shape)
+    residuals = model.residuals(ids, lengths, {**ablation_arrays(intervention, c, model.num_layers, means),
+                                               STEER_TOKENS: mask})
+    logits, residuals = model.logits(residuals), np.asarray(residuals)
+    plain, _ = ours(model, sequences, Intervention(), means)
+    for row, seq in enumerate(sequences):
+        n = len(seq)
+        undo = intervention_hooks(ref, intervention, means, steered=mask[row, :n])
+        try:
+            [(blocks, ref_logits)] = reference(ref, [seq], Intervention(), means)
+        finally:
+            remove_hooks(undo)
+        assert relative_error(logits[row, :n], ref_logits) <= 1e-5, n
+        for layer, block in enumerate(blocks):
+            assert relative_error(residuals[layer, row, :n], block) <= 1e-5, (layer, n)
+        np.testing.assert_allclose(residuals[1, row, :n] - plain[1, row, :n],
+                                   mask[row, :n, None] * 3 * vector[None, :], atol=1e-5)  # there only
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_generation_under_steering_equals_transformers_with_the_hook(case_of, family, tmp_path):
     """The generator (model.generate) with a steering's arrays, on the prompt and at every step,
@@ -212,6 +300,47 @@ def test_greedy_generation_under_steering_equals_transformers_with_the_hook(case
         remove_hooks(undo)
 
 
+@pytest.mark.parametrize("family, tokens", [("llama", "user"), ("gemma2", "-user")])
+def test_greedy_generation_steering_chosen_tokens_equals_transformers(case_of, family, tokens, tmp_path):
+    """The prompt's chosen tokens steered, and each written token where the selection keeps
+    role generated (-user: yes, user: no), against transformers' generate with a hook doing the same."""
+    import torch
+    from fixtures.hf_reference import agreeing_prefix
+    from model.generate import Generator
+    from model.interventions import steered_token_mask
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    model, ref, sequences, means = case_of(family)
+    c = model.config
+    vector = np.random.default_rng(5).standard_normal(c.hidden_size).astype(np.float32)
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector}, {"hidden_size": c.hidden_size})
+    [intervention] = parse_interventions([f"steer:1:{path}:alpha=4:tokens={tokens}"], model.num_layers,
+                                         c.num_attention_heads)
+    prompts = [seq[:12] for seq in sequences[1:3]]
+    roles = [user_then_assistant(12)] * 2
+    generator = Generator(c, model.params, jnp.float32, cache_length=64, steer_tokens=intervention.steer_tokens,
+                          ablation=ablation_arrays(intervention, c, c.num_hidden_layers))
+    assert generator.steers_written == (tokens == "-user")
+    steered = generator.continuations(prompts, 16, roles=roles)
+    everywhere = Generator(c, model.params, jnp.float32, cache_length=64,
+                           ablation=ablation_arrays(intervention, c, c.num_hidden_layers)).continuations(prompts, 16)
+    assert any(a.tokens != b.tokens for a, b in zip(steered, everywhere))  # not the steering of every token
+    for prompt, ours_, mask in zip(prompts, steered, steered_token_mask(tokens, roles, 2, 12)):
+        undo = intervention_hooks(ref, intervention, steered=mask, steers_written=generator.steers_written)
+        try:
+            with torch.no_grad():
+                result = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 12, dtype=torch.long),
+                                      max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                      output_logits=True, return_dict_in_generate=True)
+        finally:
+            remove_hooks(undo)
+        compared, equal = agreeing_prefix(ours_.tokens, result.sequences[0, 12:].tolist(), result.logits)
+        assert compared == equal >= 8, ours_.tokens
+    with pytest.raises(UserError, match="no token roles"):
+        generator.continuations(prompts, 4)
+
+
 def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
     from model.sites import RESID_POST, array_key
     from probing.directions import write_directions
@@ -221,12 +350,15 @@ def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
     cases = {"other": ({"model_type": "llama"}, vector, "holds directions of another model: model_type llama"),
              "deeper": ({"num_hidden_layers": 99}, vector, "num_hidden_layers 99"),
              "wide": ({}, np.ones(c.hidden_size + 1, np.float32), f"hidden size is {c.hidden_size}"),
-             "layer": ({}, vector, "has no diff_in_means/blocks.0.hook_resid_post or probe/blocks.0.hook_resid_post")}
+             "layer": ({}, vector, "has no diff_in_means/blocks.0.hook_resid_post or probe/blocks.0.hook_resid_post"),
+             "site": ({}, vector, "has no diff_in_means/blocks.0.hook_mlp_out or probe/blocks.0.hook_mlp_out "
+                                  "to steer steer:0:")}
     for name, (metadata, values, message) in cases.items():
         path = str(tmp_path / f"{name}.npz")
         write_directions(path, {("diff_in_means", array_key(RESID_POST, 0 if name != "layer" else 1)): values},
                          metadata)
-        [intervention] = parse_interventions([f"steer:0:{path}"], model.num_layers, c.num_attention_heads)
+        site = ":site=hook_mlp_out" if name == "site" else ""  # the file holds block outputs' directions only
+        [intervention] = parse_interventions([f"steer:0:{path}{site}"], model.num_layers, c.num_attention_heads)
         with pytest.raises(UserError, match=message.replace("(", r"\(")):
             ablation_arrays(intervention, c, model.num_layers)
     for spec, message in ((f"steer:0:{tmp_path}/none.npz", "no directions file"), ("steer:0", "expected steer:LAYER"),
@@ -237,26 +369,45 @@ def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
 
 
 def test_a_steering_spec_parses_back_from_its_name(tmp_path):
-    from model.interventions import Atom
+    from model.interventions import Atom, steers_written_tokens
     path = "gs://bucket/a:b/directions.npz"
     specs = {f"steer:3:{path}:direction=probe:alpha=-0.5": Atom("steer", 3, path=path, alpha=-0.5, direction="probe"),
              f"steer:3:{path}:alpha=1e-05": Atom("steer", 3, path=path, alpha=1e-05),
              f"steer:3:{path}:alpha=1000000": Atom("steer", 3, path=path, alpha=1e6),
              f"steer:3:{path}:alpha=0.1234567": Atom("steer", 3, path=path, alpha=0.1234567),
-             f"steer:3:{path}": Atom("steer", 3, path=path)}
+             f"steer:3:{path}": Atom("steer", 3, path=path),
+             f"steer:3:{path}:site=hook_attn_out:alpha=2": Atom("steer", 3, path=path, alpha=2, site="hook_attn_out"),
+             f"steer:3:{path}:site=hook_resid_post": Atom("steer", 3, path=path),
+             f"steer:3:{path}:tokens=assistant,user,-template:alpha=2": Atom("steer", 3, path=path, alpha=2,
+                                                                           tokens="user,assistant,-template")}
     for spec, atom in specs.items():
         [intervention] = parse_interventions([spec], 4, 2)
         assert intervention.atoms == (atom,), spec
         assert parse_interventions([intervention.name], 4, 2) == [intervention]  # the name parses back
     grid = parse_interventions([f"steer:*:{path}:alpha=1e20"], 4, 2)
     assert [iv.name for iv in grid] == [f"steer:{layer}:{path}:alpha=1e20" for layer in range(4)]
-    for spec, message in ((f"steer:1:{path}:mode=mean", "steer takes alpha= and direction=, not mode="),
+    assert len(parse_interventions([f"steer:1:{path}+steer:1:{path}:site=hook_mlp_out"], 4, 2)[0].atoms) == 2
+    for spec, message in ((f"steer:1:{path}:mode=mean", "steer takes alpha=, direction=, site= and tokens=, not mode="),
+                          (f"steer:1:{path}:site=attn.hook_z", "site must be one of hook_resid_pre, hook_attn_out, "
+                                                               "hook_resid_mid, hook_mlp_out, hook_resid_post"),
                           (f"steer:1:{path}:alpha=inf", "alpha must be finite"),
                           (f"steer:1:{path}:direction=mean", "direction must be diff_in_means or probe"),
-                          (f"steer:1:{path}:alpha=1+steer:1:{path}:alpha=2", "block 1 is steered twice"),
-                          (f"steer:9:{path}", "layer 9 does not exist")):
+                          (f"steer:1:{path}:alpha=1+steer:1:{path}:alpha=2",
+                           "block 1's hook_resid_post is steered twice"),
+                          (f"steer:9:{path}", "layer 9 does not exist"),
+                          (f"steer:1:{path}:tokens=last", "a steering chooses its tokens by their role alone"),
+                          (f"steer:1:{path}:tokens=mean:user", "by their role alone"),
+                          (f"steer:1:{path}:tokens=answer", "tokens=answer: 'answer' names no role"),
+                          (f"steer:1:{path}:tokens=user:alpha=2:tokens=tool", "tokens= is given twice"),
+                          (f"steer:1:{path}:alpha=2:mode=mean", "not mode="),
+                          (f"steer:1:{path}:tokens=user+steer:2:{path}", "its steerings choose different tokens")):
         with pytest.raises(UserError, match=message):
             parse_interventions([spec], 4, 2)
+    # Generating: a written token is steered where the selection keeps generated (and thinking, where marked).
+    assert steers_written_tokens(None) and steers_written_tokens("generated") and not steers_written_tokens("user")
+    assert steers_written_tokens("-user", thinking=True) and steers_written_tokens("generated,thinking", thinking=True)
+    with pytest.raises(UserError, match="keeps generated tokens but not thinking"):
+        steers_written_tokens("generated", thinking=True)
 
 
 def test_two_atoms_together(setup):
@@ -414,3 +565,13 @@ def test_a_gemma_norm_ablation_sets_w_to_zero_not_one(case_of, family):
 
     np.testing.assert_allclose(ablated, with_norm_weights(0.0), rtol=0, atol=1e-6)
     assert not np.allclose(ablated, with_norm_weights(1.0), atol=1e-3)
+
+
+def test_a_steering_at_a_site_the_block_lacks_is_one_line(case_of, tmp_path):
+    """Pythia's parallel residual has no stream between attention and the MLP: refused before the file is read."""
+    from model.interventions import check_blocks
+    model = case_of("gpt_neox")[0]
+    grid = parse_interventions([f"steer:1:{tmp_path}/none.npz:site=hook_resid_mid"], model.num_layers,
+                               model.config.num_attention_heads)
+    with pytest.raises(UserError, match="gpt_neox has a parallel residual"):
+        check_blocks(grid, model.config)

@@ -21,6 +21,7 @@ import numpy as np
 
 from activations.selection import Selection, parse_selection
 from model.hub import resolve_model_dir
+from model.interventions import steered_positions
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
 from transforms.generation import Continuing, generation_tokenizer, thinking_ids
 from transforms.long_samples import fit_record, rejection
@@ -88,7 +89,9 @@ def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples:
             fitted[i] = record
     kept = {i: selection.positions(r.get("roles"), r.get("special"), r["num_tokens"])
             for i, r in enumerate(fitted) if r is not None} if selection else {}
-    items = ((i, r["input_ids"], kept[i]) if selection else (i, r["input_ids"])
+    steer = extractor.steer_tokens
+    items = ((i, r["input_ids"], kept.get(i)) + ((steered_positions(steer, r.get("roles"), r["num_tokens"],
+                                                                    r["sample_id"]),) if steer else ())
              for i, r in enumerate(fitted) if r is not None)
     results = dict(extractor.extract(items))
     for i, (record, fit) in enumerate(zip(records, fitted)):
@@ -167,21 +170,23 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     would not fit the ``free`` bytes of a device (None: measured, ``model.generate.free_bytes``),
     stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
     ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
-    from model.extract import ablation_for
+    from model.extract import ablation_for, intervention_for
     from model.generate import CACHE_SHARE, Generator, free_bytes, stop_token_ids
     from transforms.tokenize import load_tokenizer, special_ids
     model = extractor.config  # under the extraction's intervention, over every block: they all write
     ablation = ablation_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
+    intervention = intervention_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
+    model_dir = resolve_model_dir(config.model_path, config.model_revision)
+    name = generation_tokenizer(config.tokenizer, model_dir)
+    tokenizer = load_tokenizer(name) if name else None
+    thinking = thinking_ids(tokenizer) if tokenizer else None
     generator = Generator(model, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
-                          residual_dtype=extractor.residual_dtype, mesh=extractor.mesh, ablation=ablation)
+                          residual_dtype=extractor.residual_dtype, mesh=extractor.mesh, ablation=ablation,
+                          steer_tokens=intervention and intervention.steer_tokens, thinking=thinking is not None)
     rows = generator.rows_that_fit(extractor.batch_size, free_bytes(extractor.mesh) if free is None else free)
     if rows < extractor.batch_size:
         log.warning("--generate: %d prompts continued at a time, not %d: the key/value cache of %d would "
                     "take more than %.0f%% of a device's free memory", rows, extractor.batch_size,
                     extractor.batch_size, 100 * CACHE_SHARE)
-    model_dir = resolve_model_dir(config.model_path, config.model_revision)
-    name = generation_tokenizer(config.tokenizer, model_dir)
-    tokenizer = load_tokenizer(name) if name else None
     return Continuing(generator, config.generate, config.sampling(), tuple(stop_token_ids(model_dir)), rows,
-                      tokenizer, config.stop, special_ids(tokenizer) if tokenizer else frozenset(),
-                      thinking_ids(tokenizer) if tokenizer else None)
+                      tokenizer, config.stop, special_ids(tokenizer) if tokenizer else frozenset(), thinking)

@@ -43,7 +43,7 @@ class Continuing:
             batch = order[start:start + self.batch_size]
             continuations = self.generator.continuations(
                 [records[i]["input_ids"] for i in batch], self.max_new_tokens, self.stop_ids, self.sampling,
-                [records[i]["sample_id"] for i in batch])
+                [records[i]["sample_id"] for i in batch], [records[i].get("roles") for i in batch])
             for i, continuation in zip(batch, continuations):
                 text, answer = None, None
                 if self.tokenizer is not None:
