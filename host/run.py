@@ -66,11 +66,12 @@ from model.attention import attention_for
 from model.config import DecoderConfig, load_config
 from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
-from model.interventions import steering_digests
+from model.interventions import parse_interventions, steered_positions, steering_digests, steers_written_tokens
 from model.sharding import make_mesh
 from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
-from transforms.generation import generation_tokenizer
+from transforms.generation import generation_tokenizer, thinking_ids
+from transforms.tokenize import load_tokenizer
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")
@@ -208,7 +209,20 @@ def check_model(config: HostConfig) -> None:
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     sites = parse_sites(config.sites)
     check_model_fits(model, sites, config.max_seq_length, layers)
-    intervention_for(config.ablate, config.ablation_means, model, intervened_blocks(config, model, sites, layers))
+    intervention = intervention_for(config.ablate, config.ablation_means, model,
+                                    intervened_blocks(config, model, sites, layers))
+    if intervention is not None and intervention.steer_tokens and config.generate is not None:
+        name = generation_tokenizer(config.tokenizer, model_dir)  # does it mark thinking sections?
+        thinking = bool(name) and thinking_ids(load_tokenizer(name)) is not None
+        steers_written_tokens(intervention.steer_tokens, thinking)
+
+
+def steer_tokens(config: HostConfig, model: DecoderConfig) -> str | None:
+    """The token selection ``--ablate``'s steerings share (None: none, or every token)."""
+    if config.ablate is None:
+        return None
+    return parse_interventions([config.ablate], model.num_hidden_layers, model.num_attention_heads,
+                               model.num_experts)[0].steer_tokens
 
 
 def intervened_blocks(config: HostConfig, model: DecoderConfig, sites, layers) -> int:
@@ -368,7 +382,7 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     first = next(records, None)  # validates the resume point before loading the model
     columns = kept_column_types(config)
     if first is not None:
-        check_record_fits(config, first, columns)
+        check_record_fits(config, first, columns, steer_tokens(config, model_config))
     if loaded is None:
         health.set_state(LOADING)
         extraction.setup()
@@ -409,13 +423,17 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     return finished
 
 
-def check_record_fits(config: HostConfig, record: dict[str, Any], columns: dict[str, str]) -> None:
-    """``UserError``, before the model loads, where the stream's records lack what ``--tokens`` or
-    ``--stats_by`` need: token roles (a stream prepared before they existed), a kept column (of
-    ``columns``' types, where the manifest says: a float column has a group per value)."""
+def check_record_fits(config: HostConfig, record: dict[str, Any], columns: dict[str, str],
+                      steering: str | None = None) -> None:
+    """``UserError``, before the model loads, where the stream's records lack what ``--tokens``,
+    ``--stats_by`` or a steering of chosen tokens (``steering``: its selection) need: token roles
+    (a stream prepared before they existed), a kept column (of ``columns``' types, where the
+    manifest says: a float column has a group per value)."""
     selection = parse_selection(config.tokens)
     if selection is not None:
         selection.positions(record.get("roles"), record.get("special"), record["num_tokens"])
+    if steering is not None:
+        steered_positions(steering, record.get("roles"), record["num_tokens"], record["sample_id"])
     for name in config.stats_by:
         if name == ROLE_GROUPING and record.get("roles") is None:
             raise missing_roles("--stats_by role", record["sample_id"])

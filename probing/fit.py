@@ -95,3 +95,10 @@ def nearest_mean_accuracy(features: np.ndarray, labels: np.ndarray, means: dict[
     distances = (x**2).sum(1)[:, None] - 2 * x @ centres.T + (centres**2).sum(1)[None]  # [rows, classes]
     chosen = np.array(classes, dtype=object)[distances.argmin(1)]
     return float(np.mean([a == b for a, b in zip(chosen.tolist(), labels.tolist())]))
+
+
+def training_means(features: np.ndarray, labels: np.ndarray) -> dict[Any, np.ndarray]:
+    """Each label value's mean [width] float64 over the rows ``features`` [rows, width] that carry it."""
+    values = labels.tolist()
+    return {value: np.mean(np.asarray(features, np.float64)[[v == value for v in values]], axis=0)
+            for value in sorted(set(values))}

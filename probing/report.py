@@ -1,6 +1,7 @@
 """What a probe run writes beside its directions: the results table (``results.csv``: one row
 per (site, layer)) and the chart of the held-out metric by layer, a line per site, the
-diff-in-means baseline dashed beside it (``by_layer.png``)."""
+diff-in-means baselines dashed (the statistics') and dotted (the training rows') beside it
+(``by_layer.png``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def write_chart(table: pd.DataFrame, folder: str, label: str) -> str:
         line, = axes.plot(rows["layer"], rows["held_out"], marker="o", label=f"{site}: probe")
         if rows["baseline"].notna().any():
             axes.plot(rows["layer"], rows["baseline"], linestyle="--", color=line.get_color(),
-                      label=f"{site}: diff-in-means")
+                      label=f"{site}: diff-in-means (statistics)")
+        if rows["baseline_rows"].notna().any():
+            axes.plot(rows["layer"], rows["baseline_rows"], linestyle=":", color=line.get_color(),
+                      label=f"{site}: diff-in-means (training rows)")
     metric = table["metric"].iloc[0]
     axes.set(xlabel="layer", ylabel=f"held-out {metric}", title=f"Probing {label!r} by layer")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -48,6 +52,8 @@ def summary(table: pd.DataFrame, label: str) -> str:
     if scored.empty:
         return line
     best = scored.loc[scored["held_out"].idxmax()]
-    baseline = "" if pd.isna(best["baseline"]) else f" (diff-in-means {best['baseline']:.4f})"
+    baselines = [f"diff-in-means {name} {best[column]:.4f}" for column, name in
+                 (("baseline", "statistics"), ("baseline_rows", "training rows")) if pd.notna(best[column])]
+    baseline = f" ({', '.join(baselines)})" if baselines else ""
     return (f"{line}; best held-out {best['metric']} {best['held_out']:.4f} at {best['site']} layer "
             f"{best['layer']}{baseline}")

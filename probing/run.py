@@ -1,6 +1,6 @@
 """A probe run: for each (site, layer), a linear probe fit on the training groups' rows and scored
-on the held-out ones, the diff-in-means of the stored statistics scored beside it as a baseline
-(nearest class mean), and the directions, probes, results and chart written to a folder."""
+on the held-out ones, two nearest-class-mean baselines scored beside it (the stored statistics'
+means, and the training rows' own), and the directions, probes, results and chart written to a folder."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from common.extras import require
 from common.files import write_bytes
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, key_parts, parse_sites
 from probing.directions import label_means, write_directions
-from probing.fit import TASKS, fit_probe, held_out, nearest_mean_accuracy, task_of
+from probing.fit import TASKS, fit_probe, held_out, nearest_mean_accuracy, task_of, training_means
 from probing.report import write_chart, write_results
 from probing.rows import ProbeRows, read_rows
 
@@ -101,13 +101,17 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
         features = rows.features[key]
         probe = fit_probe(features[~test], rows.labels[~test], task, config.regularization)
         site, layer = key_parts(key)
-        baseline = np.nan
+        baseline = baseline_rows = np.nan
         if means is not None:
             baseline = nearest_mean_accuracy(features[test], rows.labels[test], means[key])
+        if task == "classification":  # the same rule, the means of the training rows read (the probe's own)
+            baseline_rows = nearest_mean_accuracy(features[test], rows.labels[test],
+                                                  training_means(features[~test], rows.labels[~test]))
         results.append({"site": site, "layer": layer, "task": task,
                         "metric": "accuracy" if task == "classification" else "r2",
                         "held_out": probe.score(features[test], rows.labels[test]),
                         "train": probe.score(features[~test], rows.labels[~test]), "baseline": baseline,
+                        "baseline_rows": baseline_rows,
                         "converged": probe.converged,
                         "train_rows": int((~test).sum()), "held_out_rows": int(test.sum()),
                         "null_label_rows": rows.null_labels,

@@ -291,11 +291,19 @@ def test_a_stream_without_roles_is_refused_for_a_role_selection_in_one_line(arc_
     lines = (arc_streams / "stream_000.jsonl").read_text().splitlines()
     old.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k not in ("roles", "special")})
                            + "\n" for line in lines))
-    result = run_in_process("runners.tpu_host", "--machine_id", "0", "--dataset_stream", str(old), "--model_path",
-                            tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path / "out"), *RUNNER,
-                            "--tokens", "assistant")
-    one_line_error(result, "has no token roles (its stream was prepared before roles existed)")
-    assert not list(tmp_path.glob("out/machine_000/shard_*"))
+    from model.config import load_config
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    width = load_config(tiny_checkpoints["gqa_tied"]).hidden_size
+    write_directions(str(tmp_path / "d.npz"), {("diff_in_means", array_key(RESID_POST, 1)): np.ones(width)},
+                     {"hidden_size": width})
+    for flags, what in ((["--tokens", "assistant"], "--tokens assistant"),
+                        (["--ablate", f"steer:1:{tmp_path}/d.npz:tokens=user"], "a steering's tokens=user")):
+        result = run_in_process("runners.tpu_host", "--machine_id", "0", "--dataset_stream", str(old), "--model_path",
+                                tiny_checkpoints["gqa_tied"], "--output_dir", str(tmp_path / "out"), *RUNNER, *flags)
+        one_line_error(result, "has no token roles (its stream was prepared before roles existed)")
+        assert f"error: {what}: " in result.stderr
+        assert not list(tmp_path.glob("out/machine_000/shard_*"))
 
 
 def test_the_documented_diff_in_means_query_gives_the_difference_of_the_label_means(every_token):
