@@ -10,6 +10,7 @@ probe's weight is a direction of the stored space.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -102,3 +103,11 @@ def training_means(features: np.ndarray, labels: np.ndarray) -> dict[Any, np.nda
     values = labels.tolist()
     return {value: np.mean(np.asarray(features, np.float64)[[v == value for v in values]], axis=0)
             for value in sorted(set(values))}
+
+
+def majority_accuracy(train_labels: np.ndarray, labels: np.ndarray) -> float:
+    """The accuracy of labelling every row with the training rows' commonest value (on a tie, the
+    one first in sorted order): what a probe must beat to have read anything."""
+    counts = collections.Counter(train_labels.tolist())
+    commonest = max(sorted(counts), key=counts.__getitem__)  # max keeps the first of equal counts
+    return float(np.mean([value == commonest for value in labels.tolist()]))

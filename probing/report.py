@@ -1,7 +1,7 @@
 """What a probe run writes beside its directions: the results table (``results.csv``: one row
 per (site, layer)) and the chart of the held-out metric by layer, a line per site, the
-diff-in-means baselines dashed (the statistics') and dotted (the training rows') beside it
-(``by_layer.png``)."""
+diff-in-means baselines dashed (the statistics') and dotted (the training rows') beside it,
+the majority class's accuracy as a grey line (``by_layer.png``)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def write_chart(table: pd.DataFrame, folder: str, label: str) -> str:
         if rows["baseline_rows"].notna().any():
             axes.plot(rows["layer"], rows["baseline_rows"], linestyle=":", color=line.get_color(),
                       label=f"{site}: diff-in-means (training rows)")
+    if table["majority"].notna().any():  # the same for every (site, layer): the split's
+        axes.axhline(table["majority"].iloc[0], color="grey", linewidth=1, label="majority class")
     metric = table["metric"].iloc[0]
     axes.set(xlabel="layer", ylabel=f"held-out {metric}", title=f"Probing {label!r} by layer")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -54,6 +56,8 @@ def summary(table: pd.DataFrame, label: str) -> str:
     best = scored.loc[scored["held_out"].idxmax()]
     baselines = [f"diff-in-means {name} {best[column]:.4f}" for column, name in
                  (("baseline", "statistics"), ("baseline_rows", "training rows")) if pd.notna(best[column])]
+    if pd.notna(best["majority"]):
+        baselines.append(f"majority class {best['majority']:.4f}")
     baseline = f" ({', '.join(baselines)})" if baselines else ""
     return (f"{line}; best held-out {best['metric']} {best['held_out']:.4f} at {best['site']} layer "
             f"{best['layer']}{baseline}")

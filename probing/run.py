@@ -19,7 +19,8 @@ from common.extras import require
 from common.files import write_bytes
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, key_parts, parse_sites
 from probing.directions import label_means, write_directions
-from probing.fit import TASKS, fit_probe, held_out, nearest_mean_accuracy, task_of, training_means
+from probing.fit import (TASKS, fit_probe, held_out, majority_accuracy, nearest_mean_accuracy, task_of,
+                         training_means)
 from probing.report import write_chart, write_results
 from probing.rows import ProbeRows, read_rows
 
@@ -101,17 +102,18 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
         features = rows.features[key]
         probe = fit_probe(features[~test], rows.labels[~test], task, config.regularization)
         site, layer = key_parts(key)
-        baseline = baseline_rows = np.nan
+        baseline = baseline_rows = majority = np.nan
         if means is not None:
             baseline = nearest_mean_accuracy(features[test], rows.labels[test], means[key])
         if task == "classification":  # the same rule, the means of the training rows read (the probe's own)
             baseline_rows = nearest_mean_accuracy(features[test], rows.labels[test],
                                                   training_means(features[~test], rows.labels[~test]))
+            majority = majority_accuracy(rows.labels[~test], rows.labels[test])
         results.append({"site": site, "layer": layer, "task": task,
                         "metric": "accuracy" if task == "classification" else "r2",
                         "held_out": probe.score(features[test], rows.labels[test]),
                         "train": probe.score(features[~test], rows.labels[~test]), "baseline": baseline,
-                        "baseline_rows": baseline_rows,
+                        "baseline_rows": baseline_rows, "majority": majority,
                         "converged": probe.converged,
                         "train_rows": int((~test).sum()), "held_out_rows": int(test.sum()),
                         "null_label_rows": rows.null_labels,

@@ -48,6 +48,15 @@ def test_the_probe_and_the_diff_in_means_find_the_planted_direction(stores, tmp_
     # Two labels 4 apart along one direction in unit noise: the best possible accuracy is Phi(2) = 0.977.
     assert list(table["layer"]) == [0, 1] and (table["metric"] == "accuracy").all()
     assert (table["held_out"] >= 0.93).all() and (table[["baseline", "baseline_rows"]] >= 0.93).all().all(), table
+    labels = pd.read_parquet(tmp_path / "out" / "split.parquet").merge(pd.read_parquet(index), on="sample_id")
+    held = labels.groupby("sample_id").first()  # every stored token is a row: weigh each sample by its tokens
+    rows = labels.set_index("sample_id")["num_tokens"]
+    train = held[~held.held_out]
+    commonest = (train.label.map(int) * rows[train.index]).sum() * 2 > rows[train.index].sum()
+    test = held[held.held_out]
+    expected = (rows[test.index] * (test.label == commonest)).sum() / rows[test.index].sum()
+    assert table["majority"].eq(table["majority"].iloc[0]).all()
+    assert table["majority"].iloc[0] == pytest.approx(expected, abs=1e-6) and 0.3 < expected < 0.7
     assert (table["held_out_rows"] > 0).all() and (table["train_rows"] > 3 * table["held_out_rows"]).all()
     truth = planted_direction(SPEC)
     for layer in (0, 1):
