@@ -63,7 +63,7 @@ from model.attention import causal_attention, dense_attention, fused_attention, 
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
-from model.interventions import STEER_SITES, STEER_TOKENS
+from model.interventions import STEER_TOKENS, steer_key
 from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID, RESID_POST, RESID_PRE
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
@@ -506,13 +506,13 @@ def map_over_token_chunks(module: nn.Module, x: jax.Array, mesh: Mesh | None,
     return jax.tree.map(lambda y: y.transpose(1, 0, 2, 3).reshape(b, s, y.shape[-1]), out)
 
 
-def steered(x: jax.Array, steer: jax.Array | None, site: str, tokens: jax.Array | None = None) -> jax.Array:
-    """``x`` [B, S, H] plus the steering ``steer`` [len(STEER_SITES), H] adds at ``site``, at the
-    ``tokens`` [B, S] (bool; None: every token); elsewhere, and where the vector is zero, ``x`` bit
-    for bit (-0.0 kept), so an unsteered forward is the plain one."""
-    if steer is None:
+def steered(x: jax.Array, vector: jax.Array | None, tokens: jax.Array | None = None) -> jax.Array:
+    """``x`` [B, S, H] plus a steering's ``vector`` [H] (None: none) at the ``tokens`` [B, S]
+    (bool; None: every token); elsewhere, and where the vector is zero (a block it does not
+    steer), ``x`` bit for bit (-0.0 kept)."""
+    if vector is None:
         return x
-    vector = steer[STEER_SITES.index(site)].astype(x.dtype)  # [H]
+    vector = vector.astype(x.dtype)
     skip = vector == 0 if tokens is None else (vector == 0) | ~tokens[..., None]  # [H] or [B, S, H]
     return jnp.where(skip, x, x + vector)
 
@@ -549,8 +549,7 @@ class DecoderLayer(nn.Module):
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
         heads = (a["head_keep"], a["head_fill"], a["head_mean"]) if ablation is not None else None
-        steer = a["steer"] if ablation is not None else None  # [len(STEER_SITES), H]
-        steered_at = lambda value, site: steered(value, steer, site, a.get(STEER_TOKENS))  # noqa: E731
+        steered_at = lambda value, site: steered(value, a.get(steer_key(site)), a.get(STEER_TOKENS))  # noqa: E731
         x = steered_at(x, RESID_PRE)
         block_in = x
         attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x

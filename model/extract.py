@@ -37,7 +37,7 @@ from model.attention import attention_for, causal_mask
 from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig, load_config
 from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for, steered
-from model.interventions import STEER_TOKENS
+from model.interventions import STEER_TOKENS, steer_key
 from model.sharding import batch_sharding
 from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
                          array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites, site_width)
@@ -218,10 +218,10 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 if site == RESID_POST:
                     per_layer = [outputs[layer] for layer in group]
                 elif site == RESID_PRE:  # the block's input as the block sees it: after a steering there
+                    steer = (ablation or {}).get(steer_key(RESID_PRE))  # [computed blocks, H]
                     per_layer = [steered(outputs[layer - 1] if layer else state["sites"]["embeddings"][0],
-                                         ablation["steer"][layer] if ablation and layer < len(ablation["steer"])
-                                         else None, RESID_PRE, ablation and ablation.get(STEER_TOKENS))
-                                 for layer in group]
+                                         steer[layer] if steer is not None and layer < len(steer) else None,
+                                         (ablation or {}).get(STEER_TOKENS)) for layer in group]
                 else:
                     per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in group]
                 stacked = jnp.stack(per_layer)  # [len(group), B, S, width]

@@ -38,7 +38,9 @@ intervention: ``head:0-3.*`` is one intervention per head of blocks 0 to 3, ``ml
 one per block.
 
 The arrays (``ablation_arrays``) have the same shapes for every intervention of a model, so one
-compiled forward per batch shape serves a whole grid.
+compiled forward per batch shape serves a whole grid; a steering adds an array per site it steers
+(and with ``tokens=`` the batch's tokens), so each set of steered sites compiles its own, and the
+forward of an intervention that steers nothing computes no steering at all.
 """
 
 from __future__ import annotations
@@ -68,9 +70,9 @@ STEER_OPTIONS = {"alpha": float, "direction": str, "site": str, "tokens": str}
 # The per-batch entry of an intervention's arrays, beside the per-block ones (``steered_token_mask``):
 # [B, S] bool, which tokens its steerings add to; absent, every token.
 STEER_TOKENS = "steer_tokens"
-# Where a steering may add its direction, in block order (the rows of ``ablation_arrays``'
-# ``steer``): the block's input, attention's addition, the stream between, the MLP's addition, the
-# block's output. Each is [hidden] wide and flows on through the stream.
+# Where a steering may add its direction, in block order: the block's input, attention's addition,
+# the stream between, the MLP's addition, the block's output. Each is [hidden] wide and flows on
+# through the stream.
 STEER_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
 
 
@@ -339,7 +341,9 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
                     means: Means | None = None) -> dict[str, np.ndarray]:
     """The forward's inputs for one intervention over blocks ``0..num_layers-1``: per block which
     heads / sublayers / the block itself / its norms are kept, what replaces each one that is not
-    (``*_fill``: its mean, else zero, or a neutral norm weight), and the means. Shapes depend on the model only."""
+    (``*_fill``: its mean, else zero, or a neutral norm weight), the means, and what its steerings
+    add at each site they steer (``steer_key``). Shapes depend on the model only; the steered sites
+    name arrays of their own."""
     if intervention.needs_means and means is None:
         raise ValueError(f"{intervention.name} replaces by means: they are needed")
     n, d, h = config.num_attention_heads, config.max_head_dim, config.hidden_size  # heads padded to the widest
@@ -347,8 +351,6 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     for kind in ("attn", "mlp", "block", "norm"):
         arrays[f"{kind}_keep"] = np.ones(num_layers, bool)
         arrays[f"{kind}_fill"] = np.zeros(num_layers, bool)
-    # [L, len(STEER_SITES), H]: what each block adds at each steering site
-    arrays["steer"] = np.zeros((num_layers, len(STEER_SITES), h), np.float32)
     if config.moe is not None:
         arrays["expert_keep"] = np.ones((num_layers, config.moe.num_experts), bool)  # [L, E]
         arrays["route_to"] = np.full(num_layers, -1, np.int32)  # [L]: the expert every token goes to, or -1
@@ -367,15 +369,21 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
         if atom.kind == "route":
             arrays["route_to"][atom.layer] = atom.head
             continue
-        if atom.kind == "steer":
-            arrays["steer"][atom.layer, STEER_SITES.index(atom.site)] += (np.float32(atom.alpha)
-                                                                           * steering_vector(atom, config))
+        if atom.kind == "steer":  # [L, H]: what each block adds at the site; only the sites steered have one
+            steer = arrays.setdefault(steer_key(atom.site), np.zeros((num_layers, h), np.float32))
+            steer[atom.layer] += np.float32(atom.alpha) * steering_vector(atom, config)
             continue
         kind = "block" if atom.kind == "layer" else atom.kind
         where = (atom.layer, atom.head) if atom.kind == "head" else atom.layer
         arrays[f"{kind}_keep"][where] = False
         arrays[f"{kind}_fill"][where] = atom.mode == "mean"
     return arrays
+
+
+def steer_key(site: str) -> str:
+    """The name, among an intervention's arrays, of what its steerings add at ``site`` (absent
+    where none adds there: the forward then computes no steering at that site)."""
+    return f"steer@{site}"
 
 
 def steered_positions(tokens: str, runs: Sequence | None, length: int, sample_id: int | None = None) -> np.ndarray:

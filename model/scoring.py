@@ -22,6 +22,7 @@ answer is a tenth of its prompt), gathered to a length bucket of their own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Iterable, Sequence
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from model.buckets import bucket_for, bucket_lengths
 from model.extract import Extractor, make_forward, placed
-from model.interventions import STEER_TOKENS, Means
+from model.interventions import STEER_TOKENS, Intervention, Means, ablation_arrays
 from model.loading import LoadedModel
 from model.attention import attention_for, causal_mask
 from model.decoder import Decoder, chunk_tokens_for
@@ -103,9 +104,7 @@ class InterventionModel:
         self.linear_head = c.final_logit_softcap is None  # logits linear in the hidden state
         self._compiled: dict[tuple[str, int, int], Any] = {}
         self.compiles, self.compile_s = 0, 0.0
-        residuals = self._residuals_fn()
-        # A steering of chosen tokens takes one more input (STEER_TOKENS): compiled apart.
-        self._functions = {"residuals": residuals, "steered_residuals": residuals, "unablated": self._unablated_fn(),
+        self._functions = {"residuals": self._residuals_fn(), "unablated": self._unablated_fn(),
                            "scores": self._scores_fn(), "stats": self._stats_fn()}
 
     # The compiled functions.
@@ -211,12 +210,18 @@ class InterventionModel:
                     "tokens": real.sum()}
         return jax.jit(stats)
 
-    def _call(self, name: str, shape: tuple[int, ...], *args):
-        """Runs compiled function ``name`` for a batch shape, compiling it on first use."""
-        key = (name, *shape)
+    @functools.cached_property
+    def _plain_inputs(self) -> frozenset[str]:
+        """The arrays of every intervention (those of one that steers nothing)."""
+        return frozenset(ablation_arrays(Intervention(), self.config, self.num_layers))
+
+    def _call(self, name: str, shape: tuple[int, ...], *args, variant: str = ""):
+        """Runs compiled function ``name`` for a batch shape, compiling it on first use;
+        ``variant`` names inputs of another structure (it is compiled apart, as ``name+variant``)."""
+        key = (name + variant, *shape)
         if key not in self._compiled:
             start = time.perf_counter()
-            self._compiled[key] = self._functions[name].lower(*args).compile()
+            self._compiled[key] = self._functions[name].lower(*args).compile()  # one function, any variant
             self.compiles += 1
             self.compile_s += time.perf_counter() - start
         return self._compiled[key](*args)
@@ -243,8 +248,10 @@ class InterventionModel:
         sharding = batch_sharding(self.mesh)
         if STEER_TOKENS in ablation:
             ablation = {**ablation, STEER_TOKENS: placed(ablation[STEER_TOKENS], sharding)}
-        return self._call("steered_residuals" if STEER_TOKENS in ablation else "residuals", ids.shape, self.params,
-                          placed(ids, sharding), placed(lengths, sharding), ablation)
+        # A steering's arrays are inputs of their own (one per site it steers, its tokens): compiled apart.
+        steering = "".join(f"+{name}" for name in sorted(ablation) if name not in self._plain_inputs)
+        return self._call("residuals", ids.shape, self.params, placed(ids, sharding), placed(lengths, sharding),
+                          ablation, variant=steering)
 
     def unablated(self, base: jax.Array, ids: np.ndarray, scored: Sequence[np.ndarray]) -> Unablated:
         """What scoring against the unablated ``base`` residuals needs, for the scored tokens of
