@@ -223,6 +223,20 @@ def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
                 site, layer)
 
 
+def steering_at_block_1(model, tmp_path, options: str, seed: int, metadata: dict | None = None):
+    """(vector, intervention): a random direction written as block 1's output's diff-in-means
+    (``probing.directions``), and ``steer:1:FILE`` with ``options`` (``:alpha=4``...) parsed."""
+    from model.sites import RESID_POST, array_key
+    from probing.directions import write_directions
+    c = model.config
+    vector = np.random.default_rng(seed).standard_normal(c.hidden_size).astype(np.float32)
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector},
+                     metadata or {"hidden_size": c.hidden_size})
+    [intervention] = parse_interventions([f"steer:1:{path}{options}"], model.num_layers, c.num_attention_heads)
+    return vector, intervention
+
+
 def user_then_assistant(n: int) -> list:
     """Role runs of a sequence of ``n`` tokens: a user half, then an assistant half."""
     return [["user", n // 2], ["assistant", n - n // 2]]
@@ -233,15 +247,9 @@ def test_steering_chosen_tokens_equals_a_hook_adding_there_only(case_of, family,
     """tokens=user: the direction added at the user tokens alone, against transformers with a hook
     adding it at those positions only."""
     from model.interventions import STEER_TOKENS, steered_token_mask
-    from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
     model, ref, sequences, means = case_of(family)
     c = model.config
-    vector = np.random.default_rng(4).standard_normal(c.hidden_size).astype(np.float32)
-    path = str(tmp_path / "directions.npz")
-    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector}, {"hidden_size": c.hidden_size})
-    [intervention] = parse_interventions([f"steer:1:{path}:alpha=3:tokens=user"], model.num_layers,
-                                         c.num_attention_heads)
+    vector, intervention = steering_at_block_1(model, tmp_path, ":alpha=3:tokens=user", seed=4)
     assert intervention.steer_tokens == "user" and intervention.name.endswith(":alpha=3:tokens=user")
     ids, lengths = model.inputs(sequences, 64)
     roles = [user_then_assistant(len(seq)) for seq in sequences]
@@ -271,14 +279,9 @@ def test_greedy_generation_under_steering_equals_transformers_with_the_hook(case
     import torch
     from fixtures.hf_reference import agreeing_prefix
     from model.generate import Generator
-    from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
     model, ref, sequences, means = case_of(family)
     c = model.config
-    vector = np.random.default_rng(2).standard_normal(c.hidden_size).astype(np.float32)
-    path = str(tmp_path / "directions.npz")
-    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector}, {"hidden_size": c.hidden_size})
-    [intervention] = parse_interventions([f"steer:1:{path}:alpha=4"], model.num_layers, c.num_attention_heads)
+    _, intervention = steering_at_block_1(model, tmp_path, ":alpha=4", seed=2)
     prompts = [seq[:12] for seq in sequences[1:3]]
     generator = Generator(c, model.params, jnp.float32, cache_length=64,
                           ablation=ablation_arrays(intervention, c, c.num_hidden_layers))
@@ -308,15 +311,9 @@ def test_greedy_generation_steering_chosen_tokens_equals_transformers(case_of, f
     from fixtures.hf_reference import agreeing_prefix
     from model.generate import Generator
     from model.interventions import steered_token_mask
-    from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
     model, ref, sequences, means = case_of(family)
     c = model.config
-    vector = np.random.default_rng(5).standard_normal(c.hidden_size).astype(np.float32)
-    path = str(tmp_path / "directions.npz")
-    write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)): vector}, {"hidden_size": c.hidden_size})
-    [intervention] = parse_interventions([f"steer:1:{path}:alpha=4:tokens={tokens}"], model.num_layers,
-                                         c.num_attention_heads)
+    _, intervention = steering_at_block_1(model, tmp_path, f":alpha=4:tokens={tokens}", seed=5)
     prompts = [seq[:12] for seq in sequences[1:3]]
     roles = [user_then_assistant(12)] * 2
     generator = Generator(c, model.params, jnp.float32, cache_length=64, steer_tokens=intervention.steer_tokens,
