@@ -158,8 +158,8 @@ def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
     for option in given:
         name, _, value = option.partition("=")
         if name not in STEER_OPTIONS:
-            raise UserError(f"intervention {spec!r}: steer takes alpha=, direction=, site= and tokens=, not {name}= "
-                            "(a steering has no mode)")
+            raise UserError(f"intervention {spec!r}: steer takes alpha=, direction=, site= and tokens=, not {name}="
+                            + (" (a steering has no mode)" if name == "mode" else ""))
         if name in options:
             raise UserError(f"intervention {spec!r}: {name}= is given twice")
         try:
@@ -169,8 +169,8 @@ def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
     if not np.isfinite(float(options.get("alpha", 1.0))):
         raise UserError(f"intervention {spec!r}: alpha must be finite")
     if not rest:
-        raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND][:site=SITE], "
-                        "e.g. steer:12:probe_out/directions.npz:alpha=4")
+        raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND][:site=SITE]"
+                        "[:tokens=ROLES], e.g. steer:12:probe_out/directions.npz:alpha=4")
     direction = str(options.get("direction", ""))
     if direction not in ("", "diff_in_means", "probe"):
         raise UserError(f"intervention {spec!r}: direction must be diff_in_means or probe, got {direction!r}")
