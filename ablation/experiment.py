@@ -28,7 +28,8 @@ from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
 from model.config import load_config
 from model.interventions import (BASELINE, STEER_TOKENS, Intervention, Means, ablation_arrays, check_blocks,
-                                 parse_interventions, steered_token_mask, steering_digests)
+                                 parse_interventions, steered_positions, steered_token_mask,
+                                 steering_digests)
 from model.scoring import InterventionModel, scored_tokens
 
 log = logging.getLogger("runners.ablate")
@@ -113,7 +114,7 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     if not records:
         raise UserError(f"no records in {config.stream!r}")
     for tokens in {iv.steer_tokens for iv in grid} - {None}:  # the stream has the roles they choose by
-        steered_token_mask(tokens, [records[0].roles], 1, len(records[0].input_ids), [records[0].sample_id])
+        steered_positions(tokens, records[0].roles, len(records[0].input_ids), records[0].sample_id)
     return grid, records, model_config
 
 

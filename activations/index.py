@@ -249,6 +249,19 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
                                                  "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 
+def store_model(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The model of a merged store (``merged_metadata``'s): ``model`` (a name, or the names where
+    machines differ), and its ``model_type``, ``num_hidden_layers`` and ``hidden_size`` where the
+    machines agree (else None)."""
+    machines = metadata.get("machines", [])
+    models = sorted({m.get("model") for m in machines if m.get("model")})
+    out: dict[str, Any] = {"model": models[0] if len(models) == 1 else (models or None)}
+    for name in ("model_type", "num_hidden_layers", "hidden_size"):
+        found = {m.get(name) for m in machines} - {None}
+        out[name] = found.pop() if len(found) == 1 else None
+    return out
+
+
 def merged_metadata_path(output: str) -> str:
     """``index.parquet`` -> ``merged_metadata.json`` in the same folder."""
     folder = output.rsplit("/", 1)[0] if "/" in output else "."

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from activations.index import store_model
 from activations.flat_layout import SPILL_DIR, STATISTICS
 from activations.layer_names import column_name, layer_names
 from activations.token_loader import TokenLoader
@@ -169,16 +170,12 @@ def export_info(loader: TokenLoader, layout: SaeLensLayout, hook_template: str, 
                 max_tokens: int | None) -> dict[str, Any]:
     """What the export holds and where it came from (before counting rows): ``layers`` names
     each column (its key's layer, site, hook name, width and meaning)."""
-    c, machines = loader.config, loader.metadata.get("machines", [])
-    models = sorted({m.get("model") for m in machines if m.get("model")})
-    depths = {m.get("num_hidden_layers") for m in machines} - {None}
-    depth = depths.pop() if len(depths) == 1 else None
-    hidden = {m.get("hidden_size") for m in machines} - {None}
-    return {"format": "saelens", "index": c.index, "model": models[0] if len(models) == 1 else models,
-            "num_hidden_layers": depth, "stored_dtype": loader.stored.dtype[c.keys[0]],
-            "exported_dtype": "float32", "hidden_size": hidden.pop() if len(hidden) == 1 else None,
+    c, model = loader.config, store_model(loader.metadata)
+    return {"format": "saelens", "index": c.index, "model": model["model"] or [],
+            "num_hidden_layers": model["num_hidden_layers"], "stored_dtype": loader.stored.dtype[c.keys[0]],
+            "exported_dtype": "float32", "hidden_size": model["hidden_size"],
             "context_size": layout.context_size, "hook_name_template": hook_template,
-            "layers": [layer_names(k, depth, layout.widths[k], hook_template) for k in c.keys],
+            "layers": [layer_names(k, model["num_hidden_layers"], layout.widths[k], hook_template) for k in c.keys],
             "seed": seed, "samples": len(loader.stored),
             "selection": c.tokens,  # read with (activations.selection); the store's own below
             "stored_selection": None if loader.stored.selection is None else str(loader.stored.selection),

@@ -90,14 +90,15 @@ def intervention_for(spec: str | None, means_path: str | None, config: DecoderCo
 
 
 def ablation_for(spec: str | None, means_path: str | None, config: DecoderConfig,
-                 num_layers: int) -> dict[str, np.ndarray] | None:
-    """The arrays of the intervention ``spec`` over the blocks computed (None for none)."""
+                 num_layers: int) -> tuple[Any, dict[str, np.ndarray] | None]:
+    """The intervention ``spec`` (``intervention_for``) and its arrays over the blocks computed
+    (None, None for none)."""
     intervention = intervention_for(spec, means_path, config, num_layers)
     if intervention is None:
-        return None
+        return None, None
     from model.interventions import Means, ablation_arrays
     means = Means.load(means_path) if intervention.needs_means else None
-    return ablation_arrays(intervention, config, num_layers, means)
+    return intervention, ablation_arrays(intervention, config, num_layers, means)
 
 
 def resolve_dtype(name: str) -> Any:
@@ -359,9 +360,8 @@ class Extractor:
         # Generating (whole_model), an intervention acts on every block; the extraction's forward
         # takes the blocks it computes.
         computed = blocks_needed(sites, layers)
-        intervention = intervention_for(ablation, ablation_means, config,
-                                        config.num_hidden_layers if whole_model else computed)
-        arrays = ablation_for(ablation, ablation_means, config, config.num_hidden_layers if whole_model else computed)
+        intervention, arrays = ablation_for(ablation, ablation_means, config,
+                                            config.num_hidden_layers if whole_model else computed)
         arrays = arrays and {name: array[:computed] for name, array in arrays.items()}
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=None if whole_model else blocks_needed(sites, layers), with_head=whole_model,

@@ -58,7 +58,7 @@ import numpy as np
 from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
-from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, missing_reason
+from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, array_key, missing_reason
 
 log = logging.getLogger("model.interventions")
 KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer")
@@ -172,8 +172,9 @@ def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
         raise UserError(f"intervention {spec!r}: expected steer:LAYER:FILE[:alpha=A][:direction=KIND][:site=SITE]"
                         "[:tokens=ROLES], e.g. steer:12:probe_out/directions.npz:alpha=4")
     direction = str(options.get("direction", ""))
-    if direction not in ("", "diff_in_means", "probe"):
-        raise UserError(f"intervention {spec!r}: direction must be diff_in_means or probe, got {direction!r}")
+    from probing.directions import KINDS as DIRECTION_KINDS  # the file's format lives with what writes it
+    if direction and direction not in DIRECTION_KINDS:
+        raise UserError(f"intervention {spec!r}: direction must be {' or '.join(DIRECTION_KINDS)}, got {direction!r}")
     site = str(options.get("site", RESID_POST))
     if site not in STEER_SITES:
         raise UserError(f"intervention {spec!r}: a steering adds to the residual stream or to what a sublayer adds "
@@ -441,7 +442,7 @@ def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
     file is of another model (another family, depth or hidden size) or lacks it. (A file
     of another checkpoint of the same shape, a base model's direction steering its chat model, is
     allowed.)"""
-    from probing.directions import read_directions  # the file's format lives with what writes it
+    from probing.directions import KINDS as DIRECTION_KINDS, array_name, read_directions
     arrays, metadata = read_directions(atom.path)
     shape = {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
              "hidden_size": config.hidden_size}
@@ -452,8 +453,8 @@ def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
     unknown = [name for name in shape if metadata.get(name) is None]
     if unknown:
         log.warning("%s does not record the model's %s: only its width is checked", atom.path, ", ".join(unknown))
-    kinds = [atom.direction] if atom.direction else ["diff_in_means", "probe"]
-    names = [f"{kind}/blocks.{atom.layer}.{atom.site}" for kind in kinds]
+    kinds = [atom.direction] if atom.direction else DIRECTION_KINDS  # diff_in_means first
+    names = [array_name(kind, array_key(atom.site, atom.layer)) for kind in kinds]
     found = next((name for name in names if name in arrays), None)
     if found is None:
         raise UserError(f"{atom.path!r} has no {' or '.join(names)} to steer {atom} with (it has "

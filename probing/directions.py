@@ -27,7 +27,7 @@ from activations.index import read_index_file, stats_path
 from activations.site_stats import STATS_SCHEMA, GroupKey, label_text, table_moments
 from common.cli import UserError
 from common.files import read_optional, write_bytes
-from model.sites import ArrayKey, key_parts
+from model.sites import ArrayKey, hook_name, key_parts
 
 FORMAT = "activation-directions/1"
 KINDS = ("diff_in_means", "probe")
@@ -51,8 +51,7 @@ def label_means(index: str, keys: Sequence[ArrayKey], label: str, values: Sequen
 
 
 def array_name(kind: str, key: ArrayKey) -> str:
-    site, layer = key_parts(key)
-    return f"{kind}/blocks.{layer}.{site}"
+    return f"{kind}/{hook_name(*key_parts(key))}"
 
 
 def write_directions(path: str, directions: dict[tuple[str, ArrayKey], np.ndarray], metadata: dict[str, Any]) -> None:

@@ -100,9 +100,8 @@ def nearest_mean_accuracy(features: np.ndarray, labels: np.ndarray, means: dict[
 
 def training_means(features: np.ndarray, labels: np.ndarray) -> dict[Any, np.ndarray]:
     """Each label value's mean [width] float64 over the rows ``features`` [rows, width] that carry it."""
-    values = labels.tolist()
-    return {value: np.mean(np.asarray(features, np.float64)[[v == value for v in values]], axis=0)
-            for value in sorted(set(values))}
+    values, x = labels.tolist(), np.asarray(features, np.float64)
+    return {value: x[[v == value for v in values]].mean(axis=0) for value in sorted(set(values))}
 
 
 def majority_accuracy(train_labels: np.ndarray, labels: np.ndarray) -> float:

@@ -11,19 +11,16 @@ another copy of that key's.
 from __future__ import annotations
 
 import dataclasses
-import io
 from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from activations.export_plan import splitmix64
 from activations.index import SCHEMA
 from activations.token_loader import LoaderConfig, TokenLoader
 from activations.token_plan import read_index_table
 from common.cli import UserError
-from common.files import read_optional
 from model.sites import ArrayKey
 
 BATCH_TOKENS = 16_384
@@ -45,10 +42,8 @@ class ProbeRows:
 def sample_columns(index: str, label: str, group: str) -> pa.Table:
     """``sample_id``, the label and the group column of every stored sample; one line naming the
     index's kept columns when one is missing or not a scalar."""
-    data = read_optional(index)
-    if data is None:
-        raise UserError(f"no index at {index!r}")
-    schema = pq.read_schema(io.BytesIO(data))
+    table = read_index_table(index, "index")
+    schema = table.schema
     kept = [name for name in schema.names if name not in SCHEMA.names]
     for name, flag in ((label, "--label"), (group, "--group_column")):
         if name not in schema.names:
@@ -58,7 +53,7 @@ def sample_columns(index: str, label: str, group: str) -> pa.Table:
         if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
                 or pa.types.is_string(kind)):
             raise UserError(f"{flag} {name}: a column of {kind}, not of scalars")
-    return read_index_table(index, "index", columns=list(dict.fromkeys(["sample_id", label, group])))
+    return table.select(list(dict.fromkeys(["sample_id", label, group])))
 
 
 def read_rows(index: str, keys: Sequence[ArrayKey], label: str, group: str, tokens: str | None,
@@ -81,8 +76,7 @@ def read_rows(index: str, keys: Sequence[ArrayKey], label: str, group: str, toke
     for batch in loader:
         keep = valid[np.searchsorted(ids, batch.sample_ids)]
         null_labels += int((~keep).sum())
-        if share < 1:
-            keep &= drawn(batch.sample_ids, batch.positions, seed, share)
+        keep &= drawn(batch.sample_ids, batch.positions, seed, share)
         for key in keys:
             parts[key].append(batch.activations[key][keep].astype(np.float32, copy=False))
         sample_ids.append(batch.sample_ids[keep])

@@ -13,11 +13,12 @@ import os
 import numpy as np
 import pandas as pd
 
+from activations.index import store_model
 from activations.selection import selection_flag
 from common.cli import UserError, flag, int_list
 from common.extras import require
 from common.files import write_bytes
-from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, key_parts, parse_sites
+from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, hook_name, key_parts, parse_sites
 from probing.directions import label_means, write_directions
 from probing.fit import (TASKS, fit_probe, held_out, majority_accuracy, nearest_mean_accuracy, task_of,
                          training_means)
@@ -98,29 +99,30 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
                     config.label, config.index, config.label)
     os.makedirs(config.output_dir, exist_ok=True)
     results, directions, probes = [], {}, {}
+    y_train, y_test = rows.labels[~test], rows.labels[test]
+    majority = majority_accuracy(y_train, y_test) if task == "classification" else np.nan
     for key in keys:
-        features = rows.features[key]
-        probe = fit_probe(features[~test], rows.labels[~test], task, config.regularization)
+        # This (site, layer)'s rows on each side, in float64 once: the probe, its scores and the baselines read them.
+        x_train, x_test = (rows.features[key][side].astype(np.float64) for side in (~test, test))
+        probe = fit_probe(x_train, y_train, task, config.regularization)
         site, layer = key_parts(key)
-        baseline = baseline_rows = majority = np.nan
+        baseline = baseline_rows = np.nan
         if means is not None:
-            baseline = nearest_mean_accuracy(features[test], rows.labels[test], means[key])
+            baseline = nearest_mean_accuracy(x_test, y_test, means[key])
         if task == "classification":  # the same rule, the means of the training rows read (the probe's own)
-            baseline_rows = nearest_mean_accuracy(features[test], rows.labels[test],
-                                                  training_means(features[~test], rows.labels[~test]))
-            majority = majority_accuracy(rows.labels[~test], rows.labels[test])
+            baseline_rows = nearest_mean_accuracy(x_test, y_test, training_means(x_train, y_train))
         results.append({"site": site, "layer": layer, "task": task,
                         "metric": "accuracy" if task == "classification" else "r2",
-                        "held_out": probe.score(features[test], rows.labels[test]),
-                        "train": probe.score(features[~test], rows.labels[~test]), "baseline": baseline,
-                        "baseline_rows": baseline_rows, "majority": majority,
+                        "held_out": probe.score(x_test, y_test), "train": probe.score(x_train, y_train),
+                        "baseline": baseline, "baseline_rows": baseline_rows, "majority": majority,
                         "converged": probe.converged,
                         "train_rows": int((~test).sum()), "held_out_rows": int(test.sum()),
                         "null_label_rows": rows.null_labels,
                         "classes": len(values) if task == "classification" else None})
-        probes[f"blocks.{layer}.{site}/coef"], probes[f"blocks.{layer}.{site}/intercept"] = probe.coef, probe.intercept
+        probes[f"{hook_name(site, layer)}/coef"], probes[f"{hook_name(site, layer)}/intercept"] = (probe.coef,
+                                                                                          probe.intercept)
         norm = np.linalg.norm(probe.coef[0])
-        if probe.coef.shape[0] == 1 and (task == "regression" or len(values) == 2) and norm > 0:
+        if probe.coef.shape[0] == 1 and norm > 0:  # one weight vector: ridge, or two classes
             directions["probe", key] = probe.coef[0] / norm  # toward the positive value, or larger ones
         if means is not None and len(values) == 2:
             directions["diff_in_means", key] = means[key][values[1]] - means[key][values[0]]
@@ -134,14 +136,9 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
 def _write_outputs(config: ProbeConfig, rows: ProbeRows, test: np.ndarray, task: str, values: list,
                    directions: dict, probes: dict[str, np.ndarray]) -> None:
     """directions.npz, probes.npz and split.parquet (each group's side)."""
-    machines = rows.loader.metadata.get("machines", [])
-    models = sorted({m.get("model") for m in machines if m.get("model")})
-    shape = {}  # what a steering checks the file against (model.interventions.steering_vector)
-    for name in ("model_type", "num_hidden_layers", "hidden_size"):
-        found = {m.get(name) for m in machines} - {None}
-        shape[name] = found.pop() if len(found) == 1 else None
     two = task == "classification" and len(values) == 2
-    metadata = {"model": models[0] if len(models) == 1 else (models or None), **shape, "index": config.index,
+    # The model, depth and width: what a steering checks the file against (model.interventions.steering_vector).
+    metadata = {**store_model(rows.loader.metadata), "index": config.index,
                 "label": config.label,
                 "task": task, "negative": values[0] if two else None, "positive": values[1] if two else None,
                 "tokens": config.tokens, "regularization": config.regularization}

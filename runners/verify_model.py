@@ -14,13 +14,14 @@ import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from model.config import load_config
-from model.extract import Extractor, ablation_for, check_model_fits, intervention_for, resolve_dtype, validate_layers
+from model.extract import Extractor, ablation_for, check_model_fits, resolve_dtype, validate_layers
 from model.sites import blocks_needed, parse_sites
 from model.generate import STOP_TOKEN, Generator, stop_token_ids
 from model.interventions import steered_positions
 from model.loading import load_model
 from model.report import PromptResult, report_text
 from model.settings import ModelSettings, SiteSettings
+from transforms.generation import thinking_ids
 from transforms.prepare import tokenized_source
 from transforms.tokenize import load_tokenizer
 
@@ -64,8 +65,8 @@ def main(argv: list[str]) -> int:
     check_model_fits(model_config, config.sites, config.max_seq_length,
                      validate_layers(config.layers_to_extract or range(model_config.num_hidden_layers), model_config))
     # The intervention over every block (they all write), checked before the model loads.
-    ablation = ablation_for(config.ablate, config.ablation_means, model_config, model_config.num_hidden_layers)
-    intervention = intervention_for(config.ablate, config.ablation_means, model_config, model_config.num_hidden_layers)
+    intervention, ablation = ablation_for(config.ablate, config.ablation_means, model_config,
+                                          model_config.num_hidden_layers)
     steer = intervention and intervention.steer_tokens  # a steering of chosen tokens: by each prompt's roles
     loaded = load_model(model_dir, dtype, config.mesh_type, config.model_axis_size, with_head=True)
     layers = validate_layers(config.layers_to_extract or range(loaded.config.num_hidden_layers),
@@ -80,7 +81,7 @@ def main(argv: list[str]) -> int:
         extractor.steer_tokens = steer
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype, mesh=loaded.mesh, ablation=ablation,
-                          steer_tokens=steer)
+                          steer_tokens=steer, thinking=thinking_ids(tokenizer) is not None)
     activations = dict(extractor.extract(
         (s.sample_id, s.input_ids, None) + ((steered_positions(steer, s.roles, len(s.input_ids)),) if steer else ())
         for s in prompts))

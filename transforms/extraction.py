@@ -170,12 +170,11 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     would not fit the ``free`` bytes of a device (None: measured, ``model.generate.free_bytes``),
     stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
     ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
-    from model.extract import ablation_for, intervention_for
+    from model.extract import ablation_for
     from model.generate import CACHE_SHARE, Generator, free_bytes, stop_token_ids
     from transforms.tokenize import load_tokenizer, special_ids
     model = extractor.config  # under the extraction's intervention, over every block: they all write
-    ablation = ablation_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
-    intervention = intervention_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
+    intervention, ablation = ablation_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
     model_dir = resolve_model_dir(config.model_path, config.model_revision)
     name = generation_tokenizer(config.tokenizer, model_dir)
     tokenizer = load_tokenizer(name) if name else None
