@@ -245,7 +245,7 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
             "machines": [{k: m.get(k) for k in ("machine_id", "process_id", "status", "total_shards", "total_samples",
                                                  "layers", "sites", "dtype", "compute_dtype", "residual_dtype",
                                                  "hidden_size", "num_hidden_layers", "model", "model_type",
-                                                 "stream", "ablation", "tokens", "stats_by", "columns",
+                                                 "stream", "ablation", "tokens", "stats_by", "statistics", "columns",
                                                  "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 

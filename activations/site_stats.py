@@ -3,13 +3,16 @@ vector, the per-dimension variance and the mean L2 norm, in float64; for a mixtu
 ``mlp.hook_expert_indices``, also the tokens routed to each expert (its load).
 
 What normalising trainers need (CLT and crosscoder training scale each site by ``sqrt(d) /
-mean_norm``, or by mean and std). Each shard's statistics are computed from its arrays as they
-are stored (``index/shard_NNNN_stats.parquet``, beside its two index files) and merged with
-Chan et al.'s parallel formula, which is exact up to float64 rounding whatever the grouping: a
-machine's, or the fleet's (``index_stats.parquet`` beside the merged index), is the merge of its
-shards' in path order. A resumed run stores the same shards as an uninterrupted one, and so the
-same statistics. Grouped (``runners.tpu_host --stats_by role,label``), the same statistics are kept
-per role of the tokens and per value of a kept column (``GroupKey``), merged alike.
+mean_norm``, or by mean and std). Each sample's statistics are measured on the devices, in
+float32, of its rows as stored (``model.statistics``: count, mean, centred sum of squares, sum of
+norms); here they become float64 ``Moments`` and are merged with Chan et al.'s parallel formula,
+which is exact up to float64 rounding whatever the grouping: a shard's
+(``index/shard_NNNN_stats.parquet``, beside its index files) is the merge of its samples' in
+sample order, a machine's or the fleet's (``index_stats.parquet`` beside the merged index) the
+merge of its shards' in path order. A resumed run stores the same shards as an uninterrupted one,
+and so the same statistics. Grouped (``runners.tpu_host --stats_by role,label``), the same
+statistics are kept per role of the tokens (measured per role on the devices) and per value of a
+kept column (a sample's every row: ``GroupKey``), merged alike.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pyarrow as pa
 
 from common.roles import ROLES
 from model.sites import ArrayKey, array_key, key_parts
+from model.statistics import KeyStatistics
 
 STATS_SCHEMA = pa.schema([
     ("site", pa.string()), ("layer", pa.int32()), ("count", pa.int64()),
@@ -68,17 +72,14 @@ class Moments:
     expert_counts: np.ndarray | None = None  # [E] int64: tokens routed to each expert (expert ids only)
 
     @classmethod
-    def of(cls, array: np.ndarray, experts: int = 0) -> "Moments":
-        """The moments of ``array`` [tokens, width] (any float dtype, bfloat16 included);
-        ``experts`` > 0: ``array`` holds expert ids [tokens, k], counted per expert."""
-        counts = np.bincount(array.reshape(-1), minlength=experts).astype(np.int64) if experts else None
-        x = array.astype(np.float64)  # a copy: centred in place below
-        if not len(x):
-            return cls(0, np.zeros(x.shape[-1]), np.zeros(x.shape[-1]), 0.0, counts)
-        mean = x.mean(axis=0)
-        norms = np.sqrt(np.einsum("td,td->t", x, x))
-        x -= mean  # x is a fresh float64 copy unless the array was float64 already
-        return cls(len(x), mean, np.einsum("td,td->d", x, x), float(norms.mean()), counts)
+    def measured(cls, statistics: KeyStatistics, group: int = 0) -> "Moments":
+        """The moments of one group of a sample's rows as the device measured them (float32
+        sums, here in float64)."""
+        count = int(statistics.count[group])
+        experts = statistics.experts
+        return cls(count, statistics.mean[group].astype(np.float64), statistics.m2[group].astype(np.float64),
+                   float(statistics.norm_sum[group]) / count if count else 0.0,
+                   None if experts is None else experts[group].astype(np.int64))
 
     def merged(self, other: "Moments") -> "Moments":
         """The moments of both sets together (Chan, Golub and LeVeque's pairwise update)."""
@@ -96,16 +97,16 @@ class Moments:
         return self.m2 / self.count if self.count else np.zeros_like(self.m2)
 
 
-def grouped_moments(array: np.ndarray, key: ArrayKey, experts: int = 0, row_roles: np.ndarray | None = None,
-                    labels: Sequence[tuple[str, Any]] = ()) -> dict[StatsKey, Moments]:
-    """The moments of one stored array (``Moments.of``) under its key, and, grouped, under a
-    ``GroupKey`` per role of its rows (``row_roles`` [rows]: codes of ``common.roles.ROLES``) and
-    per kept column's value (``labels``: (column, the sample's value))."""
-    overall = Moments.of(array, experts)
+def sample_moments(statistics: KeyStatistics, key: ArrayKey,
+                   labels: Sequence[tuple[str, Any]] = ()) -> dict[StatsKey, Moments]:
+    """One sample's moments of one stored array under its key and, grouped, under a ``GroupKey``
+    per role its rows have (the device's groups ``1 + code``, where measured) and per kept
+    column's value (``labels``: (column, the sample's value): every row of the sample)."""
+    overall = Moments.measured(statistics)
     out: dict[StatsKey, Moments] = {key: overall}
-    if row_roles is not None:
-        for code in np.unique(row_roles).tolist():
-            out[GroupKey(key, ROLE_GROUPING, ROLES[code])] = Moments.of(array[row_roles == code], experts)
+    for code, count in enumerate(statistics.count[1:].tolist()):
+        if count:
+            out[GroupKey(key, ROLE_GROUPING, ROLES[code])] = Moments.measured(statistics, 1 + code)
     for name, value in labels:
         out[GroupKey(key, name, label_text(value))] = overall
     return out

@@ -4,10 +4,13 @@ The same stream (ARC-AGI-1 records, the Qwen2.5 tokenizer) through ``runners.tpu
 same flags, from this tree and from ``--base`` (a git worktree made for the run), into the same
 output path in turn (the index holds absolute shard paths); per family (tiny random checkpoints
 with Qwen2.5's vocabulary), compute dtype and attention kernel, each file of the machine
-directory compared: shards and both index files must be identical (a statistics file may add
-columns that are null throughout: the same values, read by Arrow); ``metadata.json`` may differ
-only by time stamps and the keys this tree adds; files the base does not write are listed.
-Prints one line per run and file kind.
+directory compared: shards and both index files must be identical; a statistics file may add
+columns that are null throughout (the same values, read by Arrow), or hold other values (since
+issue 56 they are measured in float32 on the devices, where earlier commits computed them in
+float64 on the host): then its largest relative difference (vector norms, per row and field) and
+whether its counts are equal are printed; ``metadata.json`` may differ only by time stamps and the
+keys this tree adds; files the base does not write are listed. Prints one line per run and file
+kind.
 
     python benchmarks/byte_identity.py [--base f50bd60] [--families qwen2,gemma3] \
         [--dtypes float32,bfloat16] [--attentions tiled,fused] [--sites hook_resid_post,...]
@@ -59,25 +62,54 @@ def same_values_but_null_columns(base: pathlib.Path, ours: pathlib.Path) -> list
     return None
 
 
+def statistics_difference(base: pathlib.Path, ours: pathlib.Path) -> tuple[float, bool] | None:
+    """(the largest relative difference of a statistics file's mean, variance and mean norm, as
+    vectors per row; whether every count and expert count is equal), None where the rows differ."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from activations.site_stats import table_moments
+    old, new = (table_moments(pq.read_table(p)) for p in (base, ours))
+    if old.keys() != new.keys():
+        return None
+    worst, counts = 0.0, True
+    for key, theirs in old.items():
+        mine = new[key]
+        counts &= mine.count == theirs.count and (theirs.expert_counts is None or
+                                                  np.array_equal(mine.expert_counts, theirs.expert_counts))
+        for a, b in ((mine.mean, theirs.mean), (mine.variance, theirs.variance),
+                     (np.array([mine.mean_norm]), np.array([theirs.mean_norm]))):
+            worst = max(worst, float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)))
+    return worst, counts
+
+
 def compare(base: pathlib.Path, ours: pathlib.Path) -> dict[str, str]:
     """Per kind of file, ``identical`` or what differs."""
     names = {p.relative_to(base) for p in base.rglob("*") if p.is_file()}
     added = sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file()
                    and p.relative_to(ours) not in names)
-    verdict: dict[str, list[str]] = {"shards": [], "index": [], "arrays index": []}
+    verdict: dict[str, list[str]] = {"shards": [], "index": [], "arrays index": [], "statistics": []}
     null_columns: set[str] = set()
+    worst, counts, measured = 0.0, True, 0
     for name in sorted(names):
         kind = ("shards" if name.name.startswith("shard_") and ".pkl" in name.name else
                 "arrays index" if name.name.endswith("_arrays.parquet") else
+                "statistics" if name.name.endswith("_stats.parquet") else
                 "index" if name.parent.name == "index" else None)
         if kind and (base / name).read_bytes() != (ours / name).read_bytes():
             added_nulls = same_values_but_null_columns(base / name, ours / name)
-            if added_nulls is None:
+            difference = statistics_difference(base / name, ours / name) if kind == "statistics" else None
+            if added_nulls is not None:
+                null_columns.update(added_nulls)
+            elif difference is not None:
+                worst, counts, measured = max(worst, difference[0]), counts and difference[1], measured + 1
+            else:
                 verdict[kind].append(str(name))
-            null_columns.update(added_nulls or ())
     out = {kind: "identical" if not differ else f"DIFFER: {differ}" for kind, differ in verdict.items()}
-    if null_columns and out["index"] == "identical":
-        out["index"] = f"identical values; the statistics add the null column(s) {sorted(null_columns)}"
+    if null_columns and out["statistics"] == "identical":
+        out["statistics"] = f"identical values; they add the null column(s) {sorted(null_columns)}"
+    if measured and out["statistics"] == "identical":
+        out["statistics"] = (f"{measured} file(s) of other values: within {worst:.1e} relative, counts "
+                             f"{'equal' if counts else 'DIFFER'}")
     old, new = (without_times(json.loads((d / "metadata.json").read_text())) for d in (base, ours))
     extra = sorted(set(new) - set(old))
     same = {k: v for k, v in new.items() if k in old} == old

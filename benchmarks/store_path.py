@@ -20,13 +20,19 @@ threads compressing buffers of their own); a run of 4x the memory budget stays w
 (peak RSS over the process's own).
 
 A sample holds ``--layers`` arrays of each of ``--sites`` (``model.sites``; all of the default's
-are [512, 896]: the 0.5B shape, whose attn.hook_z is 896 wide too); every array also gets its
-float64 statistics (``activations.site_stats``), the ``stats`` stage. Issue 33's figures: four
-sites at every layer of the 0.5B shape (``--sites hook_resid_mid,attn.hook_z,hook_mlp_out,
-hook_resid_post --layers 24``).
+are [512, 896]: the 0.5B shape, whose attn.hook_z is 896 wide too) and, as the extraction's
+forward hands them over, their statistics measured on the device (``model.statistics``: here
+measured once per template array, outside the timed producer); the ``stats`` stage is their
+float64 merge per shard. Issue 33's figures: four sites at every layer of the 0.5B shape
+(``--sites hook_resid_mid,attn.hook_z,hook_mlp_out,hook_resid_post --layers 24``).
+
+Every configuration also runs, in the same run and alternating with this tree's, the store path
+of ``--base`` (a commit, checked out in a temporary git worktree; ``none``: skipped): before issue
+56 it computed each array's float64 statistics on the host, in the store threads. Printed per
+configuration: host CPU-seconds per stored GB of both (target: raw <= 0.4, gzip <= 2.0).
 
     python benchmarks/store_path.py [--total_gb 2] [--shard_size_gb 0.25] [--threads 1,2]
-        [--budget_gb 1] [--gcs_gb 0.5] [--work_dir DIR] [--sites S,S] [--layers 4]
+        [--budget_gb 1] [--gcs_gb 0.5] [--work_dir DIR] [--sites S,S] [--layers 4] [--base f410578]
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ import time
 import numpy as np
 
 HIDDEN, TOKENS = 896, 512   # an array: [512, 896] float32 = 1.8 MB
+BASE = "f410578"  # the commit before issue 56: float64 statistics computed on the host
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 8 * 2**20
 # (name, hidden, blocks, non-embedding parameters) of the Qwen2.5 shapes.
 MODELS = (("Qwen2.5-0.5B", 896, 24, 0.36e9), ("Qwen2.5-1.5B", 1536, 28, 1.31e9), ("Qwen2.5-7B", 3584, 28, 6.53e9))
@@ -93,6 +101,8 @@ def child(spec: dict) -> None:
     rng = np.random.default_rng(0)
     layers, sites = tuple(range(spec["layers"])), tuple(spec["sites"])
     templates = [rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32) * 4 for _ in range(min(len(layers), 4))]
+    measured = template_statistics(templates)
+    warm_up()
     baseline = rss_gb()
     store = GcsStore("bench", spec["prefix"]) if spec["gcs"] else None
     settings = ShardSettings(0, out, int(spec["shard_size_gb"] * 1e9), spec["compress"], layers,
@@ -109,6 +119,8 @@ def child(spec: dict) -> None:
         sample = {"sample_id": i, "source": "synthetic", "text_preview": "", "num_tokens": TOKENS,
                   "truncated": False, "original_num_tokens": TOKENS,
                   "activations": {key: templates[k % len(templates)].copy() for k, key in enumerate(keys)}}
+        if measured is not None:  # what the forward measured of each array on the device
+            sample["statistics"] = {key: measured[k % len(templates)] for k, key in enumerate(keys)}
         producing += time.thread_time() - t
         writer.add(sample)
     writer.finalize()
@@ -121,9 +133,33 @@ def child(spec: dict) -> None:
                                   "peak_gb": peak, "store": stats.snapshot()}))
 
 
-def run(spec: dict) -> dict:
+def warm_up() -> None:
+    """What the store path does once per process, done before the clock: its first index table
+    makes pyarrow import pandas (1.4 CPU-seconds where bytecode is not cached), which on a
+    benchmark of a GB or two would read as a cost per GB."""
+    import pyarrow as pa
+    from activations.index import parquet_bytes
+    parquet_bytes(pa.table({"warm": [0]}))
+
+
+def template_statistics(templates: list[np.ndarray]) -> list | None:
+    """Each template's statistics as the device measures them (``model.statistics``), or None for
+    a tree whose store path computes its own (before issue 56)."""
+    try:
+        from model.statistics import sample_statistics
+    except ImportError:
+        return None
+    measured = sample_statistics(dict(enumerate(templates)))
+    return [measured[k] for k in range(len(templates))]
+
+
+def run(spec: dict, tree: str | None = None) -> dict:
+    """One configuration in a process of its own, by this tree or by the ``tree`` checked out."""
+    # The same producer either way; the base's modules first on the path (before this tree's
+    # editable install), so that the store path is the base's.
+    env = os.environ if tree is None else {**os.environ, "PYTHONPATH": tree}
     text = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                          text=True, env=os.environ)
+                          text=True, env=env)
     match = re.search(r"^RESULT (.*)$", text.stdout, re.M)
     if match is None:
         raise SystemExit(f"configuration {spec} failed:\n{text.stdout[-2000:]}{text.stderr[-3000:]}")
@@ -155,11 +191,14 @@ def main() -> None:
     parser.add_argument("--sites", default="hook_resid_post", help="sites of a sample (model.sites), e.g. "
                         "hook_resid_mid,attn.hook_z,hook_mlp_out,hook_resid_post")
     parser.add_argument("--layers", type=int, default=4, help="layers of a sample (each site at each)")
+    parser.add_argument("--base", default=BASE, help="a commit whose store path runs beside this tree's "
+                        "(none: skipped)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(json.loads(args.child))
     work = tempfile.mkdtemp(prefix="store_path.", dir=args.work_dir)
+    base_tree = None if args.base == "none" else checkout(args.base, work)
     threads = [int(t) for t in args.threads.split(",")]
     durable, streamed = (durable_write_gbps(work, args.total_gb, streamed) for streamed in (False, True))
     print(f"disk under {work}: durable write (8 MiB writes, then fdatasync) {durable:.3f} GB/s (the baseline); "
@@ -171,14 +210,14 @@ def main() -> None:
           f"float32 = {len(sites) * args.layers * TOKENS * HIDDEN * 4 / 1e6:.1f} MB")
     base = {"shard_size_gb": args.shard_size_gb, "budget_gb": args.budget_gb, "gcs": False, "prefix": "",
             "sites": sites, "layers": args.layers}
-    # Raw runs too take the threads: they compute the statistics (host.writer).
+    # Raw runs too take the threads: the base computed its statistics in them.
     runs = [("disk", compress, t, args.total_gb) for compress in (False, True) for t in threads]
     runs += [("memory", compress, t, args.total_gb) for compress in (False, True) for t in threads]
     if args.gcs_gb:
         runs += [("gcs", False, max(threads), args.gcs_gb), ("gcs", True, max(threads), args.gcs_gb)]
-    results = {}
+    results, base_results = {}, {}
     emulator = None
-    print(f"{'to':7} {'mode':10} {'threads':>7} {'GB/s':>6} {'of disk':>7} {'waited':>6} "
+    print(f"{'to':7} {'mode':10} {'threads':>7} {'tree':6} {'GB/s':>6} {'of disk':>7} {'waited':>6} "
           f"{'CPU s/GB':>8} {'peak-base GB':>12}  stages (GB/s)")
     for where, compress, t, total in runs:
         if where == "gcs" and emulator is None:
@@ -186,13 +225,15 @@ def main() -> None:
             emulator = GcsEmulator(None).__enter__()
             emulator.client().create_bucket("bench")
         root = "/dev/shm" if where == "memory" else work
-        spec = {**base, "out": tempfile.mkdtemp(dir=root), "compress": compress, "threads": max(t, 1),
-                "total_gb": total, "gcs": where == "gcs", "prefix": f"run{len(results)}"}
-        r = results[(where, compress, t)] = run(spec)
-        gb = r["store"]["activations_gb"]
-        print(f"{where:7} {'compressed' if compress else 'raw':10} {t:>7} {gb / r['wall_s']:6.3f} "
-              f"{gb / r['wall_s'] / durable:6.0%} {r['store']['forward_waited_s'] / r['wall_s']:6.0%} "
-              f"{r['store_cpu_s'] / gb:8.2f} {r['peak_gb'] - r['baseline_gb']:12.2f}  {stage_rates(r, t)}")
+        for tree, into in ((None, results), (base_tree, base_results)) if base_tree else ((None, results),):
+            spec = {**base, "out": tempfile.mkdtemp(dir=root), "compress": compress, "threads": max(t, 1),
+                    "total_gb": total, "gcs": where == "gcs", "prefix": f"run{len(results) + len(base_results)}"}
+            r = into[(where, compress, t)] = run(spec, tree)
+            gb = r["store"]["activations_gb"]
+            print(f"{where:7} {'compressed' if compress else 'raw':10} {t:>7} {'base' if tree else 'this':6} "
+                  f"{gb / r['wall_s']:6.3f} {gb / r['wall_s'] / durable:6.0%} "
+                  f"{r['store']['forward_waited_s'] / r['wall_s']:6.0%} {r['store_cpu_s'] / gb:8.2f} "
+                  f"{r['peak_gb'] - r['baseline_gb']:12.2f}  {stage_rates(r, t)}")
     if emulator is not None:
         emulator.__exit__()
 
@@ -213,8 +254,35 @@ def main() -> None:
               f"this machine's own scaling, threads each compressing a buffer of their own: "
               f"{ceiling[1]:.2f} vs {ceiling[2]:.2f} GB/s = {ceiling[2] / ceiling[1]:.2f}x")
     memory_check(args, work, durable)
+    cpu_per_gb(results, base_results, args.base)
     rate_table(results, threads)
+    if base_tree:
+        subprocess.run(["git", "worktree", "remove", "--force", base_tree], cwd=REPO, capture_output=True)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def checkout(commit: str, work: str) -> str:
+    """``commit`` checked out in a temporary git worktree under ``work``; its path."""
+    tree = os.path.join(work, "base")
+    done = subprocess.run(["git", "worktree", "add", "--detach", tree, commit], cwd=REPO, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise SystemExit(f"--base {commit}: cannot check it out: {done.stderr.strip()}")
+    return tree
+
+
+def cpu_per_gb(results: dict, base_results: dict, base: str) -> None:
+    """Host CPU-seconds per stored GB, raw and gzip, of this tree against the base (to memory, one
+    compression thread: no disk in the way), and the targets."""
+    line = []
+    for mode, compress, target in (("raw", False, 0.4), ("gzip", True, 2.0)):
+        ours = results[("memory", compress, 1)]
+        figure = f"{mode} {ours['store_cpu_s'] / ours['store']['activations_gb']:.2f}"
+        if base_results:
+            theirs = base_results[("memory", compress, 1)]
+            figure += f" (base {base}: {theirs['store_cpu_s'] / theirs['store']['activations_gb']:.2f})"
+        line.append(f"{figure}, target <= {target}")
+    print("host CPU-seconds per stored GB, to memory, 1 thread: " + "; ".join(line))
 
 
 def compression_alone_gbps(threads: int) -> float:

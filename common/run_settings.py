@@ -18,6 +18,8 @@ BEFORE: dict[str, Callable[[dict[str, Any]], Any]] = {
     "residual_dtype": lambda stored: stored.get("dtype"),
     # Only block outputs were stored (model.sites).
     "sites": lambda stored: list(DEFAULT_SITES),
+    # Every shard got its statistics (computed on the host; on the devices since, the same to 1e-5).
+    "statistics": lambda stored: "device",
 }
 # Where a setting is stored resolved, how to ask for a value again.
 HINTS = {"residual_dtype": "--residual_dtype compute: a stream in the compute dtype; float32: in float32"}

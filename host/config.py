@@ -23,6 +23,7 @@ DEFAULT_COMPILATION_CACHE_DIR = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
 # drives the forward, at most this many (each holds two members in memory; 16 isal threads
 # compress about 8 GB/s, beyond any TPU host's output: docs/storage.md#the-store-path).
 MAX_AUTO_COMPRESSION_THREADS = 16
+STATISTICS = ("device", "off")  # --statistics
 
 
 def spare_cores() -> int:
@@ -54,10 +55,12 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
     compress_shards: bool = flag(True, "gzip the shards (shard_NNNN.pkl.gz; --no_compress_shards: .pkl)")
     compression_level: int = flag(DEFAULT_COMPRESSION_LEVEL, "gzip level of the shards' members (isal: "
                                   "0..3); level 1 measured best (benchmarks/shard_compression.py)")
-    compression_threads: int | str = flag(AUTO, "threads compressing shard members and computing their "
-                                          "statistics (raw shards: the statistics alone): auto (the cores this "
-                                          f"process may use less one, at most {MAX_AUTO_COMPRESSION_THREADS}) "
-                                          "or a number", parse=int_or_auto("a number of threads"))
+    compression_threads: int | str = flag(AUTO, "threads compressing shard members (compressed shards): auto (the "
+                                          f"cores this process may use less one, at most "
+                                          f"{MAX_AUTO_COMPRESSION_THREADS}) or a number",
+                                          parse=int_or_auto("a number of threads"))
+    write_threads: int = flag(2, "shards written to their local files at once (each file by one thread; "
+                              "commits stay in stream order)")
     store_memory_gb: float = flag(4.0, "activations the store path may hold (GB): the shard filling and "
                                   "those being written; the forward waits beyond it (under two shards: "
                                   "one shard is stored while the next fills)")
@@ -106,6 +109,9 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
                               "last | last:user | mean:assistant: docs/datasets.md#token-selection); the forward "
                               "still runs on every token, only the selected rows leave the device (default: every "
                               "token)", parse=selection_flag)
+    statistics: str = flag("device", "per-site statistics of the stored rows (index/shard_NNNN_stats.parquet): "
+                           "device (measured inside the forward, merged in float64 on the host) | off (none "
+                           "stored; metadata.json says so)", choices=STATISTICS)
     stats_by: tuple[str, ...] = flag((), "also keep the per-site statistics per group: role (each token's role) "
                                      "and/or a column the streams keep (pipeline.prepare --keep_columns), e.g. "
                                      "role,label", parse=name_list)
@@ -139,7 +145,7 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
         if not (math.isfinite(self.store_memory_gb) and self.store_memory_gb > 0):
             raise UserError(f"--store_memory_gb must be a positive number of GB, got {self.store_memory_gb}")
         for name in ("max_seq_length", "upload_retries", "batches_in_flight", "distributed_timeout_s",
-                     "upload_threads"):
+                     "upload_threads", "write_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
         if not 0 <= self.stopped_exit_code <= 255:
@@ -161,6 +167,9 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
         self.validate_generation(self.max_seq_length)
         if self.generate is not None and (self.multi_process or self.distributed == "on"):
             raise UserError("--generate runs on one-process machines only, not yet on a multi-host slice")
+        if self.stats_by and self.statistics == "off":
+            raise UserError(f"--stats_by {','.join(self.stats_by)} groups the statistics, which --statistics off "
+                            "does not keep")
         if len(set(self.stats_by)) != len(self.stats_by):
             raise UserError(f"--stats_by names a grouping twice: {','.join(self.stats_by)}")
         if ROLE_GROUPING in self.stats_by and self.tokens and parse_selection(self.tokens).pooled:

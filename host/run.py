@@ -68,6 +68,7 @@ from model.extract import (ForwardObserver, check_model_fits, intervention_for, 
                            residual_dtype_name, validate_layers)
 from model.interventions import parse_interventions, steered_positions, steering_digests, steers_written_tokens
 from model.sharding import make_mesh
+from model.statistics import StatisticsSpec
 from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
 from transforms.generation import generation_tokenizer, thinking_ids
@@ -458,7 +459,13 @@ def extract_config(config: HostConfig) -> ExtractConfig:
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
         sites=config.sites, tokens=config.tokens, generate=config.generate, temperature=config.temperature,
-        top_p=config.top_p, top_k=config.top_k, seed=config.seed, stop=config.stop, tokenizer=config.tokenizer)
+        top_p=config.top_p, top_k=config.top_k, seed=config.seed, stop=config.stop, tokenizer=config.tokenizer,
+        statistics=statistics_spec(config))
+
+
+def statistics_spec(config: HostConfig) -> StatisticsSpec | None:
+    """What the forward measures for the shards' statistics (None: ``--statistics off``)."""
+    return None if config.statistics == "off" else StatisticsSpec(by_role=ROLE_GROUPING in config.stats_by)
 
 
 def _back_to_checkpoint(config: HostConfig, store: GcsStore | None, checkpoint: Checkpoint,
@@ -544,6 +551,7 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
             "steering": steering_digests(intervention),
             # Checkpoints from before these read None: every token stored, no groups.
             "tokens": config.tokens, "stats_by": list(config.stats_by) or None,
+            "statistics": config.statistics,  # from before it: device (common.run_settings.BEFORE)
             # Checkpoints from before --generate read None: nothing generated.
             "generate": generation_settings(config)}
 
@@ -574,8 +582,8 @@ def _shard_settings(config: HostConfig, extractor, ablation: str | None, stream:
                          config.compression_level, _metadata(config, extractor, ablation, stream, columns), ablation,
                          memory_budget_bytes=int(config.store_memory_gb * 1e9),
                          compression_threads=config.resolved_compression_threads,
-                         upload_threads=config.upload_threads, sites=extractor.sites,
-                         num_experts=extractor.config.num_experts, selection=config.tokens,
+                         upload_threads=config.upload_threads, write_threads=config.write_threads,
+                         statistics=config.statistics != "off", sites=extractor.sites, selection=config.tokens,
                          stats_by=config.stats_by, column_types=tuple(columns.items()))
 
 
@@ -597,6 +605,7 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str,
             "process_id": config.process_id if config.multi_process else None,
             "num_processes": config.num_processes or 1,
             "ablation": ablation, "ablation_means": config.ablation_means if ablation else None,
-            "tokens": config.tokens, "stats_by": list(config.stats_by), "generate": generation_settings(config),
+            "tokens": config.tokens, "stats_by": list(config.stats_by), "statistics": config.statistics,
+            "generate": generation_settings(config),
             # The streams' kept columns and their types (from the manifest), where it says.
             **({"columns": columns} if columns else {})}

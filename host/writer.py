@@ -7,11 +7,10 @@ lower CPU priority than the forward's), so that several shards are in flight at 
   compress (``compression_threads``, compressed shards) each array's gzip member, started as the
           sample arrives, so compression keeps pace with the forward instead of coming in a
           burst per shard; the array is released once compressed.
-  stats   (the compression threads, or as many of its own for raw shards) each array's float64
-          moments (``activations.site_stats``), started as the sample arrives.
-  write   (one thread, shards in order) the shard's pickle streamed to its local file (its
+  write   (``write_threads`` shards at once) the shard's pickle streamed to its local file (its
           arrays' members, or for raw shards the arrays from the extractor's own buffers:
-          ``activations.shards``), then fsync; its two index files and its statistics.
+          ``activations.shards``), then fsync; its index files and its statistics: the float64
+          merge of its samples' statistics, which the devices measured (``model.statistics``).
   upload  (``upload_threads`` shards at once, when uploading) the shard and its indexes sent to
           GCS, each verified (size and CRC32C of the bytes written, read back).
   commit  (one thread, strictly in stream order) ``rejected.jsonl`` lines, ``metadata.json``,
@@ -31,16 +30,16 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import threading
+import time
 from typing import Any, Callable
-
-import numpy as np
 
 from activations.selection import parse_selection
 from activations.index import (arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index,
                                stats_filename, tokens_filename, tokens_index)
-from activations.site_stats import ROLE_GROUPING, Moments, StatsKey, grouped_moments, merged_moments, stats_table
+from activations.site_stats import ROLE_GROUPING, Moments, StatsKey, merged_moments, sample_moments, stats_table
 from activations.shards import (DEFAULT_COMPRESSOR, CompressedArray, Segment, activation_bytes,
                                 array_locations, gzip_member_compressor, shard_dict, shard_filename,
                                 shard_segments, stored_segments)
@@ -50,14 +49,18 @@ from host.rejected import RejectedLog
 from host.status import utc_now
 from host.storage import Crc32c, GcsStore
 from host.store_stats import StoreStats
-from common.roles import missing_roles, role_codes
-from model.sites import DEFAULT_SITES, EXPERT_INDICES, ArrayKey, array_keys, key_parts
+from model.sites import DEFAULT_SITES, ArrayKey, array_keys
 
 CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
 # A shard file's written bytes are sent to the disk every this many, not all at its fsync: the
 # disk then works while later members compress, and the fsync finds little left to write.
 WRITEBACK_BYTES = 32 * 2**20
 STORE_NICENESS = 10  # the store threads' nice value (0..19; measured: benchmarks/output_heavy.py)
+# The rates are told once this many shards have been handed over after the run's first (whose
+# window includes the forward's start); the forward waiting longer than this share of that time
+# is a warning that the destination, not the forward, sets the pace.
+RATE_SHARDS, WAITED_WARNING = 3, 0.1
+log = logging.getLogger("runners.tpu_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +79,9 @@ class ShardSettings:
     memory_budget_bytes: int = 4 * 10**9  # activations held by the store path (--store_memory_gb)
     compression_threads: int = 1
     upload_threads: int = 4
+    write_threads: int = 2  # shards written at once (each file by one thread; commits stay in order)
+    statistics: bool = True  # each shard's statistics file, of its samples' measured statistics
     sites: tuple[str, ...] = DEFAULT_SITES  # stored at every layer (model.sites)
-    num_experts: int = 0  # a mixture of experts' (its statistics count each expert's tokens)
     selection: str | None = None  # the token selection stored (activations.selection); None: every token
     stats_by: tuple[str, ...] = ()  # statistics also grouped by role and/or kept columns (site_stats)
     column_types: tuple[tuple[str, str], ...] = ()  # the streams' kept columns and their types (the manifest's)
@@ -141,20 +145,20 @@ class ShardWriter:
         self._last_id: int | None = None   # sample id of the buffer's last record
         self._next_shard_id = checkpoint.total_shards + 1
         self._records_handed_over = checkpoint.total_samples_processed
-        self._writing = _pool(1, "shard-write")
+        # Shards are written side by side: one write thread held an accelerator's raw output to
+        # 1.7 GB/s (docs/benchmarks.md#the-accelerator-path). Each file is one thread's, its bytes
+        # those of a lone writer; the commit stage keeps the stream order.
+        self._writing = _pool(settings.write_threads, "shard-write")
         self._compressing = _pool(settings.compression_threads, "shard-compress") if settings.compress else None
         self._compress_member = self._timed_compressor() if settings.compress else None
-        # Statistics are computed beside compression, or for raw shards by as many threads of
-        # their own: on one thread they held an accelerator's raw output to ~0.6 GB/s
-        # (docs/benchmarks.md#the-accelerator-path). Each array's moments are merged in sample
-        # order, so the thread count never changes what is stored.
-        self._measuring = self._compressing or _pool(settings.compression_threads, "shard-stats")
         self._uploading = _pool(settings.upload_threads, "shard-upload") if store else None
         self._committing = _pool(1, "shard-commit")
         self._commits: collections.deque[concurrent.futures.Future] = collections.deque()
         self._room = threading.Condition()
         self._held = 0                     # activation bytes handed over, not yet in their file
         self._uploads_pending = threading.BoundedSemaphore(settings.upload_threads + 1)
+        self._rate_mark: tuple[int, float, float, int] | None = None  # (shard id, time, waited, bytes) at the first
+        self._handed = 0  # activation bytes handed over by this run
         self._state_lock = threading.Lock()
         self._failure: BaseException | None = None
         self._failure_raised = False
@@ -162,15 +166,16 @@ class ShardWriter:
                                         "bytes": self._held}
         self.stats.settings = {"memory_budget_gb": round(settings.memory_budget_bytes / 1e9, 3),
                                "compression_threads": settings.compression_threads if settings.compress else 0,
-                               "statistics_threads": settings.compression_threads,
+                               "write_threads": settings.write_threads,
                                "upload_threads": settings.upload_threads if store else 0}
 
     def add(self, sample: dict[str, Any]) -> None:
+        """Takes a computed sample: its ``activations`` and, where the shards keep statistics,
+        their ``statistics`` (``{key: model.statistics.KeyStatistics}``)."""
+        if self.settings.statistics and sample.get("statistics") is None:
+            raise ValueError(f"sample {sample['sample_id']} comes without statistics: its extraction measured none")
         self._buffer_bytes += activation_bytes(sample)
-        row_roles, labels = self._groups(sample)
-        sample = {**sample, "rows": len(next(iter(sample["activations"].values()))),
-                  "moments": {key: self._measuring.submit(self._moments, array, key, row_roles, labels)
-                              for key, array in sample["activations"].items()}}
+        sample = {**sample, "rows": len(next(iter(sample["activations"].values()))), "labels": self._labels(sample)}
         if self._compressing is not None:
             sample = {**sample, "activations": {
                 layer: CompressedArray.of(array, self._compress_member, self._compressing)
@@ -210,9 +215,28 @@ class ShardWriter:
                 self._held += size
             self.stats.count("activations", size)
             handover.written = self._writing.submit(self._write, handover.shard_id, samples, size)
+            self._handed += size
+            self._tell_rates(handover.shard_id)
         self._commits.append(self._committing.submit(self._commit, handover))
         self._forget_committed()
         self._wait_for_room()
+
+    def _tell_rates(self, shard_id: int) -> None:
+        """Once ``RATE_SHARDS`` shards past the run's first are handed over: the rate the forward
+        produces activations at (its time less its waits for the store) against the rate the store
+        path took them at, and a warning where the forward waited for it."""
+        now, waited = time.monotonic(), self.stats.snapshot()["forward_waited_s"]
+        if self._rate_mark is None:
+            self._rate_mark = (shard_id, now, waited, self._handed)
+            return
+        first, start, waited_before, handed_before = self._rate_mark
+        if shard_id != first + RATE_SHARDS:
+            return
+        line, warning = rates_report(self.settings, now - start, waited - waited_before,
+                                     self._handed - handed_before)
+        print(line, flush=True)
+        if warning:
+            log.warning(warning)
 
     def _wait_for_room(self) -> None:
         room = self.settings.memory_budget_bytes - self.settings.shard_size_bytes
@@ -248,7 +272,7 @@ class ShardWriter:
             with self.stats.final_flush():
                 self.wait()
         finally:
-            for pool in (self._writing, self._compressing, self._measuring, self._uploading, self._committing):
+            for pool in (self._writing, self._compressing, self._uploading, self._committing):
                 if pool is not None:
                     pool.shutdown(wait=True)
 
@@ -258,7 +282,7 @@ class ShardWriter:
                 self._failure = error
             self._room.notify_all()
 
-    # -- write stage (one thread) ---------------------------------------------------------------
+    # -- write stage (write_threads, a shard each) -----------------------------------------------
     def _write(self, shard_id: int, samples: list[dict[str, Any]], size: int) -> concurrent.futures.Future:
         """Writes the shard file and its indexes; returns the future of its upload (or of the
         written shard itself when not uploading)."""
@@ -293,10 +317,9 @@ class ShardWriter:
                                        s.activation_dtype, s.ablation, dict(s.column_types))
         count, tokens = len(samples), sum(x["num_tokens"] for x in samples)
         first_id, last_id = samples[0]["sample_id"], samples[-1]["sample_id"]
-        per_sample = [{k: m for future in x["moments"].values() for k, m in future.result().items()}
-                      for x in samples]
-        with stats.stage("index"):  # merged in sample order: the same shard gives the same bytes
-            moments = stats_table(merged_moments(per_sample))
+        with stats.stage("stats"):  # merged in sample order: the same shard gives the same bytes
+            moments = stats_table(merged_moments(self._moments(x) for x in samples)) if s.statistics else None
+        with stats.stage("index"):
             tokens_table = tokens_index(samples, [x["rows"] for x in samples], s.selection)
         with stats.stage("encode"):
             document = shard_dict(samples, s.keys, s.pooled)
@@ -311,7 +334,7 @@ class ShardWriter:
         with stats.stage("index"):
             indexes = {index_filename(shard_id): parquet_bytes(sample_index),
                        arrays_index_filename(shard_id): parquet_bytes(arrays_index(locations, shard_path)),
-                       stats_filename(shard_id): parquet_bytes(moments),
+                       **({stats_filename(shard_id): parquet_bytes(moments)} if moments is not None else {}),
                        tokens_filename(shard_id): parquet_bytes(tokens_table)}
             for index_name, index in indexes.items():
                 write_atomically(os.path.join(s.machine_dir, index_name), index)
@@ -321,25 +344,16 @@ class ShardWriter:
                  "total_tokens_in_shard": tokens, "first_sample_id": first_id, "last_sample_id": last_id}
         return WrittenShard(shard_id, name, local_path, size, crc, indexes, entry)
 
-    def _groups(self, sample: dict[str, Any]) -> tuple[np.ndarray | None, list[tuple[str, Any]]]:
-        """What a sample's statistics are grouped by (``stats_by``): its rows' role codes (None
-        without the role grouping), and (column, value) of each kept column grouped by."""
-        by = self.settings.stats_by
-        row_roles = None
-        if ROLE_GROUPING in by:
-            if sample.get("roles") is None:
-                raise missing_roles("--stats_by role", sample["sample_id"])
-            row_roles = role_codes(sample["roles"])
-            if sample.get("positions") is not None:
-                row_roles = row_roles[sample["positions"]]
+    def _labels(self, sample: dict[str, Any]) -> list[tuple[str, Any]]:
+        """(column, the sample's value) of each kept column the statistics are grouped by
+        (``stats_by``; the role grouping is measured on the devices)."""
         columns = sample.get("columns") or {}
-        return row_roles, [(name, columns.get(name)) for name in by if name != ROLE_GROUPING]
+        return [(name, columns.get(name)) for name in self.settings.stats_by if name != ROLE_GROUPING]
 
-    def _moments(self, array, key: ArrayKey, row_roles: np.ndarray | None = None,
-                 labels: list[tuple[str, Any]] = ()) -> dict[StatsKey, Moments]:
-        experts = self.settings.num_experts if key_parts(key)[0] == EXPERT_INDICES else 0
-        with self.stats.stage("stats"):
-            return grouped_moments(array, key, experts, row_roles, labels)
+    def _moments(self, sample: dict[str, Any]) -> dict[StatsKey, Moments]:
+        """One sample's float64 moments of every stored array and group (``sample_moments``)."""
+        return {k: m for key, measured in sample["statistics"].items()
+                for k, m in sample_moments(measured, key, sample["labels"]).items()}
 
     def _timed_compressor(self) -> Callable[[Segment], bytes]:
         member, stats = gzip_member_compressor(DEFAULT_COMPRESSOR, self.settings.compression_level), self.stats
@@ -446,6 +460,25 @@ class ShardWriter:
                 elif self.store:
                     self.store.upload(name, data)
                 write_atomically(os.path.join(s.machine_dir, name), data)
+
+
+def rates_report(settings: ShardSettings, elapsed: float, waited: float, handed: int) -> tuple[str, str | None]:
+    """The line telling the rate the forward produces activations at (``handed`` bytes over the
+    ``elapsed`` seconds less the ``waited`` ones) against the rate the store path took them at,
+    and a warning where the forward waited for the store path more than ``WAITED_WARNING`` of the
+    time (None where it did not)."""
+    s = settings
+    produced, taken = handed / max(elapsed - waited, 1e-9) / 1e9, handed / max(elapsed, 1e-9) / 1e9
+    share = waited / max(elapsed, 1e-9)
+    line = (f"machine {s.machine_id}: the forward produces {produced:.3f} GB/s of activations; the store path took "
+            f"{taken:.3f} GB/s ({'gzip' if s.compress else 'raw'} shards in {s.machine_dir}); the forward waited "
+            f"{share:.0%} of the time")
+    if share <= WAITED_WARNING:
+        return line, None
+    fewer = (["--activation_dtype bfloat16"] if s.activation_dtype == "float32" else []) + [
+        "fewer layers or sites", "a --tokens selection"]
+    return line, (f"the store path is the limit: it takes {taken:.3f} GB/s of the {produced:.3f} GB/s the forward "
+                  f"produces, which waited {share:.0%} of the time; store fewer bytes a token: {', '.join(fewer)}")
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

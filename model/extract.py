@@ -5,7 +5,8 @@ Layer ``L`` is the output of decoder block ``L`` (0-based), before the final nor
 norm applied). Other sites of a block (``model.sites``: the MLP's input and output, attention's z,
 ...) come from what the decoder sows; each sequence's arrays are keyed by ``model.sites.array_keys``.
 Blocks after the last one a requested site needs are never computed, nor is the LM head, and only
-the requested arrays leave the devices.
+the requested arrays leave the devices; with ``statistics``, beside them the per-sample statistics
+the same compiled step measures of them (``model.statistics``), a few vectors a sample.
 
 Each batch shape (rows, bucket length) is compiled once, explicitly, so that a runner can watch
 compiles and batches through a ``ForwardObserver`` (health reporting, profiling).
@@ -39,6 +40,7 @@ from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for, steered
 from model.interventions import STEER_TOKENS, steer_key
 from model.sharding import batch_sharding
+from model.statistics import STAT_FIELDS, KeyStatistics, StatisticsSpec, row_statistics, split_statistics
 from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
                          array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites, site_width)
 
@@ -171,13 +173,16 @@ def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mes
 
 def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...],
                        mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
-                       moe_dispatch: str = "auto", pool: str | None = None):
-    """jit(params, input_ids, lengths, ablation[, select]) -> {site: [len(layers), B, S, width]} for
-    each of ``sites`` (``model.sites``); otherwise as ``make_forward``. With ``select`` (positions
-    [B, K], counts [B]: each row's first ``counts`` positions are its selected tokens), only those
-    rows: [len(layers), B, K, width], or with ``pool`` ("mean") their mean: [len(layers), B, 1, width]."""
+                       moe_dispatch: str = "auto", pool: str | None = None,
+                       statistics: StatisticsSpec | None = None):
+    """jit(params, input_ids, lengths, ablation[, select[, row_roles]]) -> {site: [len(layers), B, S,
+    width]} for each of ``sites`` (``model.sites``); otherwise as ``make_forward``. With ``select``
+    (positions [B, K], counts [B]: each row's first ``counts`` positions are its selected tokens),
+    only those rows: [len(layers), B, K, width], or with ``pool`` ("mean") their mean:
+    [len(layers), B, 1, width]. With ``statistics``: (those arrays, ``{key: row_statistics}`` of
+    each), grouped by ``row_roles`` [B, S or K] (the stored rows' role codes) where it says so."""
     forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype, moe_dispatch,
-                           pool)
+                           pool, statistics)
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
@@ -194,17 +199,18 @@ def selected_rows(values: jax.Array, positions: jax.Array, counts: jax.Array, po
 
 def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
-                 moe_dispatch: str = "auto", pool: str | None = None):
+                 moe_dispatch: str = "auto", pool: str | None = None, statistics: StatisticsSpec | None = None):
     """The un-jitted forward of ``make_sites_forward``. Blocks past the last one a site needs are
     not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
     rest), so block outputs alone compile to the graph they always did. A selection picks its rows
-    on the device, before the cast to ``out_dtype``: only they leave it."""
+    on the device, before the cast to ``out_dtype``: only they leave it. The statistics are of the
+    stored rows as stored (``model.statistics``)."""
     model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config, dtype),
                     residual_dtype, mlp_hidden=MLP_POST in sites, moe_dispatch=moe_dispatch,
                     routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites))
     num_layers = blocks_needed(sites, layers)
 
-    def forward(params, input_ids, lengths, ablation, select=None):
+    def forward(params, input_ids, lengths, ablation, select=None, row_roles=None):
         seq = input_ids.shape[1]
         positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
         apply = functools.partial(model.apply, {"params": params}, input_ids, positions,
@@ -213,7 +219,7 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
             (outputs, _), state = apply(), {}
         else:
             (outputs, _), state = apply(mutable=["sites"])
-        values = {}
+        values, measured = {}, {}
         for site in sites:
             for key, group in width_groups(config, site, layers).items():
                 if site == RESID_POST:
@@ -229,9 +235,22 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 if select is not None:
                     stacked = selected_rows(stacked, *select, pool)  # [len(group), B, K or 1, width]
                 values[key] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
-        return values
+                if statistics is not None:
+                    valid = stored_rows(lengths, select, pool, stacked.shape[2])  # [B, S or K]
+                    measured[key] = row_statistics(values[key], valid, row_roles, statistics, SITES[site].integer)
+        return values if statistics is None else (values, measured)
 
     return forward
+
+
+def stored_rows(lengths: jax.Array, select: tuple[jax.Array, jax.Array] | None, pool: str | None,
+                rows: int) -> jax.Array:
+    """[B, rows] bool: which of the forward's output rows are a sample's stored ones (its tokens;
+    with a selection its first ``counts`` rows, pooled its one row where it selects any)."""
+    kept = lengths if select is None else select[1]
+    if pool is not None:
+        kept = jnp.minimum(kept, 1)
+    return jnp.arange(rows)[None, :] < kept[:, None]
 
 
 def width_groups(config: DecoderConfig, site: str, layers: Sequence[int]) -> dict[str, tuple[int, ...]]:
@@ -302,6 +321,7 @@ class InFlight:
     out: dict[str, jax.Array]  # output key (width_groups) -> [its layers, rows, length (or the selection's K), width]
     lengths: np.ndarray     # [rows]: the rows each sequence keeps (its tokens, or its selected rows)
     count: int              # real sequences (the first rows)
+    statistics: dict[str, dict[str, jax.Array]] | None = None  # output key -> model.statistics.row_statistics
 
 
 def selection_width(counts: Sequence[int], length: int) -> int:
@@ -329,6 +349,7 @@ class Extractor:
     moe_dispatch: str = "auto"    # a mixture of experts' (model.config.MOE_DISPATCHES)
     pool: str | None = None       # with a selection: mean pools each sequence's selected rows
     steer_tokens: str | None = None  # the ablation's steerings add to these tokens only (extract's items say which)
+    statistics: StatisticsSpec | None = None  # per-sample statistics measured on the device (model.statistics)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int, int | None], Any] = dataclasses.field(default_factory=dict, init=False,
                                                                              repr=False)
@@ -341,13 +362,15 @@ class Extractor:
              attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
              ablation_means: str | None = None, residual_dtype: str = "float32",
              sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None,
-             moe_dispatch: str = "auto", pool: str | None = None, whole_model: bool = False) -> "Extractor":
+             moe_dispatch: str = "auto", pool: str | None = None, whole_model: bool = False,
+             statistics: StatisticsSpec | None = None) -> "Extractor":
         """Loads only the blocks the requested sites and layers need (``whole_model``: every block
         and the head, for ``model.generate`` on the same weights), straight onto the mesh.
         ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
         from ``model.sites`` (each stored at every layer). ``revision``: of a hub id. ``pool``:
-        ``mean`` pools each selection (``extract``'s positions) into one row."""
+        ``mean`` pools each selection (``extract``'s positions) into one row. ``statistics``: what
+        the forward measures of the stored rows (``extract_measured``)."""
         sites = parse_sites(sites)
         check_pool(pool, sites)
         resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
@@ -368,7 +391,7 @@ class Extractor:
                             devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
                                     activation_dtype, attention, batches_in_flight, residual_dtype, sites,
-                                    moe_dispatch, pool)
+                                    moe_dispatch, pool, statistics)
         extractor.ablation = arrays
         extractor.steer_tokens = intervention and intervention.steer_tokens
         return extractor
@@ -379,7 +402,7 @@ class Extractor:
                     activation_dtype: str | None = None, attention: str = "auto",
                     batches_in_flight: int = 2, residual_dtype: str = "float32",
                     sites: Sequence[str] = DEFAULT_SITES, moe_dispatch: str = "auto",
-                    pool: str | None = None) -> "Extractor":
+                    pool: str | None = None, statistics: StatisticsSpec | None = None) -> "Extractor":
         check_pool(pool, parse_sites(sites))
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
@@ -391,7 +414,9 @@ class Extractor:
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
                    ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight,
                    residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites),
-                   moe_dispatch=moe_dispatch, pool=pool)
+                   moe_dispatch=moe_dispatch, pool=pool,
+                   # A mixture's expert ids are counted per expert of this model.
+                   statistics=statistics and dataclasses.replace(statistics, experts=loaded.config.num_experts))
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -418,7 +443,14 @@ class Extractor:
     def _forward(self):
         return make_sites_forward(self.config, self.dtype, self.layers, self.sites, self.mesh,
                                   self.activation_dtype, self.attention, self.residual_dtype, self.moe_dispatch,
-                                  self.pool)
+                                  self.pool, self.statistics)
+
+    def _extra_args(self, select: Any, row_roles: Any) -> tuple:
+        """The forward's arguments after the ablation: a selection (None for none) where there is
+        one or where role codes follow it, the stored rows' role codes where grouped by role."""
+        if self.statistics is not None and self.statistics.by_role:
+            return select, row_roles
+        return () if select is None else (select,)
 
     def executable(self, rows: int, length: int, selected: int | None = None):
         """The forward compiled for inputs [rows, length] (compiled on first use); with
@@ -428,14 +460,17 @@ class Extractor:
             sharding = batch_sharding(self.mesh)
             ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
             lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
-            select = () if selected is None else ((jax.ShapeDtypeStruct((rows, selected), jnp.int32, sharding=sharding),
-                                                   lengths),)
+            select = None if selected is None else (jax.ShapeDtypeStruct((rows, selected), jnp.int32,
+                                                                         sharding=sharding), lengths)
+            row_roles = jax.ShapeDtypeStruct((rows, length if selected is None else selected), jnp.int32,
+                                             sharding=sharding)  # [B, S or K]
             ablation = self.ablation
             if self.steer_tokens:
                 mask = jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=sharding)  # [B, S]
                 ablation = {**ablation, STEER_TOKENS: mask}
             with self.observer.compiling(rows, length):
-                self._executables[key] = self._forward.lower(self.params, ids, lengths, ablation, *select).compile()
+                self._executables[key] = self._forward.lower(self.params, ids, lengths, ablation,
+                                                             *self._extra_args(select, row_roles)).compile()
         return self._executables[key]
 
     def padded(self, sequences: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -462,19 +497,29 @@ class Extractor:
 
     def dispatch(self, sequences: Sequence[Sequence[int]], length: int,
                  selected: Sequence[np.ndarray] | None = None,
-                 steered: Sequence[np.ndarray] | None = None) -> InFlight:
+                 steered: Sequence[np.ndarray] | None = None,
+                 roles: Sequence[np.ndarray] | None = None) -> InFlight:
         """Places up to ``batch_size`` sequences, padded to ``length``, on the devices and starts
         their forward, without waiting for it. ``selected``: per sequence, the positions of the
         rows to keep (only those come back; with ``pool``, their mean). ``steered``: per
-        sequence, the positions its steering adds to (with ``steer_tokens``)."""
+        sequence, the positions its steering adds to (with ``steer_tokens``). ``roles``: per
+        sequence, its tokens' role codes (with ``statistics`` grouped by role)."""
         ids, lengths = self.padded(sequences, length)
         rows = ids.shape[0]
         sharding = batch_sharding(self.mesh)
-        select, kept = (), lengths
+        select, kept, row_roles = None, lengths, None
         if selected is not None:
             positions, counts = self.selection_arrays(selected, rows, length)
-            select = ((placed(positions, sharding), placed(counts, sharding)),)
+            select = (placed(positions, sharding), placed(counts, sharding))
             kept = np.minimum(counts, 1) if self.pool else counts
+        if self.statistics is not None and self.statistics.by_role:
+            if roles is None:
+                raise ValueError("statistics by role: each sequence's role codes are needed")
+            codes = np.zeros((rows, length if selected is None else positions.shape[1]), np.int32)  # [B, S or K]
+            for row, token_roles in enumerate(roles):
+                stored = token_roles if selected is None else token_roles[selected[row]]
+                codes[row, :len(stored)] = stored
+            row_roles = placed(codes, sharding)
         ablation = self.ablation
         if self.steer_tokens:
             if steered is None:
@@ -485,10 +530,13 @@ class Extractor:
             ablation = {**ablation, STEER_TOKENS: placed(mask, sharding)}
         forward = self.executable(rows, length, None if selected is None else positions.shape[1])
         with self.observer.batch(rows, length):
-            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), ablation, *select)
-        for _, data in (block for site_out in out.values() for block in local_blocks(site_out)):
-            data.copy_to_host_async()  # starts the transfer as soon as the forward ends
-        return InFlight(out, kept, len(sequences))
+            out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), ablation,
+                          *self._extra_args(select, row_roles))
+        out, measured = out if self.statistics is not None else (out, None)
+        for array in jax.tree_util.tree_leaves((out, measured)):
+            for _, data in local_blocks(array):
+                data.copy_to_host_async()  # starts the transfer as soon as the forward ends
+        return InFlight(out, kept, len(sequences), measured)
 
     @functools.cached_property
     def _output_groups(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -496,12 +544,14 @@ class Extractor:
         return {key: (site, group) for site in self.sites
                 for key, group in width_groups(self.config, site, self.layers).items()}
 
-    def collect(self, batch: InFlight) -> list[dict[ArrayKey, np.ndarray] | None]:
+    def collect(self, batch: InFlight) -> list[tuple[dict[ArrayKey, np.ndarray], dict | None] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per
-        sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed (``None``
-        for a sequence whose row lives on another process's devices)."""
+        sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed, and with
+        ``statistics`` ``{key: KeyStatistics}`` of each array, else None (``None`` for a sequence
+        whose row lives on another process's devices)."""
         results: list[dict[ArrayKey, np.ndarray] | None] = [None] * batch.count
         keys = self.keys
+        measured = self._collected_statistics(batch)
         for key, out in batch.out.items():
             site, group = self._output_groups[key]
             for rows, data in local_blocks(out):
@@ -520,27 +570,54 @@ class Extractor:
                 if arrays is not None:
                     check_float16_range(arrays)
         self.observer.computed(batch.count)
-        return results
+        return [None if arrays is None else (arrays, measured and measured[row]) for row, arrays in enumerate(results)]
 
-    def extract(self, items: Iterable[tuple[T, Sequence[int]] | tuple[T, Sequence[int], np.ndarray | None]
-                                      | tuple[T, Sequence[int], np.ndarray | None, np.ndarray]]
-                ) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:
+    def _collected_statistics(self, batch: InFlight) -> list[dict[ArrayKey, KeyStatistics]] | None:
+        """Per sequence of ``batch`` (this process's rows), ``{key: KeyStatistics}``: the small
+        arrays the forward measured, copied back."""
+        if batch.statistics is None:
+            return None
+        out: list[dict[ArrayKey, KeyStatistics]] = [{} for _ in range(batch.count)]
+        for key, fields in batch.statistics.items():
+            site, group = self._output_groups[key]
+            # Every field's blocks hold the same rows: [len(group), rows here, G, ...] each.
+            blocks = {name: local_blocks(fields[name]) for name in STAT_FIELDS if name in fields}
+            with self.observer.host_side("device_to_host"):
+                host = {name: [(rows, np.asarray(data)) for rows, data in parts] for name, parts in blocks.items()}
+            for k, (rows, _) in enumerate(host["count"]):
+                part = {name: parts[k][1] for name, parts in host.items()}
+                for i, row in enumerate(range(*rows.indices(fields["count"].shape[1]))):
+                    if row < batch.count:
+                        out[row].update({array_key(site, layer): split_statistics(part, j, i)
+                                         for j, layer in enumerate(group)})
+        return out
+
+    def extract(self, items: Iterable[tuple]) -> Iterator[tuple[T, dict[ArrayKey, np.ndarray]]]:
         """(key, input_ids) pairs -> (key, {array key: [num_tokens, width]}), batched by length bucket.
         Items (key, input_ids, positions) keep only the rows at ``positions`` ([selected, width]),
         or with ``pool`` their mean ([1, width], or [0, width] where none is selected); None keeps
-        every row. A fourth element, with ``steer_tokens``: the positions the steering adds to.
+        every row. A fourth element, with ``steer_tokens``: the positions the steering adds to
+        (None without); a fifth, with ``statistics`` by role: the tokens' role codes.
 
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
         than ``max_seq_length`` raises ``ValueError``. Up to ``batches_in_flight`` batches are
         dispatched before the oldest is copied back.
         """
+        for key, arrays, _ in self.extract_measured(items):
+            yield key, arrays
+
+    def extract_measured(self, items: Iterable[tuple]) -> Iterator[tuple[T, dict | None, dict | None]]:
+        """``extract``'s results with each sequence's statistics, ``{key: KeyStatistics}``
+        (``model.statistics``; None without ``statistics``): (key, arrays, statistics)."""
         in_flight: collections.deque[tuple[list[T], InFlight]] = collections.deque()
         for batch in self.batches(items):
             first = batch.items[0]
             selected = [item[2] for item in batch.items] if len(first) > 2 and first[2] is not None else None
-            steered = [item[3] for item in batch.items] if len(first) > 3 else None
+            steered = [item[3] for item in batch.items] if len(first) > 3 and first[3] is not None else None
+            roles = [item[4] for item in batch.items] if len(first) > 4 else None
             in_flight.append(([item[0] for item in batch.items],
-                              self.dispatch([item[1] for item in batch.items], batch.length, selected, steered)))
+                              self.dispatch([item[1] for item in batch.items], batch.length, selected, steered,
+                                            roles)))
             if len(in_flight) >= self.batches_in_flight:
                 yield from self._collected(*in_flight.popleft())
         while in_flight:
@@ -554,5 +631,6 @@ class Extractor:
             yield from bucketer.add(item, len(item[1]))
         yield from bucketer.flush()
 
-    def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict[int, np.ndarray] | None]]:
-        yield from zip(keys, self.collect(batch))
+    def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict | None, dict | None]]:
+        for key, result in zip(keys, self.collect(batch)):
+            yield (key, None, None) if result is None else (key, *result)

@@ -321,3 +321,17 @@ def metadata_server():
     server = MetadataServer({"machine-id": "3"})
     yield server
     server.close()
+
+
+def assert_statistics_close(got, expected, rtol: float = 1e-5) -> None:
+    """Stored statistics (``activations.site_stats.Moments``) against float64 ones recomputed from
+    the stored arrays: counts and expert loads exact; the mean, the variance and the mean norm
+    within ``rtol`` relative, as vectors (the device measures each sample in float32)."""
+    import numpy as np
+    assert got.count == expected.count
+    for name in ("mean", "variance"):
+        ours, theirs = getattr(got, name), getattr(expected, name)
+        assert np.linalg.norm(ours - theirs) <= rtol * max(np.linalg.norm(theirs), 1e-30), name
+    assert abs(got.mean_norm - expected.mean_norm) <= rtol * expected.mean_norm
+    if expected.expert_counts is not None:
+        assert np.array_equal(got.expert_counts, expected.expert_counts)

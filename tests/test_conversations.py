@@ -16,11 +16,11 @@ import pytest
 from activations.index import stats_path, tokens_path
 from activations.reader import read_activations
 from activations.selection import parse_selection
-from activations.site_stats import GroupKey, table_moments
+from activations.site_stats import GroupKey, Moments, table_moments
 from activations.token_loader import LoaderConfig, TokenLoader
 from common.roles import ROLES, role_codes
 from fixtures.chat_like import write_chat_like
-from tests.conftest import gated_runner, read_streams, run_in_process, run_prepare
+from tests.conftest import assert_statistics_close, gated_runner, read_streams, run_in_process, run_prepare
 from tests.test_host import index_rows
 from tests.test_saelens import activations_store, one_epoch
 from transforms.prepare import PrepareConfig
@@ -201,21 +201,16 @@ def test_statistics_per_role_and_label_are_those_of_the_arrays_and_merge_exactly
         assert {(g.group_by, g.group) for g in stats if isinstance(g, GroupKey) and g.key == layer} == set(groups)
         for (group_by, group), parts in groups.items():
             values = np.concatenate(parts)
-            got = stats[GroupKey(layer, group_by, group)]
-            assert got.count == len(values)
-            np.testing.assert_allclose(got.mean, values.mean(0), rtol=1e-12, atol=1e-12 * np.abs(values).max())
-            np.testing.assert_allclose(got.variance, values.var(0), rtol=1e-12)
-            assert abs(got.mean_norm - np.linalg.norm(values, axis=1).mean()) <= 1e-12 * got.mean_norm
+            assert_statistics_close(stats[GroupKey(layer, group_by, group)],
+                                    Moments(len(values), values.mean(0), values.var(0) * len(values),
+                                            float(np.linalg.norm(values, axis=1).mean())))
     # One machine over the same conversations: the same statistics as the two machines' merge.
     one = prepared(chats, qwen_tokenizer_dir, 1, tmp_path / "one_stream")
     run(one, tmp_path / "one", 0, tiny_checkpoints["gqa_tied"], "--stats_by", "role,label")
     single = table_moments(pq.read_table(stats_path(merged(one, tmp_path / "one", tiny_checkpoints["gqa_tied"]))))
     assert single.keys() == stats.keys()
     for key, m in stats.items():
-        assert m.count == single[key].count
-        np.testing.assert_allclose(m.mean, single[key].mean, rtol=1e-12, atol=1e-15)
-        np.testing.assert_allclose(m.variance, single[key].variance, rtol=1e-12, atol=1e-15)
-        assert m.mean_norm == pytest.approx(single[key].mean_norm, rel=1e-12)
+        assert_statistics_close(m, single[key])
 
 
 def test_kill_9_and_resume_with_a_selection_gives_identical_shards_index_and_statistics(

@@ -80,7 +80,8 @@ def test_the_statistics_means_are_the_arrays_means(stores):
         for value in (0, 1):
             rows = np.concatenate([a for (s, key), a in stored.items() if key == layer and labels[s] == value])
             expected = rows.astype(np.float64).mean(0)
-            assert np.abs(means[layer][value] - expected).max() <= 1e-12 * np.abs(expected).max()
+            # Measured per sample in float32 on the device, merged in float64.
+            assert np.linalg.norm(means[layer][value] - expected) <= 1e-5 * np.linalg.norm(expected)
 
 
 def test_the_split_keeps_each_group_on_one_side(stores, tmp_path):

@@ -17,7 +17,7 @@ from activations.token_loader import LoaderConfig, TokenLoader
 from common.cli import UserError
 from fixtures.stored_activations import (StoredSpec, export_order, storage_order, stored_tokens, stream_token_ids,
                                         write_stored)
-from tests.conftest import run_in_process
+from tests.conftest import assert_statistics_close, run_in_process
 from tests.test_export_saelens import column, export, in_export_order
 from tests.test_saelens import activations_store, one_epoch
 
@@ -88,11 +88,7 @@ def test_normalized_batches_follow_the_stored_statistics(stored, how):
     keys = (Z, MLP_OUT, 1)
     ours = table_moments(read_parquet(stats_path(index)))
     for key in keys:
-        expected = recomputed(arrays, key)
-        assert ours[key].count == expected.count
-        np.testing.assert_allclose(ours[key].mean, expected.mean, rtol=1e-12, atol=1e-15)
-        np.testing.assert_allclose(ours[key].variance, expected.variance, rtol=1e-12)
-        assert abs(ours[key].mean_norm - expected.mean_norm) <= 1e-12 * expected.mean_norm
+        assert_statistics_close(ours[key], recomputed(arrays, key))
     config = LoaderConfig(index=index, layers=keys, batch_tokens=1000, seed=None)
     raw = next(iter(TokenLoader(config))).activations
     scaled = next(iter(TokenLoader(LoaderConfig(**{**config.__dict__, "normalize": how})))).activations

@@ -40,12 +40,18 @@ def test_the_cost_line_names_each_site_against_the_residual_stream(tiny_checkpoi
                     "hook_resid_post 0.5 KiB (1x resid))")
 
 
+def float64_moments(array: np.ndarray) -> Moments:
+    """The moments of [tokens, width], in float64 (the reference)."""
+    x = array.astype(np.float64)
+    return Moments(len(x), x.mean(0), ((x - x.mean(0)) ** 2).sum(0), float(np.linalg.norm(x, axis=1).mean()))
+
+
 def test_moments_merge_in_any_grouping_to_the_statistics_of_all_tokens():
     rng = np.random.default_rng(0)
     parts = [rng.standard_normal((n, 5)).astype(np.float32) * 3 + 100 for n in (1, 7, 30, 2)]
     every = np.concatenate(parts).astype(np.float64)
-    pairwise = merged_moments([{"k": Moments.of(p)} for p in parts])["k"]
-    halves = Moments.of(np.concatenate(parts[:2])).merged(Moments.of(np.concatenate(parts[2:])))
+    pairwise = merged_moments([{"k": float64_moments(p)} for p in parts])["k"]
+    halves = float64_moments(np.concatenate(parts[:2])).merged(float64_moments(np.concatenate(parts[2:])))
     for m in (pairwise, halves):
         assert m.count == len(every)
         np.testing.assert_allclose(m.mean, every.mean(0), rtol=1e-14)

@@ -12,27 +12,31 @@ from host.checkpoint import Checkpoint
 from host.rejected import RejectedLog
 from host.storage import Crc32c, GcsStore, StorageError
 from host.store_stats import StoreStats
-from host.writer import ShardSettings, ShardWriter
+from host.writer import RATE_SHARDS, ShardSettings, ShardWriter, rates_report
+from model.statistics import sample_statistics
 
 LAYERS, HIDDEN = (0, 2), 16
 
 
 def sample(i: int, tokens: int = 64) -> dict:
     rng = np.random.default_rng(i)
+    activations = {layer: rng.standard_normal((tokens, HIDDEN)).astype(np.float32) for layer in LAYERS}
     return {"sample_id": 1000 + i, "source": f"s{i}", "text_preview": f"text {i}", "num_tokens": tokens,
-            "truncated": False, "original_num_tokens": tokens,
-            "activations": {layer: rng.standard_normal((tokens, HIDDEN)).astype(np.float32) for layer in LAYERS}}
+            "truncated": False, "original_num_tokens": tokens, "activations": activations,
+            "statistics": sample_statistics(activations)}
 
 
 SAMPLE_BYTES = 64 * HIDDEN * 4 * len(LAYERS)  # 8 KiB
 
 
-def writer_for(tmp_path, shards_of: int, budget_shards: float, store=None, threads=2, compress=True):
+def writer_for(tmp_path, shards_of: int, budget_shards: float, store=None, threads=2, compress=True,
+               write_threads=2, statistics=True):
     out = tmp_path / "machine_000"
     (out / "index").mkdir(parents=True, exist_ok=True)
     settings = ShardSettings(0, str(out), shards_of * SAMPLE_BYTES, compress, LAYERS, HIDDEN, "float32", False, 1,
                              {"run": "test"}, memory_budget_bytes=int(budget_shards * shards_of * SAMPLE_BYTES),
-                             compression_threads=threads, upload_threads=3)
+                             compression_threads=threads, upload_threads=3, write_threads=write_threads,
+                             statistics=statistics)
     stored = []
     writer = ShardWriter(settings, Checkpoint(), store, RejectedLog(str(out), store),
                          on_stored=lambda shard: stored.append(shard["shard_id"]), stats=StoreStats())
@@ -122,18 +126,57 @@ def test_the_runner_process_asks_glibc_for_one_malloc_arena():
     assert one_malloc_arena()  # glibc's mallopt accepted it (this machine runs glibc, as TPU VMs do)
 
 
-def test_raw_shards_compute_statistics_on_every_store_thread_and_store_the_same(tmp_path):
-    """Raw shards' statistics ran on one thread, which held a GPU's raw output to ~0.6 GB/s; they
-    now take --compression_threads threads, merged in sample order: the same bytes."""
-    files = []
+@pytest.mark.parametrize("compress", [True, False])
+def test_shards_written_side_by_side_store_the_bytes_of_one_write_thread_and_commit_in_order(tmp_path, compress):
+    """One write thread held a GPU's raw output to 1.7 GB/s; shards are now written several at
+    once, each file by one thread: the same files, committed in stream order."""
+    files, orders = [], []
     for threads in (1, 3):
-        writer, out, _ = writer_for(tmp_path / str(threads), shards_of=3, budget_shards=10, threads=threads,
-                                    compress=False)
-        for i in range(7):
+        shutil.rmtree(tmp_path / "machine_000", ignore_errors=True)  # the same path: the indexes name it
+        writer, out, stored = writer_for(tmp_path, shards_of=2, budget_shards=10, compress=compress,
+                                         write_threads=threads)
+        for i in range(11):
             writer.add(sample(i))
         writer.finalize()
         writer.close()
-        assert writer.stats.snapshot()["statistics_threads"] == threads
-        assert writer.stats.snapshot()["compression_threads"] == 0
-        files.append({p.name: p.read_bytes() for p in sorted((out / "index").glob("*_stats.parquet"))})
-    assert files[0] == files[1] and len(files[0]) == 3
+        assert writer.stats.snapshot()["write_threads"] == threads
+        orders.append(stored)
+        files.append({p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("shard_*"))})
+    assert orders == [[1, 2, 3, 4, 5, 6]] * 2
+    assert files[0] == files[1] and len(files[0]) == 6 * 5  # a shard and its four index files, each
+
+
+def test_statistics_off_stores_no_statistics_and_a_sample_without_them_is_refused(tmp_path):
+    writer, out, _ = writer_for(tmp_path / "off", shards_of=2, budget_shards=10, statistics=False)
+    for i in range(3):
+        writer.add({k: v for k, v in sample(i).items() if k != "statistics"})
+    writer.finalize()
+    writer.close()
+    assert sorted(p.name for p in (out / "index").iterdir()) == [
+        f"shard_{k:04d}{suffix}.parquet" for k in (1, 2) for suffix in ("", "_arrays", "_tokens")]
+    writer, out, _ = writer_for(tmp_path / "on", shards_of=2, budget_shards=10)
+    with pytest.raises(ValueError, match="sample 1000 comes without statistics"):
+        writer.add({k: v for k, v in sample(0).items() if k != "statistics"})
+    writer.close()
+
+
+def test_the_rates_are_told_three_shards_after_the_first(tmp_path, capsys):
+    writer, out, _ = writer_for(tmp_path, shards_of=2, budget_shards=10)
+    for i in range(2 * (RATE_SHARDS + 1) - 1):
+        writer.add(sample(i))
+    assert "the forward produces" not in capsys.readouterr().out
+    writer.add(sample(99))  # hands over shard RATE_SHARDS + 1
+    writer.close()
+    told = capsys.readouterr().out.splitlines()
+    assert len(told) == 1 and told[0].startswith("machine 0: the forward produces ") and "gzip shards in" in told[0]
+
+
+def test_a_forward_waiting_for_the_store_is_told_what_to_store_less_of(tmp_path):
+    settings = writer_for(tmp_path, shards_of=2, budget_shards=10)[0].settings
+    line, warning = rates_report(settings, elapsed=10.0, waited=5.0, handed=10 * 10**9)
+    assert line == (f"machine 0: the forward produces 2.000 GB/s of activations; the store path took 1.000 GB/s (gzip "
+                    f"shards in {settings.machine_dir}); the forward waited 50% of the time")
+    assert warning == ("the store path is the limit: it takes 1.000 GB/s of the 2.000 GB/s the forward produces, "
+                       "which waited 50% of the time; store fewer bytes a token: --activation_dtype bfloat16, fewer "
+                       "layers or sites, a --tokens selection")
+    assert rates_report(settings, elapsed=10.0, waited=1.0, handed=10 * 10**9)[1] is None  # keeping up

@@ -8,7 +8,8 @@ through the bucketed, sharded forward and emits the results **in input order**, 
 ``max_seq_length`` follow ``long_samples`` (``transforms/long_samples.py``); a skipped one is
 emitted in its place as ``Tagged(REJECTED, its rejection)``. With a token selection (``tokens``,
 ``activations.selection``), each record's selected positions are worked out from its roles and
-only those rows (or their mean) come back from the devices.
+only those rows (or their mean) come back from the devices. With ``statistics``, each record
+also carries its arrays' statistics, measured on the devices (``model.statistics``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from activations.selection import Selection, parse_selection
+from common.roles import missing_roles, role_codes
 from model.hub import resolve_model_dir
 from model.interventions import steered_positions
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
+from model.statistics import StatisticsSpec
 from transforms.generation import Continuing, generation_tokenizer, thinking_ids
 from transforms.long_samples import fit_record, rejection
 
@@ -56,20 +59,23 @@ class ExtractConfig(ModelRunSettings, SiteSettings, GenerationSettings):
     ablation: str | None = None            # an intervention to extract under (model.interventions)
     ablation_means: str | None = None      # its means file, for mode=mean
     tokens: str | None = None              # store only these tokens (activations.selection); None: all
+    statistics: StatisticsSpec | None = None  # measured per sample on the devices (model.statistics); None: none
 
 
 def activation_record(record: dict[str, Any], activations: dict[Any, Any],
-                      positions: np.ndarray | None = None) -> dict[str, Any]:
+                      positions: np.ndarray | None = None, statistics: dict[Any, Any] | None = None) -> dict[str, Any]:
     """The output of one sample (as computed, see ``fit_record``): its identity, whether it was
     truncated, what its tokens are (``roles``, ``special``: None for a stream from before them),
     its kept ``columns``, and ``{key: array [rows, width]}`` (keys: ``model.sites.array_keys``):
     a row per token, or with a selection a row per selected token (``positions``, None for every
-    token), or one pooled row."""
+    token), or one pooled row; ``statistics``: ``{key: model.statistics.KeyStatistics}`` of those
+    rows (None where none were measured)."""
     return {"sample_id": record["sample_id"], "source": record["source"],
             "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
             "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
             "roles": record.get("roles"), "special": record.get("special"), "columns": record.get("columns"),
-            "generation": record.get("generation"), "positions": positions, "activations": activations}
+            "generation": record.get("generation"), "positions": positions, "activations": activations,
+            "statistics": statistics}
 
 
 def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples: str = "truncate",
@@ -90,17 +96,28 @@ def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples:
     kept = {i: selection.positions(r.get("roles"), r.get("special"), r["num_tokens"])
             for i, r in enumerate(fitted) if r is not None} if selection else {}
     steer = extractor.steer_tokens
-    items = ((i, r["input_ids"], kept.get(i)) + ((steered_positions(steer, r.get("roles"), r["num_tokens"],
-                                                                    r["sample_id"]),) if steer else ())
+    by_role = extractor.statistics is not None and extractor.statistics.by_role
+    items = ((i, r["input_ids"], kept.get(i),
+              steered_positions(steer, r.get("roles"), r["num_tokens"], r["sample_id"]) if steer else None)
+             + ((token_roles(r),) if by_role else ())
              for i, r in enumerate(fitted) if r is not None)
-    results = dict(extractor.extract(items))
+    results = {i: (arrays, measured) for i, arrays, measured in extractor.extract_measured(items)}
     for i, (record, fit) in enumerate(zip(records, fitted)):
         if fit is None:
             yield Tagged(REJECTED, rejection(record, limit, new_tokens))
-        elif (activations := results.pop(i)) is None:
+            continue
+        arrays, measured = results.pop(i)
+        if arrays is None:
             yield Tagged(ELSEWHERE, {"sample_id": record["sample_id"]})
         else:
-            yield activation_record(fit, activations, kept.get(i))
+            yield activation_record(fit, arrays, kept.get(i), measured)
+
+
+def token_roles(record: dict[str, Any]) -> np.ndarray:
+    """[num_tokens] int32: each token's role code, what statistics by role group by."""
+    if record.get("roles") is None:
+        raise missing_roles("--stats_by role", record["sample_id"])
+    return role_codes(record["roles"]).astype(np.int32)
 
 
 class OrderedExtraction:
@@ -124,7 +141,7 @@ class OrderedExtraction:
                                         residual_dtype=c.residual_dtype, sites=c.sites,
                                         revision=c.model_revision,
                                         pool=self.selection.pool if self.selection else None,
-                                        whole_model=bool(c.generate))
+                                        whole_model=bool(c.generate), statistics=c.statistics)
         if c.generate:
             self.continuing = continuing_for(self.extractor, c)
 
