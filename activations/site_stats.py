@@ -162,9 +162,3 @@ def table_moments(table: pa.Table) -> dict[StatsKey, Moments]:
         out[key] = Moments(row["count"], mean, variance * row["count"], row["mean_norm"],
                            None if counts is None else np.asarray(counts, np.int64))
     return out
-
-
-def merge_stats_files(paths: Sequence[str]) -> pa.Table:
-    """The statistics of every listed shard statistics file together, merged in path order."""
-    from activations.index import read_index_file
-    return stats_table(merged_moments(table_moments(read_index_file(p, STATS_SCHEMA)) for p in sorted(paths)))

@@ -279,6 +279,7 @@ def stored_rate(extractor, model_dir: str, work: str, output_dir: str, rows: int
     import dataclasses
     from host.config import HostConfig
     from host.run import run_process, statistics_spec
+    from model.extract import measured_statistics
     from transforms.extraction import ExtractConfig, OrderedExtraction
     stream = os.path.join(work, f"stream_{length}_{samples}.jsonl")
     if not os.path.exists(stream):
@@ -294,8 +295,7 @@ def stored_rate(extractor, model_dir: str, work: str, output_dir: str, rows: int
                                                  max_seq_length=length, dtype="bfloat16",
                                                  attention=extractor.attention, statistics=statistics))
     # The same weights; the forward that also measures the statistics, as the runner's does.
-    extraction.extractor = dataclasses.replace(extractor, statistics=statistics and dataclasses.replace(
-        statistics, experts=extractor.config.num_experts))
+    extraction.extractor = dataclasses.replace(extractor, statistics=measured_statistics(statistics, extractor.config))
     extraction.extractor.executable(rows, length)
     start = time.perf_counter()
     code = run_process(config, extraction=extraction)
@@ -319,7 +319,7 @@ def jax_part(args) -> None:
     import jax
     import jax.numpy as jnp
     from model.attention import attention_for
-    from model.config import config_from_dict
+    from model.families import config_from_dict
     from model.sharding import make_mesh
     out, work = args.out, tempfile.mkdtemp(prefix="accelerator.")
     device = jax.devices()[0]

@@ -4,7 +4,7 @@ forward of the unablated model (``baseline``: its arrays keep everything), in on
 
 A random Qwen2 shape in float32 (8 blocks of 512, MLP 1536, 8 query heads over 2 kv heads), one
 batch of 4 x 256 random tokens on one CPU device; each figure the best of ``--rounds`` forwards
-after one that compiles. The steerings add a random direction (``probing.directions``' file) at
+after one that compiles. The steerings add a random direction (``activations.directions``' file) at
 block 3: at its output, at all five steering sites, and at the output on chosen tokens (half of
 each row's tokens, by role).
 
@@ -32,12 +32,13 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     from fixtures.tiny_models import write_checkpoint
-    from model.interventions import (STEER_SITES, STEER_TOKENS, Intervention, ablation_arrays, parse_interventions,
-                                     steered_token_mask)
+    from interventions.resolve import ablation_arrays, steered_mask
+    from interventions.spec import Intervention, parse_interventions
+    from model.interventions import STEER_SITES, STEER_TOKENS
     from model.loading import load_model
     from model.scoring import InterventionModel
     from model.sites import array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
 
     folder = tempfile.mkdtemp(prefix="intervention_forward_")
     path = write_checkpoint(os.path.join(folder, "model"), "qwen2", seed=0, hidden_size=512, num_hidden_layers=8,
@@ -63,7 +64,7 @@ def main() -> None:
                                                                      c.num_attention_heads)[0]
         arrays = ablation_arrays(iv, c, model.num_layers)
         if iv.steer_tokens:
-            arrays[STEER_TOKENS] = steered_token_mask(iv.steer_tokens, roles, *ids.shape)
+            arrays[STEER_TOKENS] = steered_mask(iv.steer_tokens, roles, *ids.shape)
         model.residuals(ids, lengths, arrays).block_until_ready()  # compiles
         best = float("inf")
         for _ in range(args.rounds):

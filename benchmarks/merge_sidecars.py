@@ -30,7 +30,7 @@ from common.stream_format import json_line
 from fleet.config import FleetConfig
 from fleet.machines import read_fleet
 from fleet.merge import merge, verdict
-from host.states import COMPLETED
+from common.states import COMPLETED
 from transforms.streams import manifest, write_stream
 
 ROWS_PER_FILE = 100_000  # source rows per file, for FineWeb-like ids (file << 40 | row << 8)

@@ -19,7 +19,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from model.config import config_from_dict
+from model.families import config_from_dict
 from model.params import expected_shape, param_dtype, param_names
 from model.sharding import default_model_axis, expert_slots, param_spec
 

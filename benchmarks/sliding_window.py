@@ -26,7 +26,7 @@ import numpy as np
 
 from fixtures.tiny_models import SHAPES, write_checkpoint
 from model.attention import ATTENTION_BLOCK, causal_attention, causal_mask
-from model.config import load_config
+from model.families import load_config
 from model.extract import Extractor
 from model.loading import load_model
 

@@ -132,6 +132,22 @@ def delete_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def delete_file(path: str) -> None:
+    """Deletes the file ``path`` (local or ``gs://``); none there is not an error."""
+    if path.startswith("gs://"):
+        from google.api_core import exceptions as gexc
+        bucket, key = _split_gs(path)
+        try:
+            gcs_client().bucket(bucket).blob(key).delete()
+        except gexc.NotFound:
+            pass
+        return
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def match(pattern: str) -> list[str]:
     """Sorted files matching a glob (``*``, ``?``, ``[...]``, ``**``), local or ``gs://``."""
     if pattern.startswith("gs://"):

@@ -120,27 +120,6 @@ def error_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def backend_class(name: str) -> type[Backend]:
-    """The class of ``--backend name`` (imported only when asked for: each has its own client)."""
-    if name == "local":
-        from fleet.local import LocalBackend
-        return LocalBackend
-    if name == "tpu-vm":
-        from fleet.tpu_vm import TpuVmBackend
-        return TpuVmBackend
-    if name == "gke":
-        from fleet.gke import GkeBackend
-        return GkeBackend
-    if name == "dataflow":
-        from fleet.dataflow import DataflowBackend
-        return DataflowBackend
-    raise UserError(f"unknown backend {name!r} (choose from local, tpu-vm, gke, dataflow)")
-
-
-def make_backend(config: FleetConfig) -> Backend:
-    return backend_class(config.backend)(config)
-
-
 def _cloud_error_types() -> tuple[type, ...]:
     """What the cloud clients raise for a refused, failed or unreachable call."""
     import concurrent.futures

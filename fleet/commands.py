@@ -12,7 +12,8 @@ import time
 from common.cli import UserError
 from common.extras import require
 from common.files import join, read_optional, write_bytes
-from fleet.backend import Backend, backend_class, error_line, make_backend
+from fleet.backend import Backend, error_line
+from fleet.backends import SubmitJob, backend_class, make_backend
 from fleet.config import FleetConfig, resolve
 from fleet import usage
 from fleet.machines import (ALL_COMPLETED, ANY_LIMIT, LAUNCH_RECORD, NEEDS_ATTENTION, UNDER_LIMIT, Limit, exit_code,
@@ -22,7 +23,7 @@ from fleet.report import FleetReport, fleet_report, plain_table, rich_table, sta
 from fleet.runner import check_runner_flags
 from fleet.supervise import Supervisor
 from fleet.usage import Ledger
-from host.states import COMPLETED
+from common.states import COMPLETED
 from host.status import utc_now
 
 log = logging.getLogger("runners.fleet")
@@ -42,10 +43,12 @@ def check_output(config: FleetConfig) -> None:
         raise UserError(f"GCS bucket {bucket!r} of --output does not exist (or these credentials cannot see it)")
 
 
-def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | None) -> int:
+def launch(config: FleetConfig, dry_run: bool, apply: bool, manifest_out: str | None,
+           submit_job: SubmitJob | None = None) -> int:
+    """``submit_job``: how a one-job engine submits its job (``fleet.backends.make_backend``)."""
     config, _ = resolve(config)
     limit = check_runner_flags(config).max_samples
-    backend = make_backend(config)
+    backend = make_backend(config, submit_job)
     if dry_run:  # asks no cloud API: machines that exist already are skipped by the real launch
         print(backend.plan(_to_launch(config, backend, limit, look=False)))
         return 0

@@ -30,10 +30,12 @@ from common.files import join, read_optional, write_bytes
 from fleet.backend import ABSENT, ALIVE, GONE, PENDING, Backend, Health, Incarnation, error_line
 from fleet.machines import FINAL, parse_time, read_machine
 from host.status import utc_now
-from pipeline.extract import TPU_WORKER_EXPERIMENT
 
 log = logging.getLogger("runners.fleet")
 JOB_FILE = "dataflow_job.json"
+# One process, one thread may open a TPU VM's chips (a second gets "/dev/vfio/0: Device or
+# resource busy"): Dataflow must run one SDK process per VM, one work item at a time.
+TPU_WORKER_EXPERIMENT = "no_use_multiple_sdk_containers"
 # (--tpu_type, --topology) -> (worker_accelerator type, --worker_machine_type): the single-host TPU
 # workers Dataflow offers (Dataflow's "Run a pipeline with TPUs"; GKE names these slices' machine
 # types alike, docs/fleet.md's GKE section).
@@ -124,8 +126,11 @@ class DataflowBackend(Backend):
     one_job = True
     delete_words = ("cancel", "cancelled")  # the job they are in (a batch job cannot be drained)
 
-    def __init__(self, config):
+    def __init__(self, config, submit_job: Callable[[Sequence[str]], Any] | None = None):
+        """``submit_job``: the job's command line -> its result once submitted (``pipeline.extract``'s,
+        handed in by ``runners.fleet``: ``fleet.backends.SubmitJob``); only ``create`` needs it."""
         super().__init__(config)
+        self.submit_job = submit_job
         check_settings(config)
         self.topology, self.accelerator, self.machine_type = worker_type(config.tpu_type, config.topology)
         self._clients: dict[str, Any] = {}
@@ -187,10 +192,12 @@ class DataflowBackend(Backend):
 
     def create(self, machines: Sequence[int]) -> list[int]:
         from apache_beam.runners.dataflow.internal.apiclient import DataflowJobAlreadyExistsError
-        from pipeline.extract import run
+        if self.submit_job is None:
+            raise RuntimeError("the dataflow backend was made without the job's submitter (runners.fleet hands in "
+                               "pipeline.extract's)")
         name = job_name(self.config.name, time.time())
         try:
-            result = run(self.job_argv(machines, name), wait=False)
+            result = self.submit_job(self.job_argv(machines, name))
         except DataflowJobAlreadyExistsError as e:
             raise UserError(f"dataflow: {error_line(e)}") from None
         job = {"job_id": result.job_id(), "job_name": name, "project": self.config.project,

@@ -32,7 +32,7 @@ from common.files import join, read_optional
 from fleet.config import FleetConfig
 from host.checkpoint import covers
 from host.config import process_folder
-from host.states import COMPLETED, FAILED, IN_PROGRESS, STOPPED
+from common.states import COMPLETED, FAILED, IN_PROGRESS, STOPPED
 
 log = logging.getLogger("runners.fleet")
 MISSING, STALLED, UNDER_LIMIT = "missing", "stalled", "under_limit"

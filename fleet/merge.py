@@ -35,7 +35,7 @@ from common.stream_reader import Stream, StreamNotFound, machine_stream
 from fleet.config import FleetConfig, manifest_samples
 from fleet.machines import MachineFiles, read_fleet
 from host.rejected import REJECTED_FILE
-from host.states import COMPLETED
+from common.states import COMPLETED
 
 log = logging.getLogger("runners.fleet")
 SAMPLE_ID = re.compile(rb'"sample_id"\s*:\s*(-?\d+)')

@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from common.cli import UserError
-from common.run_settings import changed_settings
-from host.states import CHECKPOINT_STATES, IN_PROGRESS
+from model.run_settings import changed_settings
+from common.states import CHECKPOINT_STATES, IN_PROGRESS
 
 
 

@@ -102,7 +102,7 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
                                       "long ends the others, failed (JAX's heartbeat timeout)")
     ablate: str | None = flag(None, "extract (and, with --generate, write) under one intervention, e.g. "
                               "head:3.7, mlp:2:mode=mean or steer:12:directions.npz:alpha=4 (spec: "
-                              "model/interventions.py); recorded in metadata.json and the index's ablation column")
+                              "interventions/spec.py); recorded in metadata.json and the index's ablation column")
     ablation_means: str | None = flag(None, "means.npz written by runners.ablate (local or gs://), for an "
                                       "--ablate with mode=mean")
     tokens: str | None = flag(None, "store only the rows of these tokens, a selection (e.g. assistant,-special | "

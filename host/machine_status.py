@@ -22,7 +22,7 @@ import os
 from typing import Any, Sequence
 
 from host.checkpoint import write_atomically
-from host.states import COMPILING, COMPLETED, FAILED, LOADING, RUNNING, STARTING, STOPPED
+from common.states import COMPILING, COMPLETED, FAILED, LOADING, RUNNING, STARTING, STOPPED
 from host.status import STATUS_FILE, utc_now
 from host.storage import GcsStore
 

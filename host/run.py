@@ -55,18 +55,21 @@ from host.machine_status import MachineStatus, mark_failed
 from host.profiling import BatchProfiler
 from host.progress import Progress
 from host.rejected import RejectedLog
-from host.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
+from common.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
 from host.status import STATUS_FILE, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.store_stats import StoreStats
 from host.stream import check_lengths, count_records, kept_column_types, runner_stream, stream_records
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, METADATA_FILE, ShardSettings, ShardWriter
+from interventions.resolve import intervention_for, steered_positions, steering_digests, steers_written_tokens
+from interventions.spec import parse_interventions
 from model.attention import attention_for
-from model.config import DecoderConfig, load_config
-from model.extract import (ForwardObserver, check_model_fits, intervention_for, resolve_dtype, resolve_residual_dtype,
+from model.config import DecoderConfig
+from model.families import load_config
+from model.extract import (ForwardObserver, check_model_fits, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
-from model.interventions import parse_interventions, steered_positions, steering_digests, steers_written_tokens
+from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
 from model.sharding import make_mesh
 from model.statistics import StatisticsSpec
 from model.sites import blocks_needed, cost_line, parse_sites
@@ -448,19 +451,15 @@ def check_record_fits(config: HostConfig, record: dict[str, Any], columns: dict[
 
 
 def extract_config(config: HostConfig) -> ExtractConfig:
-    """The extraction these runner flags ask for (what the model computes, not where it goes)."""
+    """The extraction these runner flags ask for (what the model computes, not where it goes): the
+    settings both configs share as they are, and the runner's own flags named as the extraction names them."""
+    shared = {f.name: getattr(config, f.name) for settings in (ModelRunSettings, SiteSettings, GenerationSettings)
+              for f in dataclasses.fields(settings)}
     return ExtractConfig(
-        model_path=config.model_path, model_revision=config.model_revision, dtype=config.dtype,
-        residual_dtype=config.residual_dtype,
-        mesh_type=config.mesh_type, model_axis_size=config.model_axis_size, batch_size=config.batch_size,
-        attention=config.attention,
-        moe_dispatch=config.moe_dispatch,
-        layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
+        **shared, layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
-        sites=config.sites, tokens=config.tokens, generate=config.generate, temperature=config.temperature,
-        top_p=config.top_p, top_k=config.top_k, seed=config.seed, stop=config.stop, tokenizer=config.tokenizer,
-        statistics=statistics_spec(config))
+        tokens=config.tokens, statistics=statistics_spec(config))
 
 
 def statistics_spec(config: HostConfig) -> StatisticsSpec | None:
@@ -551,7 +550,7 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
             "steering": steering_digests(intervention),
             # Checkpoints from before these read None: every token stored, no groups.
             "tokens": config.tokens, "stats_by": list(config.stats_by) or None,
-            "statistics": config.statistics,  # from before it: device (common.run_settings.BEFORE)
+            "statistics": config.statistics,  # from before it: device (model.run_settings.BEFORE)
             # Checkpoints from before --generate read None: nothing generated.
             "generate": generation_settings(config)}
 
@@ -561,8 +560,7 @@ def generation_settings(config: HostConfig) -> dict[str, Any] | None:
     ``metadata.json``: a resume must continue every prompt the same way."""
     if config.generate is None:
         return None
-    return {"max_new_tokens": config.generate, "temperature": config.temperature, "top_p": config.top_p,
-            "top_k": config.top_k, "seed": config.seed, "stop": list(config.stop)}
+    return {"max_new_tokens": config.generate, **dataclasses.asdict(config.sampling()), "stop": list(config.stop)}
 
 
 def _digest(path: str) -> str:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from common.cli import UserError
 from host.checkpoint import write_atomically
-from host.states import COMPILING, FAILED, RUNNING, STARTING, STOPPED
+from common.states import COMPILING, FAILED, RUNNING, STARTING, STOPPED
 
 if TYPE_CHECKING:  # annotations only: this module needs neither JAX nor a GCS client to import
     from host.compilation_cache import CompileStats

@@ -16,11 +16,8 @@ This module imports no JAX: flag parsers read its constants.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
-from common.cli import UserError
 
 # The attention kernels of a forward without a cache (``model.attention.attention_for``).
 ATTENTION_KINDS = ("auto", "tiled", "fused", "cudnn")
@@ -321,24 +318,3 @@ class DecoderConfig:
         if layer in self.nope_layers:
             return None
         return self.sliding_rope if self.window(layer) is not None and self.sliding_rope else self.rope
-
-
-def config_from_dict(raw: dict) -> DecoderConfig:
-    """A ``DecoderConfig`` from a parsed ``config.json``; ``UserError`` names what is not supported."""
-    from model.families import read_family_config
-    return read_family_config(raw)
-
-
-def load_config(model_dir: str | os.PathLike) -> DecoderConfig:
-    """The config of a local checkpoint directory."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise UserError(f"no config.json in {os.fspath(model_dir)!r}")
-    with open(path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path} is not a JSON object")
-    return config_from_dict(raw)

@@ -24,7 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from typing import Any, ContextManager, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +35,11 @@ from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
 from model.hub import resolve_model_dir
 from model.attention import attention_for, causal_mask
-from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig, load_config
+from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig
+from model.families import load_config
 from model.loading import LoadedModel, load_model
 from model.decoder import Decoder, chunk_tokens_for, steered
-from model.interventions import STEER_TOKENS, steer_key
+from model.interventions import STEER_TOKENS, steer_key, steered_token_mask
 from model.sharding import batch_sharding
 from model.statistics import STAT_FIELDS, KeyStatistics, StatisticsSpec, row_statistics, split_statistics
 from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
@@ -47,6 +48,15 @@ from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
 ACTIVATION_DTYPES = {name: getattr(jnp, name) for name in STORED_DTYPES}
+def measured_statistics(spec: StatisticsSpec | None, config: DecoderConfig) -> StatisticsSpec | None:
+    """``spec`` as a forward of this model measures it: with its expert count (None: none)."""
+    return spec and dataclasses.replace(spec, experts=config.num_experts)
+
+
+# The intervention ``Extractor.load`` extracts under: (the model's config, the blocks its forward
+# acts on) -> (its arrays over them, ``model.interventions``; the token selection its steerings
+# share, None for every token). The spec is read above the model: ``interventions.resolve.ablation_source``.
+AblationSource = Callable[[DecoderConfig, int], tuple[dict[str, np.ndarray] | None, str | None]]
 
 
 def validate_layers(layers: Sequence[int], config: DecoderConfig) -> tuple[int, ...]:
@@ -69,38 +79,6 @@ def check_model_fits(config: DecoderConfig, sites: Sequence[str], max_seq_length
         raise UserError(f"--max_seq_length {max_seq_length}: {config.model_type} has learned positions for "
                         f"{config.max_position_embeddings} tokens (n_positions); pass "
                         f"--max_seq_length {config.max_position_embeddings} or less")
-
-
-def intervention_for(spec: str | None, means_path: str | None, config: DecoderConfig, num_layers: int):
-    """The intervention ``spec`` (``--ablate``) on a model computing ``num_layers`` blocks (None
-    for none); ``UserError`` for a bad spec, one acting past the last block computed, means
-    missing or means without a spec."""
-    if spec is None:
-        if means_path:
-            raise UserError("--ablation_means is for --ablate (an intervention with mode=mean)")
-        return None
-    from model.interventions import parse_one
-    intervention = parse_one(spec, config)
-    late = [a for a in intervention.atoms if a.layer >= num_layers]
-    if late:
-        raise UserError(f"--ablate {spec!r} acts on block {late[0].layer}, after the last layer extracted "
-                        f"({num_layers - 1}): it would change nothing stored")
-    if intervention.needs_means and not means_path:
-        raise UserError(f"--ablate {spec!r} replaces by means: pass --ablation_means (runners.ablate "
-                        "writes means.npz)")
-    return intervention
-
-
-def ablation_for(spec: str | None, means_path: str | None, config: DecoderConfig,
-                 num_layers: int) -> tuple[Any, dict[str, np.ndarray] | None]:
-    """The intervention ``spec`` (``intervention_for``) and its arrays over the blocks computed
-    (None, None for none)."""
-    intervention = intervention_for(spec, means_path, config, num_layers)
-    if intervention is None:
-        return None, None
-    from model.interventions import Means, ablation_arrays
-    means = Means.load(means_path) if intervention.needs_means else None
-    return intervention, ablation_arrays(intervention, config, num_layers, means)
 
 
 def resolve_dtype(name: str) -> Any:
@@ -359,14 +337,14 @@ class Extractor:
              dtype: str = "auto", batch_size_per_device: int = 1, max_seq_length: int = 2048,
              model_axis_size: int | None = None, min_bucket: int = 32,
              devices: list | None = None, activation_dtype: str | None = None,
-             attention: str = "auto", batches_in_flight: int = 2, ablation: str | None = None,
-             ablation_means: str | None = None, residual_dtype: str = "float32",
+             attention: str = "auto", batches_in_flight: int = 2, ablation: AblationSource | None = None,
+             residual_dtype: str = "float32",
              sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None,
              moe_dispatch: str = "auto", pool: str | None = None, whole_model: bool = False,
              statistics: StatisticsSpec | None = None) -> "Extractor":
         """Loads only the blocks the requested sites and layers need (``whole_model``: every block
         and the head, for ``model.generate`` on the same weights), straight onto the mesh.
-        ``ablation``: an intervention spec to extract under (``ablation_means``: its means file).
+        ``ablation``: the intervention to extract under (``AblationSource``).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
         from ``model.sites`` (each stored at every layer). ``revision``: of a hub id. ``pool``:
         ``mean`` pools each selection (``extract``'s positions) into one row. ``statistics``: what
@@ -383,8 +361,8 @@ class Extractor:
         # Generating (whole_model), an intervention acts on every block; the extraction's forward
         # takes the blocks it computes.
         computed = blocks_needed(sites, layers)
-        intervention, arrays = ablation_for(ablation, ablation_means, config,
-                                            config.num_hidden_layers if whole_model else computed)
+        arrays, steer_tokens = ablation(config, config.num_hidden_layers if whole_model else computed) if ablation \
+            else (None, None)
         arrays = arrays and {name: array[:computed] for name, array in arrays.items()}
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
                             num_layers=None if whole_model else blocks_needed(sites, layers), with_head=whole_model,
@@ -393,7 +371,7 @@ class Extractor:
                                     activation_dtype, attention, batches_in_flight, residual_dtype, sites,
                                     moe_dispatch, pool, statistics)
         extractor.ablation = arrays
-        extractor.steer_tokens = intervention and intervention.steer_tokens
+        extractor.steer_tokens = steer_tokens
         return extractor
 
     @classmethod
@@ -416,7 +394,7 @@ class Extractor:
                    residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites),
                    moe_dispatch=moe_dispatch, pool=pool,
                    # A mixture's expert ids are counted per expert of this model.
-                   statistics=statistics and dataclasses.replace(statistics, experts=loaded.config.num_experts))
+                   statistics=measured_statistics(statistics, loaded.config))
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -524,10 +502,7 @@ class Extractor:
         if self.steer_tokens:
             if steered is None:
                 raise ValueError(f"the intervention steers tokens={self.steer_tokens}: each sequence's are needed")
-            mask = np.zeros((rows, length), bool)  # [B, S]
-            for row, positions_steered in enumerate(steered):
-                mask[row, positions_steered] = True
-            ablation = {**ablation, STEER_TOKENS: placed(mask, sharding)}
+            ablation = {**ablation, STEER_TOKENS: placed(steered_token_mask(steered, rows, length), sharding)}
         forward = self.executable(rows, length, None if selected is None else positions.shape[1])
         with self.observer.batch(rows, length):
             out = forward(self.params, placed(ids, sharding), placed(lengths, sharding), ablation,

@@ -36,7 +36,7 @@ from model.buckets import bucket_for, bucket_lengths
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import placed
-from model.interventions import STEER_TOKENS, steered_token_mask, steers_written_tokens
+from model.interventions import STEER_TOKENS, steered_token_mask
 from model.sampling import GREEDY, Sampling
 from model.sharding import batch_sharding
 
@@ -98,17 +98,16 @@ class Generator:
 
     def __init__(self, config: DecoderConfig, params: dict, dtype: Any, cache_length: int = 1024,
                  residual_dtype: Any = None, mesh: Mesh | None = None, ablation: dict | None = None,
-                 steer_tokens: str | None = None, thinking: bool = False):
+                 steers_written: bool | None = None):
         """``residual_dtype``: the residual stream's (``model.extract.resolve_residual_dtype``;
         None: the compute dtype). The cache holds keys and values in the compute dtype; with
         learned positions it may not outgrow their table. ``mesh``: the one ``params`` live on
         (``model.loading.load_model``'s): a batch's rows, and their caches, are split over its
         ``data`` axis (None: one device). ``ablation``: an intervention's arrays over every block
-        (``model.interventions.ablation_arrays``), applied to the prompt and to every step;
-        ``steer_tokens``: the token selection its steerings share (``Intervention.steer_tokens``;
-        None: every token), read on each prompt's roles, and for each written token whether it
-        keeps role ``generated`` (``steers_written_tokens``; ``thinking``: the tokenizer marks
-        thinking sections)."""
+        (``model.interventions``), applied to the prompt and to every step; ``steers_written``:
+        None where its steerings add to every token, else they add to chosen ones: each prompt's
+        (``continuations``' ``steered``) and, if True, each token written
+        (``interventions.resolve.steers_written_tokens``)."""
         if config.positions == "learned" and cache_length > config.max_position_embeddings:
             raise UserError(f"a cache of {cache_length} positions: {config.model_type} has learned positions for "
                             f"{config.max_position_embeddings} tokens (pass --max_seq_length "
@@ -121,8 +120,7 @@ class Generator:
         self.model = Decoder(config, dtype, residual_dtype=residual_dtype)
         self.buckets = bucket_lengths(cache_length)
         self.ablation = None if ablation is None else {name: jnp.asarray(a) for name, a in ablation.items()}
-        self.steer_tokens = steer_tokens
-        self.steers_written = steers_written_tokens(steer_tokens, thinking)
+        self.steers_written = steers_written
 
     def cache_bytes(self, rows: int) -> int:
         """Bytes of the cache of ``rows`` rows: ``_empty_cache``'s arrays, by their shapes alone
@@ -210,7 +208,7 @@ class Generator:
     def _step(self, params, tokens, positions, caches):
         """Each row's new token [B] at its own position [B] -> (logits [B, V], caches)."""
         mask = (jnp.arange(self.cache_length)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, T]
-        written = None if self.steers_written else jnp.zeros((tokens.shape[0], 1), bool)  # [B, 1]
+        written = jnp.zeros((tokens.shape[0], 1), bool) if self.steers_written is False else None  # [B, 1]
         outputs, caches = self.model.apply({"params": params}, tokens[:, None], positions[:, None], mask,
                                            self.config.num_hidden_layers, caches, positions,
                                            ablation=self._ablation(written))
@@ -255,14 +253,14 @@ class Generator:
 
     def continuations(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       stop_ids: Sequence[int] = (), sampling: Sampling = GREEDY,
-                      sample_ids: Sequence[int] | None = None, roles: Sequence[Any] | None = None
+                      sample_ids: Sequence[int] | None = None, steered: Sequence[np.ndarray] | None = None
                       ) -> list[Continuation]:
         """Each prompt's continuation, up to ``max_new_tokens`` (a stop token included where one
         ends it), computed together. ``sample_ids``: each prompt's, which with the seed make its
-        random draws (default: the prompts' order). ``roles``: each prompt's role runs, which a
-        steering of chosen tokens reads (``steer_tokens``). The draws do not depend on the batch; the
-        logits they are drawn from may, by rounding, where the batch's shape changes the kernels
-        (float32 on this CPU: not at all, ``tests/test_generation.py``)."""
+        random draws (default: the prompts' order). ``steered``: where the steerings add to chosen
+        tokens (``steers_written`` set), each prompt's positions they add to. The draws do not
+        depend on the batch; the logits they are drawn from may, by rounding, where the batch's
+        shape changes the kernels (float32 on this CPU: not at all, ``tests/test_generation.py``)."""
         if sampling.problem():
             raise ValueError(sampling.problem())
         if not prompts:
@@ -284,15 +282,16 @@ class Generator:
         words[:len(prompts), 2:] = id_words(sample_ids if sample_ids is not None else range(len(prompts)))
         stops = np.full((1 << max(0, len(set(stop_ids)) - 1).bit_length(),), -1, np.int32)  # -1: no token
         stops[:len(set(stop_ids))] = sorted(set(stop_ids))
-        steered = None
-        if self.steer_tokens:  # [B, P]
-            steered = steered_token_mask(self.steer_tokens, [None] * len(prompts) if roles is None else roles,
-                                         *ids.shape, sample_ids)
+        mask = None
+        if self.steers_written is not None:  # the steerings' chosen tokens: [B, P]
+            if steered is None:
+                raise ValueError("the intervention steers chosen tokens: each prompt's steered positions are needed")
+            mask = steered_token_mask(steered, *ids.shape)
         if self.mesh is not None:  # each device receives its rows
             ids, lengths, words = (placed(x, batch_sharding(self.mesh)) for x in (ids, lengths, words))
-            steered = steered if steered is None else placed(steered, batch_sharding(self.mesh))
+            mask = mask if mask is None else placed(mask, batch_sharding(self.mesh))
         tokens, counts = jax.device_get(self._generate(self.params, ids, lengths, words, max_new_tokens,
-                                                       dataclasses.replace(sampling, seed=0), stops, steered))
+                                                       dataclasses.replace(sampling, seed=0), stops, mask))
         stop_set = set(stop_ids)
         out = []
         for row in range(len(prompts)):

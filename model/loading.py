@@ -9,7 +9,8 @@ from jax.sharding import Mesh
 
 from model.checkpoint import Checkpoint
 from model.hub import resolve_model_dir
-from model.config import DecoderConfig, load_config
+from model.config import DecoderConfig
+from model.families import load_config
 from model.params import load_params
 from model.sharding import make_mesh
 

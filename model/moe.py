@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model.config import MOE_DISPATCHES, DecoderConfig
+from model.layers import ACTIVATIONS, MLP, accumulation, dense, precision_for, rms_normalized
 from model.sites import EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SHARED_EXPERT_GATE, SHARED_EXPERT_OUT
 
 DENSE_MAX_RATIO = 2   # auto: dense where E / k is at most this (benchmarks/extraction_throughput.py)
@@ -318,7 +319,6 @@ class MoEMLP(nn.Module):
         the expert every token goes to, or -1; ``router_input`` [B, S, H]: what the router reads
         where it is not x (Gemma 4's: the stream). Returns the output [B, S, H] (and with
         ``with_sites`` a dict of its sites' arrays [B, S, width] by ``model.sites`` name)."""
-        from model.decoder import ACTIVATIONS, accumulation, dense, precision_for
         c, moe = self.config, self.config.moe
         accumulate = accumulation(self.dtype, self.residual_dtype)
         precision = precision_for(self.dtype)
@@ -349,7 +349,6 @@ class MoEMLP(nn.Module):
                              gated_unit(c, ACTIVATIONS[c.hidden_act]), precision, accumulate)
         sites = {ROUTER_LOGITS: logits, EXPERT_INDICES: indices, ROUTING_WEIGHTS: weights}
         if moe.shared_expert_size:
-            from model.decoder import MLP
             shared = MLP(c, self.dtype, self.residual_dtype, intermediate_size=moe.shared_expert_size,
                          name="shared_expert")(x)  # [B, S, H]
             sites[SHARED_EXPERT_OUT] = shared
@@ -366,7 +365,6 @@ class MoEMLP(nn.Module):
         each product) unless the stream is wider -> [B, S, H] in the compute dtype."""
         c = self.config
         scale = self.param("router_scale", nn.initializers.ones, (c.hidden_size,), self.dtype)
-        from model.decoder import rms_normalized
         normed = rms_normalized(x, c.norm_eps)
         step = jnp.float32 if wide else self.dtype
         scaled = normed.astype(step) * scale.astype(step)

@@ -32,7 +32,7 @@ import numpy as np
 
 from model.buckets import bucket_for, bucket_lengths
 from model.extract import Extractor, make_forward, placed
-from model.interventions import STEER_TOKENS, Intervention, Means, ablation_arrays
+from model.interventions import STEER_TOKENS, Means, kept_arrays
 from model.loading import LoadedModel
 from model.attention import attention_for, causal_mask
 from model.decoder import Decoder, chunk_tokens_for
@@ -213,7 +213,7 @@ class InterventionModel:
     @functools.cached_property
     def _plain_inputs(self) -> frozenset[str]:
         """The arrays of every intervention (those of one that steers nothing)."""
-        return frozenset(ablation_arrays(Intervention(), self.config, self.num_layers))
+        return frozenset(kept_arrays(self.config, self.num_layers))
 
     def _call(self, name: str, shape: tuple[int, ...], *args, variant: str = ""):
         """Runs compiled function ``name`` for a batch shape, compiling it on first use;

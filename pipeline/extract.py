@@ -1,5 +1,5 @@
 """Streams -> activations as one Beam job: every machine of the prepare manifest extracted by the
-runner's own code, then merged (``transforms/machines.py``); for Dataflow TPU workers.
+runner's own code, then merged (``pipeline/machines.py``); for Dataflow TPU workers.
 
     python -m pipeline.extract --streams_dir gs://B/streams --output gs://B/acts \
         --model_path gs://B/models/qwen --layers_to_extract 6,12 [runners.tpu_host flags] \
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Sequence
 
 from apache_beam.options.pipeline_options import DebugOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
@@ -21,15 +22,13 @@ from common.beam_pipeline import is_dry_run, make_pipeline, pipeline_options
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from fleet.config import FleetConfig, resolve
 from fleet.config import FLEET_OWNED
+from fleet.dataflow import TPU_WORKER_EXPERIMENT
 from fleet.runner import flag_names, fleet_flags
 from host.config import HostConfig
 
 log = logging.getLogger("pipeline.extract")
 # Seconds a silent holder keeps its machine: a retry after a crashed worker waits this long.
 DEFAULT_LEASE_S = 120.0
-# One process, one thread may open a TPU VM's chips (a second gets "/dev/vfio/0: Device or
-# resource busy"): Dataflow must run one SDK process per VM, one work item at a time.
-TPU_WORKER_EXPERIMENT = "no_use_multiple_sdk_containers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +102,14 @@ def run(argv: list[str], wait: bool = True) -> PipelineResult:
     return run_parsed(*parse(argv), wait=wait)
 
 
+def submit(argv: Sequence[str]) -> PipelineResult:
+    """The job of ``argv`` (``run``), returned once submitted: the dataflow backend's job
+    (``fleet.backends.SubmitJob``)."""
+    return run(list(argv), wait=False)
+
+
 def run_parsed(job: ExtractJobConfig, host: HostConfig, beam_args: list[str], wait: bool = True) -> PipelineResult:
-    from transforms.machines import ExtractMachines
+    from pipeline.machines import ExtractMachines
     fleet, manifest = resolve(_fleet(job))
     machines = machines_to_run(job, fleet.num_machines)
     options = pipeline_options(beam_args)

@@ -10,7 +10,7 @@ import logging
 
 from apache_beam.options.pipeline_options import StandardOptions
 
-from common.beam_pipeline import is_dry_run, make_pipeline, pipeline_options
+from common.beam_pipeline import is_dry_run, make_pipeline, pipeline_options, worker_user_errors
 from common.cli import add_config_flags, config_from_namespace, make_parser, run_main
 from transforms.prepare import Prepare, PrepareConfig, resolve_plan
 from transforms.streams import MANIFEST_FILE
@@ -27,7 +27,9 @@ def main(argv: list[str]) -> int:
     plan = resolve_plan(config)
     log.info("source: %d file(s), format %s, %d machine(s)", len(plan.files), plan.format,
              config.num_machines)
-    with make_pipeline(options) as pipeline:
+    # A run that writes no sample fails in its last step with one line naming its commonest
+    # rejection reason (transforms.streams.WriteManifest), as does any other worker's UserError.
+    with worker_user_errors(""), make_pipeline(options) as pipeline:
         _ = pipeline | "Prepare" >> Prepare(plan)
     if is_dry_run(options):
         runner = options.view_as(StandardOptions).runner

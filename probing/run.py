@@ -19,7 +19,8 @@ from common.cli import UserError, flag, int_list
 from common.extras import require
 from common.files import write_bytes
 from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, hook_name, key_parts, parse_sites
-from probing.directions import label_means, write_directions
+from activations.directions import write_directions
+from probing.directions import label_means
 from probing.fit import (TASKS, fit_probe, held_out, majority_accuracy, nearest_mean_accuracy, task_of,
                          training_means)
 from probing.report import write_chart, write_results
@@ -137,7 +138,7 @@ def _write_outputs(config: ProbeConfig, rows: ProbeRows, test: np.ndarray, task:
                    directions: dict, probes: dict[str, np.ndarray]) -> None:
     """directions.npz, probes.npz and split.parquet (each group's side)."""
     two = task == "classification" and len(values) == 2
-    # The model, depth and width: what a steering checks the file against (model.interventions.steering_vector).
+    # The model, depth and width: what a steering checks the file against (interventions.resolve.steering_vector).
     metadata = {**store_model(rows.loader.metadata), "index": config.index,
                 "label": config.label,
                 "task": task, "negative": values[0] if two else None, "positive": values[1] if two else None,

@@ -12,6 +12,7 @@ Runner flags after ``--`` are passed to every ``runners.tpu_host`` (after those 
 from __future__ import annotations
 
 import sys
+from typing import Any, Sequence
 
 from common.cli import make_parser, run_main
 from fleet import commands
@@ -61,9 +62,16 @@ def main(argv: list[str]) -> int:
         return 130
 
 
+def submit_extract_job(argv: Sequence[str]) -> Any:
+    """The dataflow backend's job: ``pipeline.extract``, returned once submitted (Beam is imported
+    only when a job is submitted)."""
+    from pipeline.extract import submit
+    return submit(argv)
+
+
 def run(command: str, config, args) -> int:
     if command == "launch":
-        return commands.launch(config, args.dry_run, args.apply, args.manifest)
+        return commands.launch(config, args.dry_run, args.apply, args.manifest, submit_extract_job)
     if command == "status":
         return commands.status(config, args.watch, args.chart, args.json)
     if command == "supervise":

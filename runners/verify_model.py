@@ -13,11 +13,11 @@ import logging
 import jax.numpy as jnp
 
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
-from model.config import load_config
-from model.extract import Extractor, ablation_for, check_model_fits, resolve_dtype, validate_layers
+from interventions.resolve import ablation_for, steered_positions, steers_written_tokens
+from model.families import load_config
+from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
 from model.sites import blocks_needed, parse_sites
 from model.generate import STOP_TOKEN, Generator, stop_token_ids
-from model.interventions import steered_positions
 from model.loading import load_model
 from model.report import PromptResult, report_text
 from model.settings import ModelSettings, SiteSettings
@@ -81,14 +81,15 @@ def main(argv: list[str]) -> int:
         extractor.steer_tokens = steer
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype, mesh=loaded.mesh, ablation=ablation,
-                          steer_tokens=steer, thinking=thinking_ids(tokenizer) is not None)
+                          steers_written=steers_written_tokens(steer, thinking_ids(tokenizer) is not None)
+                          if steer else None)
+    steered = [steered_positions(steer, s.roles, len(s.input_ids)) for s in prompts] if steer else None
     activations = dict(extractor.extract(
-        (s.sample_id, s.input_ids, None) + ((steered_positions(steer, s.roles, len(s.input_ids)),) if steer else ())
-        for s in prompts))
+        (s.sample_id, s.input_ids, None) + ((steered[i],) if steer else ()) for i, s in enumerate(prompts)))
     stop_ids = stop_token_ids(model_dir, tokenizer)
     continuations = generator.continuations([s.input_ids for s in prompts], config.max_new_tokens, stop_ids,
                                             sample_ids=[s.sample_id for s in prompts],
-                                            roles=[s.roles for s in prompts])  # one batch, on the device
+                                            steered=steered)  # one batch, on the device
     results = []
     for sample, continuation in zip(prompts, continuations):
         generated = continuation.tokens

@@ -19,7 +19,7 @@ import numpy as np
 
 from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, our_config,
                                    reference_activations, reference_sites, relative_error, site_places)
-from model.config import load_config
+from model.families import load_config
 from model.extract import Extractor
 from model.generate import Generator
 from model.loading import LoadedModel, load_model

@@ -168,9 +168,9 @@ def test_bad_specs_fail_before_the_model_loads(answered_stream, tmp_path, spec, 
 def test_a_grid_steering_chosen_tokens_scores_them_alone(answered_stream, model_with_norms, tmp_path):
     """Steering the tokens of roles every prompt token has is steering every token; of a role no
     prompt token has (generated), the unsteered model; of the user's tokens, neither."""
-    from model.config import load_config
+    from model.families import load_config
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     config = load_config(model_with_norms)
     path = str(tmp_path / "directions.npz")
     write_directions(path, {("diff_in_means", array_key(RESID_POST, 1)):
@@ -191,7 +191,7 @@ def test_a_grid_steering_chosen_tokens_scores_them_alone(answered_stream, model_
 def test_a_re_run_steering_with_a_changed_file_is_refused(tmp_path):
     from ablation.experiment import STEERING_FILE, check_steering
     from common.cli import UserError
-    from model.interventions import parse_interventions
+    from interventions.spec import parse_interventions
     first, second = tmp_path / "a.npz", tmp_path / "b.npz"
     first.write_bytes(b"one")
     grid = parse_interventions([f"steer:1:{first}", f"steer:2:{first}:alpha=2"], 4, 2)
@@ -209,7 +209,8 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     import jax
     import jax.numpy as jnp
     import torch
-    from model.interventions import parse_interventions, steered_token_mask
+    from interventions.resolve import steered_mask
+    from interventions.spec import parse_interventions
     from model.loading import load_model
     from model.scoring import InterventionModel
     path = tiny_checkpoints["gqa_tied"]
@@ -218,9 +219,9 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     means = scorer.means(r["input_ids"] for r in records)
     means.save(str(tmp_path / "means.npz"))
     reference = load_reference(path)
-    from model.config import load_config
+    from model.families import load_config
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     config = load_config(path)
     directions = str(tmp_path / "directions.npz")  # a direction added to block 1's output, as steering does
     write_directions(directions, {("diff_in_means", array_key(RESID_POST, 1)):
@@ -245,7 +246,7 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
         caught = {}
         for record in records[:6]:
             n = len(record["input_ids"])
-            steered = steered_token_mask("-template", [record["roles"]], 1, n)[0] if number else None
+            steered = steered_mask("-template", [record["roles"]], 1, n)[0] if number else None
             assert steered is None or 0 < steered.sum() < n  # some tokens steered, not all
             undo = intervention_hooks(reference, intervention, means, steered=steered)
             undo += [reference.model.layers[layer].register_forward_hook(  # after the intervention's: what flows on
@@ -282,8 +283,8 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
 ])
 def test_runner_ablation_flags_are_checked_before_the_model_loads(spec, means, message):
     from fixtures.tiny_models import TINY
-    from model.config import config_from_dict
-    from model.extract import intervention_for
+    from model.families import config_from_dict
+    from interventions.resolve import intervention_for
     config = config_from_dict({**TINY["qwen2"], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
     with pytest.raises(UserError, match=re.escape(message)):
         intervention_for(spec, means, config, 2)

@@ -65,7 +65,7 @@ def fake_mesh(platform: str, **device):
 
 def tiny_config(family: str, **overrides):
     from fixtures.tiny_models import TINY
-    from model.config import config_from_dict
+    from model.families import config_from_dict
     return config_from_dict({**TINY[family], "model_type": family, **overrides})
 
 

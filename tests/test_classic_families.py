@@ -11,7 +11,7 @@ import json
 import pytest
 
 from fixtures.hf_reference import relative_error
-from model.config import load_config
+from model.families import load_config
 from model.sites import LN2_NORMALIZED, RESID_MID, SITES, array_key, missing_reason
 from tests.conftest import run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
@@ -194,7 +194,8 @@ def test_an_untied_gpt2_head_gives_transformers_logits(tmp_path):
     import torch
     from fixtures.hf_reference import load_reference
     from fixtures.tiny_models import write_checkpoint
-    from model.interventions import Intervention, ablation_arrays
+    from interventions.resolve import ablation_arrays
+    from interventions.spec import Intervention
     from model.loading import load_model
     from model.scoring import InterventionModel
     model_dir = write_checkpoint(tmp_path / "gpt2_untied", "gpt2", seed=4, tie_word_embeddings=False)

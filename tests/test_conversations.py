@@ -286,9 +286,9 @@ def test_a_stream_without_roles_is_refused_for_a_role_selection_in_one_line(arc_
     lines = (arc_streams / "stream_000.jsonl").read_text().splitlines()
     old.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k not in ("roles", "special")})
                            + "\n" for line in lines))
-    from model.config import load_config
+    from model.families import load_config
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     width = load_config(tiny_checkpoints["gqa_tied"]).hidden_size
     write_directions(str(tmp_path / "d.npz"), {("diff_in_means", array_key(RESID_POST, 1)): np.ones(width)},
                      {"hidden_size": width})

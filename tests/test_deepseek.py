@@ -16,7 +16,7 @@ import pytest
 from common.cli import UserError
 from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, random_sequences,
                                    reference_activations, reference_sites, relative_error)
-from model.config import config_from_dict, load_config
+from model.families import config_from_dict, load_config
 from model.extract import Extractor
 from model.sites import (EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SITES, hook_name, key_parts,
                          missing_reason)

@@ -95,6 +95,6 @@ def test_pooled_rows_are_measured_as_stored(tiny_checkpoints):
 
 
 def test_a_resume_keeps_the_statistics_setting_and_older_output_had_them():
-    from common.run_settings import changed_settings
+    from model.run_settings import changed_settings
     assert changed_settings({"layers_to_extract": [0]}, {"statistics": "device"}) == []  # from before the flag
     assert changed_settings({"statistics": "off"}, {"statistics": "device"}) == ["--statistics 'off' -> 'device'"]

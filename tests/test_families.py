@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from common.cli import UserError
 from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, random_sequences,
                                    reference_activations, relative_error)
-from model.config import load_config
+from model.families import load_config
 from model.extract import Extractor
 from model.generate import Generator
 from model.loading import load_model
@@ -160,7 +160,8 @@ def test_logits_match_transformers(family_checkpoints, case):
     sequences = ids_for(path)
     model = InterventionModel(load_model(path, jnp.float32, with_head=True, devices=jax.devices()[:1]),
                               batch_size_per_device=4, max_seq_length=MAX_SEQ)
-    from model.interventions import Intervention, ablation_arrays
+    from interventions.resolve import ablation_arrays
+    from interventions.spec import Intervention
     ids, lengths = model.inputs(sequences, MAX_SEQ)
     unablated = ablation_arrays(Intervention(), model.config, model.num_layers)
     logits = model.logits(model.residuals(ids, lengths, unablated))

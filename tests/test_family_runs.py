@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fixtures.hf_reference import load_reference, random_sequences, reference_sites, relative_error, site_places
-from model.config import load_config
+from model.families import load_config
 from model.extract import Extractor
 from model.sites import MLP_IN, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
 from fixtures.gcs_emulator import free_port
@@ -27,8 +27,10 @@ EVERY_SITE = ["--sites", ",".join(DENSE_SITES)]
 
 
 def write_stream(path, model_dir: str, count: int = 10) -> list[dict]:
-    """A stream of random token ids of 20 to 64 tokens: past the window (16), several buckets."""
-    lengths = np.random.default_rng(len(model_dir)).integers(20, MAX_SEQ + 1, count).tolist()
+    """A stream of random token ids of 49 to 64 tokens: past the window (16), padded by different
+    amounts into one bucket (64), so that a runner compiles its forward once (the host's tests run
+    several buckets; the families' differ in the forward, not in how it is bucketed)."""
+    lengths = np.random.default_rng(len(model_dir)).integers(MAX_SEQ * 3 // 4 + 1, MAX_SEQ + 1, count).tolist()
     records = [{"sample_id": 1000 + i, "input_ids": ids, "num_tokens": len(ids), "truncated": False,
                 "source": f"random:{i}", "text_preview": ""}
                for i, ids in enumerate(random_sequences(lengths, seed=7, vocab=load_config(model_dir).vocab_size))]

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from tests.conftest import run_in_process
-from host.states import COMPLETED
+from common.states import COMPLETED
 
 
 def iso(seconds_ago: float) -> str:

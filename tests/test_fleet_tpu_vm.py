@@ -16,7 +16,7 @@ from tests.conftest import read_streams, run_in_process, wait_for
 from tests.cloud_fakes import FakeTpuApi
 from tests.test_fleet_errors import upload_streams
 from fleet.machines import parse_time
-from host.states import COMPLETED
+from common.states import COMPLETED
 
 QR_PARENT = "projects/proj/locations/us-central2-b"
 

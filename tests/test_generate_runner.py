@@ -12,7 +12,7 @@ import pytest
 
 from activations.reader import load_shard
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
-from host.states import COMPLETED
+from common.states import COMPLETED
 from model.generate import Generator, stop_token_ids
 from model.loading import load_model
 from tests.conftest import read_streams
@@ -108,9 +108,9 @@ def test_a_run_under_a_steering_writes_and_stores_under_it(stream, tiny_checkpoi
     """--generate with --ablate steer:...: each continuation is the steered generator's, and the
     activations stored are the steered model's (transformers with the same forward hook)."""
     from fixtures.hf_reference import intervention_hooks, remove_hooks
-    from model.interventions import ablation_arrays, parse_one
+    from interventions.resolve import ablation_arrays, parse_one
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     model = tiny_checkpoints["gqa_tied"]
     loaded = load_model(model, jnp.float32, with_head=True, devices=jax.devices()[:1])
     c = loaded.config

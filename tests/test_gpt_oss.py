@@ -13,7 +13,7 @@ import pytest
 
 from fixtures.hf_reference import (bfloat16_error_ratios, assert_blocks_equal_transformers, load_reference,
                                    random_sequences, reference_activations, relative_error, tokens_routed_alike)
-from model.config import load_config
+from model.families import load_config
 from model.extract import Extractor
 from model.sites import EXPERT_INDICES, RESID_POST, SITES, missing_reason
 from tests.conftest import run_in_process

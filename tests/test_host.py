@@ -17,7 +17,7 @@ import pytest
 from activations.reader import iter_activations, load_shard, read_activations
 from tests.conftest import REPO, assert_statistics_close, gated_runner, read_streams, run_cli
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
-from host.states import COMPLETED
+from common.states import COMPLETED
 from tests.test_stream_reader import split_stream
 
 pytestmark = pytest.mark.slow

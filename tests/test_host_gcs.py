@@ -12,7 +12,7 @@ from activations.reader import iter_activations, load_shard, loads_shard, read_a
 from tests.conftest import gated_runner, read_streams, run_cli
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
-from host.states import COMPLETED
+from common.states import COMPLETED
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from common.cli import UserError
 from host.checkpoint import Checkpoint, covers
 from host.rejected import RejectedLog
 from host.status import HealthReporter
-from host.states import COMPLETED
+from common.states import COMPLETED
 
 
 @pytest.mark.parametrize("text", ['{"total_samples_processed": "5"}', '{"total_shards": 1, "shards": []}',

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from common.cli import UserError
-from model.interventions import KINDS, MODES, Intervention, ablation_arrays, parse_interventions
+from interventions.resolve import ablation_arrays
+from interventions.spec import KINDS, MODES, Intervention, parse_interventions
 from model.loading import load_model
 from model.scoring import InterventionModel, scored_tokens
 from fixtures.hf_reference import (decoder_blocks, intervention_hooks, load_reference, random_sequences,
@@ -147,10 +148,10 @@ def matches_hooks(case, kind: str, mode: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4"])  # sandwich norms; Gemma 4's layer scalar
 def test_steering_equals_a_hook_adding_the_direction(case_of, family, tmp_path):
-    """A direction of a directions file (probing.directions), 2.5 times, added to block 1's
+    """A direction of a directions file (activations.directions), 2.5 times, added to block 1's
     output, against transformers with a forward hook adding the same vector to the same module."""
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     model, ref, sequences, means = case_of(family)
     c = model.config
     vector = np.random.default_rng(0).standard_normal(c.hidden_size).astype(np.float32)
@@ -185,7 +186,7 @@ def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
     from model.extract import make_sites_forward
     from model.interventions import STEER_SITES
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     model, ref, sequences, means = case_of(family)
     c = model.config
     places = [("hook_resid_pre", 0), ("hook_attn_out", 1), ("hook_resid_mid", 1), ("hook_mlp_out", 2)]
@@ -226,9 +227,9 @@ def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
 
 def steering_at_block_1(model, tmp_path, options: str, seed: int, metadata: dict | None = None):
     """(vector, intervention): a random direction written as block 1's output's diff-in-means
-    (``probing.directions``), and ``steer:1:FILE`` with ``options`` (``:alpha=4``...) parsed."""
+    (``activations.directions``), and ``steer:1:FILE`` with ``options`` (``:alpha=4``...) parsed."""
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     c = model.config
     vector = np.random.default_rng(seed).standard_normal(c.hidden_size).astype(np.float32)
     path = str(tmp_path / "directions.npz")
@@ -247,14 +248,15 @@ def user_then_assistant(n: int) -> list:
 def test_steering_chosen_tokens_equals_a_hook_adding_there_only(case_of, family, tmp_path):
     """tokens=user: the direction added at the user tokens alone, against transformers with a hook
     adding it at those positions only."""
-    from model.interventions import STEER_TOKENS, steered_token_mask
+    from interventions.resolve import steered_mask
+    from model.interventions import STEER_TOKENS
     model, ref, sequences, means = case_of(family)
     c = model.config
     vector, intervention = steering_at_block_1(model, tmp_path, ":alpha=3:tokens=user", seed=4)
     assert intervention.steer_tokens == "user" and intervention.name.endswith(":alpha=3:tokens=user")
     ids, lengths = model.inputs(sequences, 64)
     roles = [user_then_assistant(len(seq)) for seq in sequences]
-    mask = steered_token_mask("user", roles, *ids.shape)
+    mask = steered_mask("user", roles, *ids.shape)
     residuals = model.residuals(ids, lengths, {**ablation_arrays(intervention, c, model.num_layers, means),
                                                STEER_TOKENS: mask})
     logits, residuals = model.logits(residuals), np.asarray(residuals)
@@ -311,20 +313,22 @@ def test_greedy_generation_steering_chosen_tokens_equals_transformers(case_of, f
     import torch
     from fixtures.hf_reference import agreeing_prefix
     from model.generate import Generator
-    from model.interventions import steered_token_mask
+    from interventions.resolve import steered_mask, steered_positions, steers_written_tokens
     model, ref, sequences, means = case_of(family)
     c = model.config
     _, intervention = steering_at_block_1(model, tmp_path, f":alpha=4:tokens={tokens}", seed=5)
     prompts = [seq[:12] for seq in sequences[1:3]]
     roles = [user_then_assistant(12)] * 2
-    generator = Generator(c, model.params, jnp.float32, cache_length=64, steer_tokens=intervention.steer_tokens,
+    generator = Generator(c, model.params, jnp.float32, cache_length=64,
+                          steers_written=steers_written_tokens(intervention.steer_tokens),
                           ablation=ablation_arrays(intervention, c, c.num_hidden_layers))
     assert generator.steers_written == (tokens == "-user")
-    steered = generator.continuations(prompts, 16, roles=roles)
+    steered = generator.continuations(prompts, 16,
+                                      steered=[steered_positions(intervention.steer_tokens, r, 12) for r in roles])
     everywhere = Generator(c, model.params, jnp.float32, cache_length=64,
                            ablation=ablation_arrays(intervention, c, c.num_hidden_layers)).continuations(prompts, 16)
     assert any(a.tokens != b.tokens for a, b in zip(steered, everywhere))  # not the steering of every token
-    for prompt, ours_, mask in zip(prompts, steered, steered_token_mask(tokens, roles, 2, 12)):
+    for prompt, ours_, mask in zip(prompts, steered, steered_mask(tokens, roles, 2, 12)):
         undo = intervention_hooks(ref, intervention, steered=mask, steers_written=generator.steers_written)
         try:
             with torch.no_grad():
@@ -335,13 +339,15 @@ def test_greedy_generation_steering_chosen_tokens_equals_transformers(case_of, f
             remove_hooks(undo)
         compared, equal = agreeing_prefix(ours_.tokens, result.sequences[0, 12:].tolist(), result.logits)
         assert compared == equal >= 8, ours_.tokens
-    with pytest.raises(UserError, match="no token roles"):
+    with pytest.raises(UserError, match="no token roles"):  # a stream without roles
+        steered_positions(intervention.steer_tokens, None, 12)
+    with pytest.raises(ValueError, match="steered positions are needed"):
         generator.continuations(prompts, 4)
 
 
 def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
     from model.sites import RESID_POST, array_key
-    from probing.directions import write_directions
+    from activations.directions import write_directions
     model = qwen2[0]
     c = model.config
     vector = np.ones(c.hidden_size, np.float32)
@@ -367,7 +373,8 @@ def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
 
 
 def test_a_steering_spec_parses_back_from_its_name(tmp_path):
-    from model.interventions import Atom, steers_written_tokens
+    from interventions.resolve import steers_written_tokens
+    from interventions.spec import Atom
     path = "gs://bucket/a:b/directions.npz"
     specs = {f"steer:3:{path}:direction=probe:alpha=-0.5": Atom("steer", 3, path=path, alpha=-0.5, direction="probe"),
              f"steer:3:{path}:alpha=1e-05": Atom("steer", 3, path=path, alpha=1e-05),
@@ -567,7 +574,7 @@ def test_a_gemma_norm_ablation_sets_w_to_zero_not_one(case_of, family):
 
 def test_a_steering_at_a_site_the_block_lacks_is_one_line(case_of, tmp_path):
     """Pythia's parallel residual has no stream between attention and the MLP: refused before the file is read."""
-    from model.interventions import check_blocks
+    from interventions.resolve import check_blocks
     model = case_of("gpt_neox")[0]
     grid = parse_interventions([f"steer:1:{tmp_path}/none.npz:site=hook_resid_mid"], model.num_layers,
                                model.config.num_attention_heads)

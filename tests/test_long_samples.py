@@ -12,7 +12,7 @@ from fixtures.hf_reference import load_reference, random_sequences, reference_ac
 from tests.test_host import index_rows, run_with_kills, shard_contents
 from tests.test_host_errors import one_line_error
 from transforms.long_samples import SampleTooLong, fit_record, rejection
-from host.states import COMPLETED
+from common.states import COMPLETED
 
 LIMIT = 512
 LENGTHS = (3, 400, 600, 2500)  # a 400-token sample fills a test shard by itself

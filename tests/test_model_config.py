@@ -7,7 +7,8 @@ import json
 import pytest
 
 from common.cli import UserError
-from model.config import FULL, SLIDING, RoPE, config_from_dict, load_config
+from model.config import FULL, SLIDING, RoPE
+from model.families import config_from_dict, load_config
 
 # Published config.json files (the fields that matter here), as the hub serves them.
 QWEN2_5 = {

@@ -20,7 +20,7 @@ from common.cli import UserError
 from fixtures.hub_cache import write_hub_cache
 from model.checkpoint import Checkpoint
 from model.hub import resolve_model_dir
-from model.config import load_config
+from model.families import load_config
 
 REPO_ID = "EleutherAI/pythia-tiny"
 

@@ -18,9 +18,10 @@ from activations.site_stats import table_moments
 from common.cli import UserError
 from fixtures.hf_reference import (intervention_hooks, load_reference, reference_activations, reference_sites,
                                    relative_error, remove_hooks)
-from model.config import config_from_dict, load_config
+from model.families import config_from_dict, load_config
 from model.extract import Extractor
-from model.interventions import parse_interventions, parse_one
+from interventions.resolve import ablation_source, parse_one
+from interventions.spec import parse_interventions
 from model.sites import EXPERT_INDICES, ROUTER_LOGITS, SITES, array_key, missing_reason
 from tests.conftest import run_cli, run_in_process
 from tests.test_family_runs import runner, write_stream
@@ -156,7 +157,7 @@ def assert_expert_interventions_equal_hooks(model_dir: str, specs, devices=None)
     reference = load_reference(model_dir, "float64")
     unablated = reference_activations(reference, sequences)
     for spec in specs:
-        extractor = Extractor.load(model_dir, dtype="float32", ablation=spec, max_seq_length=64,
+        extractor = Extractor.load(model_dir, dtype="float32", ablation=ablation_source(spec, None), max_seq_length=64,
                                    batch_size_per_device=1, devices=devices)
         ours = dict(extractor.extract(enumerate(sequences)))
         undo = intervention_hooks(reference, parse_one(spec, config))

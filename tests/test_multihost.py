@@ -16,7 +16,7 @@ from activations.reader import load_shard
 from fixtures.gcs_emulator import free_port
 from tests.conftest import REPO, run_cli
 from tests.test_host import long_stream
-from host.states import COMPLETED
+from common.states import COMPLETED
 from model.config import MESH_TYPES
 
 pytestmark = pytest.mark.slow

@@ -22,10 +22,11 @@ import threading
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.extract import DEFAULT_LEASE_S, TPU_WORKER_EXPERIMENT, parse
+from fleet.dataflow import TPU_WORKER_EXPERIMENT
+from pipeline.extract import DEFAULT_LEASE_S, parse
 from tests.conftest import REPO, run_in_process, run_prepare, wait_for
 from tests.test_fleet_errors import upload_streams
-from transforms.machines import ExtractMachine
+from pipeline.machines import ExtractMachine
 from transforms.prepare import PrepareConfig
 
 SECOND_COMMIT = dict(method="POST", object_pattern=r"job/machine_001/checkpoint\.json", after=2)
@@ -140,7 +141,8 @@ def test_a_failed_attempt_is_retried_by_beam_and_resumes(expected, streams, runn
 def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_flags, gcs, tmp_path, caplog):
     machine = ["--machine_id", "1", "--streams_dir", streams, "--upload_to_gcs", "--gcs_bucket", "acts",
                "--gcs_prefix", "job/machine_{machine_id:03d}", "--delete_local_after_upload", *runner_flags,
-               "--lease_s", "10"]  # renewed every 3.3 s: a machine under load keeps it (nothing waits it out)
+               "--lease_s", "60"]  # renewed every 20 s: long enough that a starved holder keeps it (nothing here
+    # waits it out; at 10 s a holder slowed by a loaded machine lost it and the copy took over)
     gcs.fault(**SECOND_SHARD, action="hold")  # the holder stays alive, renewing, after its first commit
     # One upload at a time: nothing past the held shard reaches GCS, so what is there stays put.
     holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"), "--upload_threads", "1")

@@ -1,7 +1,8 @@
 """Conversation datasets through the prepare pipeline: the chat and pair formats, every token's role
 in the stream record, kept columns typed once and carried, and what is refused: a conversation the
 chat template refuses (rejected with its reason), a column no record has, a chat dataset with a
-tokenizer without a template (one line each, nothing written)."""
+tokenizer without a template, records without the column the format reads (one line each, nothing
+written)."""
 
 import json
 
@@ -119,3 +120,28 @@ def test_bad_input_is_one_line_before_anything_is_written(qwen_tokenizer_dir, tm
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match=message.split(":")[0]):
         resolve_plan(PrepareConfig(dataset=dataset, tokenizer=tokenizer, keep_columns=columns))
+
+
+def test_chat_records_without_a_conversation_are_one_line_before_anything_is_written(qwen_tokenizer_dir, tmp_path):
+    dataset = write_jsonl(tmp_path / "texts.jsonl", [{"id": 1, "text": "hi"}, {"id": 2, "text": "there"}])
+    result = run_in_process("pipeline.prepare", "--dataset", dataset, "--format", "chat", "--tokenizer",
+                            qwen_tokenizer_dir, "--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pipeline.prepare: error: --format chat: no record of the dataset has a value in messages or conversations "
+        "(the records have: id, text; name the conversation column with --messages_field)"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"format": "chat", "messages_field": "chat"}, "--messages_field chat: no record of the dataset has a value in "
+                                                   "that column (the records have: id, text)"),
+    ({"format": "fineweb", "text_field": "body"}, "--text_field body: no record"),
+    ({"format": "pair", "response_field": ""}, "--prompt_field prompt: no record"),
+    ({"format": "arc"}, "--format arc: no record of the dataset has a value in test or examples"),
+])
+def test_each_format_checks_the_columns_it_reads(qwen_tokenizer_dir, tmp_path, fields, message):
+    dataset = write_jsonl(tmp_path / "texts.jsonl", [{"id": 1, "text": "hi"}])
+    with pytest.raises(UserError) as error:
+        resolve_plan(PrepareConfig(dataset=dataset, tokenizer=qwen_tokenizer_dir, **fields))
+    assert str(error.value).startswith(message), error.value

@@ -221,6 +221,23 @@ def test_a_machine_without_samples_still_gets_its_file(tmp_path, qwen_tokenizer_
                                "first_id": None, "last_id": None}]
 
 
+def test_a_run_that_writes_no_sample_fails_naming_its_commonest_rejection(tmp_path, qwen_tokenizer_dir):
+    out = tmp_path / "out"
+    (tmp_path / "good.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                  [{"text": ""}, {"body": "x"}, {"text": "  "}]))
+    flags = ["--tokenizer", qwen_tokenizer_dir, "--num_machines", "2", "--output_dir", str(out)]
+    assert run_in_process("pipeline.prepare", "--dataset", str(tmp_path / "good.jsonl"), *flags).returncode == 0
+    result = run_in_process("pipeline.prepare", "--dataset", str(tmp_path / "empty.jsonl"), *flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"pipeline.prepare: error: prepare wrote no sample: every record was rejected, most as empty_text (2 of 3), "
+        f"e.g. {tmp_path / 'empty.jsonl'}:1: 'text' is empty or not a string; see {out}/rejected/rejected.jsonl")
+    # The rejections stay; the earlier run's manifest, streams and report go: no runner starts on this.
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["rejected", "rejected/rejected.jsonl"]
+    assert len((out / "rejected/rejected.jsonl").read_text().splitlines()) == 3
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "/no/such/dir/*.jsonl"], "no .json/.jsonl/.parquet files match --dataset"),
     (["--format", "csv"], "unknown --format 'csv'"),

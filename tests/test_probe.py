@@ -14,7 +14,8 @@ import pytest
 
 from activations.index import arrays_path, merged_metadata_path, stats_path, tokens_path
 from fixtures.stored_activations import StoredSpec, planted_direction, stored_tokens, write_stored
-from probing.directions import label_means, read_directions
+from activations.directions import read_directions
+from probing.directions import label_means
 from probing.fit import held_out
 from probing.rows import read_rows
 from tests.conftest import run_in_process

@@ -9,7 +9,7 @@ from fleet.report import chart, fleet_report, progress_curves, write_chart
 from fleet.usage import Ledger
 from host.machine_status import combined
 from host.progress import Progress, SamplesHistory
-from host.states import COMPLETED, RUNNING
+from common.states import COMPLETED, RUNNING
 from host.status import HealthReporter, iso_time
 
 LAUNCH = 1_800_000_000.0  # seconds since the epoch: every time below is this plus a few seconds

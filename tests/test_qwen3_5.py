@@ -9,7 +9,7 @@ import pytest
 
 from fixtures.hf_reference import (bfloat16_error_ratios, assert_blocks_equal_transformers, load_reference,
                                    max_relative_error, random_sequences, reference_activations, relative_error)
-from model.config import load_config
+from model.families import load_config
 from model.extract import Extractor
 from model.sites import ATTN_Z, SITES, missing_reason
 from tests.conftest import run_in_process
@@ -148,7 +148,7 @@ def test_the_multimodal_checkpoints_text_config_reads_as_the_text_model(family, 
     import json
     import pathlib
     from fixtures.tiny_models import write_checkpoint
-    from model.config import config_from_dict
+    from model.families import config_from_dict
     checkpoint = write_checkpoint(tmp_path / family, family, seed=4)
     text = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())
     moe = text["model_type"] == "qwen3_5_moe_text"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common.run_settings import changed_settings
+from model.run_settings import changed_settings
 from model.extract import Extractor, make_forward
 from model.loading import load_model
 from model.attention import causal_mask

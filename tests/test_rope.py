@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
-from model.config import config_from_dict, load_config
+from model.families import config_from_dict, load_config
 from model.rope import inverse_frequencies
 
 YARN = dict(rope_type="yarn", rope_theta=50_000.0, factor=4.0, original_max_position_embeddings=64)

@@ -7,7 +7,7 @@ import pytest
 
 from activations.site_stats import Moments, merged_moments, stats_table, table_moments
 from common.cli import UserError
-from model.config import load_config
+from model.families import load_config
 from model.sites import (ATTN_Z, MLP_OUT, MLP_POST, RESID_POST, RESID_PRE, array_keys, blocks_needed,
                          cost_line, key_parts, normalized_key, parse_sites)
 
@@ -76,7 +76,7 @@ def test_an_input_site_alone_loads_and_computes_only_the_blocks_before_it(tiny_c
 
 
 def test_output_stored_before_sites_existed_resumes_with_block_outputs_only():
-    from common.run_settings import changed_settings
+    from model.run_settings import changed_settings
     old = {"layers_to_extract": [0, 1]}  # a checkpoint's settings from before --sites
     assert changed_settings(old, {"layers_to_extract": [0, 1], "sites": [RESID_POST]}) == []
     assert changed_settings(old, {"sites": [RESID_POST, MLP_OUT]}) == \

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO, read_streams
 from fixtures.hf_reference import random_sequences
-from host.states import COMPLETED
+from common.states import COMPLETED
 from host.store_stats import STAGES
 
 pytestmark = pytest.mark.slow

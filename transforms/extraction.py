@@ -23,7 +23,7 @@ import numpy as np
 from activations.selection import Selection, parse_selection
 from common.roles import missing_roles, role_codes
 from model.hub import resolve_model_dir
-from model.interventions import steered_positions
+from interventions.resolve import ablation_for, ablation_source, steered_positions, steers_written_tokens
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
 from model.statistics import StatisticsSpec
 from transforms.generation import Continuing, generation_tokenizer, thinking_ids
@@ -56,7 +56,7 @@ class ExtractConfig(ModelRunSettings, SiteSettings, GenerationSettings):
     window: int | None = None              # records reordered at once; default 8 x global batch
     long_samples: str = "truncate"         # records over max_seq_length: truncate | skip | error
     batches_in_flight: int = 2             # dispatched before the oldest is copied back
-    ablation: str | None = None            # an intervention to extract under (model.interventions)
+    ablation: str | None = None            # an intervention to extract under (interventions.spec)
     ablation_means: str | None = None      # its means file, for mode=mean
     tokens: str | None = None              # store only these tokens (activations.selection); None: all
     statistics: StatisticsSpec | None = None  # measured per sample on the devices (model.statistics); None: none
@@ -137,7 +137,7 @@ class OrderedExtraction:
                                         c.max_seq_length, c.model_axis_size, activation_dtype=c.activation_dtype,
                                         attention=c.attention, moe_dispatch=c.moe_dispatch,
                                         batches_in_flight=c.batches_in_flight,
-                                        ablation=c.ablation, ablation_means=c.ablation_means,
+                                        ablation=ablation_source(c.ablation, c.ablation_means),
                                         residual_dtype=c.residual_dtype, sites=c.sites,
                                         revision=c.model_revision,
                                         pool=self.selection.pool if self.selection else None,
@@ -187,7 +187,6 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     would not fit the ``free`` bytes of a device (None: measured, ``model.generate.free_bytes``),
     stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
     ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
-    from model.extract import ablation_for
     from model.generate import CACHE_SHARE, Generator, free_bytes, stop_token_ids
     from transforms.tokenize import load_tokenizer, special_ids
     model = extractor.config  # under the extraction's intervention, over every block: they all write
@@ -196,13 +195,14 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     name = generation_tokenizer(config.tokenizer, model_dir)
     tokenizer = load_tokenizer(name) if name else None
     thinking = thinking_ids(tokenizer) if tokenizer else None
+    steer = intervention and intervention.steer_tokens
     generator = Generator(model, extractor.params, extractor.dtype, cache_length=config.max_seq_length,
                           residual_dtype=extractor.residual_dtype, mesh=extractor.mesh, ablation=ablation,
-                          steer_tokens=intervention and intervention.steer_tokens, thinking=thinking is not None)
+                          steers_written=steers_written_tokens(steer, thinking is not None) if steer else None)
     rows = generator.rows_that_fit(extractor.batch_size, free_bytes(extractor.mesh) if free is None else free)
     if rows < extractor.batch_size:
         log.warning("--generate: %d prompts continued at a time, not %d: the key/value cache of %d would "
                     "take more than %.0f%% of a device's free memory", rows, extractor.batch_size,
                     extractor.batch_size, 100 * CACHE_SHARE)
     return Continuing(generator, config.generate, config.sampling(), tuple(stop_token_ids(model_dir)), rows,
-                      tokenizer, config.stop, special_ids(tokenizer) if tokenizer else frozenset(), thinking)
+                      tokenizer, config.stop, special_ids(tokenizer) if tokenizer else frozenset(), thinking, steer)

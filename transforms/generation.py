@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from common.roles import GENERATED, ROLE_CODES, THINKING, Runs, runs_of_codes
+from interventions.resolve import steered_positions
 from model.sampling import Sampling
 from transforms.arc import scored_answer
 
@@ -32,6 +33,7 @@ class Continuing:
     stop_strings: tuple[str, ...] = ()
     special_ids: frozenset[int] = frozenset()  # marked special where the model writes them (its stop ids too)
     thinking: tuple[int, int] | None = None    # the ids opening and closing a thinking section (thinking_ids)
+    steer_tokens: str | None = None  # the tokens of each prompt its intervention's steerings add to (None: all)
 
     def continued(self, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each record with its continuation (``continued_record``), in the records' order.
@@ -41,9 +43,11 @@ class Continuing:
         out: list[dict[str, Any] | None] = [None] * len(records)
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
+            steered = [steered_positions(self.steer_tokens, records[i].get("roles"), records[i]["num_tokens"],
+                                         records[i]["sample_id"]) for i in batch] if self.steer_tokens else None
             continuations = self.generator.continuations(
                 [records[i]["input_ids"] for i in batch], self.max_new_tokens, self.stop_ids, self.sampling,
-                [records[i]["sample_id"] for i in batch], [records[i].get("roles") for i in batch])
+                [records[i]["sample_id"] for i in batch], steered)
             for i, continuation in zip(batch, continuations):
                 text, answer = None, None
                 if self.tokenizer is not None:

@@ -2,8 +2,10 @@
 
 ``PrepareConfig`` is the whole configuration (mirrored one-to-one by ``python -m pipeline.prepare``
 flags); ``resolve_plan`` does the launcher-side work that must happen once (listing the source
-files, detecting the format, probing the tokenizer's prompt conventions, which the manifest
-records under ``prompts``) and fails early with one clear line.
+files, detecting the format, checking that some record has the columns the format reads and those
+kept, probing the tokenizer's prompt conventions, which the manifest records under ``prompts``)
+and fails early with one clear line. A run that writes no sample writes no manifest either
+(``transforms.streams.WriteManifest``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any, Iterator
 import apache_beam as beam
 
 from common.cli import UserError, flag, name_list
+from transforms.chat import MESSAGE_FIELDS
+from transforms.columns import check_names, column_types, require_columns
 from transforms.rejections import RejectedRecord
-from transforms.columns import check_names, column_types
 from transforms.samples import FORMATS, FormatSamples, SampleFormat, detect_format, samples_from_record
 from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
 from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport, stream_entry
@@ -131,6 +134,9 @@ def resolve_plan(config: PrepareConfig) -> PreparePlan:
                             config.response_field or None)
     if config.include_answers and fmt != "arc":
         raise UserError(f"--include_answers needs ARC records (--format arc); this dataset is {fmt}")
+    # The columns the format reads, then the kept ones: a column no record has would empty the run.
+    require_columns(files, format_columns(fmt, config))
+    types = column_types(files, config.keep_columns) if config.keep_columns else {}
     # Probed here as the workers will (same files, same probes): the manifest records what they do.
     conventions = prompt_conventions(load_tokenizer(config.tokenizer))
     if fmt == "chat" and not conventions.chat_template:
@@ -139,8 +145,23 @@ def resolve_plan(config: PrepareConfig) -> PreparePlan:
                         "one: --format pair)")
     if fmt in ("arc", "chat", "pair") and conventions.template_error is not None:
         raise UserError(conventions.template_error)
-    types = column_types(files, config.keep_columns) if config.keep_columns else {}
     return PreparePlan(config, tuple(files), fmt, conventions, tuple(types.items()))
+
+
+def format_columns(fmt: str, config: PrepareConfig) -> list[tuple[str, tuple[str, ...], str]]:
+    """The columns records of ``fmt`` are read from, as ``require_columns`` takes them: (the flag
+    that names them, the columns (any one will do), a hint)."""
+    if fmt == "arc":
+        return [("--format arc", ("test", "examples"), "")]  # ARC-AGI's tests, BARC's examples
+    if fmt == "fineweb":
+        return [(f"--text_field {config.text_field}", (config.text_field,), "")]
+    if fmt == "chat":
+        if config.messages_field is not None:
+            return [(f"--messages_field {config.messages_field}", (config.messages_field,), "")]
+        return [("--format chat", MESSAGE_FIELDS, "; name the conversation column with --messages_field")]
+    return [(f"--{name} {field}", (field,), "")
+            for name, field in (("prompt_field", config.prompt_field), ("response_field", config.response_field))
+            if field]
 
 
 class Prepare(beam.PTransform):
@@ -161,13 +182,13 @@ class Prepare(beam.PTransform):
         tokenize = samples | "Tokenize" >> TokenizeSamples(c.tokenizer, c.max_seq_length)
         tokenized = tokenize.samples
         rejected = (formatted.rejected, tokenize.rejected) | "Rejections" >> beam.Flatten()
-        rejected_count = rejected | "WriteRejected" >> WriteRejected(c.output_dir)
+        rejections = rejected | "WriteRejected" >> WriteRejected(c.output_dir)
         # Lines right after tokenizing: the prompts and token tuples are not held past this stage.
         entries = tokenized | "Lines" >> beam.Map(stream_entry)
         machine_counts = entries | "WriteStreams" >> WriteStreams(c.output_dir, c.num_machines, c.max_part_bytes)
         _ = tokenized | "VerificationReport" >> WriteVerificationReport(c.tokenizer, c.output_dir)
         return machine_counts | "WriteManifest" >> WriteManifest(
-            c.output_dir, self._plan.manifest_settings(), rejected_count)
+            c.output_dir, self._plan.manifest_settings(), rejections)
 
 
 class KeepSmallestIds(beam.PTransform):

@@ -1,7 +1,8 @@
 """Writing the prepare pipeline's outputs: each machine's stream sorted by sample id (one
 ``stream_NNN.jsonl``, or the parts ``stream_NNN/part-PPPPP.jsonl`` when it is larger than
 ``--max_part_mb``) with its ids sidecar ``stream_NNN.ids.npy``, the dead-letter file,
-``manifest.json`` and ``tokenization_verification.txt``.
+``manifest.json`` and ``tokenization_verification.txt``; a run that wrote no sample keeps only the
+dead-letter file and fails with one line (``WriteManifest``).
 
 A stream is written so that no worker holds a whole stream: the lines are spilled to files where
 they are made (``transforms.spill``); only each sample's (id, line size) goes to one worker per
@@ -18,11 +19,12 @@ import bisect
 import collections
 import dataclasses
 import json
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import apache_beam as beam
 
-from common.files import join, write_bytes
+from common.cli import UserError
+from common.files import delete_file, join, write_bytes
 from common.roles import role_names
 from common.stream_format import (ids_filename, ids_sidecar, json_line, part_filename, sidecar_record,
                                   stream_dirname, stream_filename)
@@ -223,15 +225,26 @@ def every_layout(layouts: dict[int, StreamLayout], output_dir: str, num_machines
     return {m: layouts[m] if m in layouts else plan_stream(output_dir, None, m, []) for m in range(num_machines)}
 
 
-def write_rejected(output_dir: str, rejected: Iterable[dict | None]) -> int:
-    """Writes the dead-letter JSONL sorted by source position; returns how many were rejected."""
+def write_rejected(output_dir: str, rejected: Iterable[dict | None]) -> dict[str, Any]:
+    """Writes the dead-letter JSONL sorted by source position; returns its ``rejection_summary``."""
     rows = sorted((r for r in rejected if r is not None), key=lambda r: (r["file_index"], r["row"]))
     write_bytes(join(output_dir, REJECTED_FILE), "".join(json_line(r) for r in rows).encode("utf-8"))
-    return len(rows)
+    return rejection_summary(rows)
+
+
+def rejection_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``{"rejected": how many, "reasons": {reason: (count, its first "origin: detail")}}`` of
+    dead-letter rows in source order."""
+    reasons: dict[str, tuple[int, str]] = {}
+    for r in rows:
+        count, first = reasons.get(r["reason"], (0, f"{r['origin']}: {r['detail']}"))
+        reasons[r["reason"]] = (count + 1, first)
+    return {"rejected": len(rows), "reasons": reasons}
 
 
 class WriteRejected(beam.PTransform):
-    """Dead-letter dicts -> ``rejected/rejected.jsonl`` (always written) and their count."""
+    """Dead-letter dicts -> ``rejected/rejected.jsonl`` (always written) and its
+    ``rejection_summary``."""
 
     def __init__(self, output_dir: str):
         super().__init__()
@@ -264,23 +277,52 @@ def stream_name(entry: dict[str, Any]) -> str:
 
 
 class WriteManifest(beam.PTransform):
-    """Per-machine counts (+ the rejected count as a side input) -> ``manifest.json``."""
+    """Per-machine counts (+ the ``rejection_summary`` as a side input) -> ``manifest.json``.
 
-    def __init__(self, output_dir: str, settings: dict[str, Any], rejected_count):
+    A run that wrote no sample gets no manifest, so that no runner starts on it: its empty streams
+    and sidecars are deleted (with a manifest and report an earlier run left in the directory),
+    ``rejected/rejected.jsonl`` stays, and the step fails with one ``UserError`` line naming the
+    commonest rejection reason (``no_sample_line``)."""
+
+    def __init__(self, output_dir: str, settings: dict[str, Any], rejections):
         super().__init__()
         self._output_dir = output_dir
         self._settings = settings
-        self._rejected_count = rejected_count
+        self._rejections = rejections
 
     def expand(self, machine_counts):
-        def write(counts, rejected):
-            doc = manifest(self._settings, counts, rejected)
+        def write(counts, rejections):
+            doc = manifest(self._settings, counts, rejections["rejected"])
+            if doc["total_samples"] == 0:
+                remove_empty_run(self._output_dir, counts)
+                raise UserError(no_sample_line(self._output_dir, rejections))
             write_bytes(join(self._output_dir, MANIFEST_FILE),
                         (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
             return doc
         return (machine_counts
                 | "Collect" >> beam.combiners.ToList()
-                | "Write" >> beam.Map(write, rejected=beam.pvalue.AsSingleton(self._rejected_count)))
+                | "Write" >> beam.Map(write, rejections=beam.pvalue.AsSingleton(self._rejections)))
+
+
+def no_sample_line(output_dir: str, rejections: dict[str, Any]) -> str:
+    """Why a run wrote no sample: its commonest rejection reason (ties: the first by name), with
+    its count and first record."""
+    if not rejections["reasons"]:
+        return "prepare wrote no sample: the dataset has no record"
+    reason, (count, first) = min(rejections["reasons"].items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return (f"prepare wrote no sample: every record was rejected, most as {reason} ({count} of "
+            f"{rejections['rejected']}), e.g. {first}; see {join(output_dir, REJECTED_FILE)}")
+
+
+def remove_empty_run(output_dir: str, machine_counts: Iterable[dict[str, Any]]) -> None:
+    """Deletes what a run without samples wrote beside its rejections (each machine's empty
+    stream and sidecar), and the manifest and report of an earlier run into the directory."""
+    for entry in machine_counts:
+        for part in entry["parts"]:
+            delete_file(join(output_dir, part["file"]))
+        delete_file(join(output_dir, entry["ids"]["file"]))
+    delete_file(join(output_dir, MANIFEST_FILE))
+    delete_file(join(output_dir, VERIFICATION_FILE))
 
 
 def verification_report(tokenizer, samples: list[TokenizedSample]) -> str:
@@ -306,6 +348,8 @@ class _ReportFn(beam.DoFn):
         self._output_dir = output_dir
 
     def process(self, samples: list[TokenizedSample]) -> Iterator[str]:
+        if not samples:  # a run without samples writes no report (nor manifest: WriteManifest)
+            return
         text = verification_report(load_tokenizer(self._tokenizer_name), samples)
         path = join(self._output_dir, VERIFICATION_FILE)
         write_bytes(path, text.encode("utf-8"))

@@ -1,8 +1,11 @@
-"""The supported families: each module maps a ``config.json`` onto ``model.config.DecoderConfig``
-and refuses what it does not handle. Adding a family is a module here and a line in ``FAMILIES``."""
+"""The supported families, and a checkpoint's ``config.json`` read through its family: each module
+here maps a ``config.json`` onto ``model.config.DecoderConfig`` and refuses what it does not handle.
+Adding a family is a module here and a line in ``FAMILIES``."""
 
 from __future__ import annotations
 
+import json
+import os
 from types import ModuleType
 
 from common.cli import UserError
@@ -57,7 +60,7 @@ SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for 
                                 if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))
 
 
-def read_family_config(raw: dict) -> DecoderConfig:
+def config_from_dict(raw: dict) -> DecoderConfig:
     """The ``DecoderConfig`` of a parsed ``config.json``: its family's reading, or ``UserError``
     naming the architecture or option that is not supported (before any weight is read)."""
     model_type = raw.get("model_type")
@@ -76,3 +79,18 @@ def read_family_config(raw: dict) -> DecoderConfig:
             raise UserError(f"{model_type} config.json: quantization_config ({method}) is not supported: the "
                             "checkpoint's weights must be float (dequantize it first)")
     return family.decoder_config(raw)
+
+
+def load_config(model_dir: str | os.PathLike) -> DecoderConfig:
+    """The config of a local checkpoint directory."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"no config.json in {os.fspath(model_dir)!r}")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return config_from_dict(raw)
