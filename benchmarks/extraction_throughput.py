@@ -56,7 +56,7 @@ from fixtures.tiny_models import SHAPES, write_checkpoint
 from model.extract import Extractor, padded_rows
 from model.loading import load_model
 from transforms.prepare import tokenized_source
-from transforms.tokenize import load_tokenizer
+from transforms.tokenizers import load_tokenizer
 
 # --family -> the real model whose shape is benchmarked (fixtures.tiny_models.SHAPES)
 FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m",

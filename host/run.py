@@ -75,7 +75,7 @@ from model.statistics import StatisticsSpec
 from model.sites import blocks_needed, cost_line, parse_sites
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
 from transforms.generation import generation_tokenizer, thinking_ids
-from transforms.tokenize import load_tokenizer
+from transforms.tokenizers import load_tokenizer
 
 log = logging.getLogger("runners.tpu_host")
 SHARD_FILE = re.compile(r"shard_(\d{4})\.pkl(\.gz)?")

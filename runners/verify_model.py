@@ -23,7 +23,7 @@ from model.report import PromptResult, report_text
 from model.settings import ModelSettings, SiteSettings
 from transforms.generation import thinking_ids
 from transforms.prepare import tokenized_source
-from transforms.tokenize import load_tokenizer
+from transforms.tokenizers import load_tokenizer
 
 log = logging.getLogger("runners.verify_model")
 

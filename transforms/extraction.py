@@ -188,7 +188,7 @@ def continuing_for(extractor, config: ExtractConfig, free: int | None = None) ->
     stopping at the checkpoint's end-of-sequence ids and ``stop`` strings, the text written by
     ``generation_tokenizer``'s, whose special tokens and thinking markers are marked."""
     from model.generate import CACHE_SHARE, Generator, free_bytes, stop_token_ids
-    from transforms.tokenize import load_tokenizer, special_ids
+    from transforms.tokenizers import load_tokenizer, special_ids
     model = extractor.config  # under the extraction's intervention, over every block: they all write
     intervention, ablation = ablation_for(config.ablation, config.ablation_means, model, model.num_hidden_layers)
     model_dir = resolve_model_dir(config.model_path, config.model_revision)

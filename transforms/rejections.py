@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from apache_beam.metrics import Metrics
-
 COUNTER_NAMESPACE = "prepare"
 PREVIEW_CHARS = 500
 
@@ -29,6 +27,8 @@ def rejection(error: RejectedRecord, origin: str, file_index: int, row: int,
 
 
 def count_rejection(reason: str) -> None:
-    """Bumps the total and the per-reason Beam counters (visible in the Dataflow UI)."""
+    """Bumps the total and the per-reason Beam counters (visible in the Dataflow UI). Beam is
+    imported here, not with the module: the runner reads ARC answers (``transforms.arc``) without it."""
+    from apache_beam.metrics import Metrics
     Metrics.counter(COUNTER_NAMESPACE, "rejected").inc()
     Metrics.counter(COUNTER_NAMESPACE, f"rejected_{reason}").inc()

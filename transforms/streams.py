@@ -31,7 +31,8 @@ from common.stream_format import (ids_filename, ids_sidecar, json_line, part_fil
 from transforms.partition import VIRTUAL_BUCKETS_PER_MACHINE, PlanMachines, machine_of
 from transforms.spill import (SPILL_DIR, SpillLines, SpillSection, StreamEntry, delete_spill,
                               part_entries, spill_bytes)
-from transforms.tokenize import TokenizedSample, decoded_pieces, load_tokenizer
+from transforms.tokenize import TokenizedSample, decoded_pieces
+from transforms.tokenizers import load_tokenizer
 
 PREVIEW_CHARS = 200
 REJECTED_FILE = "rejected/rejected.jsonl"

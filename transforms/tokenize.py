@@ -47,6 +47,7 @@ from common.cli import UserError
 from common.roles import ASSISTANT, ROLE_CODES, TEMPLATE, TEXT, runs_of_codes
 from transforms.ids import split_sample_id
 from transforms.rejections import RejectedRecord, count_rejection, rejection
+from transforms.tokenizers import load_tokenizer, special_ids
 from transforms.samples import REJECTED_TAG, Sample
 from transforms.spans import Rendering, plain_rendering, template_rendering, token_role_codes
 
@@ -64,20 +65,6 @@ class TokenizedSample:
     special: tuple[int, ...] = ()  # positions of the tokenizer's special tokens
     columns: tuple[tuple[str, Any], ...] = ()  # the kept columns' (name, value)
     expected_output: Any = None  # ARC: the test's output grid, where known (transforms.arc.scored_answer)
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(name_or_path: str):
-    """``AutoTokenizer.from_pretrained`` with failures reported as one ``UserError`` line.
-
-    Cached per process: every DoFn of a worker (and the launcher of a local run) shares one
-    instance instead of parsing the 150k-entry vocabulary again. Callers must not mutate it.
-    """
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(name_or_path)
-    except Exception as e:  # transformers raises OSError/ValueError/HFValidationError
-        raise UserError(f"cannot load tokenizer {name_or_path!r}: {str(e).splitlines()[0]}") from None
 
 
 # What the conventions are probed with: plain words (the system text is looked for in a rendering).
@@ -212,14 +199,6 @@ def probe_conventions(tokenizer) -> PromptConventions:
     folded, rendered, error = _probe_template(tokenizer)
     template_bos = _template_bos(tokenizer, rendered, bos) if rendered is not None else None
     return PromptConventions(True, folded, bos, end_ids, template_bos, error, specials)
-
-
-def special_ids(tokenizer) -> frozenset[int]:
-    """The ids of the tokenizer's special tokens: those its settings name (BOS, EOS, pad, ...) and
-    the added tokens it marks special (end-of-turn markers and the like)."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return frozenset(getattr(tokenizer, "all_special_ids", [])) | {i for i, token in added.items()
-                                                                    if getattr(token, "special", False)}
 
 
 _CONVENTIONS: weakref.WeakKeyDictionary[Any, PromptConventions] = weakref.WeakKeyDictionary()
