@@ -121,6 +121,7 @@ def spawn(module: str, *args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+@pytest.mark.slow  # the whole job, end to end
 def test_two_worker_processes_store_what_three_runners_store(expected, streams, runner_flags, gcs):
     result = run_in_process("pipeline.extract", *job_args(streams, runner_flags, "--direct_running_mode",
                                                           "multi_processing", "--direct_num_workers", "2"))
@@ -129,6 +130,7 @@ def test_two_worker_processes_store_what_three_runners_store(expected, streams, 
     assert not [name for name in stored(gcs) if name.endswith("lease.json")]  # all let go
 
 
+@pytest.mark.slow  # the whole job, end to end
 def test_a_failed_attempt_is_retried_by_beam_and_resumes(expected, streams, runner_flags, gcs):
     gcs.fault(**SECOND_COMMIT, status=403)  # machine 1's first attempt fails after one committed shard
     result = run_in_process("pipeline.extract", *job_args(streams, runner_flags, "--runner",
@@ -138,11 +140,12 @@ def test_a_failed_attempt_is_retried_by_beam_and_resumes(expected, streams, runn
     assert stored(gcs) == expected
 
 
+@pytest.mark.slow  # the whole job, end to end
 def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_flags, gcs, tmp_path, caplog):
     machine = ["--machine_id", "1", "--streams_dir", streams, "--upload_to_gcs", "--gcs_bucket", "acts",
                "--gcs_prefix", "job/machine_{machine_id:03d}", "--delete_local_after_upload", *runner_flags,
-               "--lease_s", "60"]  # renewed every 20 s: long enough that a starved holder keeps it (nothing here
-    # waits it out; at 10 s a holder slowed by a loaded machine lost it and the copy took over)
+               "--lease_s", "30"]  # renewed every 10 s: a holder starved for 20 s keeps it (at 10 s, one slowed
+    # by a loaded machine lost it and the copy took over); the copy stops at the first renewal it sees
     gcs.fault(**SECOND_SHARD, action="hold")  # the holder stays alive, renewing, after its first commit
     # One upload at a time: nothing past the held shard reaches GCS, so what is there stays put.
     holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"), "--upload_threads", "1")
@@ -174,6 +177,7 @@ def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_f
     assert {k: v for k, v in expected.items() if k.startswith("machine_001/")} == stored(gcs)
 
 
+@pytest.mark.slow  # the whole job, end to end
 def test_a_killed_job_resubmitted_ends_as_if_uninterrupted(expected, streams, runner_flags, gcs):
     gcs.fault(**SECOND_SHARD, action="hold")
     job = spawn("pipeline.extract", *job_args(streams, runner_flags))
@@ -188,6 +192,7 @@ def test_a_killed_job_resubmitted_ends_as_if_uninterrupted(expected, streams, ru
     assert stored(gcs) == expected
 
 
+@pytest.mark.slow  # the whole job, end to end
 def test_the_job_generates_what_the_runners_generate(three_streams, runner_flags, streams, gcs, tmp_path):
     """--generate through the job: each machine's prompts continued (sampled: the draws come from
     the seed and the sample ids) and stored as three runners.tpu_host runs store them."""
