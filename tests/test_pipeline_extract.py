@@ -150,6 +150,8 @@ def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_f
     holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"), "--upload_threads", "1")
     wait_for(lambda: (gcs.held() == 1 and committed(gcs, 1) == 1) or holder.poll() is not None,
              what="the holder's first commit, and its second shard held")
+    assert holder.poll() is None, ("the holder ended before its first commit and its second shard's hold were "
+                                   "seen together: " + holder.communicate()[1][-2000:])
     before = stored(gcs)
     copy = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "b"))
     _, err = copy.communicate(timeout=120)
