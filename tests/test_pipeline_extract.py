@@ -146,8 +146,11 @@ def test_a_speculative_copy_stops_and_leaves_nothing(expected, streams, runner_f
                "--gcs_prefix", "job/machine_{machine_id:03d}", "--delete_local_after_upload", *runner_flags,
                "--lease_s", "10"]  # renewed every 3.3 s: a machine under load keeps it (nothing waits it out)
     gcs.fault(**SECOND_SHARD, action="hold")  # the holder stays alive, renewing, after its first commit
-    # One upload at a time: nothing past the held shard reaches GCS, so what is there stays put.
-    holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"), "--upload_threads", "1")
+    # One write and one upload at a time: the shards go to GCS in order (written side by side, the
+    # second could be sent first, and its held upload would keep the first one's, and its commit,
+    # waiting), and nothing past the held shard reaches GCS, so what is there stays put.
+    holder = spawn("runners.tpu_host", *machine, "--output_dir", str(tmp_path / "a"), "--upload_threads", "1",
+                   "--write_threads", "1")
     wait_for(lambda: (gcs.held() == 1 and committed(gcs, 1) == 1) or holder.poll() is not None,
              what="the holder's first commit, and its second shard held")
     assert holder.poll() is None, ("the holder ended before its first commit and its second shard's hold were "
