@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from interventions.spec import Atom, Intervention, parse_interventions
 from model.config import DecoderConfig
 from model.interventions import Means, add_steering, kept_arrays, remove, remove_expert, route_to, steered_token_mask
 from model.sites import array_key, missing_reason
+
+if TYPE_CHECKING:  # the model's forward (JAX) is not needed to name what it takes
+    from model.extract import AblationSource
 
 log = logging.getLogger("interventions.resolve")
 
@@ -112,7 +115,7 @@ def ablation_for(spec: str | None, means_path: str | None, config: DecoderConfig
     return intervention, ablation_arrays(intervention, config, num_layers, means)
 
 
-def ablation_source(spec: str | None, means_path: str | None):
+def ablation_source(spec: str | None, means_path: str | None) -> AblationSource | None:
     """What ``model.extract.Extractor.load`` takes for the intervention ``spec`` (None: none): the
     model's config and the blocks it computes -> (the arrays, the tokens its steerings choose)."""
     if spec is None and not means_path:

@@ -16,7 +16,7 @@ from model.families import load_config
 from model.extract import Extractor
 from model.sites import MLP_IN, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
 from fixtures.gcs_emulator import free_port
-from tests.conftest import run_cli, run_in_process
+from tests.conftest import run_in_process
 from tests.test_host_errors import one_line_error
 from tests.test_multihost import start_slice, stored
 
@@ -45,7 +45,7 @@ def runner(stream, out, model_dir: str, *extra: str) -> list[str]:
 
 
 def run_ok(*args: str) -> None:
-    result = run_cli("runners.tpu_host", *args)
+    result = run_in_process("runners.tpu_host", *args)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -106,7 +106,7 @@ def gemma2_run(family_checkpoints, tmp_path_factory):
     model_dir = family_checkpoints["gemma2", "transformers5"]
     records = write_stream(folder / "stream.jsonl", model_dir)
     run_ok(*runner(folder / "stream.jsonl", folder / "out", model_dir, "--layers_to_extract", "1", "3", *EVERY_SITE))
-    result = run_cli("pipeline.index", "--activations_dir", str(folder / "out"), "--output",
+    result = run_in_process("pipeline.index", "--activations_dir", str(folder / "out"), "--output",
                      str(folder / "index.parquet"))
     assert result.returncode == 0, result.stderr
     return model_dir, records, folder
@@ -123,8 +123,8 @@ def test_the_saelens_export_names_block_3_resid_post_and_reads_as_stored(gemma2_
     from tests.test_saelens import activations_store, stored_in_order
     _, records, folder = gemma2_run
     index = str(folder / "index.parquet")
-    result = run_cli("pipeline.export", "--format", "saelens", "--index", index, "--output_dir", str(tmp_path / "sae"),
-                     "--layers", "3", "--context_size", "32", "--seed", "none")
+    result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, "--output_dir",
+                            str(tmp_path / "sae"), "--layers", "3", "--context_size", "32", "--seed", "none")
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "sae" / "activation_export.json").read_text())
     assert "blocks.3.hook_resid_post" in json.dumps(summary)
@@ -161,7 +161,7 @@ def test_a_resumed_run_stores_every_sample_once(family_checkpoints, tmp_path):
     run_ok(*args, "--max_samples", "5", *EVERY_SITE)
     checkpoint = json.loads((tmp_path / "out" / "machine_000" / "checkpoint.json").read_text())
     assert 0 < checkpoint["total_samples_processed"] == 5 < len(records)
-    other = run_cli("runners.tpu_host", *args, "--sites", "hook_resid_post")  # refused before the model loads
+    other = run_in_process("runners.tpu_host", *args, "--sites", "hook_resid_post")  # refused before the model loads
     assert other.returncode != 0 and "--sites [" in other.stderr and "resume with the same flags" in other.stderr
     run_ok(*args, *EVERY_SITE)
     assert_equals_transformers(model_dir, records, stored(tmp_path / "out" / "machine_000"), DENSE_SITES)

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from activations.reader import iter_activations, load_shard, read_activations
-from tests.conftest import REPO, assert_statistics_close, gated_runner, read_streams, run_cli
+from tests.conftest import REPO, assert_statistics_close, gated_runner, read_streams, run_in_process
 from fixtures.hf_reference import load_reference, reference_activations, relative_error
 from common.states import COMPLETED
 from tests.test_stream_reader import split_stream
@@ -31,7 +31,9 @@ def host_args(streams, out, machine, model, *extra):
 
 
 def run_host_cli(*args, **kw):
-    return run_cli("runners.tpu_host", *args, **kw)
+    """``runners.tpu_host args`` run to its end in this process (``run_in_process``): the tests
+    that kill or signal a runner start processes of their own."""
+    return run_in_process("runners.tpu_host", *args, **kw)
 
 
 def shard_contents(machine_dir: pathlib.Path) -> dict:
@@ -69,7 +71,7 @@ def uninterrupted(arc_streams, tiny_checkpoints, tmp_path_factory):
 def test_end_to_end_every_sample_once_and_equal_to_reference(arc_streams, tiny_checkpoints, uninterrupted,
                                                              tmp_path):
     index_path = tmp_path / "index.parquet"
-    result = run_cli("pipeline.index", "--activations_dir", str(uninterrupted), "--output", str(index_path))
+    result = run_in_process("pipeline.index", "--activations_dir", str(uninterrupted), "--output", str(index_path))
     assert result.returncode == 0, result.stderr
     index = pq.read_table(index_path).to_pandas()
     streams = [s for stream in read_streams(arc_streams, 2) for s in stream]
@@ -100,7 +102,8 @@ def assert_statistics_of_the_arrays(activations_dir: pathlib.Path, index_path: p
     from activations.reader import frame_keys
     from activations.site_stats import Moments, table_moments
     if not index_path.exists():
-        result = run_cli("pipeline.index", "--activations_dir", str(activations_dir), "--output", str(index_path))
+        result = run_in_process("pipeline.index", "--activations_dir", str(activations_dir), "--output",
+                                str(index_path))
         assert result.returncode == 0, result.stderr
     stats = table_moments(pq.read_table(stats_path(str(index_path))))
     arrays = pq.read_table(str(index_path).replace(".parquet", "_arrays.parquet")).to_pandas()
@@ -136,7 +139,8 @@ def test_statistics_off_stores_the_same_shards_and_indexes_and_no_statistics(arc
     assert not list((machine / "index").glob("*_stats.parquet")) and list((measured / "index").glob("*_stats.parquet"))
     said = [json.loads((m / "metadata.json").read_text())["statistics"] for m in (machine, measured)]
     assert said == ["off", "device"]
-    merged = run_cli("pipeline.index", "--activations_dir", str(tmp_path), "--output", str(tmp_path / "index.parquet"))
+    merged = run_in_process("pipeline.index", "--activations_dir", str(tmp_path), "--output",
+                            str(tmp_path / "index.parquet"))
     assert merged.returncode == 0, merged.stderr
     assert (tmp_path / "index.parquet").exists() and not (tmp_path / "index_stats.parquet").exists()
     refused = run_host_cli(*host_args(arc_streams, tmp_path / "grouped", 0, tiny_checkpoints["gqa_tied"],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from activations.reader import iter_activations, load_shard, loads_shard, read_activations
-from tests.conftest import gated_runner, read_streams, run_cli
+from tests.conftest import gated_runner, read_streams, run_in_process
 from tests.test_host import SHARD_GB, host_args, long_stream, run_host_cli, shard_contents
 from tests.test_host_errors import one_line_error
 from common.states import COMPLETED
@@ -45,7 +45,7 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     assert status == json.loads((machine / "status.json").read_text()) and status["state"] == COMPLETED
     # Read back through gs:// only: merge the uploaded indexes, then look samples up.
     index_path = tmp_path / "index.parquet"
-    merged = run_cli("pipeline.index", "--activations_dir", "gs://acts/activations", "--output",
+    merged = run_in_process("pipeline.index", "--activations_dir", "gs://acts/activations", "--output",
                      str(index_path))
     assert merged.returncode == 0, merged.stderr
     stream = read_streams(arc_streams, 2)[0]

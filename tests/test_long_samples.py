@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from activations.reader import iter_activations
-from tests.conftest import run_cli
+from tests.conftest import run_in_process
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 from tests.test_host import index_rows, run_with_kills, shard_contents
 from tests.test_host_errors import one_line_error
@@ -72,7 +72,7 @@ def host_args(stream, out, model, policy, *extra):
 @pytest.mark.slow
 def test_truncated_samples_equal_the_reference_on_their_first_tokens(tiny_checkpoints, tmp_path):
     records = write_stream(tmp_path / "s.jsonl", copies=1)
-    result = run_cli("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "out",
+    result = run_in_process("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "out",
                                                      tiny_checkpoints["gqa_tied"], "truncate"))
     assert result.returncode == 0, result.stderr
     machine = tmp_path / "out" / "machine_000"
@@ -85,7 +85,7 @@ def test_truncated_samples_equal_the_reference_on_their_first_tokens(tiny_checkp
     assert metadata["total_truncated"] == 2 and metadata["total_skipped"] == 0
     assert not (machine / "rejected.jsonl").exists()
     index_path = tmp_path / "index.parquet"
-    assert run_cli("pipeline.index", "--activations_dir", str(tmp_path / "out"), "--output",
+    assert run_in_process("pipeline.index", "--activations_dir", str(tmp_path / "out"), "--output",
                    str(index_path)).returncode == 0
     assert pq.read_table(index_path).column("truncated").to_pylist() == [False, False, True, True]
     assert json.loads((tmp_path / "merged_metadata.json").read_text())["total_truncated"] == 2
@@ -108,7 +108,7 @@ def rejected_lines(machine):
 def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp_path, policy):
     records = write_stream(tmp_path / "s.jsonl")
     model = tiny_checkpoints["gqa_tied"]
-    baseline = run_cli("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "base", model, policy))
+    baseline = run_in_process("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "base", model, policy))
     assert baseline.returncode == 0, baseline.stderr
     base = tmp_path / "base" / "machine_000"
     expected = (shard_contents(base), index_rows(base), rejected_lines(base))
@@ -120,7 +120,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp
         checkpoint = json.loads((base / "checkpoint.json").read_text())
         assert checkpoint["status"] == COMPLETED and checkpoint["total_samples_processed"] == len(records)
         assert checkpoint["total_skipped"] == 10 and checkpoint["last_processed_sample_idx"] == records[-1]["sample_id"]
-        merged = run_cli("pipeline.index", "--activations_dir", str(tmp_path / "base"), "--output",
+        merged = run_in_process("pipeline.index", "--activations_dir", str(tmp_path / "base"), "--output",
                          str(tmp_path / "index.parquet"))
         assert merged.returncode == 0, merged.stderr
         summary = json.loads((tmp_path / "merged_metadata.json").read_text())
@@ -141,7 +141,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp
 @pytest.mark.slow
 def test_error_stops_before_the_model_loads(tiny_checkpoints, tmp_path):
     write_stream(tmp_path / "s.jsonl", copies=1)
-    result = run_cli("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "out",
+    result = run_in_process("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "out",
                                                      tiny_checkpoints["gqa_tied"], "error"))
     one_line_error(result, "has 600 tokens, more than --max_seq_length 512")
     assert "s.jsonl:3)" in result.stderr.strip().splitlines()[-1]

@@ -13,7 +13,7 @@ import pytest
 from activations.reader import iter_activations
 from activations.token_loader import LoaderConfig, TokenLoader
 from fixtures.stored_activations import export_order
-from tests.conftest import REPO, read_streams, run_cli, run_in_process
+from tests.conftest import REPO, read_streams, run_in_process
 
 pytestmark = pytest.mark.slow
 LAYERS = (1, 3)
@@ -26,20 +26,20 @@ def run_output(arc_streams, tiny_checkpoints, tmp_path_factory):
     """The runner's output for 24 real ARC prompts on 2 machines (several shards each), merged."""
     out = tmp_path_factory.mktemp("activations")
     for machine in (0, 1):
-        result = run_cli("runners.tpu_host", "--machine_id", str(machine), "--streams_dir", str(arc_streams),
+        result = run_in_process("runners.tpu_host", "--machine_id", str(machine), "--streams_dir", str(arc_streams),
                          "--model_path", tiny_checkpoints["gqa_tied"], "--output_dir", str(out / "run"),
                          "--shard_size_gb", "0.0002", "--batch_size", "2", "--max_seq_length", "160",
                          "--dtype", "float32", "--layers_to_extract", "1,3")
         assert result.returncode == 0, result.stderr
     index = out / "index.parquet"
-    result = run_cli("pipeline.index", "--activations_dir", str(out / "run"), "--output", str(index))
+    result = run_in_process("pipeline.index", "--activations_dir", str(out / "run"), "--output", str(index))
     assert result.returncode == 0, result.stderr
     assert len(list((out / "run").glob("machine_*/shard_*.pkl.gz"))) >= 3
     return str(index)
 
 
 def export(index, out, *flags):
-    result = run_cli("pipeline.export", "--format", "saelens", "--index", index, "--output_dir", str(out),
+    result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, "--output_dir", str(out),
                      "--layers", "1,3", "--context_size", str(CONTEXT), *flags)
     assert result.returncode == 0, result.stderr
     return str(out)
