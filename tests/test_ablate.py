@@ -230,10 +230,10 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     # The steering on the tokens of the ARC prompt's text, not its template's.
     for number, spec in enumerate(("head:1.2", f"mlp:2:mode=mean+steer:1:{directions}:alpha=3:tokens=-template")):
         out = tmp_path / f"run_{number}"
-        result = run_cli("runners.tpu_host", "--machine_id", "0", "--streams_dir", str(arc_streams),
-                         "--model_path", path, "--output_dir", str(out), "--batch_size", "2",
-                         "--max_seq_length", "160", "--dtype", "float32", "--layers_to_extract", "1,3",
-                         "--ablate", spec, "--ablation_means", str(tmp_path / "means.npz"))
+        result = run_in_process("runners.tpu_host", "--machine_id", "0", "--streams_dir", str(arc_streams),
+                                "--model_path", path, "--output_dir", str(out), "--batch_size", "2",
+                                "--max_seq_length", "160", "--dtype", "float32", "--layers_to_extract", "1,3",
+                                "--ablate", spec, "--ablation_means", str(tmp_path / "means.npz"))
         assert result.returncode == 0, result.stderr
         machine = out / "machine_000"
         assert json.loads((machine / "metadata.json").read_text())["ablation"] == spec
@@ -263,7 +263,7 @@ def test_the_runner_stores_activations_under_an_intervention(arc_streams, tiny_c
     common = ["--machine_id", "0", "--streams_dir", str(arc_streams), "--model_path", path, "--output_dir",
               str(tmp_path / "resumed"), "--batch_size", "2", "--max_seq_length", "160", "--dtype", "float32",
               "--layers_to_extract", "1,3"]
-    assert run_cli("runners.tpu_host", *common, "--ablate", "head:1.2", "--max_samples", "2").returncode == 0
+    assert run_in_process("runners.tpu_host", *common, "--ablate", "head:1.2", "--max_samples", "2").returncode == 0
     other = run_in_process("runners.tpu_host", *common, "--ablate", "head:1.3")
     assert other.returncode == 2 and "other settings (--ablate 'head:1.2' -> 'head:1.3')" in other.stderr
     plain = run_in_process("runners.tpu_host", *common)

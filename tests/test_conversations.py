@@ -26,7 +26,7 @@ from tests.test_saelens import activations_store, one_epoch
 from transforms.prepare import PrepareConfig
 
 pytestmark = pytest.mark.slow
-CHATS = 200
+CHATS = 100  # 50 a machine: every role and label, several shards, a kill between them
 LAYERS = (1, 3)
 RUNNER = ["--batch_size", "4", "--max_seq_length", "256", "--dtype", "float32", "--layers_to_extract", "1,3",
           "--shard_size_gb", "0.0004", "--window", "16"]
