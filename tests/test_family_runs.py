@@ -107,7 +107,7 @@ def gemma2_run(family_checkpoints, tmp_path_factory):
     records = write_stream(folder / "stream.jsonl", model_dir)
     run_ok(*runner(folder / "stream.jsonl", folder / "out", model_dir, "--layers_to_extract", "1", "3", *EVERY_SITE))
     result = run_in_process("pipeline.index", "--activations_dir", str(folder / "out"), "--output",
-                     str(folder / "index.parquet"))
+                            str(folder / "index.parquet"))
     assert result.returncode == 0, result.stderr
     return model_dir, records, folder
 

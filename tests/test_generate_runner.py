@@ -15,17 +15,12 @@ from fixtures.hf_reference import load_reference, reference_activations, relativ
 from common.states import COMPLETED
 from model.generate import Generator, stop_token_ids
 from model.loading import load_model
-from tests.conftest import read_streams, run_in_process
+from tests.conftest import read_streams
 from tests.test_continued_records import independent_grid
-from tests.test_host import index_rows, run_with_kills, shard_contents
+from tests.test_host import index_rows, run_host_cli, run_with_kills, shard_contents
 
 pytestmark = pytest.mark.slow
 NEW = 8
-
-
-def run_runner(*args: str):
-    """``runners.tpu_host args`` in this process (the kill test starts processes of its own)."""
-    return run_in_process("runners.tpu_host", *args)
 
 
 def args_for(stream, out, model, *extra):
@@ -46,7 +41,7 @@ def stream(arc_streams, tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy(stream, tiny_checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("greedy")
-    result = run_runner(*args_for(stream, out, tiny_checkpoints["gqa_tied"]))
+    result = run_host_cli(*args_for(stream, out, tiny_checkpoints["gqa_tied"]))
     assert result.returncode == 0, result.stderr
     return out / "machine_000"
 
@@ -98,7 +93,7 @@ def test_the_index_and_tokens_table_say_what_the_model_wrote(greedy):
 
 def test_selecting_the_generated_role_stores_exactly_the_continuations_rows(greedy, stream, tiny_checkpoints,
                                                                           tmp_path):
-    result = run_runner(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--tokens", "generated"))
+    result = run_host_cli(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--tokens", "generated"))
     assert result.returncode == 0, result.stderr
     every, selected = stored(greedy), stored(tmp_path / "machine_000")
     for sample_id, layers in every.items():
@@ -124,7 +119,7 @@ def test_a_run_under_a_steering_writes_and_stores_under_it(stream, tiny_checkpoi
                             np.random.default_rng(3).standard_normal(c.hidden_size).astype(np.float32) * 4},
                      {"model_type": c.model_type, "hidden_size": c.hidden_size})
     spec = f"steer:1:{path}"
-    result = run_runner(*args_for(stream, tmp_path / "out", model, "--ablate", spec))
+    result = run_host_cli(*args_for(stream, tmp_path / "out", model, "--ablate", spec))
     assert result.returncode == 0, result.stderr
     entries, plain = stored(tmp_path / "out" / "machine_000"), stored(greedy)
     intervention = parse_one(spec, c)
@@ -155,7 +150,7 @@ def test_a_sampled_run_killed_and_resumed_stores_what_an_uninterrupted_one_does(
     model = write_checkpoint(tmp_path / "model", "qwen2", vocab_size=SMALL_VOCAB)
     write_stream(tmp_path / "stream.jsonl", model, count=24)
     sampled = ("--temperature", "0.8", "--top_p", "0.95", "--seed", "3", "--window", "3")
-    baseline = run_runner(*args_for(tmp_path / "stream.jsonl", tmp_path / "baseline", model, *sampled))
+    baseline = run_host_cli(*args_for(tmp_path / "stream.jsonl", tmp_path / "baseline", model, *sampled))
     assert baseline.returncode == 0, baseline.stderr
     expected = shard_contents(tmp_path / "baseline" / "machine_000")
     expected_index = index_rows(tmp_path / "baseline" / "machine_000")
@@ -170,11 +165,11 @@ def test_a_sampled_run_killed_and_resumed_stores_what_an_uninterrupted_one_does(
 
 
 def test_a_resume_with_other_generation_settings_is_refused(stream, tiny_checkpoints, tmp_path):
-    first = run_runner(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--max_samples", "2"))
+    first = run_host_cli(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--max_samples", "2"))
     assert first.returncode == 0, first.stderr
     args = [a for a in args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"]) if a != str(NEW)]
     args[args.index("--generate") + 1:args.index("--generate") + 1] = ["4"]
-    again = run_runner(*args)
+    again = run_host_cli(*args)
     refused = "made with other settings (--generate {'max_new_tokens': 8"
     assert again.returncode == 2 and refused in again.stderr, again.stderr
 
@@ -185,7 +180,7 @@ def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_t
     from transforms.tokenizers import load_tokenizer, special_ids
     tokenizer = load_tokenizer(str(qwen_tokenizer_dir))
     model, free_dir, cut_dir = tiny_checkpoints["gqa_tied"], tmp_path / "free", tmp_path / "cut"
-    result = run_runner(*args_for(stream, free_dir, model, "--tokenizer", str(qwen_tokenizer_dir)))
+    result = run_host_cli(*args_for(stream, free_dir, model, "--tokenizer", str(qwen_tokenizer_dir)))
     assert result.returncode == 0, result.stderr
     free = {i: e[1]["generation"] for i, e in stored(free_dir / "machine_000").items()}
     index = {r["sample_id"]: r for r in pq.read_table(free_dir / "machine_000" / "index" / "shard_0001.parquet")
@@ -211,7 +206,7 @@ def test_text_and_stop_strings_with_a_tokenizer(stream, tiny_checkpoints, qwen_t
     # A stop string from the middle of one continuation's text (two of its tokens).
     sample_id, generation = next((i, g) for i, g in free.items() if g["num_tokens"] == NEW)
     stop = tokenizer.decode(generation["token_ids"][3:5])
-    result = run_runner(*args_for(stream, cut_dir, model, "--tokenizer", str(qwen_tokenizer_dir),
+    result = run_host_cli(*args_for(stream, cut_dir, model, "--tokenizer", str(qwen_tokenizer_dir),
                                     "--stop", stop.encode("unicode_escape").decode()))
     assert result.returncode == 0, result.stderr
     entries = stored(cut_dir / "machine_000")
@@ -249,14 +244,14 @@ def test_a_batch_whose_cache_would_not_fit_is_continued_a_few_prompts_at_a_time(
 def test_bad_generation_flags_are_one_line_before_the_model_loads(stream, tiny_checkpoints, tmp_path, flags,
                                                                   message):
     args = [a for a in args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"]) if a not in ("--generate", str(NEW))]
-    result = run_runner(*args, *flags)
+    result = run_host_cli(*args, *flags)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr
     assert not (tmp_path / "machine_000").exists()
 
 
 def test_a_prompt_without_room_for_its_continuation_is_one_line_under_long_samples_error(stream, tiny_checkpoints,
                                                                                         tmp_path):
-    result = run_runner(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--long_samples", "error"))
+    result = run_host_cli(*args_for(stream, tmp_path, tiny_checkpoints["gqa_tied"], "--long_samples", "error"))
     first = json.loads(stream.read_text().splitlines()[0])
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
         f"sample {first['sample_id']} ({stream}:1) has {first['num_tokens']} tokens, more than the {96 - NEW} a "
@@ -304,7 +299,7 @@ def test_a_prompt_that_opens_a_thinking_section_stores_the_continuation_as_think
             ids = r["input_ids"][:40] + [opening]
             f.write(json.dumps({**r, "input_ids": ids, "num_tokens": len(ids), "roles": [["user", len(ids)]],
                                 "special": []}) + "\n")
-    result = run_runner(*args_for(tmp_path / "thinking.jsonl", tmp_path, tiny_checkpoints["gqa_tied"],
+    result = run_host_cli(*args_for(tmp_path / "thinking.jsonl", tmp_path, tiny_checkpoints["gqa_tied"],
                                     "--tokenizer", str(tmp_path / "tokenizer")))
     assert result.returncode == 0, result.stderr
     tables = [pq.read_table(p).to_pylist() for p in sorted((tmp_path / "machine_000" / "index").glob("*.parquet"))]

@@ -46,7 +46,7 @@ def test_upload_verify_and_delete_local(arc_streams, tiny_checkpoints, tmp_path,
     # Read back through gs:// only: merge the uploaded indexes, then look samples up.
     index_path = tmp_path / "index.parquet"
     merged = run_in_process("pipeline.index", "--activations_dir", "gs://acts/activations", "--output",
-                     str(index_path))
+                            str(index_path))
     assert merged.returncode == 0, merged.stderr
     stream = read_streams(arc_streams, 2)[0]
     got = dict(iter_activations(str(index_path), [r["sample_id"] for r in stream[::5]], layer=2))

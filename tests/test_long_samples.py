@@ -73,7 +73,7 @@ def host_args(stream, out, model, policy, *extra):
 def test_truncated_samples_equal_the_reference_on_their_first_tokens(tiny_checkpoints, tmp_path):
     records = write_stream(tmp_path / "s.jsonl", copies=1)
     result = run_in_process("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "out",
-                                                     tiny_checkpoints["gqa_tied"], "truncate"))
+                                                           tiny_checkpoints["gqa_tied"], "truncate"))
     assert result.returncode == 0, result.stderr
     machine = tmp_path / "out" / "machine_000"
     index = {r["sample_id"]: r for path in sorted((machine / "index").glob("shard_????.parquet"))
@@ -86,7 +86,7 @@ def test_truncated_samples_equal_the_reference_on_their_first_tokens(tiny_checkp
     assert not (machine / "rejected.jsonl").exists()
     index_path = tmp_path / "index.parquet"
     assert run_in_process("pipeline.index", "--activations_dir", str(tmp_path / "out"), "--output",
-                   str(index_path)).returncode == 0
+                          str(index_path)).returncode == 0
     assert pq.read_table(index_path).column("truncated").to_pylist() == [False, False, True, True]
     assert json.loads((tmp_path / "merged_metadata.json").read_text())["total_truncated"] == 2
     reference = load_reference(tiny_checkpoints["gqa_tied"])
@@ -121,7 +121,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp
         assert checkpoint["status"] == COMPLETED and checkpoint["total_samples_processed"] == len(records)
         assert checkpoint["total_skipped"] == 10 and checkpoint["last_processed_sample_idx"] == records[-1]["sample_id"]
         merged = run_in_process("pipeline.index", "--activations_dir", str(tmp_path / "base"), "--output",
-                         str(tmp_path / "index.parquet"))
+                                str(tmp_path / "index.parquet"))
         assert merged.returncode == 0, merged.stderr
         summary = json.loads((tmp_path / "merged_metadata.json").read_text())
         assert (summary["total_samples"], summary["total_skipped"]) == (10, 10)
@@ -142,7 +142,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tiny_checkpoints, tmp
 def test_error_stops_before_the_model_loads(tiny_checkpoints, tmp_path):
     write_stream(tmp_path / "s.jsonl", copies=1)
     result = run_in_process("runners.tpu_host", *host_args(tmp_path / "s.jsonl", tmp_path / "out",
-                                                     tiny_checkpoints["gqa_tied"], "error"))
+                                                           tiny_checkpoints["gqa_tied"], "error"))
     one_line_error(result, "has 600 tokens, more than --max_seq_length 512")
     assert "s.jsonl:3)" in result.stderr.strip().splitlines()[-1]
     status = json.loads((tmp_path / "out" / "machine_000" / "status.json").read_text())

@@ -27,9 +27,9 @@ def run_output(arc_streams, tiny_checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("activations")
     for machine in (0, 1):
         result = run_in_process("runners.tpu_host", "--machine_id", str(machine), "--streams_dir", str(arc_streams),
-                         "--model_path", tiny_checkpoints["gqa_tied"], "--output_dir", str(out / "run"),
-                         "--shard_size_gb", "0.0002", "--batch_size", "2", "--max_seq_length", "160",
-                         "--dtype", "float32", "--layers_to_extract", "1,3")
+                                "--model_path", tiny_checkpoints["gqa_tied"], "--output_dir", str(out / "run"),
+                                "--shard_size_gb", "0.0002", "--batch_size", "2", "--max_seq_length", "160",
+                                "--dtype", "float32", "--layers_to_extract", "1,3")
         assert result.returncode == 0, result.stderr
     index = out / "index.parquet"
     result = run_in_process("pipeline.index", "--activations_dir", str(out / "run"), "--output", str(index))
@@ -40,7 +40,7 @@ def run_output(arc_streams, tiny_checkpoints, tmp_path_factory):
 
 def export(index, out, *flags):
     result = run_in_process("pipeline.export", "--format", "saelens", "--index", index, "--output_dir", str(out),
-                     "--layers", "1,3", "--context_size", str(CONTEXT), *flags)
+                            "--layers", "1,3", "--context_size", str(CONTEXT), *flags)
     assert result.returncode == 0, result.stderr
     return str(out)
 
