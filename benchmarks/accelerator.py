@@ -17,7 +17,10 @@ cost depends on shapes, not on which ids). Printed in one run:
 4. the same four layers stored by the runner itself (``host.run.run_process``, its shard writer,
    statistics and index; the model handed over already compiled): raw and gzip shards to the
    local disk, raw to memory (``/dev/shm``), as a fraction of forward-only; the disk's durable
-   write speed beside;
+   write speed beside (``--store_modes`` chooses, ``--write_threads`` repeats them per count;
+   ``--copy_back``: the same forward copied back to the host and nothing stored, into pageable and
+   into pinned memory; ``--host_copy_gb``: one device array copied into each; ``--sample_stacks``:
+   where each of the runner's threads spent its time);
 5. transformers' own bfloat16 forward (the base model, ``output_hidden_states=True``, its default
    attention) on the same device, batch and length, and our forward-only over it;
 6. fidelity: a tiny odd Qwen2 (3 heads over 1 kv head, head_dim 32 != hidden / heads) in float32
@@ -39,7 +42,10 @@ figures go to ``--out`` as JSON as they come, so a run cut short keeps what it m
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -47,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -270,8 +277,19 @@ def write_stream(path: str, count: int, length: int, vocab: int) -> None:
                                 "text_preview": ""}) + "\n")
 
 
+def stored_extractor(extractor):
+    """``extractor``'s weights and shapes with the forward the runner compiles by default: the one
+    that also measures each stored array's statistics."""
+    import dataclasses
+    from host.config import HostConfig
+    from host.run import statistics_spec
+    from model.extract import measured_statistics
+    spec = statistics_spec(HostConfig(machine_id=0, dataset_stream="-", model_path="-", output_dir="-"))
+    return dataclasses.replace(extractor, statistics=measured_statistics(spec, extractor.config))
+
+
 def stored_rate(extractor, model_dir: str, work: str, output_dir: str, rows: int, length: int,
-                samples: int, compress: bool) -> dict:
+                samples: int, compress: bool, write_threads: int | None = None, sample_stacks: bool = False) -> dict:
     """Tokens/s of the runner storing ``extractor``'s layers of ``samples`` random records (the
     extractor's forward with the runner's statistics, compiled before the clock starts), from the
     call to the last shard committed; and the run's store figures (how long the forward waited for
@@ -279,7 +297,6 @@ def stored_rate(extractor, model_dir: str, work: str, output_dir: str, rows: int
     import dataclasses
     from host.config import HostConfig
     from host.run import run_process, statistics_spec
-    from model.extract import measured_statistics
     from transforms.extraction import ExtractConfig, OrderedExtraction
     stream = os.path.join(work, f"stream_{length}_{samples}.jsonl")
     if not os.path.exists(stream):
@@ -290,15 +307,17 @@ def stored_rate(extractor, model_dir: str, work: str, output_dir: str, rows: int
                         layers_to_extract=extractor.layers, batch_size=rows, max_seq_length=length,
                         dtype="bfloat16", attention=extractor.attention, output_dir=output_dir,
                         compress_shards=compress, compilation_cache_dir="", heartbeat_s=3600.0)
-    statistics = statistics_spec(config)
+    if write_threads:
+        config = dataclasses.replace(config, write_threads=write_threads)
     extraction = OrderedExtraction(ExtractConfig(model_path=model_dir, layers=extractor.layers, batch_size=rows,
                                                  max_seq_length=length, dtype="bfloat16",
-                                                 attention=extractor.attention, statistics=statistics))
-    # The same weights; the forward that also measures the statistics, as the runner's does.
-    extraction.extractor = dataclasses.replace(extractor, statistics=measured_statistics(statistics, extractor.config))
+                                                 attention=extractor.attention, statistics=statistics_spec(config)))
+    extraction.extractor = stored_extractor(extractor)
     extraction.extractor.executable(rows, length)
+    sampler = StackSampler() if sample_stacks else None
     start = time.perf_counter()
-    code = run_process(config, extraction=extraction)
+    with sampler or contextlib.nullcontext():
+        code = run_process(config, extraction=extraction)
     seconds = time.perf_counter() - start
     status = json.load(open(os.path.join(output_dir, "machine_000", "status.json")))
     metadata = json.load(open(os.path.join(output_dir, "machine_000", "metadata.json")))
@@ -309,7 +328,98 @@ def stored_rate(extractor, model_dir: str, work: str, output_dir: str, rows: int
     # (a short one also waits for its last shards to be written).
     steady = seconds - store.get("final_flush_s", 0.0)
     return {"exit": code, "layers": layers, "seconds": seconds, "tokens_per_s": samples * length / seconds,
-            "steady_tokens_per_s": samples * length / steady, "stored_gb": stored_gb, "store": store}
+            "steady_tokens_per_s": samples * length / steady, "stored_gb": stored_gb, "store": store,
+            "write_threads": config.write_threads, **({"stacks": sampler.top()} if sampler else {})}
+
+
+def copy_back_rate(extractor, length: int, samples: int) -> float:
+    """Tokens/s of ``extractor`` (the store runs' forward, statistics measured) over ``samples``
+    random records of ``length`` with every output copied back to the host and split per sample,
+    as the runner's forward loop does, and nothing stored: the most a store run can reach here."""
+    import numpy as np
+    rng = np.random.default_rng(2)
+    items = [(i, rng.integers(0, extractor.config.vocab_size, length).tolist()) for i in range(samples)]
+    start = time.perf_counter()
+    for _ in extractor.extract_measured(items):
+        pass
+    return samples * length / (time.perf_counter() - start)
+
+
+def host_copy_gbps(gigabytes: float) -> dict:
+    """GB/s of copying a device array of ``gigabytes`` to host memory: into pageable numpy memory
+    (``copy_to_host_async`` then ``np.asarray``, as ``Extractor.collect`` does) and, where the
+    backend has the memory kind, into pinned host memory (``device_put`` to ``pinned_host``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    device = jax.devices()[0]
+    source = jnp.ones((int(gigabytes * 1e9) // 4,), jnp.float32)  # [elements]
+    rates: dict = {}
+
+    def timed(copy) -> float:
+        times = []
+        for i in range(4):
+            fresh = jax.block_until_ready(source + i)  # a new array: no host copy cached
+            start = time.perf_counter()
+            copy(fresh)
+            times.append(time.perf_counter() - start)
+        return source.nbytes / 1e9 / statistics.median(times[1:])
+
+    def pageable(array):
+        array.copy_to_host_async()
+        np.asarray(array)
+    rates["pageable"] = timed(pageable)
+    try:
+        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        rates["pinned_host"] = timed(lambda array: np.asarray(jax.block_until_ready(jax.device_put(array, pinned))))
+    except Exception as e:  # noqa: BLE001 - a backend without the memory kind: reported
+        rates["pinned_host_error"] = str(e)[:300]
+    return rates
+
+
+class StackSampler(threading.Thread):
+    """Samples every thread's Python stack every ``interval`` seconds while in its ``with``: per
+    thread (names without their numbers), the share of samples at each innermost line of this
+    project's code, to say where a store run's threads spend their time."""
+
+    def __init__(self, interval: float = 0.005):
+        super().__init__(daemon=True)
+        self.interval, self.counts, self.total = interval, collections.Counter(), collections.Counter()
+        self._stop_event = threading.Event()
+        self._root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def __enter__(self) -> "StackSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop_event.wait(self.interval):
+            names = {t.ident: t.name.rstrip("0123456789_") for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, "?")
+                innermost = f"{frame.f_code.co_name}"
+                while frame is not None and not (frame.f_code.co_filename.startswith(self._root)
+                                                 and "/.venv/" not in frame.f_code.co_filename):
+                    frame = frame.f_back
+                where = (f"{os.path.relpath(frame.f_code.co_filename, self._root)}:{frame.f_lineno} "
+                         f"{frame.f_code.co_name}" if frame is not None else "-")
+                self.counts[(name, f"{where} > {innermost}")] += 1
+                self.total[name] += 1
+
+    def top(self, per_thread: int = 6) -> dict:
+        """{thread name: [(share of its samples, innermost project line > innermost function)]}."""
+        out: dict = {}
+        for (name, where), n in self.counts.most_common():
+            if len(out.setdefault(name, [])) < per_thread:
+                out[name].append((round(n / self.total[name], 3), where))
+        return out
 
 
 def jax_part(args) -> None:
@@ -329,6 +439,11 @@ def jax_part(args) -> None:
     save(out, "matmul_tflops", matmul_tflops(args.matmul_size))
     log(f"bfloat16 matmul {args.matmul_size}^3: {load(out)['matmul_tflops']:.1f} TFLOP/s")
 
+    if args.host_copy_gb:
+        copies = host_copy_gbps(args.host_copy_gb)
+        save(out, "host copy gbps", copies)
+        log(f"device to host, {args.host_copy_gb:g} GB: " + ", ".join(
+            f"{k} {v:.2f} GB/s" if isinstance(v, float) else f"{k}: {v}" for k, v in copies.items()))
     from benchmarks.store_path import durable_write_gbps
     save(out, "disk_gbps", durable_write_gbps(work, args.disk_gb, streamed=True))
     for name in args.shapes:
@@ -393,7 +508,7 @@ def jax_part(args) -> None:
             entry = {"tries": tries, "rows": best[2], "tokens_per_s": best[1], "attention": best[0].attention_kind,
                      "non_embedding_parameters": n_params, "layers": list(layers)}
             save(out, f"forward {name} {length}", entry)
-            if name == args.shapes[0] and length == longest:
+            if name == args.shapes[0] and length == longest and not args.no_extras:
                 compute = extractor_for(config, mesh, params, layers, best[2], length, attention, "compute")
                 compile_s, rate = forward_rate(compute, best[2], length, args.seconds)
                 save(out, f"residual compute {name} {length}", {"tokens_per_s": rate, "compile_s": compile_s})
@@ -412,12 +527,32 @@ def jax_part(args) -> None:
                 # Issue 56's bounds: to disk, the lesser of forward-only and the disk's durable rate over
                 # the bytes a token; to memory, forward-only. Targets: raw 0.9, gzip 0.8 of them.
                 disk_bound = min(rate, load(out)["disk_gbps"] * 1e9 / token_bytes)
-                for mode, root, compress in (("raw", work, False), ("gzip", work, True),
-                                             ("raw memory", args.memory_dir, False)):
-                    if root is None:
-                        continue
+                if args.copy_back:
+                    measuring = stored_extractor(extractor)
+                    measured_rate = forward_rate(measuring, rows, length, args.seconds)[1]
+                    runs["forward measuring statistics"] = {"tokens_per_s": measured_rate,
+                                                            "fraction": measured_rate / rate}
+                    log(f"  forward-only, statistics measured: {measured_rate:10.0f} tokens/s = "
+                        f"{measured_rate / rate:.2f} of forward-only")
+                    for memory, in_flight in (("pageable", 2), ("auto", 2), ("auto", 4)):
+                        measuring.host_memory, measuring.batches_in_flight = memory, in_flight
+                        kind = measuring.host_memory_kind or "pageable"
+                        copied = copy_back_rate(measuring, length, samples)
+                        runs[f"copy back {kind} {in_flight}"] = {"tokens_per_s": copied, "fraction": copied / rate,
+                                                                 "gb_per_s": copied * token_bytes / 1e9}
+                        log(f"  copied back to {kind} memory ({in_flight} batches in flight), not stored: "
+                            f"{copied:10.0f} tokens/s = "
+                            f"{copied / rate:.2f} of forward-only ({copied * token_bytes / 1e9:.2f} GB/s of float32 "
+                            f"activations to the host)")
+                    del measuring
+                modes = [(mode, root, compress) for mode, root, compress in
+                         (("raw", work, False), ("gzip", work, True), ("raw memory", args.memory_dir, False))
+                         if root is not None and mode.replace(" ", "_") in args.store_modes]
+                for (mode, root, compress), threads in itertools.product(modes, args.write_threads):
                     result = stored_rate(extractor, model_dir, work, os.path.join(root, "acc_store"), rows, length,
-                                         samples, compress)
+                                         samples, compress, threads, args.sample_stacks)
+                    if threads:
+                        mode = f"{mode} {threads} writers"
                     result["fraction"] = result["tokens_per_s"] / rate
                     result["steady_fraction"] = result["steady_tokens_per_s"] / rate
                     result["bound_tokens_per_s"] = rate if mode == "raw memory" else disk_bound
@@ -431,6 +566,8 @@ def jax_part(args) -> None:
                         f"flush ({samples} x {length}, {result['stored_gb']:.1f} GB in {result['seconds']:.1f} s; "
                         f"forward waited {store.get('forward_waited_fraction', float('nan')):.0%}; busy s: "
                         + ", ".join(f"{k} {v:.1f}" for k, v in store.get("stage_s", {}).items() if v >= 0.05) + ")")
+                    for thread, places in result.get("stacks", {}).items():
+                        log(f"    thread {thread}: " + "; ".join(f"{share:.0%} {where}" for share, where in places))
                 save(out, f"stored {name} {length}", runs)
         del params
     shutil.rmtree(work, ignore_errors=True)
@@ -603,6 +740,18 @@ def main() -> None:
     parser.add_argument("--parts", default="fidelity,jax,torch")
     parser.add_argument("--jax_deadline_s", type=float, default=1e9,
                         help="seconds into the run after which the JAX part stops searching and storing")
+    parser.add_argument("--store_modes", default="raw,gzip,raw_memory", help="the store runs: of raw, gzip, "
+                        "raw_memory")
+    parser.add_argument("--write_threads", default="", help="the runner's --write_threads of each store run, "
+                        "comma-separated (default: the runner's default)")
+    parser.add_argument("--copy_back", action="store_true", help="also time the store runs' forward with every "
+                        "output copied back and split per sample, nothing stored")
+    parser.add_argument("--host_copy_gb", type=float, default=0.0, help="also time copying a device array of "
+                        "this many GB to pageable and to pinned host memory")
+    parser.add_argument("--sample_stacks", action="store_true", help="sample the threads' Python stacks in each "
+                        "store run and print where each thread spends its time")
+    parser.add_argument("--no_extras", action="store_true", help="skip the --residual_dtype compute forward and "
+                        "the kernel profile")
     parser.add_argument("--part", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tiny = args.tiny
@@ -617,6 +766,8 @@ def main() -> None:
     args.store_seconds = args.store_seconds or (0.5 if tiny else 8.0)
     args.matmul_size = 512 if tiny else 8192
     args.disk_gb = 0.1 if tiny else 1.0
+    args.store_modes = args.store_modes.split(",")
+    args.write_threads = [int(x) for x in args.write_threads.split(",") if x] or [None]
     args.memory_dir = args.memory_dir if args.memory_dir and os.path.isdir(args.memory_dir) else None
     if args.part:
         {"jax": jax_part, "torch": torch_part, "fidelity": fidelity_part}[args.part](args)

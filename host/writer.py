@@ -463,22 +463,24 @@ class ShardWriter:
 
 
 def rates_report(settings: ShardSettings, elapsed: float, waited: float, handed: int) -> tuple[str, str | None]:
-    """The line telling the rate the forward produces activations at (``handed`` bytes over the
-    ``elapsed`` seconds less the ``waited`` ones) against the rate the store path took them at,
-    and a warning where the forward waited for the store path more than ``WAITED_WARNING`` of the
-    time (None where it did not)."""
+    """The line telling the rate the store path took activations at (``handed`` bytes over the
+    ``elapsed`` seconds) and the share of the time the forward waited for it; where it waited at
+    most ``WAITED_WARNING`` of the time, also the rate the forward produces them at (the bytes
+    over its time less its waits). Where it waited longer, that rate is not told: the batches in
+    flight compute during the waits, so the time left over understates the forward's own time
+    (on a GPU it read as thousands of GB/s). Returns the line and a warning naming the remedies
+    where the forward waited longer (else None)."""
     s = settings
-    produced, taken = handed / max(elapsed - waited, 1e-9) / 1e9, handed / max(elapsed, 1e-9) / 1e9
-    share = waited / max(elapsed, 1e-9)
-    line = (f"machine {s.machine_id}: the forward produces {produced:.3f} GB/s of activations; the store path took "
-            f"{taken:.3f} GB/s ({'gzip' if s.compress else 'raw'} shards in {s.machine_dir}); the forward waited "
-            f"{share:.0%} of the time")
+    taken, share = handed / max(elapsed, 1e-9) / 1e9, waited / max(elapsed, 1e-9)
+    line = (f"machine {s.machine_id}: the store path took {taken:.3f} GB/s of activations ("
+            f"{'gzip' if s.compress else 'raw'} shards in {s.machine_dir}); the forward waited {share:.0%} of the time")
     if share <= WAITED_WARNING:
-        return line, None
+        produced = handed / max(elapsed - waited, 1e-9) / 1e9
+        return f"{line} and produces {produced:.3f} GB/s", None
     fewer = (["--activation_dtype bfloat16"] if s.activation_dtype == "float32" else []) + [
         "fewer layers or sites", "a --tokens selection"]
-    return line, (f"the store path is the limit: it takes {taken:.3f} GB/s of the {produced:.3f} GB/s the forward "
-                  f"produces, which waited {share:.0%} of the time; store fewer bytes a token: {', '.join(fewer)}")
+    return line, (f"the store path is the limit: it took {taken:.3f} GB/s while the forward waited {share:.0%} of "
+                  f"the time; store fewer bytes a token: {', '.join(fewer)}")
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

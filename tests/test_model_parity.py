@@ -2,6 +2,7 @@
 
 import jax
 from jax.sharding import PartitionSpec as P
+import numpy as np
 import pytest
 
 from model.extract import Extractor
@@ -68,9 +69,16 @@ def test_sharded_equals_unsharded(tiny_checkpoints, references, name):
         assert sharded.mesh.devices.size == 8
         gate = sharded.params["layers_0"]["mlp"]["gate_proj"]["kernel"]
         assert gate.sharding.spec == (P(None, "model") if sharded.mesh.shape["model"] > 1 else P())
-        for a, b in zip(single, extract_all(sharded, sequences)):
+        assert sharded.host_memory_kind is None  # auto: numpy's own memory on CPUs
+        pageable = extract_all(sharded, sequences)
+        for a, b in zip(single, pageable):
             for layer in a:
                 assert relative_error(b[layer], a[layer]) <= 1e-6, (mesh_type, model_axis, layer)
+    # Copied into page-locked host memory (GPUs' default), copies of the model axis included: the same arrays.
+    sharded.host_memory = "pinned"
+    assert sharded.host_memory_kind == "pinned_host"
+    for a, b in zip(pageable, extract_all(sharded, sequences)):
+        assert sorted(a) == sorted(b) and all(np.array_equal(a[layer], b[layer]) for layer in a)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
