@@ -530,7 +530,10 @@ class Extractor:
         (numpy's own, pageable). ``auto`` pins on GPUs: a copy into pageable memory goes through the
         driver's staging buffer and first touches every page, 1.8 GB/s on an H200 host against 53
         GB/s pinned and read in place (``benchmarks/accelerator.py --host_copy_gb 1``), less than a
-        7B forward's four float32 layers (2.5 GB/s). The arrays read back are the same either way."""
+        7B forward's four float32 layers (2.5 GB/s). The arrays read back are the same either way.
+        Pinned, the activations the store path holds (``--store_memory_gb``) live in XLA's pool of
+        page-locked memory, which reuses what is freed and stops at 64 GiB by default
+        (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``)."""
         if self.host_memory not in HOST_MEMORIES:
             raise ValueError(f"host_memory must be one of {', '.join(HOST_MEMORIES)}, got {self.host_memory!r}")
         device = self.mesh.devices.flat[0]

@@ -21,7 +21,11 @@ import tempfile
 # One persistent XLA compilation cache for this test run: the test processes (pytest-xdist's
 # workers inherit the first one's) and every runner they start, through JAX's variables, compile a
 # shape once, even across processes and new jit closures; every compile is kept, however quick.
-# In a fresh directory, so runs stay independent.
+# In a fresh directory, so runs stay independent. XLA:CPU's own compile options do not pay here
+# (2026-11-28, a compile-bound and an execution-bound file on 2 cores): no LLVM optimisation
+# (--xla_backend_optimization_level=0) halves compiles but slows the suite's execution more,
+# --xla_cpu_parallel_codegen_split_count=1, --xla_cpu_use_fusion_emitters=false and
+# --xla_cpu_use_thunk_runtime=false compile slower, --xla_cpu_multi_thread_eigen=false is noise.
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-xla-cache-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
