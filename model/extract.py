@@ -139,6 +139,10 @@ class ForwardObserver:
         """A batch of ``count`` sequences is back on the host (its window may still be filling)."""
 
 
+# One jitted forward per setting in a process: an Extractor or InterventionModel built again on the
+# same model (a runner's next run in the same process, a test's) reuses JAX's traces and compiled
+# programs instead of tracing and lowering each shape anew.
+@functools.lru_cache(maxsize=64)
 def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
                  moe_dispatch: str = "auto"):
@@ -153,6 +157,7 @@ def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mes
     return jax.jit(lambda *args: forward(*args)[RESID_POST], out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
+@functools.lru_cache(maxsize=64)  # as make_forward
 def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...],
                        mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
                        moe_dispatch: str = "auto", pool: str | None = None,
