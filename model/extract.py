@@ -529,7 +529,7 @@ class Extractor:
                 data.copy_to_host_async()  # starts the transfer as soon as the forward ends
         return InFlight(out, kept, len(sequences), measured)
 
-    @property
+    @functools.cached_property
     def host_memory_kind(self) -> str | None:
         """``pinned_host`` where the activations are copied into page-locked host memory, else None
         (numpy's own, pageable). ``auto`` pins on GPUs: a copy into pageable memory goes through the

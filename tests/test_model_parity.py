@@ -1,5 +1,7 @@
 """Our Flax Qwen2 against transformers' PyTorch Qwen2 on tiny random checkpoints."""
 
+import dataclasses
+
 import jax
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -75,9 +77,9 @@ def test_sharded_equals_unsharded(tiny_checkpoints, references, name):
             for layer in a:
                 assert relative_error(b[layer], a[layer]) <= 1e-6, (mesh_type, model_axis, layer)
     # Copied into page-locked host memory (GPUs' default), copies of the model axis included: the same arrays.
-    sharded.host_memory = "pinned"
-    assert sharded.host_memory_kind == "pinned_host"
-    for a, b in zip(pageable, extract_all(sharded, sequences)):
+    pinned = dataclasses.replace(sharded, host_memory="pinned")
+    assert pinned.host_memory_kind == "pinned_host"
+    for a, b in zip(pageable, extract_all(pinned, sequences)):
         assert sorted(a) == sorted(b) and all(np.array_equal(a[layer], b[layer]) for layer in a)
 
 
