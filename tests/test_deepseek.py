@@ -20,7 +20,7 @@ from model.families import config_from_dict, load_config
 from model.extract import Extractor
 from model.sites import (EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SITES, hook_name, key_parts,
                          missing_reason)
-from tests.conftest import run_in_process
+from tests.conftest import decoder_logits, run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_multihost import stored
 
@@ -46,17 +46,10 @@ def test_every_block_of_a_padded_batch_equals_transformers_in_float32(checkpoint
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_equal_transformers_in_float32(checkpoints, family):
     import torch
-    from model.decoder import Decoder
     from model.loading import load_model
-    from model.scoring import causal_mask
     loaded = load_model(checkpoints[family], "float32", with_head=True, devices=jax.devices()[:1])
-    model = Decoder(loaded.config, jax.numpy.float32)
     prompt = random_sequences([45], seed=6, vocab=loaded.config.vocab_size)[0]
-    mask = causal_mask(jax.numpy.asarray([len(prompt)]), len(prompt))
-    positions = jax.numpy.arange(len(prompt))[None]
-    outputs, _ = model.apply({"params": loaded.params}, jax.numpy.asarray([prompt]), positions, mask,
-                             loaded.config.num_hidden_layers)
-    ours = np.asarray(model.apply({"params": loaded.params}, outputs[-1], method=Decoder.logits))
+    ours = decoder_logits(loaded, prompt)
     with torch.no_grad():
         theirs = load_reference(checkpoints[family], "float64")(torch.tensor([prompt])).logits.numpy()
     assert relative_error(ours, theirs) <= 1e-5

@@ -17,7 +17,7 @@ from fixtures.hf_reference import (bfloat16_error_ratios, load_reference, max_re
 from model.families import load_config
 from model.extract import Extractor
 from model.sites import EXPERT_INDICES, RESID_POST, SITES, missing_reason
-from tests.conftest import run_in_process
+from tests.conftest import decoder_logits, run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_host_errors import one_line_error
 from tests.test_multihost import stored
@@ -76,18 +76,10 @@ def test_every_block_of_a_padded_batch_equals_transformers_in_float32(checkpoint
 def test_logits_equal_transformers_in_float32(checkpoint, sequences):
     import torch
     from model.loading import load_model
-    from model.scoring import causal_mask
     loaded = load_model(checkpoint, "float32", with_head=True, devices=jax.devices()[:1])
-    from model.decoder import Decoder
-    model = Decoder(loaded.config, jax.numpy.float32)
-    prompt = sequences[1]
-    ids = jax.numpy.asarray([prompt])
-    positions = jax.numpy.arange(len(prompt))[None]
-    outputs, _ = model.apply({"params": loaded.params}, ids, positions, causal_mask(jax.numpy.asarray([len(prompt)]),
-                                                                                   len(prompt)), 6)
-    ours = np.asarray(model.apply({"params": loaded.params}, outputs[-1], method=Decoder.logits))
+    ours = decoder_logits(loaded, sequences[1])
     with torch.no_grad():
-        theirs = load_reference(checkpoint, "float64")(torch.tensor([prompt])).logits.numpy()
+        theirs = load_reference(checkpoint, "float64")(torch.tensor([sequences[1]])).logits.numpy()
     assert np.abs(theirs).max() > 0.4  # the soft-cap of 0.5 acts
     assert relative_error(ours, theirs) <= 1e-5
 
