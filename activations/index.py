@@ -82,6 +82,10 @@ ARRAYS_SCHEMA = pa.schema([
 # A shard's table has the site column only when its run stores other sites (a run of block outputs
 # writes what it always did); the merged table always has it, filled with hook_resid_post.
 SITES_ARRAYS_SCHEMA = ARRAYS_SCHEMA.append(pa.field("site", pa.string()))
+# Stored as float8 (model.quantize): where each array's row scales lie (float32 [rows], right after
+# its rows in the shard; the same kind of range as byte_offset, byte_length). Only a float8 run's
+# tables have these columns.
+SCALE_FIELDS = (pa.field("scale_offset", pa.int64()), pa.field("scale_length", pa.int64()))
 
 
 def index_filename(shard_id: int) -> str:
@@ -130,7 +134,18 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selecti
 
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
     """The per-(sample, layer) rows of one shard from its ``ArrayLocation``s (with a ``site``
-    column where an array is not a block output)."""
+    column where an array is not a block output, and ``SCALE_FIELDS`` where it is stored as float8)."""
+    scales = {(l.sample_id, l.key): l for l in locations if l.part == "scale"}
+    locations = [l for l in locations if l.part == "activation"]
+    table = _arrays_table(locations, shard_path)
+    if scales:
+        found = [scales[l.sample_id, l.key] for l in locations]
+        for field, values in zip(SCALE_FIELDS, ([s.byte_offset for s in found], [s.byte_length for s in found])):
+            table = table.append_column(field, pa.array(values, field.type))
+    return table
+
+
+def _arrays_table(locations: Sequence[Any], shard_path: str) -> pa.Table:
     parts = [key_parts(l.key) for l in locations]
     columns = {
         "sample_id": [l.sample_id for l in locations], "layer": [layer for _, layer in parts],
@@ -198,11 +213,13 @@ def read_index_file(path: str, schema: pa.Schema = SCHEMA) -> pa.Table:
 
 
 def read_arrays_file(path: str) -> pa.Table:
-    """A per-array index file with its ``site`` column (hook_resid_post where the file has none)."""
+    """A per-array index file with its ``site`` column (hook_resid_post where the file has none),
+    and its float8 scales' columns where it has them."""
     table = read_parquet(path)
     if "site" not in table.column_names:
         table = table.append_column("site", pa.array([RESID_POST] * table.num_rows, pa.string()))
-    return table.select(SITES_ARRAYS_SCHEMA.names).cast(SITES_ARRAYS_SCHEMA)
+    schema = pa.schema([*SITES_ARRAYS_SCHEMA, *(f for f in SCALE_FIELDS if f.name in table.column_names)])
+    return table.select(schema.names).cast(schema)
 
 
 def merge_index_files(paths: Sequence[str], schema: pa.Schema = SCHEMA) -> pa.Table:

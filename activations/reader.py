@@ -8,6 +8,9 @@ One array at a time: ``read_activation`` / ``read_activations`` use the per-(sam
 (``*_arrays.parquet``): one ranged read per array (or per run of nearby arrays of a shard),
 decompressing only that gzip member, whose CRC is checked: a corrupted or truncated shard raises
 ``CorruptShardError`` naming the shard and offset, never returns wrong data.
+
+A store of float8 rows (``model.quantize``) reads back dequantized, as float32 rows, unless a
+reader is asked not to (``dequantize=False``: ``Float8Rows``, the rows and their scales as stored).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from isal import igzip, isal_zlib
 from activations.index import index_beside_arrays
 from common.cli import UserError
 from common.files import open_read, read_range
+from model.config import FLOAT8
+from model.quantize import Float8Rows
 from model.sites import ArrayKey, array_key, key_parts, normalized_key
 
 COALESCE_GAP_BYTES = 1 << 20  # nearby arrays of one shard are fetched in one read
@@ -37,7 +42,7 @@ ALLOWED_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
     ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
     ("numpy", "float32"), ("numpy", "float16"), ("numpy", "int64"),
-    ("ml_dtypes", "bfloat16"),
+    ("ml_dtypes", "bfloat16"), ("ml_dtypes", "float8_e4m3fn"),
     ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"),
     ("_codecs", "encode"),  # numpy pickles raw array bytes of some dtypes through it
 }
@@ -75,9 +80,11 @@ def load_shard(path: str) -> dict:
         return _load_from(f)
 
 
-def iter_activations(index: Any, sample_ids: Iterable[int], layer: ArrayKey) -> Iterator[tuple[int, np.ndarray]]:
+def iter_activations(index: Any, sample_ids: Iterable[int], layer: ArrayKey,
+                     dequantize: bool = True) -> Iterator[tuple[int, np.ndarray | Float8Rows]]:
     """(sample_id, activation [num_tokens, width]) for each requested id, through the index;
-    ``layer``: an array key (a layer, or a site's hook name: ``model.sites``).
+    ``layer``: an array key (a layer, or a site's hook name: ``model.sites``). Float8 rows come
+    dequantized (float32), or with ``dequantize=False`` as ``Float8Rows``.
 
     ``index``: the merged index as a pandas DataFrame, a pyarrow Table or a Parquet path.
     Shards are read once each, in shard order; ids missing from the index raise ``KeyError``.
@@ -95,7 +102,16 @@ def iter_activations(index: Any, sample_ids: Iterable[int], layer: ArrayKey) -> 
             if entry["sample_id"] != sample_id:
                 raise ValueError(f"index puts sample {sample_id} at position {position} of "
                                  f"{shard_path}, which holds sample {entry['sample_id']}")
-            yield int(sample_id), entry["activation"]
+            yield int(sample_id), entry_rows(entry, dequantize)
+
+
+def entry_rows(entry: dict, dequantize: bool = True) -> np.ndarray | Float8Rows:
+    """The rows of one shard entry: its ``activation``, or stored as float8 (with its ``scale``)
+    dequantized to float32, or with ``dequantize=False`` its ``Float8Rows``."""
+    if "scale" not in entry:
+        return entry["activation"]
+    rows = Float8Rows(entry["activation"], entry["scale"])
+    return rows.dequantized() if dequantize else rows
 
 
 def _index_frame(index: Any):
@@ -134,17 +150,45 @@ def _decode_row(data: bytes, row: dict) -> np.ndarray:
 
 
 def storage_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a stored dtype name (``bfloat16`` through ``ml_dtypes``)."""
-    if name == "bfloat16":
+    """The numpy dtype of a stored dtype name (``bfloat16`` and ``float8_e4m3fn`` through ``ml_dtypes``)."""
+    if name in ("bfloat16", FLOAT8):
         import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
 
-def read_activation(row: dict) -> np.ndarray:
+def read_activation(row: dict, dequantize: bool = True) -> np.ndarray | Float8Rows:
     """The array of one row of the arrays index (``shard_path``, ``byte_offset``, ``byte_length``,
-    ``dtype``, ``shape``, ...), with one ranged read."""
-    return _decode_row(read_range(row["shard_path"], int(row["byte_offset"]), int(row["byte_length"])), row)
+    ``dtype``, ``shape``, ...), with one ranged read (float8 rows: through their scales, right
+    after them; dequantized unless ``dequantize`` is False)."""
+    start = int(row["byte_offset"])
+    return _decoded_rows(read_range(row["shard_path"], start, _extent(row)), 0, row, dequantize)
+
+
+def _scaled(row: dict) -> bool:
+    """Whether an arrays-index row is stored as float8 (its scales located beside it)."""
+    offset = row.get("scale_offset")
+    return offset is not None and offset == offset  # pandas gives NaN for a null
+
+
+def _extent(row: dict) -> int:
+    """The bytes from a row's first byte to its last: its array's, through its scales if any."""
+    if not _scaled(row):
+        return int(row["byte_length"])
+    return int(row["scale_offset"]) + int(row["scale_length"]) - int(row["byte_offset"])
+
+
+def _decoded_rows(data: bytes, lo: int, row: dict, dequantize: bool) -> np.ndarray | Float8Rows:
+    """The rows of an arrays-index row from ``data``, which holds the row's extent from ``lo``."""
+    values = _decode_row(data[lo:lo + int(row["byte_length"])], row)
+    if not _scaled(row):
+        return values
+    at = lo + int(row["scale_offset"]) - int(row["byte_offset"])
+    scale = decode_array(data[at:at + int(row["scale_length"])], "float32", values.shape[:1],
+                         row["shard_path"].endswith(".gz"), f"{row['shard_path']} at byte {int(row['scale_offset'])} "
+                         f"(the scales of sample {row['sample_id']}, {row.get('site') or 'layer'} {row['layer']})")
+    rows = Float8Rows(values, scale)
+    return rows.dequantized() if dequantize else rows
 
 
 def coalesced_reads(offsets: Sequence[int], lengths: Sequence[int], max_gap: int = COALESCE_GAP_BYTES,
@@ -165,15 +209,23 @@ def coalesced_reads(offsets: Sequence[int], lengths: Sequence[int], max_gap: int
 
 
 def read_activations(arrays_index: Any, sample_ids: Iterable[int], layers: Iterable[ArrayKey],
-                     tokens: str | None = None, index: str | None = None) -> dict[tuple[int, ArrayKey], np.ndarray]:
+                     tokens: str | None = None, index: str | None = None,
+                     dequantize: bool = True) -> dict[tuple[int, ArrayKey], np.ndarray | Float8Rows]:
     """{(sample_id, key): array} for every requested pair; ``layers`` holds array keys: a layer
     number for block outputs, or a site's hook name (``blocks.12.hook_mlp_out``; ``model.sites``).
     Reads that touch the same shard within ``COALESCE_GAP_BYTES`` of each other are merged into
     one ranged read. ``tokens``: only the rows of a token selection (``activations.selection``;
     pooled: their mean, one row), by the tokens table of the merged ``index`` (default: the
-    ``index.parquet`` beside an ``index_arrays.parquet`` path)."""
+    ``index.parquet`` beside an ``index_arrays.parquet`` path). Float8 rows come dequantized
+    (float32), or with ``dequantize=False`` as ``Float8Rows`` (a selection's rows of them; a mean
+    of them only dequantized)."""
     sample_ids = [int(i) for i in sample_ids]
-    out = _read_arrays(arrays_index, sample_ids, layers)
+    if tokens is not None and not dequantize:
+        from activations.selection import parse_selection
+        if parse_selection(tokens).pooled:
+            raise UserError(f"tokens={tokens!r} pools rows into their mean, which has no stored float8 form: "
+                            "read it with dequantize=True")
+    out = _read_arrays(arrays_index, sample_ids, layers, dequantize)
     if tokens is None:
         return out
     if index is None and not isinstance(arrays_index, str):
@@ -191,12 +243,15 @@ def _selected(arrays: dict[tuple[int, ArrayKey], np.ndarray], tokens: str,
     out = {}
     for (sample_id, key), array in arrays.items():
         rows, _ = kept_rows(selection, stored, sample_id)
-        out[(sample_id, key)] = pooled_row(array[rows]) if selection.pooled else array[rows]
+        if isinstance(array, Float8Rows):
+            out[(sample_id, key)] = Float8Rows(array.values[rows], array.scale[rows])
+        else:
+            out[(sample_id, key)] = pooled_row(array[rows]) if selection.pooled else array[rows]
     return out
 
 
-def _read_arrays(arrays_index: Any, sample_ids: list[int],
-                 layers: Iterable[ArrayKey]) -> dict[tuple[int, ArrayKey], np.ndarray]:
+def _read_arrays(arrays_index: Any, sample_ids: list[int], layers: Iterable[ArrayKey],
+                 dequantize: bool = True) -> dict[tuple[int, ArrayKey], np.ndarray | Float8Rows]:
     table = _index_frame(arrays_index)
     keys = {normalized_key(k) for k in layers}
     table = table[table["sample_id"].isin(set(int(i) for i in sample_ids))
@@ -206,13 +261,14 @@ def _read_arrays(arrays_index: Any, sample_ids: list[int],
     out = {}
     for shard_path, group in wanted.sort_values("byte_offset").groupby("shard_path", sort=True):
         rows = group.to_dict("records")
-        for start, end in coalesced_reads([r["byte_offset"] for r in rows], [r["byte_length"] for r in rows]):
+        extents = [_extent(r) for r in rows]
+        for start, end in coalesced_reads([r["byte_offset"] for r in rows], extents):
             first = rows[start]["byte_offset"]
-            span = rows[end - 1]["byte_offset"] + rows[end - 1]["byte_length"] - first
+            span = rows[end - 1]["byte_offset"] + extents[end - 1] - first
             data = read_range(shard_path, int(first), int(span))
             for row in rows[start:end]:
-                lo = row["byte_offset"] - first
-                out[(int(row["sample_id"]), row["key"])] = _decode_row(data[lo:lo + row["byte_length"]], row)
+                out[(int(row["sample_id"]), row["key"])] = _decoded_rows(data, int(row["byte_offset"] - first), row,
+                                                                         dequantize)
     return out
 
 

@@ -3,6 +3,10 @@
     {key: [{"sample_idx": id, "sample_id": id, "activation": np.ndarray [num_tokens, width],
             "shape": (num_tokens, width), "text_preview": str, "source": str}, ...], ...}
 
+Stored as float8 (``--activation_dtype float8_e4m3fn``, ``model.quantize``), ``"activation"`` holds
+``float8_e4m3fn`` rows and each entry also holds ``"scale"`` (np.float32 [num_tokens], right after
+it): a row's values are ``activation[i] * scale[i]``.
+
 Stored with a token selection (``runners.tpu_host --tokens``), each entry also holds
 ``"positions"`` (np.int32: which tokens of the sample its rows are, one per row; pooled, the
 tokens its one row averages) and, pooled, ``"pooled": "mean"``.
@@ -61,6 +65,7 @@ class ArrayLocation:
     byte_length: int
     dtype: str
     shape: tuple[int, ...]
+    part: str = "activation"  # or "scale": the float8 rows' scales (the entry's key of that name)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,6 +96,7 @@ class ShardEntry:
     position: int
     sample_id: int
     array: np.ndarray | CompressedArray
+    part: str = "activation"  # the document entry's key that holds it: activation | scale
 
 
 def shard_filename(shard_id: int, compressed: bool = True) -> str:
@@ -106,13 +112,18 @@ def shard_dict(samples: Sequence[dict[str, Any]], keys: Sequence[ArrayKey],
     key), and with ``pooled`` that its one row is their mean (``pooled``: ``"mean"``). A sample the
     model continued (``runners.tpu_host --generate``) carries its ``generation``: ``prompt_tokens``,
     ``token_ids`` (the continuation), ``num_tokens``, ``finish``, ``text`` and, for an ARC task
-    it was scored on, ``answer_correct``, ``answer_rows`` and ``answer_cols``."""
+    it was scored on, ``answer_correct``, ``answer_rows`` and ``answer_cols``. Stored as float8, a
+    sample's ``scales`` (``{key: [rows] float32}``) go beside each array (``scale``)."""
     def selection(s: dict[str, Any]) -> dict[str, Any]:
         if s.get("positions") is None:
             return {}
         return {"positions": s["positions"], **({"pooled": pooled} if pooled else {})}
+
+    def scale(s: dict[str, Any], key: ArrayKey) -> dict[str, Any]:
+        scales = s.get("scales")
+        return {} if not scales or key not in scales else {"scale": _contiguous(scales[key])}
     return {key: [{"sample_idx": s["sample_id"], "sample_id": s["sample_id"],
-                   "activation": _contiguous(s["activations"][key]),
+                   "activation": _contiguous(s["activations"][key]), **scale(s, key),
                    "shape": tuple(s["activations"][key].shape),
                    "text_preview": s["text_preview"], "source": s["source"], **selection(s),
                    **({"generation": s["generation"]} if s.get("generation") else {})} for s in samples]
@@ -169,8 +180,10 @@ def _bytes_opcode(size: int) -> bytes:
 
 
 def shard_entries(shard: dict[int, list[dict]]) -> list[ShardEntry]:
-    return [ShardEntry(key, position, item["sample_id"], item["activation"])
-            for key, items in shard.items() for position, item in enumerate(items)]
+    """The document's arrays in pickling order: each entry's activation, then its scale if any."""
+    return [ShardEntry(key, position, item["sample_id"], item[part], part)
+            for key, items in shard.items() for position, item in enumerate(items)
+            for part in ("activation", "scale") if part in item]
 
 
 def shard_segments(shard: dict[int, list[dict]]) -> tuple[list[Segment | CompressedArray], list[ShardEntry]]:
@@ -236,7 +249,7 @@ def array_locations(entries: Sequence[ShardEntry], sizes: Sequence[int]) -> list
     order: segment ``2k + 1`` is array ``k``)."""
     offsets = list(itertools.accumulate([0, *sizes]))  # segment j starts at offsets[j]
     return [ArrayLocation(e.sample_id, e.key, e.position, offsets[2 * k + 1], sizes[2 * k + 1],
-                          str(e.array.dtype), tuple(e.array.shape)) for k, e in enumerate(entries)]
+                          str(e.array.dtype), tuple(e.array.shape), e.part) for k, e in enumerate(entries)]
 
 
 @dataclasses.dataclass
@@ -262,5 +275,6 @@ def encode_shard(shard: dict[int, list[dict]], compress: bool, level: int = DEFA
 
 
 def activation_bytes(sample: dict[str, Any]) -> int:
-    """What a sample adds to a shard (its arrays' bytes), for size-triggered finalisation."""
-    return sum(a.nbytes for a in sample["activations"].values())
+    """What a sample adds to a shard (its arrays' bytes, float8 scales included), for
+    size-triggered finalisation."""
+    return sum(a.nbytes for arrays in (sample["activations"], sample.get("scales") or {}) for a in arrays.values())

@@ -50,7 +50,8 @@ from activations.stored_tokens import NO_POSITION, kept_rows, read_stored_tokens
 from activations.token_plan import StoredArrays, blocks, stored_arrays, stored_moments
 from common.cli import UserError
 from common.files import read_range
-from model.config import STORED_DTYPES
+from model.config import QUANTIZED_DTYPES, STORED_DTYPES
+from model.quantize import dequantize
 from model.sites import ArrayKey, describe_key, normalized_key
 
 T = TypeVar("T")
@@ -105,6 +106,10 @@ class LoaderConfig:
             raise UserError(f"exclude_first_positions must be >= 0, got {self.exclude_first_positions}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.dtype in QUANTIZED_DTYPES:
+            raise UserError(f"dtype {self.dtype}: the token loader returns rows of one dtype, and float8 rows need "
+                            "their scales: it reads a float8 store dequantized (dtype float32, float16 or bfloat16); "
+                            "activations.reader.read_activations(..., dequantize=False) returns them as stored")
         if self.dtype not in STORED_DTYPES:
             raise UserError(f"dtype must be one of {', '.join(STORED_DTYPES)}, got {self.dtype!r}")
         parse_selection(self.tokens)
@@ -328,7 +333,7 @@ class TokenLoader:
         per_key, fetched = {}, 0
         for key in c.keys:
             offsets, lengths = a.offset[key], a.length[key]
-            first, span = int(offsets[start]), int(offsets[stop - 1] + lengths[stop - 1] - offsets[start])
+            first, span = int(offsets[start]), int(offsets[stop - 1] + a.extent(key)[stop - 1] - offsets[start])
             try:
                 data = memoryview(read_range(path, first, span))
             except Exception as e:  # a missing shard, GCS out of reach after its retries
@@ -343,6 +348,12 @@ class TokenLoader:
                              (a.num_tokens[i], a.width[key]), path.endswith(".gz"),
                              f"{path} at byte {offsets[i]} (sample {a.sample_id[i]}, {describe_key(key)})")
                 for i in range(start, stop)]
+            if key in a.scale_offset:  # float8 rows, dequantized with their scales
+                at, size = a.scale_offset[key], a.scale_length[key]
+                per_key[key] = [dequantize(values, decode_array(
+                    data[at[i] - first:at[i] - first + size[i]], "float32", (a.num_tokens[i],), path.endswith(".gz"),
+                    f"{path} at byte {at[i]} (the scales of sample {a.sample_id[i]}, {describe_key(key)})"))
+                    for i, values in zip(range(start, stop), per_key[key])]
         pieces, dropped = [], dict.fromkeys(LoaderStats().dropped, 0)
         for k, row in enumerate(range(start, stop)):
             sample_id = int(a.sample_id[row])

@@ -51,9 +51,18 @@ class StoredArrays:
     metadata: dict[str, Any]             # merged_metadata.json beside the index ({} if absent)
     selection: Selection | None = None   # the token selection the store was made with (None: every token)
     tokens: StoredTokens | None = None   # the index's tokens table, for a store made with a selection
+    # Keys stored as float8 (model.quantize) -> [rows] int64: where each array's scales lie, right after it.
+    scale_offset: dict[ArrayKey, np.ndarray] = dataclasses.field(default_factory=dict)
+    scale_length: dict[ArrayKey, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.sample_id)
+
+    def extent(self, key: ArrayKey) -> np.ndarray:
+        """[rows] int64: the bytes from each array's first to its last, through its scales if any."""
+        if key not in self.scale_offset:
+            return self.length[key]
+        return self.scale_offset[key] + self.scale_length[key] - self.offset[key]
 
 
 def read_index_table(path: str, what: str, **kwargs) -> pa.Table:
@@ -104,7 +113,14 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
         length={k: f["byte_length"].to_numpy(np.int64) for k, f in frames.items()},
         dtype={k: _only(f["dtype"], k, "dtypes") for k, f in frames.items()},
         width={k: _only(s[:, 1], k, "widths") for k, s in shapes.items()},
-        metadata=_merged_metadata(index), selection=selection, tokens=stored)
+        metadata=_merged_metadata(index), selection=selection, tokens=stored,
+        scale_offset={k: f["scale_offset"].to_numpy(np.int64) for k, f in frames.items() if _scaled(f)},
+        scale_length={k: f["scale_length"].to_numpy(np.int64) for k, f in frames.items() if _scaled(f)})
+
+
+def _scaled(frame) -> bool:
+    """Whether a key's arrays are stored as float8, with their scales (all of them: one run's dtype)."""
+    return "scale_offset" in frame.columns and frame["scale_offset"].notna().all()
 
 
 def _key_rows(arrays: pa.Table, key: ArrayKey) -> pa.Table:
@@ -177,7 +193,7 @@ def blocks(stored: StoredArrays, rng: np.random.Generator | None, block_bytes: i
     neighbouring rows of one shard of at most ``block_bytes`` over all keys (a larger array is
     a block alone), in storage order, or with ``rng`` in a random order."""
     first = stored.keys[0]
-    offsets, lengths = stored.offset[first].tolist(), stored.length[first].tolist()
+    offsets, lengths = stored.offset[first].tolist(), stored.extent(first).tolist()
     # The first key's share of the budget, by width (its arrays are planned; the others follow).
     first_share = max(1, block_bytes * stored.width[first] // sum(stored.width.values()))
     out = []

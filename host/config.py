@@ -12,7 +12,7 @@ from activations.site_stats import ROLE_GROUPING
 from common.cli import AUTO, UserError, flag, int_list, int_or_auto, name_list
 from host.lease import MIN_LEASE_S
 from host.machine_id import machine_id_flag
-from model.config import STORED_DTYPES
+from model.config import QUANTIZED_DTYPES, STORED_DTYPES
 from model.settings import GenerationSettings, ModelRunSettings, ProfileSettings, SiteSettings
 from transforms.long_samples import POLICIES
 
@@ -48,8 +48,9 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
     long_samples: str = flag("truncate", "a record longer than --max_seq_length: truncate (keep its first "
                              "tokens, flagged in the index) | skip (listed in rejected.jsonl) | error "
                              "(checked before the model loads)", choices=POLICIES)
-    activation_dtype: str = flag("float32", "dtype of the stored arrays",
-                                 choices=STORED_DTYPES)
+    activation_dtype: str = flag("float32", "dtype of the stored arrays; float8_e4m3fn: each row scaled by its own "
+                                 "float32 scale on the device, read back as float32 (docs/storage.md)",
+                                 choices=STORED_DTYPES + QUANTIZED_DTYPES)
     output_dir: str = flag("activations_output", "local output root; this machine writes machine_{N:03d}/")
     shard_size_gb: float = flag(1.0, "finalize a shard when its activations reach this size (GB)")
     compress_shards: bool = flag(True, "gzip the shards (shard_NNNN.pkl.gz; --no_compress_shards: .pkl)")

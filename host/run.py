@@ -65,9 +65,9 @@ from host.writer import CHECKPOINT_FILE, METADATA_FILE, ShardSettings, ShardWrit
 from interventions.resolve import intervention_for, steered_positions, steering_digests, steers_written_tokens
 from interventions.spec import parse_interventions
 from model.attention import attention_for
-from model.config import DecoderConfig
+from model.config import QUANTIZED_DTYPES, DecoderConfig
 from model.families import load_config
-from model.extract import (ForwardObserver, check_model_fits, resolve_dtype, resolve_residual_dtype,
+from model.extract import (ForwardObserver, check_model_fits, check_quantized, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
 from model.sharding import make_mesh
@@ -212,6 +212,7 @@ def check_model(config: HostConfig) -> None:
                         "none, pass --tokenizer")
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
     sites = parse_sites(config.sites)
+    check_quantized(config.activation_dtype, sites)  # the flags alone: before what the model has
     check_model_fits(model, sites, config.max_seq_length, layers)
     intervention = intervention_for(config.ablate, config.ablation_means, model,
                                     intervened_blocks(config, model, sites, layers))
@@ -367,8 +368,9 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     checkpoint.check_settings(settings)
     if config.process_id in (None, 0):  # what the run will store, before it starts
         itemsize = storage_dtype(config.activation_dtype).itemsize
+        row_bytes = 4 if config.activation_dtype in QUANTIZED_DTYPES else 0  # a float32 scale a row
         print(f"machine {config.machine_id}: "
-              f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize)}")
+              f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize, row_bytes)}")
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint, lease)
     extraction = loaded or OrderedExtraction(extract_config(config))

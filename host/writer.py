@@ -177,9 +177,11 @@ class ShardWriter:
         self._buffer_bytes += activation_bytes(sample)
         sample = {**sample, "rows": len(next(iter(sample["activations"].values()))), "labels": self._labels(sample)}
         if self._compressing is not None:
-            sample = {**sample, "activations": {
-                layer: CompressedArray.of(array, self._compress_member, self._compressing)
-                for layer, array in sample["activations"].items()}}
+            def compressed(arrays):
+                return arrays and {key: CompressedArray.of(array, self._compress_member, self._compressing)
+                                   for key, array in arrays.items()}
+            sample = {**sample, "activations": compressed(sample["activations"]),
+                      "scales": compressed(sample.get("scales"))}
         self._buffer.append(sample)
         self._count(sample["sample_id"])
         if self._buffer_bytes >= self.settings.shard_size_bytes:

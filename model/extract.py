@@ -37,9 +37,10 @@ from common.cli import UserError
 from model.buckets import Batch, Bucketer, bucket_lengths
 from model.hub import resolve_model_dir
 from model.attention import attention_for, causal_mask
-from model.config import COMPUTE_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig
+from model.config import COMPUTE_DTYPES, FLOAT8, QUANTIZED_DTYPES, RESIDUAL_DTYPES, STORED_DTYPES, DecoderConfig
 from model.families import load_config
 from model.loading import LoadedModel, load_model
+from model.quantize import dequantize, dequantized_rows, quantize_rows
 from model.decoder import Decoder, chunk_tokens_for, steered
 from model.interventions import STEER_TOKENS, steer_key, steered_token_mask
 from model.sharding import batch_sharding
@@ -49,7 +50,7 @@ from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
-ACTIVATION_DTYPES = {name: getattr(jnp, name) for name in STORED_DTYPES}
+ACTIVATION_DTYPES = {name: getattr(jnp, name) for name in STORED_DTYPES + QUANTIZED_DTYPES}
 HOST_MEMORIES = ("auto", "pinned", "pageable")  # Extractor.host_memory
 PINNED = "pinned_host"  # JAX's memory kind of page-locked host memory
 def measured_statistics(spec: StatisticsSpec | None, config: DecoderConfig) -> StatisticsSpec | None:
@@ -190,8 +191,10 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
     """The un-jitted forward of ``make_sites_forward``. Blocks past the last one a site needs are
     not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
     rest), so block outputs alone compile to the graph they always did. A selection picks its rows
-    on the device, before the cast to ``out_dtype``: only they leave it. The statistics are of the
-    stored rows as stored (``model.statistics``)."""
+    on the device, before the cast to ``out_dtype``: only they leave it. With ``out_dtype``
+    float8_e4m3fn, a site's output is (its float8 rows, their scales: [len(layers), B, rows]),
+    quantized there (``model.quantize``). The statistics are of the stored rows as a reader gets
+    them (``model.statistics``; float8 rows dequantized)."""
     model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config, dtype),
                     residual_dtype, mlp_hidden=MLP_POST in sites, moe_dispatch=moe_dispatch,
                     routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites))
@@ -221,10 +224,15 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 stacked = jnp.stack(per_layer)  # [len(group), B, S, width]
                 if select is not None:
                     stacked = selected_rows(stacked, *select, pool)  # [len(group), B, K or 1, width]
-                values[key] = stacked if out_dtype is None or SITES[site].integer else stacked.astype(out_dtype)
+                if out_dtype == jnp.dtype(FLOAT8) and not SITES[site].integer:
+                    values[key] = quantize_rows(stacked)  # (float8 [len(group), B, rows, width], scale [.., rows])
+                    stored = dequantized_rows(*values[key])  # what a reader gets back
+                else:
+                    stored = values[key] = (stacked if out_dtype is None or SITES[site].integer
+                                            else stacked.astype(out_dtype))
                 if statistics is not None:
                     valid = stored_rows(lengths, select, pool, stacked.shape[2])  # [B, S or K]
-                    measured[key] = row_statistics(values[key], valid, row_roles, statistics, SITES[site].integer)
+                    measured[key] = row_statistics(stored, valid, row_roles, statistics, SITES[site].integer)
         return values if statistics is None else (values, measured)
 
     return forward
@@ -271,6 +279,15 @@ def check_pool(pool: str | None, sites: Sequence[str]) -> None:
                         "pooling, or leave it out of --sites")
 
 
+def check_quantized(activation_dtype: str | None, sites: Sequence[str]) -> None:
+    """``UserError`` for float8 storage of a site of integers (a mixture of experts' expert ids):
+    ids are not scaled and rounded."""
+    integer = [site for site in sites if SITES[site].integer]
+    if activation_dtype in QUANTIZED_DTYPES and integer:
+        raise UserError(f"--activation_dtype {activation_dtype}: {integer[0]} holds expert ids, which are "
+                        "never quantized; store them with another --activation_dtype, or leave them out of --sites")
+
+
 def check_float16_range(activations: dict[ArrayKey, np.ndarray]) -> None:
     """``UserError`` if a sequence's float16 activations (padding removed) hold an infinity: a
     value past float16's range (+-65504) that the cast turned into inf. Gemma's residual stream
@@ -305,7 +322,9 @@ def local_blocks(out: jax.Array) -> list[tuple[slice, jax.Array]]:
 @dataclasses.dataclass
 class InFlight:
     """A dispatched batch whose activations are still on the devices."""
-    out: dict[str, jax.Array]  # output key (width_groups) -> [its layers, rows, length (or the selection's K), width]
+    # output key (width_groups) -> [its layers, rows, length (or the selection's K), width]; stored as
+    # float8, (those rows, their scales [its layers, rows, length or K])
+    out: dict[str, jax.Array | tuple[jax.Array, jax.Array]]
     lengths: np.ndarray     # [rows]: the rows each sequence keeps (its tokens, or its selected rows)
     count: int              # real sequences (the first rows)
     statistics: dict[str, dict[str, jax.Array]] | None = None  # output key -> model.statistics.row_statistics
@@ -361,6 +380,7 @@ class Extractor:
         the forward measures of the stored rows (``extract_measured``)."""
         sites = parse_sites(sites)
         check_pool(pool, sites)
+        check_quantized(activation_dtype, sites)
         resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
         model_dir = resolve_model_dir(model_path, revision)
         config = load_config(model_dir)
@@ -395,6 +415,7 @@ class Extractor:
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
+        check_quantized(activation_dtype, parse_sites(sites))
         attention_for(loaded.mesh, attention, loaded.config, loaded.dtype)
         check_model_fits(loaded.config, parse_sites(sites), max_seq_length, layers)
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
@@ -522,7 +543,7 @@ class Extractor:
         if self.host_memory_kind == PINNED:
             # Enqueued behind the forward: the device writes straight into page-locked host memory,
             # which numpy then reads in place (a copy_to_host_async would copy it once more).
-            out = {key: jax.device_put(array, array.sharding.with_memory_kind(PINNED)) for key, array in out.items()}
+            out = jax.tree.map(lambda array: jax.device_put(array, array.sharding.with_memory_kind(PINNED)), out)
             copied = measured
         for array in jax.tree_util.tree_leaves(copied):
             for _, data in local_blocks(array):
@@ -555,20 +576,25 @@ class Extractor:
         return {key: (site, group) for site in self.sites
                 for key, group in width_groups(self.config, site, self.layers).items()}
 
-    def collect(self, batch: InFlight) -> list[tuple[dict[ArrayKey, np.ndarray], dict | None] | None]:
+    def collect(self, batch: InFlight) -> list[tuple[dict[ArrayKey, np.ndarray], dict | None, dict | None] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per
-        sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed, and with
-        ``statistics`` ``{key: KeyStatistics}`` of each array, else None (``None`` for a sequence
+        sequence, ``{key: array [num_tokens, width]}`` (``keys``) with padding removed; with
+        ``statistics`` ``{key: KeyStatistics}`` of each array, else None; stored as float8,
+        ``{key: scale [num_tokens]}`` (``model.quantize``), else None (``None`` for a sequence
         whose row lives on another process's devices)."""
         results: list[dict[ArrayKey, np.ndarray] | None] = [None] * batch.count
+        scales: list[dict[ArrayKey, np.ndarray] | None] = [None] * batch.count
         keys = self.keys
         measured = self._collected_statistics(batch)
         for key, out in batch.out.items():
             site, group = self._output_groups[key]
-            for rows, data in local_blocks(out):
+            out, scale = out if isinstance(out, tuple) else (out, None)
+            scale_blocks = None if scale is None else local_blocks(scale)  # the same rows as out's
+            for b, (rows, data) in enumerate(local_blocks(out)):
                 data.block_until_ready()  # the forward's time, not the copy's
                 with self.observer.host_side("device_to_host"):
                     acts = np.asarray(data)  # [len(group), rows here, S, width]
+                    row_scales = None if scale is None else np.asarray(scale_blocks[b][1])  # [len(group), rows here, S]
                 with self.observer.host_side("split"):
                     for i, row in enumerate(range(*rows.indices(out.shape[1]))):
                         if row < batch.count:  # views of ``acts``: each [num_tokens, width], contiguous
@@ -576,12 +602,17 @@ class Extractor:
                             # Keyed in storage order from the start, whichever site comes first.
                             arrays = results[row] = results[row] or dict.fromkeys(keys)
                             arrays.update({array_key(site, layer): acts[j, i, :n] for j, layer in enumerate(group)})
+                            if row_scales is not None:
+                                kept = scales[row] = scales[row] or {}
+                                kept.update({array_key(site, layer): row_scales[j, i, :n]
+                                             for j, layer in enumerate(group)})
         if self.activation_dtype == jnp.float16:
             for arrays in results:
                 if arrays is not None:
                     check_float16_range(arrays)
         self.observer.computed(batch.count)
-        return [None if arrays is None else (arrays, measured and measured[row]) for row, arrays in enumerate(results)]
+        return [None if arrays is None else (arrays, measured and measured[row], scales[row])
+                for row, arrays in enumerate(results)]
 
     def _collected_statistics(self, batch: InFlight) -> list[dict[ArrayKey, KeyStatistics]] | None:
         """Per sequence of ``batch`` (this process's rows), ``{key: KeyStatistics}``: the small
@@ -612,14 +643,17 @@ class Extractor:
 
         Results come out in batch order (grouped by bucket), not input order. A sequence longer
         than ``max_seq_length`` raises ``ValueError``. Up to ``batches_in_flight`` batches are
-        dispatched before the oldest is copied back.
+        dispatched before the oldest is copied back. Rows stored as float8 come back dequantized
+        (float32, ``model.quantize.dequantize``); ``extract_measured`` gives them as stored.
         """
-        for key, arrays, _ in self.extract_measured(items):
-            yield key, arrays
+        for key, arrays, _, scales in self.extract_measured(items):
+            yield key, arrays if not scales else {k: dequantize(a, scales[k]) if k in scales else a
+                                                  for k, a in arrays.items()}
 
-    def extract_measured(self, items: Iterable[tuple]) -> Iterator[tuple[T, dict | None, dict | None]]:
-        """``extract``'s results with each sequence's statistics, ``{key: KeyStatistics}``
-        (``model.statistics``; None without ``statistics``): (key, arrays, statistics)."""
+    def extract_measured(self, items: Iterable[tuple]) -> Iterator[tuple[T, dict | None, dict | None, dict | None]]:
+        """``extract``'s results as stored, with each sequence's statistics, ``{key: KeyStatistics}``
+        (``model.statistics``; None without ``statistics``), and its rows' scales where stored as
+        float8 (``{key: [rows] float32}``, else None): (key, arrays, statistics, scales)."""
         in_flight: collections.deque[tuple[list[T], InFlight]] = collections.deque()
         for batch in self.batches(items):
             first = batch.items[0]
@@ -644,4 +678,4 @@ class Extractor:
 
     def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict | None, dict | None]]:
         for key, result in zip(keys, self.collect(batch)):
-            yield (key, None, None) if result is None else (key, *result)
+            yield (key, None, None, None) if result is None else (key, *result)

@@ -184,15 +184,17 @@ def site_width(site: str, config, layer: int | None = None) -> int:
     return {"intermediate": config.intermediate_size, "one": 1}.get(kind, config.hidden_size)
 
 
-def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> dict[str, int]:
-    """What each site stores per token over ``layers`` (bytes), in block order."""
+def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int,
+                    row_bytes: int = 0) -> dict[str, int]:
+    """What each site stores per token over ``layers`` (bytes), in block order; ``row_bytes``: what
+    each row of a layer adds besides its values (float8's scale: 4)."""
     return {site: sum(site_width(site, config, layer) for layer in layers) * (4 if SITES[site].integer else itemsize)
-            for site in SITES if site in sites}
+            + (0 if SITES[site].integer else row_bytes * len(layers)) for site in SITES if site in sites}
 
 
-def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int) -> str:
+def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int, row_bytes: int = 0) -> str:
     """One line saying what a run stores per token, site by site (printed before a run)."""
-    per_site = bytes_per_token(sites, layers, config, itemsize)
+    per_site = bytes_per_token(sites, layers, config, itemsize, row_bytes)
     resid = config.hidden_size * len(layers) * itemsize
     parts = ", ".join(f"{site} {n / 1024:.1f} KiB ({n / resid:.2g}x resid)" for site, n in per_site.items())
     return (f"storing {len(per_site)} site(s) at {len(layers)} layer(s): {sum(per_site.values()) / 1024:.1f} KiB "

@@ -54,7 +54,7 @@ def test_measured_statistics_equal_float64_ones_of_the_stored_arrays(family, dty
         selection.append((i, ids, selected, None, roles))
     checked = 0
     for items in (every, selection):
-        for i, arrays, measured in extractor.extract_measured(items):
+        for i, arrays, measured, _ in extractor.extract_measured(items):
             _, _, positions, _, roles = items[i]
             check_sample(arrays, measured, roles if positions is None else roles[positions], experts, dtype)
             checked += len(arrays)
@@ -84,7 +84,7 @@ def test_pooled_rows_are_measured_as_stored(tiny_checkpoints):
     extractor = Extractor.load(tiny_checkpoints["gqa_tied"], layers=[1], dtype="float32", max_seq_length=32,
                                min_bucket=32, devices=jax.devices()[:1], pool="mean", statistics=StatisticsSpec())
     items = [(0, list(range(1, 20)), np.array([3, 4, 9], np.int32)), (1, list(range(5, 30)), np.zeros(0, np.int32))]
-    for key, arrays, measured in extractor.extract_measured(items):
+    for key, arrays, measured, _ in extractor.extract_measured(items):
         row = arrays[1]
         got = sample_moments(measured[1], 1)[1]
         assert got.count == len(row) == (1 if key == 0 else 0)

@@ -63,19 +63,21 @@ class ExtractConfig(ModelRunSettings, SiteSettings, GenerationSettings):
 
 
 def activation_record(record: dict[str, Any], activations: dict[Any, Any],
-                      positions: np.ndarray | None = None, statistics: dict[Any, Any] | None = None) -> dict[str, Any]:
+                      positions: np.ndarray | None = None, statistics: dict[Any, Any] | None = None,
+                      scales: dict[Any, Any] | None = None) -> dict[str, Any]:
     """The output of one sample (as computed, see ``fit_record``): its identity, whether it was
     truncated, what its tokens are (``roles``, ``special``: None for a stream from before them),
     its kept ``columns``, and ``{key: array [rows, width]}`` (keys: ``model.sites.array_keys``):
     a row per token, or with a selection a row per selected token (``positions``, None for every
     token), or one pooled row; ``statistics``: ``{key: model.statistics.KeyStatistics}`` of those
-    rows (None where none were measured)."""
+    rows (None where none were measured); ``scales``: ``{key: [rows] float32}`` of rows stored as
+    float8 (``model.quantize``; None otherwise)."""
     return {"sample_id": record["sample_id"], "source": record["source"],
             "text_preview": record["text_preview"], "num_tokens": record["num_tokens"],
             "truncated": record["truncated"], "original_num_tokens": record["original_num_tokens"],
             "roles": record.get("roles"), "special": record.get("special"), "columns": record.get("columns"),
             "generation": record.get("generation"), "positions": positions, "activations": activations,
-            "statistics": statistics}
+            "statistics": statistics, "scales": scales}
 
 
 def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples: str = "truncate",
@@ -101,16 +103,16 @@ def extract_in_order(extractor, records: Sequence[dict[str, Any]], long_samples:
               steered_positions(steer, r.get("roles"), r["num_tokens"], r["sample_id"]) if steer else None)
              + ((token_roles(r),) if by_role else ())
              for i, r in enumerate(fitted) if r is not None)
-    results = {i: (arrays, measured) for i, arrays, measured in extractor.extract_measured(items)}
+    results = {i: (arrays, measured, scales) for i, arrays, measured, scales in extractor.extract_measured(items)}
     for i, (record, fit) in enumerate(zip(records, fitted)):
         if fit is None:
             yield Tagged(REJECTED, rejection(record, limit, new_tokens))
             continue
-        arrays, measured = results.pop(i)
+        arrays, measured, scales = results.pop(i)
         if arrays is None:
             yield Tagged(ELSEWHERE, {"sample_id": record["sample_id"]})
         else:
-            yield activation_record(fit, arrays, kept.get(i), measured)
+            yield activation_record(fit, arrays, kept.get(i), measured, scales)
 
 
 def token_roles(record: dict[str, Any]) -> np.ndarray:
