@@ -85,6 +85,7 @@ bench: install
 	$(PY) benchmarks/store_path.py
 	$(PY) benchmarks/shard_access.py
 	$(PY) benchmarks/shard_compression.py
+	$(PY) benchmarks/float8_store.py
 	$(PY) benchmarks/restart_compile_cache.py
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py

@@ -135,11 +135,11 @@ def tokens_index(samples: Sequence[dict[str, Any]], rows: Sequence[int], selecti
 def arrays_index(locations: Sequence[Any], shard_path: str) -> pa.Table:
     """The per-(sample, layer) rows of one shard from its ``ArrayLocation``s (with a ``site``
     column where an array is not a block output, and ``SCALE_FIELDS`` where it is stored as float8)."""
-    scales = {(l.sample_id, l.key): l for l in locations if l.part == "scale"}
+    scales = {(l.key, l.position): l for l in locations if l.part == "scale"}
     locations = [l for l in locations if l.part == "activation"]
     table = _arrays_table(locations, shard_path)
     if scales:
-        found = [scales[l.sample_id, l.key] for l in locations]
+        found = [scales[l.key, l.position] for l in locations]
         for field, values in zip(SCALE_FIELDS, ([s.byte_offset for s in found], [s.byte_length for s in found])):
             table = table.append_column(field, pa.array(values, field.type))
     return table

@@ -109,6 +109,8 @@ def entry_rows(entry: dict, dequantize: bool = True) -> np.ndarray | Float8Rows:
     """The rows of one shard entry: its ``activation``, or stored as float8 (with its ``scale``)
     dequantized to float32, or with ``dequantize=False`` its ``Float8Rows``."""
     if "scale" not in entry:
+        if entry["activation"].dtype == storage_dtype(FLOAT8):
+            raise CorruptShardError(f"sample {entry['sample_id']}: float8 rows without their scales")
         return entry["activation"]
     rows = Float8Rows(entry["activation"], entry["scale"])
     return rows.dequantized() if dequantize else rows
@@ -182,6 +184,10 @@ def _decoded_rows(data: bytes, lo: int, row: dict, dequantize: bool) -> np.ndarr
     """The rows of an arrays-index row from ``data``, which holds the row's extent from ``lo``."""
     values = _decode_row(data[lo:lo + int(row["byte_length"])], row)
     if not _scaled(row):
+        if row["dtype"] == FLOAT8:
+            raise UserError(f"sample {row['sample_id']}'s {row.get('site') or 'layer'} {row['layer']} is stored as "
+                            "float8 but the arrays index has no scales for it (scale_offset): merge the index again "
+                            "with pipeline.index")
         return values
     at = lo + int(row["scale_offset"]) - int(row["byte_offset"])
     scale = decode_array(data[at:at + int(row["scale_length"])], "float32", values.shape[:1],
@@ -220,11 +226,6 @@ def read_activations(arrays_index: Any, sample_ids: Iterable[int], layers: Itera
     (float32), or with ``dequantize=False`` as ``Float8Rows`` (a selection's rows of them; a mean
     of them only dequantized)."""
     sample_ids = [int(i) for i in sample_ids]
-    if tokens is not None and not dequantize:
-        from activations.selection import parse_selection
-        if parse_selection(tokens).pooled:
-            raise UserError(f"tokens={tokens!r} pools rows into their mean, which has no stored float8 form: "
-                            "read it with dequantize=True")
     out = _read_arrays(arrays_index, sample_ids, layers, dequantize)
     if tokens is None:
         return out
@@ -244,6 +245,9 @@ def _selected(arrays: dict[tuple[int, ArrayKey], np.ndarray], tokens: str,
     for (sample_id, key), array in arrays.items():
         rows, _ = kept_rows(selection, stored, sample_id)
         if isinstance(array, Float8Rows):
+            if selection.pooled:
+                raise UserError(f"tokens={tokens!r} pools rows into their mean, which has no stored float8 form: "
+                                "read it with dequantize=True")
             out[(sample_id, key)] = Float8Rows(array.values[rows], array.scale[rows])
         else:
             out[(sample_id, key)] = pooled_row(array[rows]) if selection.pooled else array[rows]

@@ -24,8 +24,9 @@ position by position; see ``token_plan``).
 
 Memory: the buffer (``buffer_tokens`` x (the keys' widths summed x 4 + 20) bytes, allocated
 once) plus ``read_ahead + 1`` blocks (each at most ``block_bytes`` of shard, or one array if
-larger, held compressed, decoded and, from float16 / bfloat16, converted), plus the plan (~50
-bytes a sample and 16 a key) and, when token ids are used, 4 bytes a token; with a selection
+larger, held compressed, decoded and, from float16 / bfloat16, converted, from float8
+dequantized), plus the plan (~50 bytes a sample and 16 a key) and, when token ids are used, 4
+bytes a token; with a selection
 (read or stored), the index's tokens table as flat arrays (about 9 bytes a role run, 4 a special
 token and 4 a stored position).
 """

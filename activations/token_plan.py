@@ -27,6 +27,7 @@ from activations.site_stats import STATS_SCHEMA, Moments, table_moments
 from activations.stored_tokens import StoredTokens, read_stored_tokens, store_selection
 from common.cli import UserError
 from common.files import read_optional
+from model.config import FLOAT8
 from model.sites import RESID_POST, ArrayKey, describe_key, key_parts, normalized_key
 
 ARRAYS_WHAT = "per-array index (pipeline.index writes it beside the index)"
@@ -119,8 +120,16 @@ def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
 
 
 def _scaled(frame) -> bool:
-    """Whether a key's arrays are stored as float8, with their scales (all of them: one run's dtype)."""
-    return "scale_offset" in frame.columns and frame["scale_offset"].notna().all()
+    """Whether a key's arrays are stored as float8, with their scales; ``UserError`` where float8
+    arrays lack them (an arrays index merged by a ``pipeline.index`` from before float8)."""
+    float8 = (frame["dtype"] == FLOAT8).to_numpy()
+    if not float8.any():
+        return False
+    located = frame["scale_offset"].notna().to_numpy() if "scale_offset" in frame.columns else np.zeros_like(float8)
+    if not located[float8].all():
+        raise UserError("the arrays index locates no scales for some float8 arrays (scale_offset): merge the index "
+                        "again with pipeline.index")
+    return True
 
 
 def _key_rows(arrays: pa.Table, key: ArrayKey) -> pa.Table:

@@ -15,7 +15,7 @@ CPU, and the quality of a sparse autoencoder trained on it.
      normal floor (|value| / scale < 2^-6, where the step is fixed: what per-token scaling costs
      them);
    - the store path's host CPU-seconds (every thread of the process) per GB of float32 activations
-     of the same tokens: the runner's own ``ShardWriter`` splitting, compressing and writing them;
+     of the same tokens: the runner's own ``ShardWriter`` compressing, encoding and writing them;
    - the forward's seconds on this machine with float32 and with float8 outputs.
 2. The SAE of ``make demo`` (the demo's model, layer 12, SAELens through ``runners.train_sae``, its
    steps, batch, seed; the export's context and first-position rule) trained on a float32 store
@@ -30,7 +30,9 @@ CPU, and the quality of a sparse autoencoder trained on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import itertools
 import os
 import subprocess
@@ -111,20 +113,21 @@ def class_errors(read: np.ndarray, exact: np.ndarray, scale: np.ndarray) -> tupl
 
 def store_cpu_seconds(samples: list[dict], sequences: list[list[int]], layers: tuple[int, ...], hidden: int,
                       dtype: str, directory: str) -> float:
-    """Process CPU-seconds (all threads) the runner's ``ShardWriter`` takes to split, compress (isal
-    level 1, two threads) and write ``samples`` as shards of 64 MB."""
+    """Process CPU-seconds (all threads) the runner's ``ShardWriter`` takes to compress (isal level 1,
+    two threads), encode and write ``samples`` as shards of 64 MB with their indexes."""
     os.makedirs(os.path.join(directory, "index"), exist_ok=True)
     settings = ShardSettings(0, directory, 64 * 10**6, True, layers, hidden, dtype, False, 1, {"dtype": dtype},
                              compression_threads=2, statistics=False)
     writer = ShardWriter(settings, Checkpoint(), None, RejectedLog(directory, None))
-    start = time.process_time()
-    for i, (sample, ids) in enumerate(zip(samples, sequences)):
-        writer.add({"sample_id": i, "num_tokens": len(ids), "truncated": False, "original_num_tokens": None,
-                    "source": "arc", "text_preview": "", **sample})
-    writer.finalize()
-    writer.wait()
-    seconds = time.process_time() - start
-    writer.close()
+    with contextlib.redirect_stdout(io.StringIO()):  # the writer's rate line: not this table's
+        start = time.process_time()
+        for i, (sample, ids) in enumerate(zip(samples, sequences)):
+            writer.add({"sample_id": i, "num_tokens": len(ids), "truncated": False, "original_num_tokens": None,
+                        "source": "arc", "text_preview": "", **sample})
+        writer.finalize()
+        writer.wait()
+        seconds = time.process_time() - start
+        writer.close()
     return seconds
 
 

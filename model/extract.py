@@ -594,6 +594,8 @@ class Extractor:
                 data.block_until_ready()  # the forward's time, not the copy's
                 with self.observer.host_side("device_to_host"):
                     acts = np.asarray(data)  # [len(group), rows here, S, width]
+                    if scale is not None:  # both outputs are sharded alike: the same rows, block by block
+                        assert scale_blocks[b][0] == rows, (scale_blocks[b][0], rows)
                     row_scales = None if scale is None else np.asarray(scale_blocks[b][1])  # [len(group), rows here, S]
                 with self.observer.host_side("split"):
                     for i, row in enumerate(range(*rows.indices(out.shape[1]))):

@@ -158,9 +158,19 @@ def test_the_store_holds_a_quarter_of_float32s_bytes_and_statistics_of_the_dequa
     np.testing.assert_allclose(mean, rows.astype(np.float64).mean(0), rtol=1e-5, atol=1e-6)
 
 
-def test_bad_input_is_one_line(float8_store, tiny_checkpoints):
+def test_bad_input_is_one_line(float8_store, tiny_checkpoints, tmp_path):
+    import shutil
+    import pyarrow.parquet as pq
     with pytest.raises(UserError, match="token loader returns rows of one dtype"):
         TokenLoader(LoaderConfig(index=float8_store, layers=(3,), dtype="float8_e4m3fn"))
+    # An arrays index that lost its scales (merged by a pipeline.index from before float8): refused, not read raw.
+    index = shutil.copy(float8_store, tmp_path / "index.parquet")
+    pq.write_table(pq.read_table(arrays_path(float8_store)).drop_columns(["scale_offset", "scale_length"]),
+                   arrays_path(str(index)))
+    with pytest.raises(UserError, match="merge the index again"):
+        read_activations(arrays_path(str(index)), [0], [3])
+    with pytest.raises(UserError, match="merge the index again"):
+        TokenLoader(LoaderConfig(index=str(index), layers=(3,)))
     with pytest.raises(UserError, match="pools rows into their mean"):
         read_activations(arrays_path(float8_store), [0], [3], tokens="mean", dequantize=False)
     result = run_in_process("runners.tpu_host", "--machine_id", "0", "--streams_dir", "/nonexistent", "--model_path",
