@@ -1,0 +1,101 @@
+"""``features.encoders``: SAELens SAEs (ReLU, JumpReLU, TopK with and without decoder-norm
+rescaling) and transcoders loaded from what SAELens' ``save_model`` writes, encoding as SAELens'
+own ``encode`` does; a directions file's directions and raw neurons as features; refusals in one line."""
+
+import numpy as np
+import pytest
+
+from activations.directions import write_directions
+from common.cli import UserError
+from features.encoders import direction_features, load_features, neuron_features, parse_neurons, sae_features
+
+D_IN, D_SAE = 12, 40
+
+
+def saved_sae(tmp_path, architecture: str, **extra):
+    """A SAELens SAE of ``architecture`` with random weights (biases and thresholds too), saved."""
+    import sae_lens
+    import torch
+    from sae_lens.saes.sae import SAEMetadata
+    classes = {"standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
+               "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig),
+               "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
+               "transcoder": (sae_lens.Transcoder, sae_lens.TranscoderConfig)}
+    cls, cfg_cls = classes[architecture]
+    cfg = cfg_cls(d_in=D_IN, d_sae=D_SAE, metadata=SAEMetadata(hook_name="blocks.3.hook_resid_post"), **extra)
+    sae = cls(cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in sae.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    path = tmp_path / architecture
+    sae.save_model(str(path))
+    return sae, str(path)
+
+
+@pytest.mark.parametrize("architecture, extra", [("standard", {}), ("jumprelu", {}), ("topk", {"k": 5}),
+                                                 ("topk", {"k": 5, "rescale_acts_by_decoder_norm": True}),
+                                                 ("transcoder", {"d_out": 7, "apply_b_dec_to_input": False})])
+def test_saelens_saes_encode_as_saelens_does(tmp_path, architecture, extra):
+    import torch
+    sae, path = saved_sae(tmp_path, architecture, **extra)
+    features = load_features(path)
+    assert features.key == 3 and features.size == D_SAE
+    assert features.decoder.shape == (D_SAE, extra.get("d_out", D_IN))
+    rows = np.random.default_rng(1).standard_normal((33, D_IN)).astype(np.float32)
+    ours = np.asarray(features.encode(rows))
+    with torch.no_grad():
+        theirs = sae.encode(torch.from_numpy(rows)).numpy()
+    assert ((ours > 0) == (theirs > 0)).all()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    if architecture == "topk":
+        assert ((ours > 0).sum(1) <= 5).all() and (ours > 0).sum() > 0
+
+
+def test_an_sae_without_a_hook_reads_the_key_given_and_refusals_are_one_line(tmp_path):
+    import json
+    _, path = saved_sae(tmp_path, "standard")
+    assert sae_features(path, "blocks.3.hook_resid_post").key == 3
+    with pytest.raises(UserError, match="reads blocks.3.hook_resid_post, not 5"):
+        sae_features(path, 5)
+    cfg_path = tmp_path / "standard" / "cfg.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "metadata": {}}))
+    with pytest.raises(UserError, match="names no hook"):
+        sae_features(path)
+    assert sae_features(path, 7).key == 7
+    cfg_path.write_text(json.dumps({**cfg, "normalize_activations": "layer_norm"}))
+    with pytest.raises(UserError, match="normalizes its input"):
+        sae_features(path)
+    cfg_path.write_text(json.dumps({**cfg, "architecture": "gated"}))
+    with pytest.raises(UserError, match="a 'gated' SAE"):
+        sae_features(path)
+    with pytest.raises(UserError, match="not a SAELens SAE directory"):
+        sae_features(str(tmp_path))
+    with pytest.raises(UserError, match="not a SAELens SAE directory, a directions file"):
+        load_features(str(tmp_path / "nothing"))
+
+
+def test_directions_and_neurons_are_projections_and_dimensions(tmp_path):
+    rng = np.random.default_rng(2)
+    vectors = {("diff_in_means", 3): rng.standard_normal(D_IN), ("probe", 3): rng.standard_normal(D_IN),
+               ("probe", "blocks.3.hook_mlp_out"): rng.standard_normal(D_IN)}
+    path = str(tmp_path / "directions.npz")
+    write_directions(path, vectors, {"model": "random"})
+    rows = rng.standard_normal((9, D_IN)).astype(np.float32)
+    features = direction_features(path, 3)
+    assert features.key == 3 and features.size == 2
+    expected = rows @ np.stack([vectors["diff_in_means", 3], vectors["probe", 3]]).astype(np.float32).T
+    np.testing.assert_allclose(np.asarray(features.encode(rows)), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(UserError, match="holds directions at"):
+        direction_features(path)
+    assert direction_features(path, "blocks.3.hook_mlp_out").size == 1
+    assert parse_neurons("neurons:hook_mlp_out:3:0-2,5") == ("blocks.3.hook_mlp_out", [0, 1, 2, 5])
+    neurons = neuron_features("neurons:hook_mlp_out:3:0-2,5", D_IN)
+    np.testing.assert_array_equal(np.asarray(neurons.encode(rows)), rows[:, [0, 1, 2, 5]])
+    np.testing.assert_array_equal(neurons.decoder, np.eye(D_IN, dtype=np.float32)[[0, 1, 2, 5]])
+    assert neuron_features("neurons:hook_resid_post:3", D_IN).size == D_IN
+    for bad, message in (("neurons:hook_mlp_out:3:40", "past the site's width"),
+                         ("neurons:hook_mlp_out:x", "LAYER is a number"), ("neurons:hook_mlp_out", "are named")):
+        with pytest.raises(UserError, match=message):
+            neuron_features(bad, D_IN)
