@@ -99,3 +99,38 @@ def test_directions_and_neurons_are_projections_and_dimensions(tmp_path):
                          ("neurons:hook_mlp_out:x", "LAYER is a number"), ("neurons:hook_mlp_out", "are named")):
         with pytest.raises(UserError, match=message):
             neuron_features(bad, D_IN)
+
+
+def plain_top(acts: np.ndarray, sample_ids: np.ndarray, positions: np.ndarray, k: int) -> list[list[tuple]]:
+    """Per feature, its k highest (value, sample id, position), ranked by value, then sample id, then position."""
+    return [sorted(zip((-acts[:, f]).tolist(), sample_ids.tolist(), positions.tolist()))[:k]
+            for f in range(acts.shape[1])]
+
+
+def test_top_activations_merge_to_the_plain_ranking_however_the_tokens_are_split():
+    from features.top_activations import TopActivations, block_top, merged
+    rng = np.random.default_rng(3)
+    n, features, k = 90, 7, 6
+    acts = np.round(rng.standard_normal((n, features)), 1).astype(np.float32)  # many ties
+    acts[:, 0] = 0.5  # a feature equal on every token: ranked by (sample id, position) alone
+    sample_ids = rng.integers(0, 12, n)
+    positions = rng.permutation(n)  # unique (sample, position) pairs
+    whole = block_top(acts, sample_ids, positions, k)
+    parts = np.array_split(rng.permutation(n), 3)
+    blocks = [block_top(acts[p], sample_ids[p], positions[p], k) for p in parts]
+    for summary in (whole, merged(merged(blocks[0], blocks[1]), blocks[2]),
+                    merged(blocks[2], merged(blocks[1], blocks[0])),
+                    merged(TopActivations.empty(features, k), whole)):
+        expected = plain_top(acts, sample_ids, positions, k)
+        got = [list(zip((-summary.values[f]).tolist(), summary.sample_ids[f].tolist(), summary.positions[f].tolist()))
+               for f in range(features)]
+        assert got == expected
+        assert summary.tokens == n
+        np.testing.assert_array_equal(summary.positive, (acts > 0).sum(0))
+        np.testing.assert_array_equal(summary.maximum, acts.max(0))
+    few = block_top(acts[:4], sample_ids[:4], positions[:4], k)  # fewer tokens than k: the rest unfilled
+    assert (few.sample_ids[:, 4:] == -1).all() and np.isinf(few.values[:, 4:]).all()
+    rest = block_top(acts[4:], sample_ids[4:], positions[4:], k)
+    together = merged(few, rest)
+    for name in ("values", "sample_ids", "positions", "positive", "maximum"):
+        np.testing.assert_array_equal(getattr(together, name), getattr(whole, name))
