@@ -134,3 +134,34 @@ def test_top_activations_merge_to_the_plain_ranking_however_the_tokens_are_split
     together = merged(few, rest)
     for name in ("values", "sample_ids", "positions", "positive", "maximum"):
         np.testing.assert_array_equal(getattr(together, name), getattr(whole, name))
+
+
+def test_a_neuronpedia_batch_is_laid_out_as_saedashboard_writes_it():
+    import json
+    from features.neuronpedia import (ActivationExample, DashboardFeature, batch_json, batch_sizes, interval_bounds,
+                                      top_group_bounds)
+    top = ActivationExample(*top_group_bounds(2.34567), ["a", "\u2014b"], [0.12345, 2.34567], 1)
+    interval = ActivationExample(*interval_bounds(0.0, 0.46913, 0.8385416), ["c"], [0.0], -1)
+    feature = DashboardFeature(feature_index=7, neg_str=["x"], neg_values=[-1.23456], pos_str=["y"], pos_values=[2.5],
+                               density=0.1614583, histogram_values=[1.0004], histogram_heights=[3],
+                               logits_histogram_heights=[1], logits_histogram_values=[0.5], activations=[top, interval])
+    text = batch_json("qwen", 12, "demo", [feature])
+    assert not text.endswith("\n") and "\\u2014b" in text  # json.dumps' defaults: ASCII, no indent
+    batch = json.loads(text)
+    assert list(batch) == ["model_id", "layer", "sae_set", "sae_id_suffix", "features"]
+    written = batch["features"][0]
+    assert list(written) == [
+        "feature_index", "neuron_alignment_indices", "neuron_alignment_values", "neuron_alignment_l1",
+        "correlated_neurons_indices", "correlated_neurons_l1", "correlated_neurons_pearson",
+        "correlated_features_indices", "correlated_features_l1", "correlated_features_pearson", "neg_str",
+        "neg_values", "pos_str", "pos_values", "frac_nonzero", "freq_hist_data_bar_values",
+        "freq_hist_data_bar_heights", "logits_hist_data_bar_heights", "logits_hist_data_bar_values",
+        "n_prompts_total", "n_tokens_in_prompt", "dataset", "decoder_weights_dist", "activations", "vector"]
+    assert written["frac_nonzero"] == 0.16146000000000002 and written["neg_values"] == [-1.235]
+    assert written["activations"][0] == {
+        "bin_min": -1, "bin_max": 2.346, "bin_contains": -1, "tokens": ["a", "\u2014b"], "values": [0.123, 2.346],
+        "qualifying_token_index": 1, "dfa_values": [], "dfa_maxValue": 0, "dfa_targetIndex": -1}
+    assert written["activations"][1]["bin_max"] == 0.469 and written["activations"][1]["bin_contains"] == 0.83854
+    dead = DashboardFeature(0, [], [], [], [], 0.0, [], [], [], [], [])
+    assert json.loads(batch_json("m", 0, "s", [dead]))["features"][0]["frac_nonzero"] == 0
+    assert batch_sizes(10, 4) == [4, 3, 3] and batch_sizes(8, 4) == [4, 4]
