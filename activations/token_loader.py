@@ -334,7 +334,7 @@ class TokenLoader:
         per_key, fetched = {}, 0
         for key in c.keys:
             offsets, lengths = a.offset[key], a.length[key]
-            first, span = int(offsets[start]), int(offsets[stop - 1] + a.extent(key)[stop - 1] - offsets[start])
+            first, span = int(offsets[start]), int(offsets[stop - 1] + a.extent[key][stop - 1] - offsets[start])
             try:
                 data = memoryview(read_range(path, first, span))
             except Exception as e:  # a missing shard, GCS out of reach after its retries

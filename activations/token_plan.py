@@ -12,6 +12,7 @@ in storage order, or, shuffled, in a random order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Sequence
 
@@ -59,11 +60,11 @@ class StoredArrays:
     def __len__(self) -> int:
         return len(self.sample_id)
 
-    def extent(self, key: ArrayKey) -> np.ndarray:
-        """[rows] int64: the bytes from each array's first to its last, through its scales if any."""
-        if key not in self.scale_offset:
-            return self.length[key]
-        return self.scale_offset[key] + self.scale_length[key] - self.offset[key]
+    @functools.cached_property
+    def extent(self) -> dict[ArrayKey, np.ndarray]:
+        """Per key, [rows] int64: the bytes from each array's first to its last, through its scales if any."""
+        return {key: self.scale_offset[key] + self.scale_length[key] - self.offset[key]
+                if key in self.scale_offset else self.length[key] for key in self.keys}
 
 
 def read_index_table(path: str, what: str, **kwargs) -> pa.Table:
@@ -202,7 +203,7 @@ def blocks(stored: StoredArrays, rng: np.random.Generator | None, block_bytes: i
     neighbouring rows of one shard of at most ``block_bytes`` over all keys (a larger array is
     a block alone), in storage order, or with ``rng`` in a random order."""
     first = stored.keys[0]
-    offsets, lengths = stored.offset[first].tolist(), stored.extent(first).tolist()
+    offsets, lengths = stored.offset[first].tolist(), stored.extent[first].tolist()
     # The first key's share of the budget, by width (its arrays are planned; the others follow).
     first_share = max(1, block_bytes * stored.width[first] // sum(stored.width.values()))
     out = []

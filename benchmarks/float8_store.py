@@ -50,6 +50,7 @@ from host.checkpoint import Checkpoint
 from host.rejected import RejectedLog
 from host.writer import ShardSettings, ShardWriter
 from model.extract import Extractor
+from model.families import load_config
 from model.quantize import dequantize
 from transforms.prepare import tokenized_source
 from transforms.tokenizers import load_tokenizer
@@ -145,8 +146,8 @@ def forward_seconds(extractor: Extractor, sequences: list[list[int]]) -> float:
 def measure_model(model: str, num_samples: int, max_seq_length: int) -> None:
     path = str(cached_checkpoints(model)["float32"])
     sequences = prompts(path, 0, num_samples, max_seq_length)
-    probe = Extractor.load(path, layers=[0], dtype="float32", max_seq_length=max_seq_length, devices=jax.devices()[:1])
-    depth, hidden = probe.config.num_hidden_layers, probe.config.hidden_size
+    config = load_config(path)
+    depth, hidden = config.num_hidden_layers, config.hidden_size
     layers = tuple(sorted({depth // 4, depth // 2, 3 * depth // 4, depth - 1}))
     extractor = Extractor.load(path, layers=layers, dtype="float32", max_seq_length=max_seq_length,
                                batch_size_per_device=4, devices=jax.devices()[:1], activation_dtype="float32")

@@ -91,12 +91,14 @@ def _encoder(features: FeatureSet):
     return functools.partial(program, weights)
 
 
-def load_features(spec: str, key: ArrayKey | None = None) -> FeatureSet:
+def load_features(spec: str, key: ArrayKey | None = None, width: int | None = None) -> FeatureSet:
     """The features ``spec`` names: a SAELens SAE / transcoder directory, a directions file
-    (``.npz``) or ``neurons:SITE:LAYER[:DIMS]`` (``neuron_features`` needs the width: see there).
+    (``.npz``) or ``neurons:SITE:LAYER[:DIMS]`` (of a site ``width`` wide, as the store holds it).
     ``key``: the stored array an SAE reads, where its ``cfg.json`` names no hook (``metadata.hook_name``)."""
     if spec.startswith("neurons:"):
-        raise UserError("neurons: features need the site's width: use neuron_features(spec, width)")
+        if width is None:
+            raise ValueError("neurons: features need the stored site's width")
+        return neuron_features(spec, width)
     if spec.endswith(".npz"):
         return direction_features(spec, key)
     if os.path.isdir(spec):

@@ -70,6 +70,7 @@ from model.families import load_config
 from model.extract import (ForwardObserver, check_model_fits, check_quantized, resolve_dtype, resolve_residual_dtype,
                            residual_dtype_name, validate_layers)
 from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
+from model.quantize import SCALE_BYTES
 from model.sharding import make_mesh
 from model.statistics import StatisticsSpec
 from model.sites import blocks_needed, cost_line, parse_sites
@@ -368,7 +369,7 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     checkpoint.check_settings(settings)
     if config.process_id in (None, 0):  # what the run will store, before it starts
         itemsize = storage_dtype(config.activation_dtype).itemsize
-        row_bytes = 4 if config.activation_dtype in QUANTIZED_DTYPES else 0  # a float32 scale a row
+        row_bytes = SCALE_BYTES if config.activation_dtype in QUANTIZED_DTYPES else 0
         print(f"machine {config.machine_id}: "
               f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize, row_bytes)}")
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on

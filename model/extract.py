@@ -649,8 +649,7 @@ class Extractor:
         (float32, ``model.quantize.dequantize``); ``extract_measured`` gives them as stored.
         """
         for key, arrays, _, scales in self.extract_measured(items):
-            yield key, arrays if not scales else {k: dequantize(a, scales[k]) if k in scales else a
-                                                  for k, a in arrays.items()}
+            yield key, arrays if not scales else {k: dequantize(a, scales[k]) for k, a in arrays.items()}
 
     def extract_measured(self, items: Iterable[tuple]) -> Iterator[tuple[T, dict | None, dict | None, dict | None]]:
         """``extract``'s results as stored, with each sequence's statistics, ``{key: KeyStatistics}``
@@ -678,6 +677,6 @@ class Extractor:
             yield from bucketer.add(item, len(item[1]))
         yield from bucketer.flush()
 
-    def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict | None, dict | None]]:
+    def _collected(self, keys: list[T], batch: InFlight) -> Iterator[tuple[T, dict | None, dict | None, dict | None]]:
         for key, result in zip(keys, self.collect(batch)):
             yield (key, None, None, None) if result is None else (key, *result)

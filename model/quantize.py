@@ -24,6 +24,7 @@ E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities: 0x7f/0x
 # The scale is a product, not a quotient: XLA turns a division by a constant into this product
 # anyway, so written so it is the same number on every backend and in numpy.
 INVERSE_MAX = np.float32(1 / E4M3_MAX)
+SCALE_BYTES = np.dtype(np.float32).itemsize  # what each stored row's scale adds
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -187,7 +187,7 @@ def site_width(site: str, config, layer: int | None = None) -> int:
 def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int,
                     row_bytes: int = 0) -> dict[str, int]:
     """What each site stores per token over ``layers`` (bytes), in block order; ``row_bytes``: what
-    each row of a layer adds besides its values (float8's scale: 4)."""
+    each row of a layer adds besides its values (float8's scale: ``model.quantize.SCALE_BYTES``)."""
     return {site: sum(site_width(site, config, layer) for layer in layers) * (4 if SITES[site].integer else itemsize)
             + (0 if SITES[site].integer else row_bytes * len(layers)) for site in SITES if site in sites}
 

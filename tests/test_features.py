@@ -91,7 +91,7 @@ def test_directions_and_neurons_are_projections_and_dimensions(tmp_path):
         direction_features(path)
     assert direction_features(path, "blocks.3.hook_mlp_out").size == 1
     assert parse_neurons("neurons:hook_mlp_out:3:0-2,5") == ("blocks.3.hook_mlp_out", [0, 1, 2, 5])
-    neurons = neuron_features("neurons:hook_mlp_out:3:0-2,5", D_IN)
+    neurons = load_features("neurons:hook_mlp_out:3:0-2,5", width=D_IN)
     np.testing.assert_array_equal(np.asarray(neurons.encode(rows)), rows[:, [0, 1, 2, 5]])
     np.testing.assert_array_equal(neurons.decoder, np.eye(D_IN, dtype=np.float32)[[0, 1, 2, 5]])
     assert neuron_features("neurons:hook_resid_post:3", D_IN).size == D_IN

@@ -8,7 +8,6 @@ import dataclasses
 import gzip
 import json
 import pickle
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +23,11 @@ from common.cli import UserError
 from fixtures.stored_activations import StoredSpec, storage_order, write_stored
 from model.extract import Extractor
 from model.quantize import Float8Rows, dequantize
-from model.sites import EXPERT_INDICES, MLP_OUT, RESID_POST
+from model.sites import EXPERT_INDICES, MLP_OUT, RESID_POST, array_key
 from model.statistics import StatisticsSpec
-from tests.conftest import assert_statistics_close, gated_runner, run_in_process
+from tests.conftest import assert_statistics_close, gated_runner, run_in_process, wait_for
 from tests.test_device_statistics import float64_moments
+from tests.test_host import index_rows, stats_files
 
 LENGTHS = (40, 7, 33)
 
@@ -116,10 +116,10 @@ def float8_store(tmp_path_factory) -> str:
 def test_every_reader_returns_the_plain_reads_float32_rows(float8_store):
     import pandas as pd
     arrays = pd.read_parquet(arrays_path(float8_store))
-    keys = [1, 3, f"blocks.3.{MLP_OUT}"]
+    keys = [1, 3, array_key(MLP_OUT, 3)]
     expected = {}
     for row in arrays.to_dict("records"):
-        key = row["layer"] if row["site"] == RESID_POST else f"blocks.{row['layer']}.{row['site']}"
+        key = array_key(row["site"], row["layer"])
         expected[row["sample_id"], key] = plain_read(row["shard_path"], key, row["position"])
         assert row["dtype"] == "float8_e4m3fn" and row["scale_offset"] > row["byte_offset"]
         raw = read_activation(row, dequantize=False)
@@ -136,15 +136,15 @@ def test_every_reader_returns_the_plain_reads_float32_rows(float8_store):
         np.testing.assert_array_equal(rows.dequantized(), expected[sample, key])
     for sample, rows in iter_activations(float8_store, ids, 3):
         np.testing.assert_array_equal(rows, expected[sample, 3])
-    loader = TokenLoader(LoaderConfig(index=float8_store, layers=(3, f"blocks.3.{MLP_OUT}"), seed=None,
+    loader = TokenLoader(LoaderConfig(index=float8_store, layers=(3, array_key(MLP_OUT, 3)), seed=None,
                                       batch_tokens=10_000))
     (batch,) = list(loader)
-    for key in (3, f"blocks.3.{MLP_OUT}"):
+    for key in (3, array_key(MLP_OUT, 3)):
         stacked = np.concatenate([expected[i, key] for i in storage_order(float8_store)])
         np.testing.assert_array_equal(batch.activations[key], stacked)
 
 
-def test_the_store_holds_a_quarter_of_float32s_bytes_and_statistics_of_the_dequantized_rows(float8_store):
+def test_an_entry_holds_a_byte_a_value_then_its_scales_and_statistics_are_of_the_dequantized_rows(float8_store):
     import pandas as pd
     from activations.index import stats_path
     shard = load_shard(pd.read_parquet(float8_store).shard_path.iloc[0])
@@ -194,9 +194,10 @@ def test_a_float8_run_killed_and_resumed_stores_what_an_uninterrupted_one_stores
     killed = tmp_path / "killed" / "machine_000"
     proc = gated_runner(args(tmp_path / "killed"), killed, tmp_path / "gate")  # held at its first shard
     checkpoint = killed / "checkpoint.json"
-    while not (checkpoint.exists() and json.loads(checkpoint.read_text())["total_shards"]):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+    def stored_a_shard_or_ended():
+        return proc.poll() is not None or (checkpoint.exists() and json.loads(checkpoint.read_text())["total_shards"])
+    wait_for(stored_a_shard_or_ended, what="the first shard checkpointed")
+    assert proc.poll() is None, proc.communicate()
     proc.kill()
     proc.communicate()
     resumed = run_in_process("runners.tpu_host", *args(tmp_path / "killed"))
@@ -206,20 +207,7 @@ def test_a_float8_run_killed_and_resumed_stores_what_an_uninterrupted_one_stores
     assert len(names) > 2 and names == sorted(p.name for p in killed.glob("shard_*"))
     for name in names:
         assert (killed / name).read_bytes() == (expected / name).read_bytes(), name
-    for path in sorted((expected / "index").glob("*.parquet")):
-        got, want = pd_rows(killed / "index" / path.name), pd_rows(path)
-        assert got == want, path.name
-
-
-def pd_rows(path) -> list[dict]:
-    """A per-shard index file's rows, shard paths as file names (the two runs' directories differ)."""
-    import os
-    import pyarrow.parquet as pq
-    rows = pq.read_table(path).to_pylist()
-    for row in rows:
-        if "shard_path" in row:
-            row["shard_path"] = os.path.basename(row["shard_path"])
-    return rows
+    assert index_rows(killed) == index_rows(expected) and stats_files(killed) == stats_files(expected)
 
 
 def plain_rows(index: str, key) -> dict[int, np.ndarray]:
