@@ -61,12 +61,12 @@ demo: install
 		--exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite
 	$(PY) -m runners.train_sae --export_dir $(DEMO_DIR)/saelens --steps 200 --batch_tokens 1024 --log_every 20 \
 		--output_dir $(DEMO_DIR)/sae
-	$(PY) -m runners.dashboard --index $(DEMO_DIR)/index.parquet --features $(DEMO_DIR)/sae --key 12 \
-		--exclude_first_positions 1 --most_active 32 --model_id $(DEMO_MODEL) --sae_set demo-sae \
-		--output_dir $(DEMO_DIR)/dashboards --overwrite
 	$(PY) -m runners.probe --index $(DEMO_DIR)/index.parquet --label same_shape --layers 6,12,18 --tokens last \
 		--test_fraction 0.25 --output_dir $(DEMO_DIR)/probe
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"
+	$(PY) -m runners.dashboard --index $(DEMO_DIR)/index.parquet --features $(DEMO_DIR)/sae --key 12 \
+		--exclude_first_positions 1 --most_active 32 --model_id $(DEMO_MODEL) --sae_set demo-sae \
+		--output_dir $(DEMO_DIR)/dashboards --overwrite
 	@echo "make demo: $$(( $$(date +%s) - $$(cat $(DEMO_DIR)/.started) )) s"
 
 # Two test processes, a test file each at a time (its module fixtures are built once): the

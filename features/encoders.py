@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ import numpy as np
 
 from activations.directions import read_directions
 from common.cli import UserError
+from common.files import join, read_optional
 from model.sites import ArrayKey, array_key, hook_name, key_parts, normalized_key, parse_sites
 
 ACTIVATIONS = ("relu", "jumprelu", "topk", "linear")  # how pre-activations become feature activations
@@ -53,10 +54,28 @@ class FeatureSet:
     k: int | None = None        # topk: the k largest pre-activations of a row fire (ReLU'd)
     decoder_scaled: bool = False  # topk: pre-activations times their decoder row's norm first
     output_key: ArrayKey | None = None  # where the decoder writes (a transcoder's target); None: ``key``
+    indices: np.ndarray | None = None  # [F] int64: each feature's number (a neuron's dimension); None: 0..F-1
+    names: tuple[str, ...] | None = None  # each feature's name, where it has one (a direction's)
 
     @property
     def size(self) -> int:
         return self.encoder.shape[1]
+
+    @property
+    def numbers(self) -> np.ndarray:
+        """[F] int64: each feature's number, as outputs name it."""
+        return np.arange(self.size, dtype=np.int64) if self.indices is None else self.indices
+
+    def subset(self, columns: Sequence[int]) -> "FeatureSet":
+        """Only the features at ``columns`` (positions in this set). A TopK SAE's features compete
+        for its k slots, so it keeps them all: ``encode`` then gives every feature (see ``columns_kept``)."""
+        columns = np.asarray(columns, np.int64)
+        if self.activation == "topk":
+            return self
+        return dataclasses.replace(
+            self, encoder=self.encoder[:, columns], encoder_bias=self.encoder_bias[columns],
+            decoder=self.decoder[columns], threshold=None if self.threshold is None else self.threshold[columns],
+            indices=self.numbers[columns], names=None if self.names is None else tuple(self.names[c] for c in columns))
 
     def encode(self, rows: Any) -> jax.Array:
         """Feature activations [n, F] float32 of stored rows [n, d] (any float dtype)."""
@@ -101,7 +120,7 @@ def load_features(spec: str, key: ArrayKey | None = None, width: int | None = No
         return neuron_features(spec, width)
     if spec.endswith(".npz"):
         return direction_features(spec, key)
-    if os.path.isdir(spec):
+    if spec.startswith("gs://") or os.path.isdir(spec):
         return sae_features(spec, key)
     raise UserError(f"--features {spec!r}: not a SAELens SAE directory, a directions file (.npz) or "
                     "neurons:SITE:LAYER[:DIMS]")
@@ -109,12 +128,14 @@ def load_features(spec: str, key: ArrayKey | None = None, width: int | None = No
 
 def sae_features(directory: str, key: ArrayKey | None = None) -> FeatureSet:
     """A SAELens SAE or transcoder saved by ``save_model`` (``cfg.json``, ``sae_weights.safetensors``)."""
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
+    files = {name: read_optional(join(directory, name)) for name in (SAE_CONFIG, SAE_WEIGHTS)}
+    missing = [name for name, data in files.items() if data is None]
+    if missing:
+        raise UserError(f"{directory!r} is not a SAELens SAE directory: it has no {missing[0]}")
     try:
-        with open(os.path.join(directory, SAE_CONFIG)) as f:
-            cfg = json.load(f)
-        weights = load_file(os.path.join(directory, SAE_WEIGHTS))
-    except (OSError, ValueError) as e:
+        cfg, weights = json.loads(files[SAE_CONFIG]), load(files[SAE_WEIGHTS])
+    except Exception as e:  # a JSON or safetensors error: the files are not what SAELens writes
         raise UserError(f"{directory!r} is not a SAELens SAE directory ({SAE_CONFIG} and {SAE_WEIGHTS}): "
                         f"{str(e).splitlines()[0]}") from None
     architecture = cfg.get("architecture")
@@ -162,7 +183,7 @@ def direction_features(path: str, key: ArrayKey | None = None) -> FeatureSet:
     width = vectors.shape[1]
     return FeatureSet(name=os.path.basename(path), key=normalized_key(wanted), encoder=vectors.T.copy(),
                       encoder_bias=np.zeros(len(names), np.float32), input_bias=np.zeros(width, np.float32),
-                      decoder=vectors, activation="linear")
+                      decoder=vectors, activation="linear", names=tuple(names))
 
 
 def parse_neurons(spec: str) -> tuple[ArrayKey, list[int] | None]:
@@ -184,7 +205,11 @@ def spans(text: str) -> list[int]:
     out = []
     for part in text.split(","):
         first, _, last = part.partition("-")
+        if int(last or first) < int(first):
+            raise ValueError(f"a descending range {part}")
         out.extend(range(int(first), int(last or first) + 1))
+    if not out:
+        raise ValueError("no indices")
     return out
 
 
@@ -198,4 +223,31 @@ def neuron_features(spec: str, width: int) -> FeatureSet:
         raise UserError(f"{spec!r}: dimension {bad[0]} is past the site's width ({width})")
     unit = np.eye(width, dtype=np.float32)[dims]  # [F, width]
     return FeatureSet(name=spec, key=key, encoder=unit.T.copy(), encoder_bias=np.zeros(len(dims), np.float32),
-                      input_bias=np.zeros(width, np.float32), decoder=unit, activation="linear")
+                      input_bias=np.zeros(width, np.float32), decoder=unit, activation="linear",
+                      indices=np.asarray(dims, np.int64))
+
+
+ARRAYS = ("encoder", "encoder_bias", "input_bias", "decoder", "threshold", "indices")
+
+
+def features_bytes(features: FeatureSet) -> bytes:
+    """``features`` as one .npz (its arrays, and its other fields as JSON): what a launcher hands
+    workers that cannot read its paths (a Dataflow job's)."""
+    import io
+    arrays = {name: getattr(features, name) for name in ARRAYS if getattr(features, name) is not None}
+    fields = {f.name: getattr(features, f.name) for f in dataclasses.fields(features) if f.name not in ARRAYS}
+    fields["names"] = list(features.names) if features.names is not None else None
+    data = io.BytesIO()
+    np.savez(data, fields=np.array(json.dumps(fields)), **arrays)
+    return data.getvalue()
+
+
+def features_from_bytes(data: bytes) -> FeatureSet:
+    """The inverse of ``features_bytes``."""
+    import io
+    with np.load(io.BytesIO(data)) as npz:
+        fields = json.loads(str(npz["fields"]))
+        arrays = {name: npz[name] for name in ARRAYS if name in npz.files}
+    if fields.get("names") is not None:
+        fields["names"] = tuple(fields["names"])
+    return FeatureSet(**fields, **arrays)

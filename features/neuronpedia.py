@@ -79,7 +79,7 @@ def token_strings(vocab: Mapping[str, int], size: int) -> list[str]:
         for spelled, shown in TOKEN_SPELLINGS:
             text = text.replace(spelled, shown)
         strings[i] = text
-    return [strings.get(i, OUT_OF_RANGE) for i in range(max(size, len(strings)))]
+    return [strings.get(i, OUT_OF_RANGE) for i in range(max(size, max(strings, default=-1) + 1))]
 
 
 def rounded(values: Sequence[float], places: int = 3) -> list[float]:

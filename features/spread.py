@@ -9,9 +9,9 @@ merged like ``features.top_activations`` (associative, commutative, the same for
 - The intervals: ``INTERVALS`` equal-width intervals over [0, maximum] (``torch.linspace``'s
   bounds in float32, both ends inclusive, so the lowest holds every token at 0), highest first,
   each with its token count and ``INTERVAL_EXAMPLES`` tokens drawn from it. SAEDashboard draws at
-  random; here a token's place in the draw is a hash of its (sample id, position)
-  (``draw_keys``), so a feature's draw is uniform over its interval's tokens yet the same however
-  the store is split among workers.
+  random; here a token's place in a feature's draw is a hash of (the feature's number, the token's
+  sample id and position) (``draw_keys``), so each feature's draw is uniform over its interval's
+  tokens, independent of other features', and the same however the store is split among workers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from activations.export_plan import splitmix64
 
 BINS = 50             # SAEDashboard's histograms' bins
 INTERVALS = 5         # its activation intervals (n_quantiles)
@@ -69,10 +68,37 @@ def histc_bins(x: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
     return jnp.clip(((x - lo) * BINS / span).astype(jnp.int32), 0, BINS - 1)
 
 
-def draw_keys(sample_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """[n] int64 >= 0: each token's place in every interval's draw (smaller first)."""
-    token = (np.asarray(sample_ids).astype(np.uint64) << np.uint64(24)) ^ np.asarray(positions).astype(np.uint64)
-    return (splitmix64(token) >> np.uint64(1)).astype(np.int64)
+def _mix32(x):
+    """A 32-bit integer finaliser (wrapping), the same on numpy's and JAX's uint32 (the constants as
+    uint32 arrays of the same library: JAX refuses a Python int past int32)."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    x = x ^ (x >> xp.uint32(16))
+    x = x * xp.uint32(0x7FEB352D)
+    x = x ^ (x >> xp.uint32(15))
+    x = x * xp.uint32(0x846CA68B)
+    return x ^ (x >> xp.uint32(16))
+
+
+def _draw_key(xp, numbers, sample_ids, positions):
+    """[F, n] of ``xp`` (numpy or jax.numpy): each (feature, token)'s place in the feature's draws,
+    24 bits (exact in float32: the device ranks them as floats, ~25x faster than integers on a CPU)."""
+    u32 = xp.uint32
+    sample = xp.asarray(sample_ids).astype(xp.int64) if xp is np else sample_ids
+    low = (sample & 0xFFFFFFFF).astype(u32)[None, :]
+    high = (sample >> 32).astype(u32)[None, :]
+    h = _mix32(xp.asarray(numbers).astype(u32)[:, None])
+    h = _mix32(h ^ low)
+    h = _mix32(h ^ high)
+    h = _mix32(h ^ xp.asarray(positions).astype(u32)[None, :])
+    return (h >> xp.uint32(8)).astype(xp.int64 if xp is np else xp.int32)
+
+
+def draw_keys(numbers: np.ndarray, sample_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[F, n] int64: the place of each token (``sample_ids``, ``positions`` [n]) in the draws of
+    each feature (``numbers`` [F]), smaller first: a hash, so each feature's draw is uniform over its
+    interval's tokens, independent of other features' and of how the tokens are split."""
+    with np.errstate(over="ignore"):
+        return _draw_key(np, numbers, sample_ids, positions)
 
 
 @dataclasses.dataclass
@@ -92,48 +118,56 @@ class Spread:
 
 
 def block_spread(activations: jax.Array, sample_ids: np.ndarray, positions: np.ndarray, smallest: np.ndarray,
-                 maximum: np.ndarray) -> Spread:
+                 maximum: np.ndarray, numbers: np.ndarray) -> Spread:
     """The spread of one block's ``activations`` [n, F] (rows past len(sample_ids): padding), of
-    features whose least positive value and maximum over the whole store are ``smallest``, ``maximum`` [F]."""
+    features numbered ``numbers`` [F] whose least positive value and maximum over the whole store
+    are ``smallest``, ``maximum`` [F]."""
     m, n = len(sample_ids), activations.shape[0]
-    keys = draw_keys(sample_ids, positions)
-    order = np.lexsort((positions, sample_ids, keys))  # the draw order (ties: by sample id, then position)
+    order = np.lexsort((positions, sample_ids))  # ties of the draw: by sample id, then position
     padded = np.concatenate([order, np.arange(m, n)])
+    ordered_ids = np.concatenate([np.asarray(sample_ids, np.int64)[order], np.zeros(n - m, np.int64)])
+    ordered_positions = np.concatenate([np.asarray(positions, np.int64)[order], np.zeros(n - m, np.int64)])
     lo, hi = histogram_range(smallest, maximum)
-    histogram, contains, rows = _block_spread(jnp.asarray(activations)[jnp.asarray(padded)], jnp.int32(m),
-                                              jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(interval_bounds(maximum)),
-                                              min(INTERVAL_EXAMPLES, n))
+    histogram, contains, rows, keys = _block_spread(
+        jnp.asarray(activations)[jnp.asarray(padded)], jnp.int32(m), jnp.asarray(lo), jnp.asarray(hi),
+        jnp.asarray(interval_bounds(maximum)), jnp.asarray(numbers, jnp.uint32),
+        jnp.asarray(ordered_ids & 0xFFFFFFFF, jnp.uint32), jnp.asarray(ordered_ids >> 32, jnp.uint32),
+        jnp.asarray(ordered_positions, jnp.uint32), min(INTERVAL_EXAMPLES, n))
     rows = np.asarray(rows)  # [F, INTERVALS, k] into the ordered block; >= m: none
     filled = rows < m
     chosen = order[np.minimum(rows, max(m - 1, 0))] if m else np.zeros_like(rows)
     spread = Spread.empty(activations.shape[1])
     k = rows.shape[2]
     spread.histogram, spread.contains = np.asarray(histogram, np.int64), np.asarray(contains, np.int64)
-    for name, source, none in (("keys", keys, UNDRAWN), ("sample_ids", sample_ids, -1), ("positions", positions, -1)):
-        getattr(spread, name)[:, :, :k] = np.where(filled, np.asarray(source)[chosen] if m else none, none)
+    spread.keys[:, :, :k] = np.where(filled, np.asarray(keys, np.int64), UNDRAWN)
+    for name, source in (("sample_ids", sample_ids), ("positions", positions)):
+        getattr(spread, name)[:, :, :k] = np.where(filled, np.asarray(source)[chosen] if m else -1, -1)
     return spread
 
 
-@functools.partial(jax.jit, static_argnums=5)
-def _block_spread(activations, tokens, lo, hi, bounds, k: int):
+@functools.partial(jax.jit, static_argnums=9)
+def _block_spread(activations, tokens, lo, hi, bounds, numbers, low, high, positions, k: int):
     n, features = activations.shape
     real = (jnp.arange(n) < tokens)[None, :]  # [1, n]
     x = activations.T  # [F, n]
-    # The histogram, as torch.histc bins (in float32): the maximum in the last bin.
     counted = real & (x > 0)
     bins = histc_bins(x, lo[:, None], hi[:, None])
     feature = jnp.broadcast_to(jnp.arange(features)[:, None], (features, n))
     histogram = jnp.zeros((features, BINS), jnp.int32).at[feature, bins].add(counted.astype(jnp.int32))
-    contains, rows = [], []
+    # Each (feature, token)'s draw key; the smallest first (as -key: top_k keeps the largest, and of
+    # equal keys the lower row, the lower (sample id, position)).
+    h = _mix32(_mix32(_mix32(_mix32(numbers[:, None]) ^ low[None, :]) ^ high[None, :]) ^ positions[None, :])
+    keys = (h >> jnp.uint32(8)).astype(jnp.int32)  # [F, n]
+    draw = -keys.astype(jnp.float32)
+    contains, rows, drawn = [], [], []
     for i in range(INTERVALS - 1, -1, -1):  # highest interval first
         inside = real & (x >= bounds[:, i:i + 1]) & (x <= bounds[:, i + 1:i + 2])  # [F, n]
         contains.append(jnp.sum(inside, axis=1))
-        # The first rows inside in the draw order: the largest of -row (as float32, exact below 2^24 rows:
-        # XLA's top_k on the CPU is ~25x slower on integers).
-        _, first = jax.lax.top_k(jnp.where(inside, -jnp.arange(n, dtype=jnp.float32), -jnp.inf), k)  # [F, k]
+        _, first = jax.lax.top_k(jnp.where(inside, draw, -jnp.inf), k)  # [F, k]
         picked = jnp.take_along_axis(inside, first, axis=1)
         rows.append(jnp.where(picked, first, n))
-    return histogram, jnp.stack(contains, axis=1), jnp.stack(rows, axis=1)
+        drawn.append(jnp.take_along_axis(keys, first, axis=1))
+    return histogram, jnp.stack(contains, axis=1), jnp.stack(rows, axis=1), jnp.stack(drawn, axis=1)
 
 
 def merged_spread(a: Spread, b: Spread) -> Spread:

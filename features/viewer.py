@@ -1,5 +1,6 @@
 """A static viewer of feature dashboards: one directory with ``index.html`` (the page
-``features/viewer.html``, as it is) and ``data.js`` (the dashboard), to open from disk in any browser.
+``features/viewer.html``, as it is), ``viewer.js`` (its code) and ``data.js`` (the dashboard), to
+open from disk in any browser.
 
 The dashboard is ``{model_id, layer, sae_set, key, features}``, each feature a dict as
 ``features.neuronpedia.feature_dict`` lays it out. It travels as a script, one line
@@ -16,7 +17,8 @@ from typing import Any
 from common.files import join, write_bytes
 
 PAGE = "index.html"
-DATA = "data.js"  # the name viewer.html's <script src> loads
+DATA = "data.js"  # the names viewer.html's <script src> load
+CODE = "viewer.js"
 
 # JSON text is a JavaScript expression, but inside an HTML page `</script>` or `<!--` in a string
 # would end or change the script element it sits in (where the line is ever inlined), so these
@@ -34,6 +36,8 @@ def write_viewer(directory: str, dashboard: dict[str, Any]) -> str:
     """Writes the viewer of ``dashboard`` into ``directory`` (local or ``gs://``); returns the
     page's path."""
     page = join(directory, PAGE)
-    write_bytes(page, importlib.resources.files(__package__).joinpath("viewer.html").read_bytes())
+    sources = importlib.resources.files(__package__)
+    write_bytes(page, sources.joinpath("viewer.html").read_bytes())
+    write_bytes(join(directory, CODE), sources.joinpath(CODE).read_bytes())
     write_bytes(join(directory, DATA), data_script(dashboard).encode("ascii"))
     return page

@@ -24,7 +24,6 @@ from activations.index import store_model
 from activations.selection import selection_flag
 from activations.token_ids import machine_streams
 from activations.token_loader import TokenLoader
-from activations.token_plan import blocks
 from common.beam_pipeline import is_dry_run, make_pipeline, worker_user_errors
 from common.cli import UserError, flag
 from common.files import delete_tree, file_size
@@ -115,34 +114,36 @@ def run_dashboards(config: DashboardConfig, options) -> str:
     dry_run = is_dry_run(options)
     if not dry_run:
         check_output_dir(config.output_dir, config.overwrite, WRITTEN, "dashboard")
-    features, job, all_features = plan(config)
+    features, summarized, job = plan(config)
     loader = job.loader()
     store = store_model(loader.metadata)
     model_path = config.model_path or store["model"]
-    logits, vocab = feature_logits(features, job.key, model_path, store)
+    decoder = summarized.decoder if job.columns is None else summarized.decoder[list(job.columns)]
+    logits, vocab = feature_logits(summarized, decoder, job.key, model_path)
     strings = token_strings(load_tokenizer(config.tokenizer or model_path).vocab, vocab or 0)
-    units = blocks(loader.stored, None, job.block_bytes)
-    log.info("dashboards of %d of %d feature(s) of %s at %s over %d stored samples (%d units) -> %s",
-             job.most_active or len(job.rows), features.size, features.name, describe_key(job.key), len(loader.stored),
-             len(units), config.output_dir)
+    log.info("dashboards of %d of %d feature(s) of %s at %s over %d stored samples in %d shard(s) -> %s",
+             min(job.most_active or len(job.numbers), len(job.numbers)), features.size, features.name,
+             describe_key(job.key), len(loader.stored), len(loader.stored.shard_paths), config.output_dir)
     if dry_run:
         return config.output_dir
     if config.overwrite:
         delete_tree(config.output_dir)
-    write_work_files(job, logits, strings)
+    write_work_files(job, summarized, logits, strings)
     manifest = {"features": config.features, "feature_set": features.name, "size": features.size,
                 "key": hook_name(*key_parts(job.key)), "index": config.index, "model": model_path,
-                "context": "all" if config.context is None else config.context, "tokens": config.tokens,
-                "exclude_first_positions": config.exclude_first_positions,
-                "logit_effects": logits is not None}
+                "context": "all" if config.context is None else config.context, "selection": config.tokens,
+                "exclude_first_positions": config.exclude_first_positions, "logit_effects": logits is not None}
+    if features.names is not None:  # a directions file's: which direction each feature number is
+        manifest["feature_names"] = dict(zip(map(str, features.numbers.tolist()), features.names))
     with worker_user_errors(f" (in the dashboard job; it did not finish: {config.output_dir} is incomplete)"), \
             make_pipeline(options) as pipeline:
-        _ = pipeline | "Dashboards" >> FeatureDashboards(job, units, all_features, manifest)
+        _ = pipeline | "Dashboards" >> FeatureDashboards(job, len(loader.stored.shard_paths),
+                                                          config.feature_indices is None, manifest)
     return config.output_dir
 
 
-def plan(config: DashboardConfig) -> tuple[FeatureSet, DashboardJob, bool]:
-    """(the features as loaded, the job, whether every feature is measured), checked against the store."""
+def plan(config: DashboardConfig) -> tuple[FeatureSet, FeatureSet, DashboardJob]:
+    """(the features as loaded; those the job encodes, folded; the job), checked against the store."""
     key = config.key
     if config.features.startswith("neurons:"):
         key = parse_neurons(config.features)[0]
@@ -150,7 +151,7 @@ def plan(config: DashboardConfig) -> tuple[FeatureSet, DashboardJob, bool]:
     else:
         features = load_features(config.features, key)
         key = features.key
-    probe = DashboardJob(index=config.index, key=key, features=config.features, width=0, rows=(), top_k=config.top_k,
+    probe = DashboardJob(index=config.index, key=key, numbers=(), columns=None, top_k=config.top_k,
                          context=config.context, tokens=config.tokens, streams_dir=config.streams_dir,
                          exclude_first_positions=config.exclude_first_positions,
                          output_dir=config.output_dir, most_active=config.most_active,
@@ -167,16 +168,33 @@ def plan(config: DashboardConfig) -> tuple[FeatureSet, DashboardJob, bool]:
     if config.features.endswith(".npz"):
         check_directions_model(config.features, store_model(loader.metadata))
     check_token_ids(loader, config.streams_dir)
-    rows = tuple(range(features.size)) if config.feature_indices is None else tuple(sorted(set(config.feature_indices)))
-    bad = [i for i in rows if not 0 <= i < features.size]
-    if bad:
-        raise UserError(f"--feature_indices {bad[0]}: {features.name} has {features.size} features")
+    columns = selected_columns(features, config.feature_indices)
+    summarized = folded(features).subset(columns)
     model = store_model(loader.metadata)["model"]
     model_id = config.model_id or os.path.basename(os.path.normpath(str(config.model_path or model or "model")))
     prompts = (len(loader.stored), int(loader.stored.sample_tokens.max(initial=0)))
-    job = dataclasses.replace(probe, width=width, rows=rows, model_id=model_id, layer=key_parts(key)[1],
-                              sae_set=config.sae_set or features.name, prompts=prompts)
-    return features, job, config.feature_indices is None
+    keeps_all = summarized.size != len(columns)  # a TopK SAE: it encodes every feature, the job keeps some
+    job = dataclasses.replace(probe, numbers=tuple(features.numbers[columns].tolist()),
+                              columns=tuple(columns) if keeps_all else None, model_id=model_id,
+                              layer=key_parts(key)[1], sae_set=config.sae_set or features.name, prompts=prompts)
+    return features, summarized, job
+
+
+def selected_columns(features: FeatureSet, indices: tuple[int, ...] | None) -> list[int]:
+    """The positions in ``features`` of the features numbered ``indices`` (None: all), ascending."""
+    if indices is None:
+        return list(range(features.size))
+    position = {number: i for i, number in enumerate(features.numbers.tolist())}
+    missing = [i for i in indices if i not in position]
+    if missing:
+        raise UserError(f"--feature_indices {missing[0]}: {features.name} has no feature {missing[0]} (its features: "
+                        f"{_spans_text(features.numbers)})")
+    return sorted({position[i] for i in indices})
+
+
+def _spans_text(numbers: np.ndarray) -> str:
+    return f"{numbers.min()}-{numbers.max()}" if len(numbers) == numbers.max() - numbers.min() + 1 else \
+        f"{len(numbers)} of {numbers.min()}-{numbers.max()}"
 
 
 def check_token_ids(loader: TokenLoader, streams_dir: str | None) -> None:
@@ -197,12 +215,15 @@ def check_directions_model(path: str, store: dict) -> None:
              if metadata.get(name) is not None and store.get(name) is not None and metadata[name] != store[name]]
     if other:
         raise UserError(f"{path!r} holds directions of another model: {', '.join(other)}")
+    if metadata.get("model") and store.get("model") and metadata["model"] != store["model"]:  # the same shape
+        log.warning("%s holds directions found on %s; the store is of %s", path, metadata["model"], store["model"])
 
 
-def feature_logits(features: FeatureSet, key: ArrayKey, model_path: str | None,
-                   store: dict) -> tuple[LogitEffects | None, int | None]:
-    """(each feature's logit effects, the vocabulary's size): of a decoder writing a residual-width
-    site; (None, None) for features writing another space (a transcoder's hook_z, mlp.hook_post)."""
+def feature_logits(features: FeatureSet, decoder: np.ndarray, key: ArrayKey,
+                   model_path: str | None) -> tuple[LogitEffects | None, int | None]:
+    """(the logit effects of ``decoder``'s rows [F, d_out], the vocabulary's size): of features
+    writing a residual-width site; (None, None) for features writing another space (a
+    transcoder's hook_z, mlp.hook_post)."""
     from model.unembedding import folded_unembedding
     written = features.output_key or key
     site = key_parts(written)[0]
@@ -216,7 +237,6 @@ def feature_logits(features: FeatureSet, key: ArrayKey, model_path: str | None,
     if not os.path.isdir(model_path) and "://" not in model_path and model_path.startswith(("/", ".")):
         raise UserError(f"--model_path {model_path!r}: no such checkpoint directory")
     unembedding = folded_unembedding(model_path)  # [hidden, vocab]
-    decoder = folded(features).decoder
     if decoder.shape[1] != unembedding.shape[0]:
         raise UserError(f"{features.name}'s directions are {decoder.shape[1]} wide, {model_path}'s residual stream "
                         f"{unembedding.shape[0]}")

@@ -150,8 +150,10 @@ def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, 
     sparsity = __import__("safetensors.numpy", fromlist=["load_file"]).load_file(str(written / "sparsity.safetensors"))
     expected = np.log10((acts > 0).mean(axis=0) + 1e-10).astype(np.float32)
     np.testing.assert_allclose(sparsity["sparsity"], expected, rtol=1e-6)
+    viewer = json.loads((written / "viewer" / "data.js").read_text().removeprefix("const DASHBOARD = ").rstrip(";\n"))
+    assert viewer["features"] == features and viewer["key"] == "blocks.1.hook_resid_post"  # the same dashboards
     manifest = json.loads((written / "dashboard.json").read_text())
-    assert manifest["tokens"] == tokens and manifest["logit_effects"] and not (written / "_work").exists()
+    assert manifest["tokens_read"] == tokens and manifest["logit_effects"] and not (written / "_work").exists()
 
 
 def test_logit_effects_are_the_unit_decoder_rows_through_the_folded_centred_unembedding(setup, written):
@@ -273,3 +275,66 @@ def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, 
     report = json.loads(result.stdout)
     assert result.returncode == 0 and report["ok"], [f for f in report["features"] if not f["ok"]][:2]
     assert report["features_in_files"] == D_SAE and all(f["ok"] for f in report["features"])
+
+
+def top_rows(out: pathlib.Path) -> dict[int, list[tuple]]:
+    """top_activations.parquet as feature -> [(sample id, position, value), ...] by rank."""
+    table = pq.read_table(out / "top_activations.parquet").to_pandas().sort_values(["feature", "rank"])
+    return {int(f): list(zip(g.sample_id, g.position, g.value)) for f, g in table.groupby("feature")}
+
+
+def test_a_subset_of_features_neurons_directions_and_topk_keep_their_numbers_and_values(setup, written, tmp_path):
+    import sae_lens
+    import torch
+    from sae_lens.saes.sae import SAEMetadata
+    from activations.directions import write_directions
+    index, model, sae = setup
+    # A subset: the same numbers, tokens and logit tables as in the run over every feature.
+    dashboards(setup, tmp_path / "subset", "--feature_indices", "5,7-9")
+    subset, full = features_of(tmp_path / "subset"), {f["feature_index"]: f for f in features_of(written)}
+    assert [f["feature_index"] for f in subset] == [5, 7, 8, 9]
+    for feature in subset:
+        mine = full[feature["feature_index"]]
+        assert feature["pos_str"] == mine["pos_str"] and feature["frac_nonzero"] == mine["frac_nonzero"]
+        assert feature["freq_hist_data_bar_heights"] == mine["freq_hist_data_bar_heights"]
+    assert {f: top_rows(written)[f] for f in (5, 7, 8, 9)} == top_rows(tmp_path / "subset")
+    assert not (tmp_path / "subset" / "sparsity.safetensors").exists()  # SAELens's needs every feature
+    # Neurons keep their dimensions' numbers; the first 2 positions of each sample left out.
+    result = run_in_process("runners.dashboard", "--index", index, "--features", "neurons:hook_resid_post:1:40-43",
+                            "--model_path", model, "--output_dir", str(tmp_path / "neurons"),
+                            "--exclude_first_positions", "2", "--feature_indices", "41,43")
+    assert result.returncode == 0, result.stderr
+    ids = sorted(stream_token_ids(os.path.dirname(index)))
+    stored = read_activations(arrays_path(index), ids, [1])
+    for dim, rows in top_rows(tmp_path / "neurons").items():
+        values = [(s, p, stored[s, 1][p, dim].astype(np.float32)) for s in ids for p in range(2, LENGTH)]
+        expected = sorted(values, key=lambda t: (-t[2], t[0], t[1]))[:20]
+        assert dim in (41, 43) and [(s, p) for s, p, _ in rows] == [(s, p) for s, p, _ in expected]
+    unembedding = plain_unembedding(model)
+    strings = token_strings(vocabulary(model), unembedding.shape[1])
+    for feature in features_of(tmp_path / "neurons"):
+        assert feature["pos_str"] == [strings[i] for i in np.argsort(-unembedding[feature["feature_index"]])[:10]]
+    # Directions: signed projections, named in dashboard.json.
+    rng = np.random.default_rng(4)
+    write_directions(str(tmp_path / "d.npz"), {("probe", 1): rng.standard_normal(HIDDEN),
+                                               ("diff_in_means", 1): rng.standard_normal(HIDDEN)}, {"model": "x"})
+    result = run_in_process("runners.dashboard", "--index", index, "--features", str(tmp_path / "d.npz"),
+                            "--model_path", model, "--output_dir", str(tmp_path / "directions"))
+    assert result.returncode == 0, result.stderr
+    names = json.loads((tmp_path / "directions" / "dashboard.json").read_text())["feature_names"]
+    assert sorted(names.values()) == ["diff_in_means/blocks.1.hook_resid_post", "probe/blocks.1.hook_resid_post"]
+    assert all(0.2 < f["frac_nonzero"] < 0.8 for f in features_of(tmp_path / "directions"))  # signed: half above 0
+    # A TopK SAE: a subset's features still compete with every other for the k slots.
+    topk = sae_lens.TopKSAE(sae_lens.TopKSAEConfig(d_in=HIDDEN, d_sae=D_SAE, k=3, rescale_acts_by_decoder_norm=True,
+                                                   metadata=SAEMetadata(hook_name="blocks.1.hook_resid_post")))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in topk.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    topk.save_model(str(tmp_path / "topk"))
+    for name, flags in (("topk_all", ()), ("topk_two", ("--feature_indices", "2,11"))):
+        result = run_in_process("runners.dashboard", "--index", index, "--features", str(tmp_path / "topk"),
+                                "--model_path", model, "--output_dir", str(tmp_path / name), *flags)
+        assert result.returncode == 0, result.stderr
+    everything = top_rows(tmp_path / "topk_all")
+    assert top_rows(tmp_path / "topk_two") == {2: everything[2], 11: everything[11]}

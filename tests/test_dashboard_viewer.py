@@ -120,11 +120,16 @@ def test_data_js_is_one_line_of_ascii_no_script_can_end(tmp_path):
 
 
 def test_the_page_ships_with_the_package_and_names_nothing_on_the_network(tmp_path):
-    assert "viewer.html" in setup_arguments()["package_data"]["features"]
-    source = (REPO / "features" / "viewer.html").read_text()
-    assert pathlib.Path(write_viewer(str(tmp_path), {})).read_text() == source
+    assert {"viewer.html", "viewer.js"} <= set(setup_arguments()["package_data"]["features"])
+    page, code = ((REPO / "features" / name).read_text() for name in ("viewer.html", "viewer.js"))
+    assert pathlib.Path(write_viewer(str(tmp_path), {})).read_text() == page
+    assert (tmp_path / "viewer.js").read_text() == code
+    assert re.findall(r"\ssrc=\"([^\"]*)\"", page) == ["data.js", "viewer.js"]
+    scripts = re.findall(r"<script\b[^>]*>", re.sub(r"<!--.*?-->", "", page, flags=re.S))
+    assert scripts == ['<script src="data.js">', '<script src="viewer.js">']  # no inline script, and none allowed:
+    assert "unsafe-inline" not in page.split("script-src", 1)[1].split(";", 1)[0]
+    source = page + code
     assert re.findall(r"https?://[^\s\"')]*", source) == ["http://www.w3.org/2000/svg"]  # a namespace's name
-    assert re.findall(r"\ssrc=\"([^\"]*)\"", source) == ["data.js"]
     for never in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "url(", "@import"):
         assert never not in source
 
@@ -182,7 +187,7 @@ def test_tokens_are_text_never_markup(driver, page):
     assert texts(driver, "#logits-pos .logit-token") == [SCRIPT, "\"'"]
     assert texts(driver, "#logits-neg .logit-token") == [IMAGE]
     assert driver.find_elements("css selector", "#feature-view img, #feature-view script") == []
-    assert driver.execute_script("return document.scripts.length") == 2  # data.js and the page's own
+    assert driver.execute_script("return document.scripts.length") == 2  # data.js and viewer.js
     assert driver.execute_script("return typeof window.pwned") == "undefined"
 
 
