@@ -65,7 +65,7 @@ def dashboards(index: str, sae: str, model: str, out: str) -> dict:
     if child.returncode:
         raise SystemExit(f"the dashboard job failed:\n{stderr[-3000:]}")
     return {"seconds": seconds, "runner": rss.peaks.get(child.pid, ("", 0))[1], "workers": rss.workers(),
-            "tokens": json.loads((pathlib.Path(out) / "dashboard.json").read_text())["tokens"]}
+            "tokens": json.loads((pathlib.Path(out) / "dashboard.json").read_text())["tokens_read"]}
 
 
 def plain(index: str, sae: str) -> float:
