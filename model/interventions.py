@@ -7,7 +7,8 @@ the block itself, its norms) whether it is kept and, where it is not, whether it
 (else zero, or for a norm a neutral weight); the means (``Means``); for a mixture of experts the
 experts kept and the expert every token is sent to; what steerings add at each site they steer
 (``steer_key``: the forward computes no steering at a site without one) and, per batch, the tokens
-they add to (``STEER_TOKENS``). Which components a spec names, where a steering's direction comes
+they add to (``STEER_TOKENS``); what patches put in place of a site's value, per block and batch
+row (``patch_key``). Which components a spec names, where a steering's direction comes
 from and which tokens it chooses are decided above the model (``interventions/``).
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
-from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE
+from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE
 
 # What a block's arrays can remove or replace: one attention head's output (its slice of the
 # o_proj input), the attention output, the MLP output, the block's contribution (the residual
@@ -132,6 +133,36 @@ def steer_key(site: str) -> str:
     """The name, among an intervention's arrays, of what its steerings add at ``site`` (absent
     where none adds there: the forward then computes no steering at that site)."""
     return f"steer@{site}"
+
+
+def add_patch(arrays: dict[str, np.ndarray], site: str, layer: int, values: np.ndarray, tokens: np.ndarray) -> None:
+    """Block ``layer``'s value at ``site`` (``STEER_SITES``) replaced by ``values`` [B, S, hidden] at
+    the ``tokens`` [B, S] (bool) of each row of a batch: activation patching, the clean run's value
+    put into the corrupted run. Patches at other blocks of the same site add to the same arrays."""
+    num_layers, (rows, length, width) = len(arrays["block_keep"]), values.shape
+    key, chosen = patch_key(site)
+    patched = arrays.setdefault(key, np.zeros((num_layers, rows, length, width), np.float32))  # [L, B, S, H]
+    where = arrays.setdefault(chosen, np.zeros((num_layers, rows, length), bool))  # [L, B, S]
+    patched[layer] = np.where(tokens[..., None], values, patched[layer])
+    where[layer] |= tokens
+
+
+def add_head_patch(arrays: dict[str, np.ndarray], layer: int, values: np.ndarray, chosen: np.ndarray) -> None:
+    """Block ``layer``'s attention heads' outputs (``attn.hook_z``, [B, S, N*D]) replaced by
+    ``values`` at the (token, head)s ``chosen`` [B, S, N] (bool) of each row of a batch."""
+    num_layers, (rows, length, width), heads = len(arrays["block_keep"]), values.shape, chosen.shape[-1]
+    key, where_key = patch_key(ATTN_Z)
+    patched = arrays.setdefault(key, np.zeros((num_layers, rows, length, width), np.float32))  # [L, B, S, N*D]
+    where = arrays.setdefault(where_key, np.zeros((num_layers, rows, length, heads), bool))  # [L, B, S, N]
+    per_head = np.repeat(chosen, width // heads, axis=-1)  # [B, S, N*D]
+    patched[layer] = np.where(per_head, values, patched[layer])
+    where[layer] |= chosen
+
+
+def patch_key(site: str) -> tuple[str, str]:
+    """The names, among an intervention's arrays, of a patch's values at ``site`` and the tokens it
+    replaces (absent where nothing is patched there: the forward computes no patch at that site)."""
+    return f"patch@{site}", f"patch_tokens@{site}"
 
 
 def steered_token_mask(positions: list[np.ndarray | None] | tuple, rows: int, length: int) -> np.ndarray:

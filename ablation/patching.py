@@ -1,0 +1,134 @@
+"""Activation patching: run a corrupted prompt with one site's value, at one block and position (or
+one head at one position), put back as the clean prompt had it, and measure how much of the clean
+answer returns. One grid per site, laid out as TransformerLens's ``patching`` functions lay theirs:
+
+    get_act_patch_resid_pre / resid_mid / attn_out / mlp_out    [layers, positions]
+    get_act_patch_attn_head_out_by_pos (attn.hook_z)            [layers, positions, heads]
+
+Every cell is one row of a batched forward of the corrupted prompt (``model.interventions.add_patch``:
+the patched value replaces the site's value at the cell's token, and flows on from there), scored by
+the metric: the logit difference of the answer over the wrong answer at the last position
+(``logit_diff``), or its normalized form, 0 at the corrupted run and 1 at the clean one.
+
+The clean values come from the clean run (``clean_values``) or, the point of a store, from what a
+run stored at the site for the pair's clean sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import DecoderConfig
+from model.decoder import Decoder
+from model.extract import sown_value
+from model.interventions import add_head_patch, add_patch, kept_arrays
+from model.loading import LoadedModel
+from model.scoring import causal_mask
+from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE
+
+PATCH_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST, ATTN_Z)
+ROWS_PER_FORWARD = 32  # cells patched in one batched forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A clean and a corrupted prompt of the same length, and the answer tokens the metric compares."""
+    clean: tuple[int, ...]
+    corrupted: tuple[int, ...]
+    answer: int   # the clean prompt's answer
+    wrong: int    # the corrupted prompt's answer
+
+    def __post_init__(self):
+        if len(self.clean) != len(self.corrupted):
+            raise ValueError(f"a pair's prompts differ in length ({len(self.clean)} and {len(self.corrupted)} tokens)")
+
+
+@functools.lru_cache(maxsize=4)
+def _forward(config: DecoderConfig, patched: bool):
+    """(params, ids [B, S], arrays) -> (the last position's logits [B, V], every block's output,
+    the sown sites); one jitted program per model, compiled per batch shape."""
+    decoder, layers = Decoder(config, jnp.float32), config.num_hidden_layers
+
+    def run(params, ids, arrays):
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1])[None], ids.shape)  # [B, S]
+        mask = causal_mask(jnp.full(ids.shape[0], ids.shape[1]), ids.shape[1])
+        (outputs, _), state = decoder.apply({"params": params}, ids, positions, mask, layers,
+                                            ablation=arrays if patched else None, mutable=["sites"])
+        logits = decoder.apply({"params": params}, outputs[-1][:, -1], method=Decoder.logits)  # [B, V]
+        return logits, outputs, state["sites"]
+
+    return jax.jit(run)
+
+
+def site_values(outputs: list, sites: dict, site: str, layers: int) -> np.ndarray:
+    """[L, B, S, W]: what every block had at ``site``, from a forward's outputs and sown sites."""
+    if site == RESID_POST:
+        return np.stack([np.asarray(o) for o in outputs])
+    if site == RESID_PRE:
+        return np.stack([np.asarray(sites["embeddings"][0])] + [np.asarray(o) for o in outputs[:layers - 1]])
+    return np.stack([np.asarray(sown_value(sites[f"layers_{i}"], site)) for i in range(layers)])
+
+
+def clean_values(loaded: LoadedModel, prompt: tuple[int, ...], site: str) -> np.ndarray:
+    """[L, S, W]: the clean prompt's value at ``site`` in every block."""
+    _, outputs, sites = _forward(loaded.config, False)(loaded.params, jnp.asarray([prompt]), None)
+    return site_values(outputs, sites, site, loaded.config.num_hidden_layers)[:, 0]
+
+
+def logit_diff(logits: np.ndarray, pair: Pair) -> np.ndarray:
+    """[B]: the answer's logit minus the wrong answer's, at the last position (``logits`` [B, V])."""
+    logits = np.asarray(logits, np.float64)
+    return logits[:, pair.answer] - logits[:, pair.wrong]
+
+
+def baselines(loaded: LoadedModel, pair: Pair) -> tuple[float, float]:
+    """(the clean run's logit difference, the corrupted run's)."""
+    logits, _, _ = _forward(loaded.config, False)(loaded.params, jnp.asarray([pair.clean, pair.corrupted]), None)
+    clean, corrupted = logit_diff(logits, pair)
+    return float(clean), float(corrupted)
+
+
+def patching_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray | None = None,
+                  normalized: bool = False) -> np.ndarray:
+    """The grid of one site: [L, S] (a stream site, each (block, position) patched alone) or, for
+    ``attn.hook_z``, [L, S, N] (each head at each position), of the corrupted run's logit difference
+    with the clean value put back there (``normalized``: 0 corrupted, 1 clean). ``values``
+    [L, S, W]: the clean prompt's values at ``site`` (default: from its run)."""
+    c = loaded.config
+    layers, length = c.num_hidden_layers, len(pair.corrupted)
+    values = clean_values(loaded, pair.clean, site) if values is None else values
+    heads = c.num_attention_heads if site == ATTN_Z else None
+    cells = [(layer, position, head) for layer in range(layers) for position in range(length)
+             for head in (range(heads) if heads else [None])]
+    scores = np.concatenate([_scores(loaded, pair, site, values, cells[i:i + ROWS_PER_FORWARD])
+                             for i in range(0, len(cells), ROWS_PER_FORWARD)])
+    if normalized:
+        clean, corrupted = baselines(loaded, pair)
+        scores = (scores - corrupted) / (clean - corrupted)
+    return scores.reshape(layers, length, heads) if heads else scores.reshape(layers, length)
+
+
+def _scores(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray, cells: list[tuple]) -> np.ndarray:
+    """The metric of each cell's patched forward, ``ROWS_PER_FORWARD`` rows a batch (the last padded)."""
+    c = loaded.config
+    layers, length, rows = c.num_hidden_layers, len(pair.corrupted), ROWS_PER_FORWARD
+    arrays: dict[str, Any] = kept_arrays(c, layers)
+    for row, (layer, position, head) in enumerate(cells):
+        tokens = np.zeros((rows, length), bool)
+        tokens[row, position] = True
+        broadcast = np.broadcast_to(values[layer], (rows, *values[layer].shape))  # [B, S, W]
+        if head is None:
+            add_patch(arrays, site, layer, broadcast, tokens)
+        else:
+            chosen = np.zeros((rows, length, c.num_attention_heads), bool)
+            chosen[row, position, head] = True
+            add_head_patch(arrays, layer, broadcast, chosen)
+    ids = jnp.asarray(np.broadcast_to(np.asarray(pair.corrupted), (rows, length)))
+    logits, _, _ = _forward(loaded.config, True)(loaded.params, ids, arrays)
+    return logit_diff(logits, pair)[:len(cells)]
