@@ -24,13 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from activations.index import arrays_path
+from activations.reader import read_activations
+from common.cli import UserError
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import sown_value
-from model.interventions import add_head_patch, add_patch, kept_arrays
+from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays
 from model.loading import LoadedModel
 from model.scoring import causal_mask
-from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE
+from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, array_key, describe_key
 
 PATCH_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST, ATTN_Z)
 ROWS_PER_FORWARD = 32  # cells patched in one batched forward
@@ -132,3 +135,71 @@ def _scores(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray, cell
     ids = jnp.asarray(np.broadcast_to(np.asarray(pair.corrupted), (rows, length)))
     logits, _, _ = _forward(loaded.config, True)(loaded.params, ids, arrays)
     return logit_diff(logits, pair)[:len(cells)]
+
+
+@functools.lru_cache(maxsize=4)
+def _metric_gradient(config: DecoderConfig, site: str, pair_tokens: tuple[int, int]):
+    """(params, ids [1, S], arrays, delta [L, 1, S, W]) -> (the logit difference, its gradient with
+    respect to ``delta``, added at ``site`` of every block): one jitted program per site and answer
+    pair. Its attention is the fused kernel's (``jax.nn.dot_product_attention``): the tiled one's
+    loop has bounds reverse mode cannot differentiate."""
+    decoder, layers = Decoder(config, jnp.float32, attention="fused"), config.num_hidden_layers
+    answer, wrong = pair_tokens
+
+    def metric(delta, params, ids, arrays):
+        positions = jnp.arange(ids.shape[1])[None]
+        mask = causal_mask(jnp.full(1, ids.shape[1]), ids.shape[1])
+        outputs, _ = decoder.apply({"params": params}, ids, positions, mask, layers,
+                                   ablation={**arrays, delta_key(site): delta})
+        logits = decoder.apply({"params": params}, outputs[-1][:, -1], method=Decoder.logits)  # [1, V]
+        return logits[0, answer] - logits[0, wrong]
+
+    return jax.jit(jax.value_and_grad(metric))
+
+
+def attribution_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray | None = None,
+                     normalized: bool = False) -> np.ndarray:
+    """Attribution patching's estimate of ``patching_grid`` from one forward and one backward of the
+    corrupted prompt: (clean - corrupted) . d metric / d value at each cell, summed over the site's
+    width (for ``attn.hook_z``, over each head's slice): [L, S], or [L, S, N] for ``attn.hook_z``;
+    the corrupted run's metric added, so that it estimates the patched metric itself."""
+    c = loaded.config
+    layers, length = c.num_hidden_layers, len(pair.corrupted)
+    values = clean_values(loaded, pair.clean, site) if values is None else values  # [L, S, W]
+    corrupted_values = clean_values(loaded, pair.corrupted, site)
+    delta = jnp.zeros((layers, 1, length, values.shape[-1]), jnp.float32)
+    metric, gradient = _metric_gradient(c, site, (pair.answer, pair.wrong))(
+        delta, loaded.params, jnp.asarray([pair.corrupted]), kept_arrays(c, layers))
+    change = (values - corrupted_values).astype(np.float64) * np.asarray(gradient, np.float64)[:, 0]  # [L, S, W]
+    if site == ATTN_Z:
+        change = change.reshape(layers, length, c.num_attention_heads, -1)
+    estimate = change.sum(axis=-1) + float(metric)
+    if normalized:
+        clean, corrupted = baselines(loaded, pair)
+        estimate = (estimate - corrupted) / (clean - corrupted)
+    return estimate
+
+
+def agreement(exact: np.ndarray, estimate: np.ndarray, worst: int = 5) -> dict[str, Any]:
+    """How well attribution patching's grid estimates exact patching's: their correlation over
+    the cells, and the ``worst`` cells where they differ most (index, exact, estimate)."""
+    exact, estimate = np.asarray(exact, np.float64), np.asarray(estimate, np.float64)
+    differ = np.abs(exact - estimate).ravel()
+    cells = np.argsort(-differ, kind="stable")[:worst]
+    correlation = float(np.corrcoef(exact.ravel(), estimate.ravel())[0, 1]) if exact.size > 1 else float("nan")
+    return {"correlation": correlation,
+            "worst": [(tuple(int(i) for i in np.unravel_index(cell, exact.shape)), float(exact.ravel()[cell]),
+                       float(estimate.ravel()[cell])) for cell in cells]}
+
+
+def stored_values(index: str, sample_id: int, site: str, layers: int) -> np.ndarray:
+    """[L, S, W] float32: what a store holds at ``site`` of every block for one sample (the pair's
+    clean one), read through the index with one ranged read per array; the clean values a grid
+    patches without running the clean prompt again."""
+    keys = [array_key(site, layer) for layer in range(layers)]
+    found = read_activations(arrays_path(index), [sample_id], keys)
+    missing = [key for key in keys if (sample_id, key) not in found]
+    if missing:
+        raise UserError(f"{index} holds no {describe_key(missing[0])} of sample {sample_id}: store the site at "
+                        "every layer (--sites, --layers_to_extract)")
+    return np.stack([np.asarray(found[sample_id, key], np.float32) for key in keys])

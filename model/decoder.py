@@ -62,7 +62,7 @@ from model.attention import causal_attention, dense_attention, fused_attention, 
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
-from model.interventions import STEER_TOKENS, patch_key, steer_key
+from model.interventions import STEER_TOKENS, delta_key, patch_key, steer_key
 from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
 from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID, RESID_POST, RESID_PRE
 
@@ -185,17 +185,19 @@ def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh:
 def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
     """Attention's per-head output [B, S, N, D] as o_proj reads it, [B, S, N*D] (``attn.hook_z``,
     sown by ``module``): heads not kept (``heads``: keep [N], fill [N], mean [N, D'], then a
-    patch's values [B, S, N*D] and (token, head)s [B, S, N], or None) replaced by zero or their
-    mean, patched ones by the patch's values."""
+    patch's values [B, S, N*D] and (token, head)s [B, S, N], and a delta [B, S, N*D] added, or
+    None) replaced by zero or their mean, patched ones by the patch's values."""
     b, s, n, d = out.shape
     module.sow("stats", "heads", out)
     if heads is not None:
-        keep, fill, mean, values, tokens = heads
+        keep, fill, mean, values, tokens, delta = heads
         mean = mean[:, :d]  # [N, D]: the means of every block are padded to the widest head
         replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
         out = jnp.where(keep[:, None], out, replaced)
         if values is not None:  # a patch: [B, S, N*D] values in place at the (token, head)s [B, S, N] it replaces
             out = jnp.where(tokens[..., None], values.reshape(b, s, n, d).astype(out.dtype), out)
+        if delta is not None:  # attribution patching's point of differentiation, [B, S, N*D]
+            out = out + delta.reshape(b, s, n, d).astype(out.dtype)
     out = out.reshape(b, s, n * d)  # [B, S, N*D]
     module.sow("sites", ATTN_Z, out)
     return out
@@ -390,12 +392,14 @@ def steered(x: jax.Array, vector: jax.Array | None, tokens: jax.Array | None = N
     return jnp.where(skip, x, x + vector)
 
 
-def patched(x: jax.Array, values: jax.Array | None, tokens: jax.Array | None) -> jax.Array:
+def patched(x: jax.Array, values: jax.Array | None, tokens: jax.Array | None, delta: jax.Array | None = None
+            ) -> jax.Array:
     """``x`` [B, S, H] with ``values`` [B, S, H] in place at the ``tokens`` [B, S] (bool) a patch
-    replaces (None: no patch at this site); elsewhere ``x`` bit for bit."""
-    if values is None:
-        return x
-    return jnp.where(tokens[..., None], values.astype(x.dtype), x)
+    replaces (None: no patch at this site), then plus ``delta`` [B, S, H] (None: none): the point
+    at which attribution patching differentiates the metric; elsewhere ``x`` bit for bit."""
+    if values is not None:
+        x = jnp.where(tokens[..., None], values.astype(x.dtype), x)
+    return x if delta is None else x + delta.astype(x.dtype)
 
 
 def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
@@ -429,11 +433,11 @@ class DecoderLayer(nn.Module):
         c, wide = self.config, self.residual_dtype
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
-        heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z))) \
-            if ablation is not None else None
+        heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)),
+                 a.get(delta_key(ATTN_Z))) if ablation is not None else None
         def steered_at(value, site):  # a steering's addition, then a patch's replacement
             value = steered(value, a.get(steer_key(site)), a.get(STEER_TOKENS))
-            return patched(value, *(a.get(name) for name in patch_key(site)))
+            return patched(value, *(a.get(name) for name in patch_key(site)), a.get(delta_key(site)))
         x = steered_at(x, RESID_PRE)
         block_in = x
         attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x

@@ -7,9 +7,11 @@ the block itself, its norms) whether it is kept and, where it is not, whether it
 (else zero, or for a norm a neutral weight); the means (``Means``); for a mixture of experts the
 experts kept and the expert every token is sent to; what steerings add at each site they steer
 (``steer_key``: the forward computes no steering at a site without one) and, per batch, the tokens
-they add to (``STEER_TOKENS``); what patches put in place of a site's value, per block and batch
-row (``patch_key``). Which components a spec names, where a steering's direction comes
-from and which tokens it chooses are decided above the model (``interventions/``).
+they add to (``STEER_TOKENS``); what patches put in place of a site's value (or of a head's slice
+of ``attn.hook_z``), per block and batch row (``patch_key``), and a zero array added at a site
+whose gradient attribution patching takes (``delta_key``). Which components a spec names, where
+a steering's direction comes from and which tokens it chooses are decided above the model
+(``interventions/``).
 """
 
 from __future__ import annotations
@@ -163,6 +165,12 @@ def patch_key(site: str) -> tuple[str, str]:
     """The names, among an intervention's arrays, of a patch's values at ``site`` and the tokens it
     replaces (absent where nothing is patched there: the forward computes no patch at that site)."""
     return f"patch@{site}", f"patch_tokens@{site}"
+
+
+def delta_key(site: str) -> str:
+    """The name of a [L, B, S, width] array added at ``site`` (zero: nothing changes), whose
+    gradient is the metric's with respect to the site's value: attribution patching's."""
+    return f"delta@{site}"
 
 
 def steered_token_mask(positions: list[np.ndarray | None] | tuple, rows: int, length: int) -> np.ndarray:

@@ -16,7 +16,7 @@ def models(request, tmp_path_factory):
     from fixtures.tiny_models import write_checkpoint
     from fixtures.transformer_lens_reference import hooked_transformer
     from model.loading import load_model
-    path = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, norm_std=0.2)
+    path = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, norm_std=0.2, vocab_size=512)
     return load_model(path, jnp.float32, with_head=True), hooked_transformer(path)
 
 
@@ -68,3 +68,71 @@ def test_patching_every_position_recovers_the_clean_run_and_nothing_the_corrupte
         k: np.zeros_like(v) for k, v in arrays.items() if k.startswith("patch_tokens")})[0], pair)[0]
     assert abs((recovered - corrupted) / (clean - corrupted) - 1) < 1e-6
     assert abs(corrupted - corrupted_run) < 1e-5 * abs(corrupted_run) and abs(clean - clean_run) < 1e-5 * abs(clean_run)
+
+
+def test_attribution_equals_pytorch_autograd_through_the_same_hooks(models):
+    """(clean - corrupted) . d metric / d activation at every cell, against PyTorch autograd of the
+    TransformerLens model (transformers' weights, nothing folded): its hooks keep each activation's
+    gradient in one backward pass of the corrupted prompt."""
+    import torch
+    from ablation.patching import agreement, attribution_grid
+    ours, theirs = models
+    pair = a_pair(ours.config.vocab_size)
+    _, clean_cache = theirs.run_with_cache(torch.tensor([pair.clean]))
+    sites = {RESID_PRE: "hook_resid_pre", ATTN_OUT: "hook_attn_out", MLP_OUT: "hook_mlp_out", ATTN_Z: "attn.hook_z"}
+    kept = {}
+
+    def keep(activation, hook):
+        activation.retain_grad()
+        kept[hook.name] = activation
+
+    names = [f"blocks.{layer}.{name}" for layer in range(theirs.cfg.n_layers) for name in sites.values()]
+    logits = theirs.run_with_hooks(torch.tensor([pair.corrupted]), fwd_hooks=[(name, keep) for name in names])
+    metric = logits[0, -1, pair.answer] - logits[0, -1, pair.wrong]
+    metric.backward()
+    for site, name in sites.items():
+        expected = np.stack([((clean_cache[f"blocks.{layer}.{name}"] - kept[f"blocks.{layer}.{name}"]) *
+                              kept[f"blocks.{layer}.{name}"].grad).sum(-1)[0].detach().numpy()
+                             for layer in range(theirs.cfg.n_layers)]) + metric.item()  # [L, S] or [L, S, N]
+        got = attribution_grid(ours, pair, site)
+        assert got.shape == expected.shape, site
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(), err_msg=site)
+    exact, estimate = patching_grid(ours, pair, RESID_PRE), attribution_grid(ours, pair, RESID_PRE)
+    report = agreement(exact, estimate)
+    assert report["correlation"] == np.corrcoef(exact.ravel(), estimate.ravel())[0, 1]
+    (cell, at_cell, estimated), *_ = report["worst"]
+    assert abs(at_cell - estimated) == np.abs(exact - estimate).max() and exact[cell] == at_cell
+
+
+def test_a_grid_patches_the_values_a_store_holds_for_the_clean_sample(tmp_path):
+    """The clean values read from a run's store (runners.tpu_host, merged by pipeline.index) are the
+    clean run's, and give the same grids without running the clean prompt again."""
+    import json
+    import jax.numpy as jnp
+    from ablation.patching import stored_values
+    from common.cli import UserError
+    from fixtures.tiny_models import write_checkpoint
+    from model.loading import load_model
+    from tests.conftest import run_in_process
+    path = write_checkpoint(tmp_path / "gpt2", "gpt2", norm_std=0.2, vocab_size=512)
+    ours = load_model(path, jnp.float32, with_head=True)
+    pair = a_pair(512)
+    with open(tmp_path / "stream.jsonl", "w") as f:
+        for sample_id, ids in enumerate((pair.clean, pair.corrupted)):
+            f.write(json.dumps({"sample_id": sample_id, "input_ids": list(ids), "num_tokens": len(ids),
+                                "source": "pair", "text_preview": ""}) + "\n")
+    result = run_in_process("runners.tpu_host", "--machine_id", "0", "--dataset_stream", str(tmp_path / "stream.jsonl"),
+                            "--model_path", path, "--output_dir", str(tmp_path / "out"), "--sites",
+                            "hook_resid_pre,attn.hook_z", "--max_seq_length", "16", "--batch_size", "2")
+    assert result.returncode == 0, result.stderr
+    index = str(tmp_path / "index.parquet")
+    merged = run_in_process("pipeline.index", "--activations_dir", str(tmp_path / "out"), "--output", index)
+    assert merged.returncode == 0, merged.stderr
+    layers = ours.config.num_hidden_layers
+    for site in (RESID_PRE, ATTN_Z):
+        stored = stored_values(index, 0, site, layers)
+        np.testing.assert_allclose(stored, clean_values(ours, pair.clean, site), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(patching_grid(ours, pair, site, values=stored), patching_grid(ours, pair, site),
+                                   rtol=1e-6, atol=1e-6)
+    with pytest.raises(UserError, match="holds no layer 0's hook_mlp_out|holds no .*hook_mlp_out of sample 0"):
+        stored_values(index, 0, MLP_OUT, layers)
