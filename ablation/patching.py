@@ -203,3 +203,50 @@ def stored_values(index: str, sample_id: int, site: str, layers: int) -> np.ndar
         raise UserError(f"{index} holds no {describe_key(missing[0])} of sample {sample_id}: store the site at "
                         "every layer (--sites, --layers_to_extract)")
     return np.stack([np.asarray(found[sample_id, key], np.float32) for key in keys])
+
+
+def pairs_from_rows(rows: list[dict[str, Any]], tokenizer: Any) -> list[Pair]:
+    """The pairs of a paired dataset's rows (``pair``, ``variant`` clean | corrupted, ``text``,
+    ``answer``, ``wrong_answer``: the clean row's answer tokens), tokenized by ``tokenizer``
+    (without special tokens); a missing twin, prompts of unequal lengths or an answer that is not one
+    token refused in one line."""
+    by_pair: dict[Any, dict[str, dict]] = {}
+    for row in rows:
+        by_pair.setdefault(row["pair"], {})[row["variant"]] = row
+    pairs = []
+    for pair_id, variants in by_pair.items():
+        missing = [v for v in ("clean", "corrupted") if v not in variants]
+        if missing:
+            raise UserError(f"pair {pair_id!r} has no {missing[0]} prompt")
+        clean, corrupted = (tokenizer(variants[v]["text"], add_special_tokens=False)["input_ids"]
+                            for v in ("clean", "corrupted"))
+        if len(clean) != len(corrupted):
+            raise UserError(f"pair {pair_id!r}: the clean prompt has {len(clean)} tokens, the corrupted "
+                            f"{len(corrupted)}: patching position by position needs equal lengths")
+        answers = []
+        for column in ("answer", "wrong_answer"):
+            ids = tokenizer(variants["clean"][column], add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise UserError(f"pair {pair_id!r}: {column} {variants['clean'][column]!r} is {len(ids)} tokens, "
+                                "not one")
+            answers.append(ids[0])
+        pairs.append(Pair(tuple(clean), tuple(corrupted), *answers))
+    return pairs
+
+
+def write_grid_chart(grid: np.ndarray, labels: list[str], title: str, path: str) -> str:
+    """A [layers, positions] grid as a heatmap (positions labelled by their tokens), PNG at ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.5 * grid.shape[1] + 2), max(4.0, 0.22 * grid.shape[0] + 1.5)))
+    limit = max(float(np.abs(grid).max()), 1e-9)
+    image = axes.imshow(grid, cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
+    axes.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    axes.set_ylabel("layer")
+    axes.set_title(title)
+    figure.colorbar(image, ax=axes)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     from sae_lens.saes.sae import SAEMetadata
     root = tmp_path_factory.mktemp("dashboard")
     index = write_stored(str(root / "store"), SPEC)
-    model = write_checkpoint(root / "model", "qwen2", norm_std=0.2)
+    model = write_checkpoint(root / "model", "qwen2", norm_std=0.2, vocab_size=6000)  # the store's ids are < 5000
     for name in os.listdir(cached_tokenizer_dir()):
         shutil.copy(cached_tokenizer_dir() / name, model)
     sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ablation.patching import Pair, baselines, clean_values, patching_grid
-from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_PRE
+from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_PRE
 
 
 @pytest.fixture(scope="module", params=["gpt2", "qwen2"])
@@ -22,7 +22,7 @@ def models(request, tmp_path_factory):
 
 def a_pair(vocab: int) -> Pair:
     rng = np.random.default_rng(0)
-    clean = rng.integers(0, vocab, 6)
+    clean = rng.integers(0, vocab, 5)
     corrupted = clean.copy()
     corrupted[[1, 3]] = rng.integers(0, vocab, 2)  # two tokens swapped, as an IOI pair swaps names
     answer, wrong = rng.choice(vocab, 2, replace=False)
@@ -41,7 +41,7 @@ def test_every_grid_equals_transformer_lens_patching(models):
         return logits[0, -1, pair.answer] - logits[0, -1, pair.wrong]
 
     for site, function in ((RESID_PRE, patching.get_act_patch_resid_pre), (ATTN_OUT, patching.get_act_patch_attn_out),
-                           (MLP_OUT, patching.get_act_patch_mlp_out), (RESID_MID, patching.get_act_patch_resid_mid),
+                           (MLP_OUT, patching.get_act_patch_mlp_out),
                            (ATTN_Z, patching.get_act_patch_attn_head_out_by_pos)):
         expected = function(theirs, corrupted, cache, metric).double().numpy()
         got = patching_grid(ours, pair, site)
@@ -57,7 +57,7 @@ def test_patching_every_position_recovers_the_clean_run_and_nothing_the_corrupte
     pair = a_pair(ours.config.vocab_size)
     clean_run, corrupted_run = baselines(ours, pair)
     grid = patching_grid(ours, pair, RESID_PRE, normalized=True)
-    np.testing.assert_allclose(grid[0, [0, 2, 4, 5]], 0, atol=1e-5)  # tokens the pair shares: nothing changes
+    np.testing.assert_allclose(grid[0, [0, 2, 4]], 0, atol=1e-5)  # tokens the pair shares: nothing changes
     # One program for all three: row 0 patched nowhere, row 1 at every position of block 1's input.
     forward, layers, length = _forward(ours.config, True), ours.config.num_hidden_layers, len(pair.clean)
     arrays = kept_arrays(ours.config, layers)
@@ -136,3 +136,23 @@ def test_a_grid_patches_the_values_a_store_holds_for_the_clean_sample(tmp_path):
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(UserError, match="holds no layer 0's hook_mlp_out|holds no .*hook_mlp_out of sample 0"):
         stored_values(index, 0, MLP_OUT, layers)
+
+
+def test_ioi_pairs_tokenize_to_twins_and_bad_pairs_are_one_line(qwen_tokenizer):
+    """fixtures.ioi's pairs through the real Qwen2.5 vocabulary: twins of one length differing in one
+    token, one-token answers that swap; a missing twin, unequal lengths, a two-token answer refused."""
+    from ablation.patching import pairs_from_rows
+    from common.cli import UserError
+    from fixtures.ioi import ioi_rows
+    rows = ioi_rows(8)
+    pairs = pairs_from_rows(rows, qwen_tokenizer)
+    assert len(pairs) == 8
+    for pair, clean in zip(pairs, rows[::2]):
+        assert sum(a != b for a, b in zip(pair.clean, pair.corrupted)) == 1
+        assert qwen_tokenizer.decode([pair.answer]) == clean["answer"] != clean["wrong_answer"]
+        assert qwen_tokenizer.decode(pair.clean) == clean["text"]
+    for bad, message in ((rows[:1], "pair 0 has no corrupted prompt"),
+                         ([rows[0], {**rows[1], "text": rows[1]["text"] + " them"}], "the clean prompt has 14 tokens"),
+                         ([{**rows[0], "answer": " Mary Ann"}, rows[1]], "answer ' Mary Ann' is 2 tokens")):
+        with pytest.raises(UserError, match=message):
+            pairs_from_rows(bad, qwen_tokenizer)
