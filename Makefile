@@ -95,6 +95,7 @@ bench: install
 	$(PY) benchmarks/shard_compression.py
 	$(PY) benchmarks/float8_store.py
 	$(PY) benchmarks/dashboard_throughput.py
+	$(PY) benchmarks/ioi_patching.py --pairs 4 --chart_dir docs/images
 	$(PY) benchmarks/restart_compile_cache.py
 	$(PY) benchmarks/token_loader.py
 	$(PY) benchmarks/residual_dtype.py

@@ -137,16 +137,15 @@ def _scores(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray, cell
     return logit_diff(logits, pair)[:len(cells)]
 
 
-@functools.lru_cache(maxsize=4)
-def _metric_gradient(config: DecoderConfig, site: str, pair_tokens: tuple[int, int]):
-    """(params, ids [1, S], arrays, delta [L, 1, S, W]) -> (the logit difference, its gradient with
-    respect to ``delta``, added at ``site`` of every block): one jitted program per site and answer
-    pair. Its attention is the fused kernel's (``jax.nn.dot_product_attention``): the tiled one's
-    loop has bounds reverse mode cannot differentiate."""
+@functools.lru_cache(maxsize=8)
+def _metric_gradient(config: DecoderConfig, site: str):
+    """(delta [L, 1, S, W], params, ids [1, S], arrays, answer, wrong) -> (the logit difference, its
+    gradient with respect to ``delta``, added at ``site`` of every block): one jitted program per
+    site (compiled per prompt length). Its attention is the fused kernel's
+    (``jax.nn.dot_product_attention``): the tiled one's loop has bounds reverse mode cannot differentiate."""
     decoder, layers = Decoder(config, jnp.float32, attention="fused"), config.num_hidden_layers
-    answer, wrong = pair_tokens
 
-    def metric(delta, params, ids, arrays):
+    def metric(delta, params, ids, arrays, answer, wrong):
         positions = jnp.arange(ids.shape[1])[None]
         mask = causal_mask(jnp.full(1, ids.shape[1]), ids.shape[1])
         outputs, _ = decoder.apply({"params": params}, ids, positions, mask, layers,
@@ -168,8 +167,8 @@ def attribution_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndar
     values = clean_values(loaded, pair.clean, site) if values is None else values  # [L, S, W]
     corrupted_values = clean_values(loaded, pair.corrupted, site)
     delta = jnp.zeros((layers, 1, length, values.shape[-1]), jnp.float32)
-    metric, gradient = _metric_gradient(c, site, (pair.answer, pair.wrong))(
-        delta, loaded.params, jnp.asarray([pair.corrupted]), kept_arrays(c, layers))
+    metric, gradient = _metric_gradient(c, site)(delta, loaded.params, jnp.asarray([pair.corrupted]),
+                                                 kept_arrays(c, layers), pair.answer, pair.wrong)
     change = (values - corrupted_values).astype(np.float64) * np.asarray(gradient, np.float64)[:, 0]  # [L, S, W]
     if site == ATTN_Z:
         change = change.reshape(layers, length, c.num_attention_heads, -1)

@@ -50,7 +50,9 @@ def main(argv: list[str]) -> int:
     print(f"{len(pairs)} IOI pairs of {len(pairs[0].clean)} tokens ({TEMPLATES[args.template]!r}); logit difference "
           f"answer - wrong: clean {np.mean([c for c, _ in runs]):.3f}, corrupted {np.mean([k for _, k in runs]):.3f} "
           f"(mean over pairs)")
-    labels = [tokenizer.decode([t]) for t in pairs[0].clean]
+    # Positions named by pair 0's tokens, its two names by their roles (the same in every pair).
+    names = {pairs[0].answer: "[IO]", pairs[0].wrong: "[S]"}
+    labels = [names.get(t, tokenizer.decode([t])) for t in pairs[0].clean]
     for site in SITES:
         start = time.perf_counter()
         exact = np.mean([patching_grid(model, pair, site, normalized=True) for pair in pairs], axis=0)
