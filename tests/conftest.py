@@ -47,8 +47,17 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # The two real-model files are apart (the first and third go to one worker): both are bound by
 # memory bandwidth, and side by side each takes twice as long.
 LONGEST_FIRST = ("test_real_qwen.py", "test_ablate.py", "test_real_gemma.py", "test_moe.py", "test_families.py",
-                 "test_multihost.py", "test_interventions.py", "test_family_runs.py", "test_conversations.py",
-                 "test_host.py", "test_pipeline_extract.py")
+                 "test_multihost.py", "test_interventions.py", "test_dashboard.py", "test_family_runs.py",
+                 "test_conversations.py", "test_host.py", "test_patching.py", "test_pipeline_extract.py")
+
+
+def pytest_sessionstart(session) -> None:
+    # SAEDashboard's environment (tests/saedashboard.py: about 12 s of pip on a fresh clone) starts
+    # building at once in a process of its own, beside the first tests, instead of when
+    # tests/test_dashboard.py asks for it; that test then waits on its lock, or finds it built.
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that starts the workers, or a plain run
+        subprocess.Popen([sys.executable, "-c", "from tests.saedashboard import saedashboard_python; "
+                          "saedashboard_python()"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
