@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.prepare_throughput import PeakRss  # noqa: E402
+from benchmarks.prepare_throughput import measured_run  # noqa: E402
 from fixtures.stored_activations import StoredSpec, write_stored  # noqa: E402
 
 HIDDEN, LAYER = 896, 12
@@ -57,15 +56,8 @@ def dashboards(index: str, sae: str, model: str, out: str) -> dict:
     command = [sys.executable, "-m", "runners.dashboard", "--index", index, "--features", sae, "--model_path", model,
                "--output_dir", out, "--most_active", "64", "--direct_num_workers", "2",
                "--direct_running_mode", "multi_processing"]
-    start = time.perf_counter()
-    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakRss(child.pid) as rss:
-        _, stderr = child.communicate()
-    seconds = time.perf_counter() - start
-    if child.returncode:
-        raise SystemExit(f"the dashboard job failed:\n{stderr[-3000:]}")
-    return {"seconds": seconds, "runner": rss.peaks.get(child.pid, ("", 0))[1], "workers": rss.workers(),
-            "tokens": json.loads((pathlib.Path(out) / "dashboard.json").read_text())["tokens_read"]}
+    run = measured_run(command, "the dashboard job", REPO)
+    return {**run, "tokens": json.loads((pathlib.Path(out) / "dashboard.json").read_text())["tokens_read"]}
 
 
 def plain(index: str, sae: str) -> float:

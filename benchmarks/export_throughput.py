@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from activations.flat_layout import FlatExport  # noqa: E402
-from benchmarks.prepare_throughput import PeakRss  # noqa: E402
+from benchmarks.prepare_throughput import measured_run  # noqa: E402
 from fixtures.stored_activations import StoredSpec, write_stored  # noqa: E402
 
 
@@ -40,14 +39,7 @@ def export(index: str, out: str, passes: str = "1") -> dict:
     command = [sys.executable, "-m", "pipeline.export", "--format", "flat", "--index", index, "--layers", "0,1",
                "--seed", "0", "--shard_mb", "16", "--output_dir", out, "--shuffle_passes", passes,
                "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
-    start = time.perf_counter()
-    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakRss(child.pid) as rss:
-        _, stderr = child.communicate()
-    seconds = time.perf_counter() - start
-    if child.returncode:
-        raise SystemExit(f"the export failed:\n{stderr[-3000:]}")
-    return {"seconds": seconds, "runner": rss.peaks.get(child.pid, ("", 0))[1], "workers": rss.workers()}
+    return measured_run(command, "the export", REPO)
 
 
 def files(root: str) -> dict[str, bytes]:

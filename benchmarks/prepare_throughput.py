@@ -95,6 +95,19 @@ def beam_run(config: PrepareConfig, beam_args: list[str]) -> int:
     return json.loads((pathlib.Path(config.output_dir) / "manifest.json").read_text())["total_tokens"]
 
 
+def measured_run(command: list[str], what: str, cwd: os.PathLike | str) -> dict:
+    """``command`` run in a process of its own in ``cwd``: its seconds and the peak RSS of it
+    (``runner``) and of each Python process below it (``workers``); a failure ends the benchmark."""
+    start = time.perf_counter()
+    child = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with PeakRss(child.pid) as rss:
+        _, stderr = child.communicate()
+    seconds = time.perf_counter() - start
+    if child.returncode:
+        raise SystemExit(f"{what} failed:\n{stderr[-3000:]}")
+    return {"seconds": seconds, "runner": rss.peaks.get(child.pid, ("", 0))[1], "workers": rss.workers()}
+
+
 class PeakRss:
     """Polls, from outside, the peak RSS (``VmHWM``) of a process and all its descendants while
     it runs; a process's last reading before it exits is kept (its high-water mark only grows)."""

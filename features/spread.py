@@ -79,26 +79,25 @@ def _mix32(x):
     return x ^ (x >> xp.uint32(16))
 
 
-def _draw_key(xp, numbers, sample_ids, positions):
-    """[F, n] of ``xp`` (numpy or jax.numpy): each (feature, token)'s place in the feature's draws,
-    24 bits (exact in float32: the device ranks them as floats, ~25x faster than integers on a CPU)."""
-    u32 = xp.uint32
-    sample = xp.asarray(sample_ids).astype(xp.int64) if xp is np else sample_ids
-    low = (sample & 0xFFFFFFFF).astype(u32)[None, :]
-    high = (sample >> 32).astype(u32)[None, :]
-    h = _mix32(xp.asarray(numbers).astype(u32)[:, None])
-    h = _mix32(h ^ low)
-    h = _mix32(h ^ high)
-    h = _mix32(h ^ xp.asarray(positions).astype(u32)[None, :])
-    return (h >> xp.uint32(8)).astype(xp.int64 if xp is np else xp.int32)
+def _draw_key(numbers, low, high, positions):
+    """[F, n] uint32 (numpy's or JAX's, as given): the hash of (feature number [F], sample id's low
+    and high words [n], position [n]) that orders each feature's draws."""
+    h = _mix32(numbers[:, None])
+    h = _mix32(h ^ low[None, :])
+    h = _mix32(h ^ high[None, :])
+    return _mix32(h ^ positions[None, :])
 
 
 def draw_keys(numbers: np.ndarray, sample_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """[F, n] int64: the place of each token (``sample_ids``, ``positions`` [n]) in the draws of
     each feature (``numbers`` [F]), smaller first: a hash, so each feature's draw is uniform over its
-    interval's tokens, independent of other features' and of how the tokens are split."""
+    interval's tokens, independent of other features' and of how the tokens are split. 24 bits: exact
+    in float32, as the device ranks them (~25x faster than integers on a CPU)."""
+    sample = np.asarray(sample_ids, np.int64)
     with np.errstate(over="ignore"):
-        return _draw_key(np, numbers, sample_ids, positions)
+        h = _draw_key(np.asarray(numbers).astype(np.uint32), (sample & 0xFFFFFFFF).astype(np.uint32),
+                      (sample >> 32).astype(np.uint32), np.asarray(positions).astype(np.uint32))
+    return (h >> np.uint32(8)).astype(np.int64)
 
 
 @dataclasses.dataclass
@@ -156,8 +155,7 @@ def _block_spread(activations, tokens, lo, hi, bounds, numbers, low, high, posit
     histogram = jnp.zeros((features, BINS), jnp.int32).at[feature, bins].add(counted.astype(jnp.int32))
     # Each (feature, token)'s draw key; the smallest first (as -key: top_k keeps the largest, and of
     # equal keys the lower row, the lower (sample id, position)).
-    h = _mix32(_mix32(_mix32(_mix32(numbers[:, None]) ^ low[None, :]) ^ high[None, :]) ^ positions[None, :])
-    keys = (h >> jnp.uint32(8)).astype(jnp.int32)  # [F, n]
+    keys = (_draw_key(numbers, low, high, positions) >> jnp.uint32(8)).astype(jnp.int32)  # [F, n], as draw_keys
     draw = -keys.astype(jnp.float32)
     contains, rows, drawn = [], [], []
     for i in range(INTERVALS - 1, -1, -1):  # highest interval first

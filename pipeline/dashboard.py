@@ -114,8 +114,7 @@ def run_dashboards(config: DashboardConfig, options) -> str:
     dry_run = is_dry_run(options)
     if not dry_run:
         check_output_dir(config.output_dir, config.overwrite, WRITTEN, "dashboard")
-    features, summarized, job = plan(config)
-    loader = job.loader()
+    features, summarized, job, loader = plan(config)
     store = store_model(loader.metadata)
     model_path = config.model_path or store["model"]
     decoder = summarized.decoder if job.columns is None else summarized.decoder[list(job.columns)]
@@ -142,8 +141,9 @@ def run_dashboards(config: DashboardConfig, options) -> str:
     return config.output_dir
 
 
-def plan(config: DashboardConfig) -> tuple[FeatureSet, FeatureSet, DashboardJob]:
-    """(the features as loaded; those the job encodes, folded; the job), checked against the store."""
+def plan(config: DashboardConfig) -> tuple[FeatureSet, FeatureSet, DashboardJob, TokenLoader]:
+    """(the features as loaded; those the job encodes, folded; the job; the store's loader),
+    checked against the store."""
     key = config.key
     if config.features.startswith("neurons:"):
         key = parse_neurons(config.features)[0]
@@ -177,7 +177,7 @@ def plan(config: DashboardConfig) -> tuple[FeatureSet, FeatureSet, DashboardJob]
     job = dataclasses.replace(probe, numbers=tuple(features.numbers[columns].tolist()),
                               columns=tuple(columns) if keeps_all else None, model_id=model_id,
                               layer=key_parts(key)[1], sae_set=config.sae_set or features.name, prompts=prompts)
-    return features, summarized, job
+    return features, summarized, job, loader
 
 
 def selected_columns(features: FeatureSet, indices: tuple[int, ...] | None) -> list[int]:

@@ -147,7 +147,8 @@ def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, 
                 if example["qualifying_token_index"] >= 0:  # -1: a sample's first token, not shown (SAEDashboard's)
                     value = example["values"][example["qualifying_token_index"]]
                     assert low - 1e-3 <= value <= high + 1e-3
-    sparsity = __import__("safetensors.numpy", fromlist=["load_file"]).load_file(str(written / "sparsity.safetensors"))
+    from safetensors.numpy import load_file
+    sparsity = load_file(str(written / "sparsity.safetensors"))
     expected = np.log10((acts > 0).mean(axis=0) + 1e-10).astype(np.float32)
     np.testing.assert_allclose(sparsity["sparsity"], expected, rtol=1e-6)
     viewer = json.loads((written / "viewer" / "data.js").read_text().removeprefix("const DASHBOARD = ").rstrip(";\n"))
