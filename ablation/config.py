@@ -17,6 +17,9 @@ from common.cli import UserError, flag
 from common.extras import require
 from model.settings import ModelRunSettings, ProfileSettings
 
+METRICS = ("loss", "logit_diff")
+PATCHING_METHODS = ("exact", "attribution", "both")
+
 
 def spec_list(text: str) -> tuple[str, ...]:
     """One word of ``--interventions``: specs, split at spaces and at a comma before a kind (a
@@ -28,11 +31,19 @@ def spec_list(text: str) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AblationConfig(ModelRunSettings, ProfileSettings):
     stream: str | None = flag(None, "a stream of pipeline.prepare (local or gs://): a file, e.g. "
-                              "streams/stream_000.jsonl, or a parted one's directory; ARC streams made "
+                              "streams/stream_000.jsonl, a parted one's directory, or the prepare's output "
+                              "directory (every machine's stream, in machine order); ARC streams made "
                               "with --include_answers score the expected output grid, others every token")
     max_samples: int | None = flag(None, "use the first N records of the stream")
     interventions: tuple[str, ...] = flag((), "the grid: specs such as head:0-3.* layer:* mlp:2:mode=mean "
                                           "head:3.1+head:3.2 (see interventions/spec.py)", parse=spec_list)
+    metric: str = flag("loss", "loss: each intervention's loss, accuracy and KL against the unablated model; "
+                       "logit_diff: activation patching (patch: specs) over a paired stream, the clean answer's "
+                       "logit minus the wrong answer's at the last position, and normalized (0 corrupted, 1 clean)")
+    method: str = flag("exact", "with --metric logit_diff: exact (a forward per cell), attribution (one forward and "
+                       "one backward per pair and site) or both (and their agreement per grid)")
+    patch_from: str | None = flag(None, "with --metric logit_diff: the clean store's index.parquet (pipeline.index; "
+                                  "local or gs://), holding the patched sites of each pair's clean sample")
     output_dir: str = flag("ablation_output", "local directory for results.parquet, summary.csv, means.npz, "
                            "charts/, tensorboard/ (a re-run skips what is there)")
     max_seq_length: int = flag(2048, "longest sequence: longer records are truncated to it")
@@ -60,6 +71,7 @@ class AblationConfig(ModelRunSettings, ProfileSettings):
         for name in ("max_seq_length", "window", "bootstrap"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        self.validate_metric()
         if self.max_samples is not None and self.max_samples < 1:
             raise UserError(f"--max_samples must be at least 1, got {self.max_samples}")
         if self.tensorboard:
@@ -68,3 +80,19 @@ class AblationConfig(ModelRunSettings, ProfileSettings):
             require("matplotlib", "charts", "--charts (turn them off with --no_charts)")
         if self.wandb:
             require("wandb", "tracking", "--wandb")
+
+    def validate_metric(self) -> None:
+        if self.metric not in METRICS:
+            raise UserError(f"--metric must be {' or '.join(METRICS)}, got {self.metric!r}")
+        if self.method not in PATCHING_METHODS:
+            raise UserError(f"--method must be {', '.join(PATCHING_METHODS)}, got {self.method!r}")
+        if self.metric == "logit_diff":
+            if not self.patch_from:
+                raise UserError("--metric logit_diff patches each pair's corrupted prompt with its clean prompt's "
+                                "values: pass --patch_from INDEX (the clean store's index.parquet)")
+            if self.wandb:
+                raise UserError("--wandb logs ablation summaries; a patching run writes patching_summary.csv and "
+                                "charts (pass --no_wandb)")
+        elif self.patch_from or self.method != "exact":
+            given = "--patch_from" if self.patch_from else "--method"
+            raise UserError(f"{given} is for activation patching: --metric logit_diff")

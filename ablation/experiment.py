@@ -109,6 +109,10 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     check_model_fits(model_config, (), config.max_seq_length)  # before anything is written
     grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
                                model_config.num_attention_heads, model_config.num_experts)
+    patching = next((iv for iv in grid if iv.patches), None)
+    if patching is not None:
+        raise UserError(f"{patching.name!r} patches: activation patching is scored by --metric logit_diff "
+                        "(with --patch_from INDEX)")
     check_blocks(grid, model_config)
     records = read_records(config.stream, config.max_samples, config.max_seq_length)
     if not records:

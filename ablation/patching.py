@@ -11,14 +11,19 @@ the metric: the logit difference of the answer over the wrong answer at the last
 (``logit_diff``), or its normalized form, 0 at the corrupted run and 1 at the clean one.
 
 The clean values come from the clean run (``clean_values``) or, the point of a store, from what a
-run stored at the site for the pair's clean sample.
+run stored at the site for the pair's clean sample (``stored_values``). Attribution patching
+estimates every cell from one forward and one backward of the corrupted prompt
+(``attribution_metrics``). Beyond the grids, a cell is any set of ``Patch``es: the cells of an
+intervention of the spec language's ``patch:`` atoms on one pair are ``cells``; an experiment over
+a dataset of pairs is ``ablation.patching_run``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import itertools
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,29 +32,98 @@ import numpy as np
 from activations.index import arrays_path
 from activations.reader import read_activations
 from common.cli import UserError
+from interventions.resolve import steered_positions
+from interventions.spec import Atom, Intervention
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import sown_value
 from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays
 from model.loading import LoadedModel
 from model.scoring import causal_mask
-from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, array_key, describe_key
+from model.sites import ATTN_Z, RESID_POST, RESID_PRE, array_key, describe_key
 
-PATCH_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST, ATTN_Z)
 ROWS_PER_FORWARD = 32  # cells patched in one batched forward
 
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
-    """A clean and a corrupted prompt of the same length, and the answer tokens the metric compares."""
+    """A clean and a corrupted prompt, and the answer tokens the metric compares (the clean prompt's
+    answer, and the corrupted one's). Of one length, unless every patch chooses its tokens by role."""
     clean: tuple[int, ...]
     corrupted: tuple[int, ...]
     answer: int   # the clean prompt's answer
     wrong: int    # the corrupted prompt's answer
+    name: str = ""                       # the pair's id, for messages
+    clean_sample: int | None = None      # the clean prompt's sample id: where a store holds its values
+    corrupted_sample: int | None = None
+    clean_roles: Any = None              # role runs (common.roles), for a patch's tokens=
+    corrupted_roles: Any = None
 
-    def __post_init__(self):
+    def equal_lengths(self) -> None:
+        """``UserError`` unless the two prompts are of one length (patching position by position)."""
         if len(self.clean) != len(self.corrupted):
-            raise ValueError(f"a pair's prompts differ in length ({len(self.clean)} and {len(self.corrupted)} tokens)")
+            raise UserError(f"pair {self.name!r}: the clean prompt has {len(self.clean)} tokens, the corrupted "
+                            f"{len(self.corrupted)}: patching position by position needs equal lengths (or "
+                            "tokens= choosing tokens of equal roles and counts)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One site of one block patched in a cell: the corrupted prompt's ``positions`` take the clean
+    prompt's values at ``sources`` (for ``attn.hook_z``, only ``head``'s slice; None: every head's)."""
+    site: str
+    layer: int
+    head: int | None
+    positions: tuple[int, ...]
+    sources: tuple[int, ...]
+
+
+Cell = tuple[Patch, ...]  # the patches one row of a forward applies together
+
+
+def chosen_positions(atom: Atom, pair: Pair) -> tuple[np.ndarray, np.ndarray]:
+    """(the corrupted prompt's positions, the clean prompt's) a patch acts on before its pos=: every
+    position of prompts of one length, or with tokens= the tokens of those roles, i-th to i-th."""
+    if not atom.tokens:
+        pair.equal_lengths()
+        every = np.arange(len(pair.corrupted))
+        return every, every
+    corrupted = steered_positions(atom.tokens, pair.corrupted_roles, len(pair.corrupted), pair.corrupted_sample)
+    clean = steered_positions(atom.tokens, pair.clean_roles, len(pair.clean), pair.clean_sample)
+    if len(corrupted) != len(clean):
+        raise UserError(f"pair {pair.name!r}: tokens={atom.tokens} chooses {len(clean)} tokens of the clean prompt "
+                        f"and {len(corrupted)} of the corrupted: a patch puts the i-th in place of the i-th")
+    return corrupted, clean
+
+
+def cells(intervention: Intervention, pair: Pair) -> list[tuple[Intervention, Cell]]:
+    """(its own intervention, the cell) of each cell an intervention of patches stands for on one
+    pair: one, or one per position of its pos= grid (``pos=*``: each position chosen, the cell's
+    pos= its number among them)."""
+    options = []  # per atom: (the atom with its position, the patch)
+    for atom in intervention.atoms:
+        corrupted, clean = chosen_positions(atom, pair)
+        if not atom.position:
+            options.append([(atom, Patch(atom.site, atom.layer, atom.head, tuple(corrupted.tolist()),
+                                         tuple(clean.tolist())))])
+            continue
+        low, _, high = atom.position.partition("-")
+        numbers = range(len(corrupted)) if atom.position == "*" else range(int(low), int(high or low) + 1)
+        if numbers and numbers[-1] >= len(corrupted):
+            raise UserError(f"pair {pair.name!r}: {atom} patches position {numbers[-1]} of {len(corrupted)} "
+                            "(numbered from 0 among the tokens chosen)")
+        options.append([(dataclasses.replace(atom, position=str(i)),
+                         Patch(atom.site, atom.layer, atom.head, (int(corrupted[i]),), (int(clean[i]),)))
+                        for i in numbers])
+    return [(Intervention(tuple(atom for atom, _ in chosen)), tuple(patch for _, patch in chosen))
+            for chosen in itertools.product(*options)]
+
+
+def grid_cells(site: str, layers: int, length: int, heads: int | None) -> list[Cell]:
+    """The cells of TransformerLens's grid of one site, in its order: each (block, position), or
+    for ``attn.hook_z`` each (block, position, head)."""
+    return [(Patch(site, layer, head, (position,), (position,)),) for layer in range(layers)
+            for position in range(length) for head in (range(heads) if heads else [None])]
 
 
 @functools.lru_cache(maxsize=4)
@@ -79,9 +153,14 @@ def site_values(outputs: list, sites: dict, site: str, layers: int) -> np.ndarra
 
 
 def clean_values(loaded: LoadedModel, prompt: tuple[int, ...], site: str) -> np.ndarray:
-    """[L, S, W]: the clean prompt's value at ``site`` in every block."""
+    """[L, S, W]: a prompt's value at ``site`` in every block."""
     _, outputs, sites = _forward(loaded.config, False)(loaded.params, jnp.asarray([prompt]), None)
     return site_values(outputs, sites, site, loaded.config.num_hidden_layers)[:, 0]
+
+
+def values_by_block(values: np.ndarray, site: str) -> dict[tuple[str, int], np.ndarray]:
+    """{(site, block): [S, W]} of one site's values [L, S, W]: what the metrics below patch from."""
+    return {(site, layer): value for layer, value in enumerate(values)}
 
 
 def logit_diff(logits: np.ndarray, pair: Pair) -> np.ndarray:
@@ -92,9 +171,58 @@ def logit_diff(logits: np.ndarray, pair: Pair) -> np.ndarray:
 
 def baselines(loaded: LoadedModel, pair: Pair) -> tuple[float, float]:
     """(the clean run's logit difference, the corrupted run's)."""
-    logits, _, _ = _forward(loaded.config, False)(loaded.params, jnp.asarray([pair.clean, pair.corrupted]), None)
+    forward = _forward(loaded.config, False)
+    if len(pair.clean) == len(pair.corrupted):  # one forward for both
+        logits, _, _ = forward(loaded.params, jnp.asarray([pair.clean, pair.corrupted]), None)
+    else:
+        logits = np.concatenate([forward(loaded.params, jnp.asarray([prompt]), None)[0]
+                                 for prompt in (pair.clean, pair.corrupted)])
     clean, corrupted = logit_diff(logits, pair)
     return float(clean), float(corrupted)
+
+
+def normalize(metric: np.ndarray, clean: float, corrupted: float) -> np.ndarray:
+    """The metric as a fraction of the way from the corrupted run (0) to the clean one (1)."""
+    return (np.asarray(metric, np.float64) - corrupted) / (clean - corrupted)
+
+
+def exact_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
+                  values: Mapping[tuple[str, int], np.ndarray]) -> np.ndarray:
+    """[cells]: the corrupted run's logit difference with each cell patched from ``values``
+    ({(site, block): the clean prompt's [S, W]}), ``ROWS_PER_FORWARD`` cells a forward."""
+    return np.concatenate([np.zeros(0)] + [_patched_forward(loaded, pair, patched[i:i + ROWS_PER_FORWARD], values)
+                                           for i in range(0, len(patched), ROWS_PER_FORWARD)])
+
+
+def _patched_forward(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
+                     values: Mapping[tuple[str, int], np.ndarray]) -> np.ndarray:
+    """The metric of one forward whose row r patches cell r (the rows past the cells patch nothing:
+    one program per prompt length and set of sites)."""
+    c = loaded.config
+    layers, length, rows, heads = c.num_hidden_layers, len(pair.corrupted), ROWS_PER_FORWARD, c.num_attention_heads
+    batch: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}  # (site, block) -> (values, where)
+    for row, cell in enumerate(patched):
+        for patch in cell:
+            clean = values[patch.site, patch.layer]  # [S_clean, W]
+            if (patch.site, patch.layer) not in batch:
+                where_shape = (rows, length, heads) if patch.site == ATTN_Z else (rows, length)
+                batch[patch.site, patch.layer] = (np.zeros((rows, length, clean.shape[-1]), np.float32),  # [B, S, W]
+                                                  np.zeros(where_shape, bool))
+            put, where = batch[patch.site, patch.layer]
+            put[row, list(patch.positions)] = clean[list(patch.sources)]
+            if patch.site == ATTN_Z:
+                where[row, list(patch.positions), slice(None) if patch.head is None else patch.head] = True
+            else:
+                where[row, list(patch.positions)] = True
+    arrays: dict[str, Any] = kept_arrays(c, layers)
+    for (site, layer), (put, where) in batch.items():
+        if site == ATTN_Z:
+            add_head_patch(arrays, layer, put, where)
+        else:
+            add_patch(arrays, site, layer, put, where)
+    ids = jnp.asarray(np.broadcast_to(np.asarray(pair.corrupted), (rows, length)))
+    logits, _, _ = _forward(c, bool(batch))(loaded.params, ids, arrays if batch else None)
+    return logit_diff(logits, pair)[:len(patched)]
 
 
 def patching_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray | None = None,
@@ -103,38 +231,15 @@ def patching_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray
     ``attn.hook_z``, [L, S, N] (each head at each position), of the corrupted run's logit difference
     with the clean value put back there (``normalized``: 0 corrupted, 1 clean). ``values``
     [L, S, W]: the clean prompt's values at ``site`` (default: from its run)."""
+    pair.equal_lengths()
     c = loaded.config
-    layers, length = c.num_hidden_layers, len(pair.corrupted)
     values = clean_values(loaded, pair.clean, site) if values is None else values
     heads = c.num_attention_heads if site == ATTN_Z else None
-    cells = [(layer, position, head) for layer in range(layers) for position in range(length)
-             for head in (range(heads) if heads else [None])]
-    scores = np.concatenate([_scores(loaded, pair, site, values, cells[i:i + ROWS_PER_FORWARD])
-                             for i in range(0, len(cells), ROWS_PER_FORWARD)])
+    scores = exact_metrics(loaded, pair, grid_cells(site, c.num_hidden_layers, len(pair.corrupted), heads),
+                           values_by_block(values, site))
     if normalized:
-        clean, corrupted = baselines(loaded, pair)
-        scores = (scores - corrupted) / (clean - corrupted)
-    return scores.reshape(layers, length, heads) if heads else scores.reshape(layers, length)
-
-
-def _scores(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray, cells: list[tuple]) -> np.ndarray:
-    """The metric of each cell's patched forward, ``ROWS_PER_FORWARD`` rows a batch (the last padded)."""
-    c = loaded.config
-    layers, length, rows = c.num_hidden_layers, len(pair.corrupted), ROWS_PER_FORWARD
-    arrays: dict[str, Any] = kept_arrays(c, layers)
-    for row, (layer, position, head) in enumerate(cells):
-        tokens = np.zeros((rows, length), bool)
-        tokens[row, position] = True
-        broadcast = np.broadcast_to(values[layer], (rows, *values[layer].shape))  # [B, S, W]
-        if head is None:
-            add_patch(arrays, site, layer, broadcast, tokens)
-        else:
-            chosen = np.zeros((rows, length, c.num_attention_heads), bool)
-            chosen[row, position, head] = True
-            add_head_patch(arrays, layer, broadcast, chosen)
-    ids = jnp.asarray(np.broadcast_to(np.asarray(pair.corrupted), (rows, length)))
-    logits, _, _ = _forward(loaded.config, True)(loaded.params, ids, arrays)
-    return logit_diff(logits, pair)[:len(cells)]
+        scores = normalize(scores, *baselines(loaded, pair))
+    return scores.reshape(c.num_hidden_layers, len(pair.corrupted), *([heads] if heads else []))
 
 
 @functools.lru_cache(maxsize=8)
@@ -156,27 +261,51 @@ def _metric_gradient(config: DecoderConfig, site: str):
     return jax.jit(jax.value_and_grad(metric))
 
 
-def attribution_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray | None = None,
-                     normalized: bool = False) -> np.ndarray:
-    """Attribution patching's estimate of ``patching_grid`` from one forward and one backward of the
-    corrupted prompt: (clean - corrupted) . d metric / d value at each cell, summed over the site's
-    width (for ``attn.hook_z``, over each head's slice): [L, S], or [L, S, N] for ``attn.hook_z``;
-    the corrupted run's metric added, so that it estimates the patched metric itself."""
+def attribution_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
+                        values: Mapping[tuple[str, int], np.ndarray]) -> tuple[np.ndarray, int]:
+    """Attribution patching's estimate of ``exact_metrics``: the corrupted run's metric plus, for
+    each patch of a cell, (clean - corrupted) . d metric / d value summed over its positions (and
+    for ``attn.hook_z`` one head's slice), from one forward and one backward of the corrupted
+    prompt per site; (the estimates [cells], the backward passes run)."""
     c = loaded.config
     layers, length = c.num_hidden_layers, len(pair.corrupted)
+    sites = sorted({patch.site for cell in patched for patch in cell})
+    if not sites:
+        return np.zeros(len(patched)), 0
+    ids = jnp.asarray([pair.corrupted])
+    _, outputs, sown = _forward(c, False)(loaded.params, ids, None)
+    corrupted, gradients, metric = {}, {}, 0.0
+    for site in sites:
+        corrupted[site] = site_values(outputs, sown, site, layers)[:, 0]  # [L, S, W]
+        delta = jnp.zeros((layers, 1, length, corrupted[site].shape[-1]), jnp.float32)
+        value, gradient = _metric_gradient(c, site)(delta, loaded.params, ids, kept_arrays(c, layers), pair.answer,
+                                                    pair.wrong)
+        metric, gradients[site] = float(value), np.asarray(gradient, np.float64)[:, 0]  # [L, S, W]
+    estimates = np.full(len(patched), metric)
+    for i, cell in enumerate(patched):
+        for patch in cell:
+            at, layer = list(patch.positions), patch.layer
+            change = (values[patch.site, layer][list(patch.sources)].astype(np.float64)
+                      - corrupted[patch.site][layer, at]) * gradients[patch.site][layer, at]  # [k, W]
+            if patch.head is not None:
+                change = change.reshape(len(at), c.num_attention_heads, -1)[:, patch.head]
+            estimates[i] += change.sum()
+    return estimates, len(sites)
+
+
+def attribution_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray | None = None,
+                     normalized: bool = False) -> np.ndarray:
+    """Attribution patching's estimate of ``patching_grid`` (``attribution_metrics``): [L, S], or
+    [L, S, N] for ``attn.hook_z``."""
+    pair.equal_lengths()
+    c = loaded.config
     values = clean_values(loaded, pair.clean, site) if values is None else values  # [L, S, W]
-    corrupted_values = clean_values(loaded, pair.corrupted, site)
-    delta = jnp.zeros((layers, 1, length, values.shape[-1]), jnp.float32)
-    metric, gradient = _metric_gradient(c, site)(delta, loaded.params, jnp.asarray([pair.corrupted]),
-                                                 kept_arrays(c, layers), pair.answer, pair.wrong)
-    change = (values - corrupted_values).astype(np.float64) * np.asarray(gradient, np.float64)[:, 0]  # [L, S, W]
-    if site == ATTN_Z:
-        change = change.reshape(layers, length, c.num_attention_heads, -1)
-    estimate = change.sum(axis=-1) + float(metric)
+    heads = c.num_attention_heads if site == ATTN_Z else None
+    estimate, _ = attribution_metrics(loaded, pair, grid_cells(site, c.num_hidden_layers, len(pair.corrupted), heads),
+                                      values_by_block(values, site))
     if normalized:
-        clean, corrupted = baselines(loaded, pair)
-        estimate = (estimate - corrupted) / (clean - corrupted)
-    return estimate
+        estimate = normalize(estimate, *baselines(loaded, pair))
+    return estimate.reshape(c.num_hidden_layers, len(pair.corrupted), *([heads] if heads else []))
 
 
 def agreement(exact: np.ndarray, estimate: np.ndarray, worst: int = 5) -> dict[str, Any]:
@@ -185,65 +314,95 @@ def agreement(exact: np.ndarray, estimate: np.ndarray, worst: int = 5) -> dict[s
     exact, estimate = np.asarray(exact, np.float64), np.asarray(estimate, np.float64)
     differ = np.abs(exact - estimate).ravel()
     cells = np.argsort(-differ, kind="stable")[:worst]
-    correlation = float(np.corrcoef(exact.ravel(), estimate.ravel())[0, 1]) if exact.size > 1 else float("nan")
+    constant = exact.size < 2 or np.ptp(exact) == 0 or np.ptp(estimate) == 0  # no correlation defined
+    correlation = float("nan") if constant else float(np.corrcoef(exact.ravel(), estimate.ravel())[0, 1])
     return {"correlation": correlation,
             "worst": [(tuple(int(i) for i in np.unravel_index(cell, exact.shape)), float(exact.ravel()[cell]),
                        float(estimate.ravel()[cell])) for cell in cells]}
 
 
-def stored_values(index: str, sample_id: int, site: str, layers: int) -> np.ndarray:
-    """[L, S, W] float32: what a store holds at ``site`` of every block for one sample (the pair's
-    clean one), read through the index with one ranged read per array; the clean values a grid
-    patches without running the clean prompt again."""
-    keys = [array_key(site, layer) for layer in range(layers)]
-    found = read_activations(arrays_path(index), [sample_id], keys)
-    missing = [key for key in keys if (sample_id, key) not in found]
+def stored_values(index: str, sample_id: int, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], np.ndarray]:
+    """{(site, block): [S, W] float32}: what a store holds at these sites and blocks for one sample
+    (the pair's clean one), read through the index in one coalesced read; the clean values a grid
+    patches without running the clean prompt again. ``UserError`` for one the store lacks."""
+    wanted = {(site, layer): array_key(site, layer) for site, layer in keys}
+    found = read_activations(arrays_path(index), [sample_id], list(dict.fromkeys(wanted.values())))
+    missing = [key for key in wanted.values() if (sample_id, key) not in found]
     if missing:
         raise UserError(f"{index} holds no {describe_key(missing[0])} of sample {sample_id}: store the site at "
-                        "every layer (--sites, --layers_to_extract)")
-    return np.stack([np.asarray(found[sample_id, key], np.float32) for key in keys])
+                        "the blocks patched (runners.tpu_host --sites, --layers_to_extract)")
+    return {block: np.asarray(found[sample_id, key], np.float32) for block, key in wanted.items()}
+
+
+def paired(items: Sequence[dict[str, Any]]) -> list[Pair]:
+    """The pairs of a paired dataset's samples, each a dict of ``pair`` (its id), ``variant``
+    (clean | corrupted), ``ids``, ``answers`` (the clean one's: its answer and wrong answer tokens)
+    and optionally ``sample_id`` and ``roles``; in the order of their corrupted samples. A sample
+    of another variant, a missing twin, a pair given twice or a clean sample without answers
+    refused in one line."""
+    by_pair: dict[Any, dict[str, dict]] = {}
+    for item in items:
+        what = f"sample {item['sample_id']}" if item.get("sample_id") is not None else f"pair {item['pair']!r}"
+        if item["variant"] not in ("clean", "corrupted"):
+            raise UserError(f"{what}: variant {item['variant']!r}: a pair's samples are clean or corrupted")
+        if item["variant"] in by_pair.setdefault(item["pair"], {}):
+            raise UserError(f"{what}: pair {item['pair']!r} has two {item['variant']} samples")
+        by_pair[item["pair"]][item["variant"]] = item
+    pairs = []
+    for pair_id, variants in by_pair.items():
+        missing = [v for v in ("clean", "corrupted") if v not in variants]
+        if missing:
+            given = variants[{"clean": "corrupted", "corrupted": "clean"}[missing[0]]]
+            what = f"sample {given['sample_id']}" if given.get("sample_id") is not None else f"pair {pair_id!r}"
+            raise UserError(f"{what}: pair {pair_id!r} has no {missing[0]} prompt")
+        clean, corrupted = variants["clean"], variants["corrupted"]
+        if not clean.get("answers") or len(clean["answers"]) != 2:
+            raise UserError(f"sample {clean.get('sample_id')} (pair {pair_id!r}) has no answer tokens: prepare with "
+                            "--answer_columns answer,wrong_answer")
+        pairs.append(Pair(tuple(clean["ids"]), tuple(corrupted["ids"]), *map(int, clean["answers"]), str(pair_id),
+                          clean.get("sample_id"), corrupted.get("sample_id"), clean.get("roles"),
+                          corrupted.get("roles")))
+    return pairs
 
 
 def pairs_from_rows(rows: list[dict[str, Any]], tokenizer: Any) -> list[Pair]:
     """The pairs of a paired dataset's rows (``pair``, ``variant`` clean | corrupted, ``text``,
     ``answer``, ``wrong_answer``: the clean row's answer tokens), tokenized by ``tokenizer``
-    (without special tokens); a missing twin, prompts of unequal lengths or an answer that is not one
-    token refused in one line."""
-    by_pair: dict[Any, dict[str, dict]] = {}
+    (without special tokens), as ``pipeline.prepare --answer_columns`` tokenizes them; a missing
+    twin, prompts of unequal lengths or an answer that is not one token refused in one line."""
+    items = []
     for row in rows:
-        by_pair.setdefault(row["pair"], {})[row["variant"]] = row
-    pairs = []
-    for pair_id, variants in by_pair.items():
-        missing = [v for v in ("clean", "corrupted") if v not in variants]
-        if missing:
-            raise UserError(f"pair {pair_id!r} has no {missing[0]} prompt")
-        clean, corrupted = (tokenizer(variants[v]["text"], add_special_tokens=False)["input_ids"]
-                            for v in ("clean", "corrupted"))
-        if len(clean) != len(corrupted):
-            raise UserError(f"pair {pair_id!r}: the clean prompt has {len(clean)} tokens, the corrupted "
-                            f"{len(corrupted)}: patching position by position needs equal lengths")
         answers = []
         for column in ("answer", "wrong_answer"):
-            ids = tokenizer(variants["clean"][column], add_special_tokens=False)["input_ids"]
+            ids = tokenizer(row[column], add_special_tokens=False)["input_ids"]
             if len(ids) != 1:
-                raise UserError(f"pair {pair_id!r}: {column} {variants['clean'][column]!r} is {len(ids)} tokens, "
-                                "not one")
+                raise UserError(f"pair {row['pair']!r}: {column} {row[column]!r} is {len(ids)} tokens, not one")
             answers.append(ids[0])
-        pairs.append(Pair(tuple(clean), tuple(corrupted), *answers))
+        items.append({"pair": row["pair"], "variant": row["variant"], "answers": answers,
+                      "ids": tokenizer(row["text"], add_special_tokens=False)["input_ids"]})
+    pairs = paired(items)
+    for pair in pairs:
+        pair.equal_lengths()
     return pairs
 
 
-def write_grid_chart(grid: np.ndarray, labels: list[str], title: str, path: str) -> str:
-    """A [layers, positions] grid as a heatmap (positions labelled by their tokens), PNG at ``path``."""
+def write_grid_chart(grid: np.ndarray, labels: list[str], title: str, path: str,
+                     row_labels: list[str] | None = None, columns: str = "") -> str:
+    """A [rows, columns] grid (blocks by positions, heads...; NaN: blank) as a heatmap, PNG at
+    ``path``: columns labelled by ``labels`` (positions by their tokens), rows by ``row_labels``
+    (default: the block numbers)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots(figsize=(max(6.0, 0.5 * grid.shape[1] + 2), max(4.0, 0.22 * grid.shape[0] + 1.5)))
-    limit = max(float(np.abs(grid).max()), 1e-9)
+    limit = max(float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 0.0, 1e-9)
     image = axes.imshow(grid, cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
     axes.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
-    axes.set_ylabel("layer")
-    axes.set_title(title)
+    if row_labels is not None:
+        axes.set_yticks(range(len(row_labels)), row_labels, fontsize=8)
+    axes.set_xlabel(columns)
+    axes.set_ylabel("block.head" if row_labels and "." in row_labels[0] else "layer")
+    axes.set_title(title, fontsize=9)
     figure.colorbar(image, ax=axes)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from common.stream_reader import open_stream
+from common.stream_reader import machine_stream, manifest_entries, open_stream
 from host.stream import stream_records
 
 
@@ -16,12 +17,26 @@ class Record:
     answer_start: int | None     # first scored token: the expected answer (ARC --include_answers)
     truncated: bool              # cut here to max_seq_length
     roles: list | None = None    # its tokens' role runs (common.roles), uncut; None: a stream from before roles
+    columns: dict | None = None  # the dataset's kept columns (pipeline.prepare --keep_columns)
+    answers: tuple[int, ...] | None = None  # its answer and wrong answer tokens (--answer_columns)
 
 
 def read_records(stream: str, max_samples: int | None, max_seq_length: int) -> list[Record]:
     """The first ``max_samples`` records (all if None) of a stream (a file, or a directory of its
-    parts), validated, each cut to ``max_seq_length`` tokens (its answer may then be cut too, or lie
+    parts; or a prepare's output directory, with its manifest: every machine's stream in machine
+    order), validated, each cut to ``max_seq_length`` tokens (its answer may then be cut too, or lie
     wholly past the cut)."""
-    return [Record(r["sample_id"], r.get("source", ""), tuple(r["input_ids"][:max_seq_length]),
-                   r.get("answer_start"), len(r["input_ids"]) > max_seq_length, r.get("roles"))
-            for r in stream_records(open_stream(stream), 0, max_samples, None)]
+    directory = os.path.isdir(stream) if "://" not in stream else not stream.endswith(".jsonl")
+    machines = manifest_entries(stream) if directory else {}
+    streams = ([machine_stream(stream, machine, entry) for machine, entry in sorted(machines.items())] if machines
+               else [open_stream(stream)])
+    records = []
+    for found in streams:
+        left = None if max_samples is None else max_samples - len(records)
+        if left == 0:
+            break
+        records += [Record(r["sample_id"], r.get("source", ""), tuple(r["input_ids"][:max_seq_length]),
+                           r.get("answer_start"), len(r["input_ids"]) > max_seq_length, r.get("roles"),
+                           r.get("columns"), tuple(r["answers"]) if r.get("answers") else None)
+                    for r in stream_records(found, 0, left, None)]
+    return records

@@ -33,13 +33,16 @@ def scalar_series(summary: pd.DataFrame) -> list[tuple[str, int, float]]:
     return out
 
 
-def write_tensorboard(folder: str, summary: pd.DataFrame, charts: Sequence[str]) -> None:
+def write_tensorboard(folder: str, summary: pd.DataFrame, charts: Sequence[str],
+                      series: Sequence[tuple[str, int, float]] | None = None) -> None:
+    """The summary's scalars (``series``; default an ablation summary's, ``scalar_series``), the
+    summary as a text table and the charts as images, in a fresh set of event files."""
     from tensorboardX import SummaryWriter
     os.makedirs(folder, exist_ok=True)
     for old in glob.glob(os.path.join(folder, "events.out.tfevents.*")):
         os.remove(old)
     with SummaryWriter(folder) as writer:
-        for tag, step, value in scalar_series(summary):
+        for tag, step, value in scalar_series(summary) if series is None else series:
             writer.add_scalar(tag, value, step)
         # Markdown renders a 4-space indented block as preformatted text.
         writer.add_text("summary", "    " + summary.to_string(index=False).replace("\n", "\n    "))

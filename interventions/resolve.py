@@ -33,6 +33,9 @@ def parse_one(spec: str, config: DecoderConfig) -> Intervention:
     if len(found) != 1:
         raise UserError(f"--ablate {spec!r} stands for {len(found)} interventions: name one "
                         "(no * or ranges)")
+    if found[0].patches:
+        raise UserError(f"--ablate {spec!r}: a patch puts a clean prompt's stored values into its corrupted twin: "
+                        "runners.ablate --metric logit_diff --patch_from INDEX runs it over a paired stream")
     check_blocks(found, config)
     return found[0]
 
@@ -44,10 +47,11 @@ def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -
     now, before any weight is)."""
     for intervention in interventions:
         for atom in intervention.atoms:
-            if atom.kind == "steer":
+            if atom.kind in ("steer", "patch"):
                 if reason := missing_reason(atom.site, config, atom.layer):
                     raise UserError(f"intervention {intervention.name!r}: {reason}")
-                steering_vector(atom, config)
+                if atom.kind == "steer":
+                    steering_vector(atom, config)
             if atom.kind == "head" and config.is_deltanet(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with Gated DeltaNet: "
                                 f"it has no attention heads (attn:{atom.layer} removes its mixer)")
@@ -69,6 +73,8 @@ def ablation_arrays(intervention: Intervention, config: DecoderConfig, num_layer
     means, and what its steerings add at each site they steer."""
     if intervention.needs_means and means is None:
         raise ValueError(f"{intervention.name} replaces by means: they are needed")
+    if intervention.patches:
+        raise ValueError(f"{intervention.name} patches: its arrays are each pair's (ablation.patching)")
     arrays = kept_arrays(config, num_layers, means)
     for atom in intervention.atoms:
         if atom.layer >= num_layers:

@@ -23,8 +23,18 @@
                 diff_in_means, the default where the file has it, or probe), A 1 by default;
                 FILE local or gs://. What is stored at SITE is the steered value
 
+    patch:L:SITE[:heads=H][:pos=P][:tokens=ROLES]
+                activation patching (``runners.ablate --metric logit_diff --patch_from STORE``): at
+                SITE of block L (``PATCH_SITES``: a point of the residual stream, what a sublayer adds
+                to it, or ``attn.hook_z``, the heads' outputs) the corrupted prompt takes the value
+                its pair's clean prompt has there, read from a store; at every position (the two
+                prompts of one length), or with tokens= at the tokens of these roles (the i-th
+                chosen token of one prompt takes the i-th of the other: their counts must agree).
+                heads= (``attn.hook_z`` only) patches one head; pos= the P-th position (of those
+                chosen), ``*`` or a range a cell per position: TransformerLens's grids
+
 Each is followed by ``:mode=zero`` (the default) or ``:mode=mean`` (``expert``, ``route`` and
-``steer`` have no mode), and several joined by ``+`` form one intervention (``head:3.1+head:3.2``).
+``steer``, ``patch`` have no mode), and several joined by ``+`` form one intervention (``head:3.1+head:3.2``).
 ``zero`` removes the component: zeros for a head, attn or mlp output, the bare residual for a
 layer, and a neutral weight for a norm (the norm then only normalises: w = 1 for x * w, w = 0
 for Gemma's x * (1 + w), and a LayerNorm's bias 0). ``mean`` replaces it by its mean over the
@@ -34,7 +44,8 @@ output, a sublayer's output, a block's contribution (output - input); for a norm
 
 In a grid, L and H may be ``*`` (all) or a range ``A-B`` (inclusive); every combination is one
 intervention: ``head:0-3.*`` is one intervention per head of blocks 0 to 3, ``mlp:*:mode=mean``
-one per block.
+one per block, ``patch:*:attn.hook_z:heads=*`` one per head. A patch's ``pos=*`` (or ``pos=A-B``)
+stays in the intervention: each pair's prompt decides its positions (``ablation.patching``).
 
 An intervention becomes the arrays the compiled forward takes in ``interventions.resolve``
 (``model.interventions``: the same shapes for every intervention of a model, so one compiled
@@ -55,14 +66,17 @@ from activations.directions import KINDS as DIRECTION_KINDS
 from activations.selection import parse_selection
 from common.cli import UserError
 from model.interventions import STEER_SITES
-from model.sites import RESID_POST
+from model.sites import ATTN_Z, RESID_POST
 
-KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer")
+KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer", "patch")
 INDEXED = {"head": "head", "expert": "expert", "route": "expert"}  # kinds with a second index: what it counts
 MODES = ("zero", "mean")
 _ATOM = re.compile(r"(?P<kind>[a-z_]+):(?P<target>[^:]+)(?::mode=(?P<mode>[a-z]+))?")
 _INDEX = re.compile(r"\*|\d+|\d+-\d+")
 STEER_OPTIONS = {"alpha": float, "direction": str, "site": str, "tokens": str}
+PATCH_OPTIONS = ("heads", "pos", "tokens")
+# Where a patch puts the clean value: the stream sites, and the attention heads' outputs, per head.
+PATCH_SITES = (*STEER_SITES, ATTN_Z)
 
 
 
@@ -71,13 +85,18 @@ class Atom:
     """One component removed or replaced."""
     kind: str
     layer: int
-    head: int | None = None  # the head, or for expert and route the expert
+    head: int | None = None  # the head, or for expert and route the expert, or a patch's head (None: all)
     mode: str = "zero"
     path: str = ""           # steer: the directions file
     alpha: float = 1.0       # steer: the direction's scale
     direction: str = ""      # steer: the kind of direction in the file ("": diff_in_means where it has one)
-    site: str = RESID_POST   # steer: where in the block it is added (STEER_SITES)
-    tokens: str = ""         # steer: the tokens it is added to (steering_tokens; "": every token)
+    site: str = RESID_POST   # steer, patch: where in the block it acts (STEER_SITES, PATCH_SITES)
+    tokens: str = ""         # steer, patch: the tokens it acts on (steering_tokens; "": every token)
+    position: str = ""       # patch: of the tokens chosen, the P-th (pos=P), each (*, A-B), or "": all
+
+    def sort_key(self) -> tuple:
+        """The atoms' order in an intervention's name (a patch's head None: before any head)."""
+        return tuple(-1 if value is None else value for value in dataclasses.astuple(self))
 
     def __str__(self) -> str:
         if self.kind == "steer":
@@ -86,6 +105,9 @@ class Atom:
                 f":site={self.site}" if self.site != RESID_POST else "") + (
                 f":tokens={self.tokens}" if self.tokens else "")
             return f"steer:{self.layer}:{self.path}{options}"
+        if self.kind == "patch":
+            return f"patch:{self.layer}:{self.site}" + (f":heads={self.head}" if self.head is not None else "") + (
+                f":pos={self.position}" if self.position else "") + (f":tokens={self.tokens}" if self.tokens else "")
         target = f"{self.layer}.{self.head}" if self.kind in INDEXED else str(self.layer)
         return f"{self.kind}:{target}" + (":mode=mean" if self.mode == "mean" else "")
 
@@ -104,6 +126,11 @@ class Intervention:
     def steer_tokens(self) -> str | None:
         """The token selection its steerings share (``steering_tokens``); None: every token."""
         return next((a.tokens for a in self.atoms if a.kind == "steer" and a.tokens), None)
+
+    @property
+    def patches(self) -> tuple[Atom, ...]:
+        """Its patches (``patch`` atoms)."""
+        return tuple(a for a in self.atoms if a.kind == "patch")
 
     @property
     def needs_means(self) -> bool:
@@ -173,6 +200,39 @@ def _steer_atoms(text: str, spec: str, num_layers: int) -> list[Atom]:
                  tokens=tokens) for layer in _indices(layers, "layer", num_layers, spec)]
 
 
+def _patch_atoms(text: str, spec: str, num_layers: int, num_heads: int) -> list[Atom]:
+    """``patch:L:SITE[:heads=H][:pos=P][:tokens=ROLES]`` -> one atom per layer (and head)."""
+    layers, _, rest = text.strip()[len("patch:"):].partition(":")
+    site, *given = rest.split(":")
+    if not site:
+        raise UserError(f"intervention {spec!r}: expected patch:LAYER:SITE[:heads=H][:pos=P][:tokens=ROLES], "
+                        "e.g. patch:*:hook_resid_pre:pos=*")
+    if site not in PATCH_SITES:
+        raise UserError(f"intervention {spec!r}: a patch puts back a value of the residual stream, of what a "
+                        f"sublayer adds to it or of the heads' outputs: SITE must be one of {', '.join(PATCH_SITES)}, "
+                        f"got {site!r}")
+    options: dict[str, str] = {}
+    for option in given:
+        name, equals, value = option.partition("=")
+        if name not in PATCH_OPTIONS or not equals:
+            raise UserError(f"intervention {spec!r}: patch takes heads=, pos= and tokens=, not {option!r}"
+                            + (" (a patch has no mode)" if name == "mode" else ""))
+        if name in options:
+            raise UserError(f"intervention {spec!r}: {name}= is given twice")
+        options[name] = value
+    if "heads" in options and site != ATTN_Z:
+        raise UserError(f"intervention {spec!r}: heads= chooses heads of attn.hook_z; {site} is one vector a token")
+    position = options.get("pos", "")
+    if position and not _INDEX.fullmatch(position):
+        raise UserError(f"intervention {spec!r}: pos must be a number, a range A-B or *, got {position!r}")
+    if "-" in position and int(position.split("-")[0]) > int(position.split("-")[1]):
+        raise UserError(f"intervention {spec!r}: empty range pos={position}")
+    tokens = steering_tokens(options["tokens"], spec) if "tokens" in options else ""
+    heads = _indices(options["heads"], "head", num_heads, spec) if "heads" in options else [None]
+    return [Atom("patch", layer, head, site=site, tokens=tokens, position=position)
+            for layer in _indices(layers, "layer", num_layers, spec) for head in heads]
+
+
 def steering_tokens(text: str, spec: str) -> str:
     """A steering's token selection (``tokens=``) in its canonical form: terms of
     ``activations.selection`` that choose a token by its own role (``ROLE``, ``-ROLE``), so that
@@ -192,6 +252,8 @@ def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: i
     """The atoms one pattern stands for (``head:*.0`` -> one per block)."""
     if text.strip().startswith("steer:"):
         return _steer_atoms(text, spec, num_layers)
+    if text.strip().startswith("patch:"):
+        return _patch_atoms(text, spec, num_layers, num_heads)
     match = _ATOM.fullmatch(text.strip())
     if not match:
         raise UserError(f"intervention {spec!r}: expected KIND:TARGET[:mode=zero|mean], e.g. head:3.7 "
@@ -216,6 +278,13 @@ def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: i
     return [Atom(kind, l, None, mode) for l in _indices(target, "layer", num_layers, spec)]
 
 
+def _target(atom: Atom) -> tuple:
+    """What an atom acts on: two atoms of one intervention may not share it (a patch's: also its
+    positions)."""
+    extra = (atom.position, atom.tokens) if atom.kind == "patch" else ()
+    return (atom.kind, atom.layer, atom.head, atom.path, atom.direction, atom.site, *extra)
+
+
 def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
                         num_experts: int = 0) -> list[Intervention]:
     """Every intervention the specs stand for, in order, each once; ``UserError`` names a bad one.
@@ -228,19 +297,22 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
             raise UserError("an empty intervention spec")
         parts = [_atoms(part, spec, num_layers, num_heads, num_experts) for part in spec.split("+")]
         for combination in itertools.product(*parts):
-            atoms = tuple(sorted(set(combination)))
-            targets = [(a.kind, a.layer, a.head, a.path, a.direction, a.site) for a in atoms]
+            atoms = tuple(sorted(set(combination), key=Atom.sort_key))
+            targets = [_target(a) for a in atoms]
             if len(set(targets)) != len(targets):
-                twice = next(a for a in atoms if targets.count((a.kind, a.layer, a.head, a.path, a.direction,
-                                                                a.site)) > 1)
+                twice = next(a for a in atoms if targets.count(_target(a)) > 1)
                 if twice.kind == "steer":
                     raise UserError(f"intervention {spec!r}: block {twice.layer}'s {twice.site} is steered twice by "
                                     "one direction (give one alpha)")
+                if twice.kind == "patch":
+                    raise UserError(f"intervention {spec!r}: {twice} is given twice")
                 raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
             selections = {a.tokens for a in atoms if a.kind == "steer"}
             if len(selections) > 1:
                 raise UserError(f"intervention {spec!r}: its steerings choose different tokens "
                                 f"({', '.join(repr(t or 'every token') for t in sorted(selections))}): they share one")
+            if len(atoms) > 1 and any(a.position in ("*",) or "-" in a.position for a in atoms if a.kind == "patch"):
+                raise UserError(f"intervention {spec!r}: a grid over positions (pos=* or A-B) is for one patch alone")
             routes = [a.layer for a in atoms if a.kind == "route"]
             if len(set(routes)) != len(routes):
                 raise UserError(f"intervention {spec!r}: block {routes[0]}'s tokens are routed to two experts")

@@ -48,7 +48,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # memory bandwidth, and side by side each takes twice as long.
 LONGEST_FIRST = ("test_real_qwen.py", "test_ablate.py", "test_real_gemma.py", "test_moe.py", "test_families.py",
                  "test_multihost.py", "test_interventions.py", "test_dashboard.py", "test_family_runs.py",
-                 "test_conversations.py", "test_host.py", "test_patching.py", "test_pipeline_extract.py")
+                 "test_conversations.py", "test_host.py", "test_patching.py", "test_patching_run.py",
+                 "test_pipeline_extract.py")
 
 
 def pytest_sessionstart(session) -> None:

@@ -1,11 +1,13 @@
 """Activation patching (``ablation.patching``): every grid equals TransformerLens's own ``patching``
-functions on the same tiny model loaded into both (a GPT-2 and a Llama-style Qwen2); patching every
-position of a block's input recovers the clean run, patching nothing gives the corrupted one."""
+functions on the same tiny model loaded into both (a GPT-2 and a Llama-style Qwen2), the
+[layers, heads] one through the spec language's ``patch:`` cells; patching every position of a
+block's input recovers the clean run, patching nothing gives the corrupted one."""
 
 import numpy as np
 import pytest
 
-from ablation.patching import Pair, baselines, clean_values, patching_grid
+from ablation.patching import Pair, baselines, cells, clean_values, exact_metrics, patching_grid, values_by_block
+from interventions.spec import parse_interventions
 from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_PRE
 
 
@@ -47,6 +49,13 @@ def test_every_grid_equals_transformer_lens_patching(models):
         got = patching_grid(ours, pair, site)
         assert got.shape == expected.shape, site
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=site)
+    # [layers, heads], each head at every position: the spec language's patch atoms, cell by cell.
+    expected = patching.get_act_patch_attn_head_out_all_pos(theirs, corrupted, cache, metric).double().numpy()
+    layers, heads = ours.config.num_hidden_layers, ours.config.num_attention_heads
+    grid = parse_interventions(["patch:*:attn.hook_z:heads=*"], layers, heads)
+    found = [cell for intervention in grid for _, cell in cells(intervention, pair)]
+    got = exact_metrics(ours, pair, found, values_by_block(clean_values(ours, pair.clean, ATTN_Z), ATTN_Z))
+    np.testing.assert_allclose(got.reshape(layers, heads), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 def test_patching_every_position_recovers_the_clean_run_and_nothing_the_corrupted(models):
@@ -130,12 +139,13 @@ def test_a_grid_patches_the_values_a_store_holds_for_the_clean_sample(tmp_path):
     assert merged.returncode == 0, merged.stderr
     layers = ours.config.num_hidden_layers
     for site in (RESID_PRE, ATTN_Z):
-        stored = stored_values(index, 0, site, layers)
+        read = stored_values(index, 0, [(site, layer) for layer in range(layers)])
+        stored = np.stack([read[site, layer] for layer in range(layers)])
         np.testing.assert_allclose(stored, clean_values(ours, pair.clean, site), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(patching_grid(ours, pair, site, values=stored), patching_grid(ours, pair, site),
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(UserError, match="holds no layer 0's hook_mlp_out|holds no .*hook_mlp_out of sample 0"):
-        stored_values(index, 0, MLP_OUT, layers)
+        stored_values(index, 0, [(MLP_OUT, 0)])
 
 
 def test_ioi_pairs_tokenize_to_twins_and_bad_pairs_are_one_line(qwen_tokenizer):

@@ -26,7 +26,7 @@ COLUMN_TYPES = tuple(KEPT_COLUMN_TYPES)
 # Names a kept column cannot take: the stream record's and the per-sample index's own columns.
 # ``role`` is the statistics' grouping by token role (runners.tpu_host --stats_by role).
 RESERVED = ("sample_id", "input_ids", "num_tokens", "truncated", "original_num_tokens", "answer_start",
-            "source", "text_preview", "roles", "special", "columns", "machine_id", "shard_id", "shard_path",
+            "source", "text_preview", "roles", "special", "columns", "answers", "machine_id", "shard_id", "shard_path",
             "position", "layers", "hidden_size", "dtype", "ablation", ROLE_GROUPING)
 MAX_LISTED = 8  # columns a line names, of those the records have
 

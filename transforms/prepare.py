@@ -55,6 +55,10 @@ class PrepareConfig:
     keep_columns: tuple[str, ...] = flag((), "scalar columns of the records to keep beside each sample "
                                          "(e.g. label,topic): in the stream record and as typed columns of "
                                          "index.parquet", parse=name_list)
+    answer_columns: tuple[str, ...] = flag((), "ANSWER,WRONG: the columns of a metric's answer and wrong answer "
+                                           "(e.g. answer,wrong_answer: runners.ablate --metric logit_diff), "
+                                           "each tokenized as the prompt is and checked to be one token, "
+                                           "stored as the record's answers", parse=name_list)
     tokenizer: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "Hugging Face tokenizer: local dir or hub id")
     max_seq_length: int | None = flag(None, "truncate longer prompts to this many tokens "
                                       "(marked truncated: true)")
@@ -76,6 +80,9 @@ class PrepareConfig:
         if self.format is not None and self.format not in FORMATS:
             raise UserError(f"unknown --format {self.format!r} (choose from {', '.join(FORMATS)})")
         check_names(self.keep_columns)
+        if self.answer_columns and len(self.answer_columns) != 2:
+            raise UserError(f"--answer_columns names the answer's column and the wrong answer's, two, got "
+                            f"{','.join(self.answer_columns)}")
         for name in ("max_seq_length", "max_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -102,7 +109,7 @@ class PreparePlan:
     def sample_format(self) -> SampleFormat:
         c = self.config
         return SampleFormat(self.format, c.text_field, c.include_answers, c.messages_field, c.prompt_field,
-                            c.response_field or None, c.add_generation_prompt, self.column_types)
+                            c.response_field or None, c.add_generation_prompt, self.column_types, c.answer_columns)
 
     def manifest_settings(self) -> dict[str, Any]:
         c = self.config
@@ -118,6 +125,7 @@ class PreparePlan:
                 "source_files": [f.path for f in self.files],
                 # Kept columns and their types (transforms/columns.py): in each record's "columns".
                 **({"keep_columns": dict(self.column_types)} if self.column_types else {}),
+                **({"answer_columns": list(c.answer_columns)} if c.answer_columns else {}),
                 # ARC samples, conversations and pairs are chats, FineWeb's plain texts.
                 "prompts": self.conventions.manifest_record(chat=self.format != "fineweb")}
 
@@ -136,7 +144,8 @@ def resolve_plan(config: PrepareConfig) -> PreparePlan:
     if config.include_answers and fmt != "arc":
         raise UserError(f"--include_answers needs ARC records (--format arc); this dataset is {fmt}")
     # The columns the format reads, then the kept ones: a column no record has would empty the run.
-    require_columns(files, format_columns(fmt, config))
+    require_columns(files, format_columns(fmt, config) + [(f"--answer_columns {name}", (name,), "")
+                                                          for name in config.answer_columns])
     types = column_types(files, config.keep_columns) if config.keep_columns else {}
     # Probed here as the workers will (same files, same probes): the manifest records what they do.
     conventions = prompt_conventions(load_tokenizer(config.tokenizer))

@@ -41,6 +41,7 @@ class Sample:
     expected_output: Any = None  # ARC: the test's output grid where the task gives it (scores a continuation)
     generation_prompt: bool = True  # a chat ends with the template's assistant generation prompt
     columns: tuple[tuple[str, Any], ...] = ()  # the kept columns' (name, value)
+    answer_texts: tuple[str, ...] = ()  # a metric's answer and wrong answer (--answer_columns), untokenized
     origin: str = ""  # where the record was read (file and row), for a rejection after formatting
 
 
@@ -55,6 +56,7 @@ class SampleFormat:
     response_field: str | None = "response"  # pair; None: prompts alone, with the generation prompt
     add_generation_prompt: bool = False  # chat: end on the assistant's generation prompt
     columns: tuple[tuple[str, str], ...] = ()  # kept columns: (name, type) (transforms/columns.py)
+    answer_columns: tuple[str, ...] = ()  # the answer and wrong answer's columns, each one token
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -144,7 +146,18 @@ def samples_from_record(item: SourceRecord, fmt: SampleFormat) -> list[Sample]:
     else:
         samples = chat_samples(item, fmt)
     columns = kept_values(item.record, dict(fmt.columns)) if fmt.columns else ()
-    return [dataclasses.replace(s, columns=columns, origin=item.origin) for s in samples]
+    answers = answer_texts(item.record, fmt.answer_columns) if fmt.answer_columns else ()
+    return [dataclasses.replace(s, columns=columns, answer_texts=answers, origin=item.origin) for s in samples]
+
+
+def answer_texts(record: dict, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The texts of a record's answer columns (``--answer_columns``); ``RejectedRecord`` for one
+    that is missing or not a non-empty string."""
+    texts = tuple(record.get(name) for name in names)
+    bad = next((name for name, text in zip(names, texts) if not isinstance(text, str) or not text), None)
+    if bad is not None:
+        raise RejectedRecord("missing_answer", f"answer column {bad!r} is missing, empty or not a string")
+    return texts
 
 
 class _FormatFn(beam.DoFn):

@@ -43,18 +43,21 @@ VERIFICATION_FILE = "tokenization_verification.txt"
 def stream_record(sample: TokenizedSample) -> dict[str, Any]:
     """The JSON object of one stream line (field order fixed for byte-stable output);
     ``original_num_tokens`` only on truncated samples, ``answer_start`` only on answered ones,
-    ``columns`` only where columns are kept, ``expected_output`` (an ARC test's output grid, as
+    ``columns`` only where columns are kept, ``answers`` (the tokens of ``--answer_columns``) only
+    where answers are tokenized, ``expected_output`` (an ARC test's output grid, as
     lists of digits) only where the task gives it. ``roles`` are runs ``[[role, count], ...]`` and
     ``special`` the positions of special tokens (``common/roles.py``)."""
     cut = {"original_num_tokens": sample.original_num_tokens} if sample.truncated else {}
     answer = {"answer_start": sample.answer_start} if sample.answer_start is not None else {}
     columns = {"columns": dict(sample.columns)} if sample.columns else {}
+    answers = {"answers": list(sample.answers)} if sample.answers else {}
     expected = ({"expected_output": [list(row) for row in sample.expected_output]}
                 if sample.expected_output is not None else {})
     return {"sample_id": sample.sample_id, "input_ids": list(sample.input_ids),
             "num_tokens": len(sample.input_ids), "truncated": sample.truncated, **cut, **answer,
             "source": sample.source, "text_preview": sample.prompt[:PREVIEW_CHARS],
-            "roles": [list(run) for run in sample.roles], "special": list(sample.special), **columns, **expected}
+            "roles": [list(run) for run in sample.roles], "special": list(sample.special), **columns, **answers,
+            **expected}
 
 
 def stream_entry(sample: TokenizedSample) -> StreamEntry:

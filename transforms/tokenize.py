@@ -64,6 +64,7 @@ class TokenizedSample:
     roles: tuple[tuple[str, int], ...] = ()  # each token's role, as runs (common/roles.py)
     special: tuple[int, ...] = ()  # positions of the tokenizer's special tokens
     columns: tuple[tuple[str, Any], ...] = ()  # the kept columns' (name, value)
+    answers: tuple[int, ...] = ()  # the answer's and the wrong answer's token (--answer_columns)
     expected_output: Any = None  # ARC: the test's output grid, where known (transforms.arc.scored_answer)
 
 
@@ -315,6 +316,7 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample], max_seq_length: int |
     answers = dict(zip(answered, encode_batch(tokenizer, [samples[i].answer for i in answered],
                                               add_special_tokens=False))) if answered else {}
     specials = prompt_conventions(tokenizer).special_array
+    metric_answers = _metric_answers(tokenizer, samples)
     out = []
     for i, (sample, rendering, prompt) in enumerate(zip(samples, renderings, encoded)):
         answer = answers.get(i, [])
@@ -327,7 +329,28 @@ def tokenize_samples(tokenizer, samples: Sequence[Sample], max_seq_length: int |
         out.append(TokenizedSample(
             sample.sample_id, sample.source, rendering.text + (sample.answer or ""), tuple(kept), truncated,
             len(tokens), answer_start, roles=tuple(map(tuple, runs_of_codes(roles[:len(kept)]))),
-            special=tuple(special.tolist()), columns=sample.columns, expected_output=sample.expected_output))
+            special=tuple(special.tolist()), columns=sample.columns, answers=metric_answers.get(i, ()),
+            expected_output=sample.expected_output))
+    return out
+
+
+def _metric_answers(tokenizer, samples: Sequence[Sample]) -> dict[int, tuple[int, ...]]:
+    """Sample index -> the token of each of its answer texts (``--answer_columns``: a logit
+    difference compares one token with one token); ``UserError`` for a text of another count."""
+    having = [i for i, s in enumerate(samples) if s.answer_texts]
+    texts = [text for i in having for text in samples[i].answer_texts]
+    if not texts:
+        return {}
+    encoded = iter(zip(texts, encode_batch(tokenizer, texts, add_special_tokens=False)))
+    out = {}
+    for i in having:
+        found = [next(encoded) for _ in samples[i].answer_texts]
+        bad = next(((text, ids) for text, ids in found if len(ids) != 1), None)
+        if bad is not None:
+            raise UserError(f"sample {samples[i].sample_id} ({samples[i].origin or samples[i].source}): the answer "
+                            f"{bad[0]!r} is {len(bad[1])} tokens of {_name(tokenizer)}, not one (--answer_columns: a "
+                            "logit difference compares one token with one)")
+        out[i] = tuple(ids[0] for _, ids in found)
     return out
 
 
