@@ -182,8 +182,12 @@ def baselines(loaded: LoadedModel, pair: Pair) -> tuple[float, float]:
 
 
 def normalize(metric: np.ndarray, clean: float, corrupted: float) -> np.ndarray:
-    """The metric as a fraction of the way from the corrupted run (0) to the clean one (1)."""
-    return (np.asarray(metric, np.float64) - corrupted) / (clean - corrupted)
+    """The metric as a fraction of the way from the corrupted run (0) to the clean one (1); NaN
+    where the two runs agree (no way to go)."""
+    metric = np.asarray(metric, np.float64)
+    if clean == corrupted:
+        return np.full(metric.shape, np.nan)
+    return (metric - corrupted) / (clean - corrupted)
 
 
 def exact_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],

@@ -12,7 +12,8 @@ Then the same pairs as a dataset, the way a user runs them: ``pipeline.prepare``
 one-token answers), a ``runners.tpu_host`` store of the clean and corrupted samples, ``pipeline.index``
 and ``runners.ablate --metric logit_diff --method both`` with the clean values read from the store:
 its wall time, its mean ``hook_resid_pre`` grid against the library's above (the largest
-difference), the [layers, heads] grid's strongest heads and both grids' agreement.
+difference), the [layers, heads] grid's strongest heads (its heatmap written to ``--chart_dir``)
+and both grids' agreement.
 
     python benchmarks/ioi_patching.py [--pairs 4] [--chart_dir docs/images]
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,7 +86,7 @@ def main(argv: list[str]) -> int:
                                     f"{len(pairs)} pairs; 1 = clean)", os.path.join(args.chart_dir,
                                                                                      f"ioi_patching_{site}.png"))
             print(f"  chart: {path}")
-    dataset_run(rows[:2 * len(pairs)], model_path, grids["hook_resid_pre"])
+    dataset_run(rows[:2 * len(pairs)], model_path, grids["hook_resid_pre"], args.chart_dir)
     return 0
 
 
@@ -97,7 +99,7 @@ def run(*command: str) -> float:
     return time.perf_counter() - start
 
 
-def dataset_run(rows: list[dict], model_path: str, library_grid: np.ndarray) -> None:
+def dataset_run(rows: list[dict], model_path: str, library_grid: np.ndarray, chart_dir: str | None) -> None:
     """The pairs through prepare, a store, and runners.ablate --metric logit_diff (see the docstring)."""
     import pandas as pd
     work = pathlib.Path(tempfile.mkdtemp(prefix="ioi_patching_"))
@@ -118,6 +120,9 @@ def dataset_run(rows: list[dict], model_path: str, library_grid: np.ndarray) -> 
     grid = resid["normalized"].to_numpy().reshape(library_grid.shape)
     heads = exact[exact["grid"] == "patch:*:attn.hook_z:heads=*"].nlargest(3, "normalized")
     agreement = json.loads((work / "out" / "agreement.json").read_text())
+    if chart_dir:  # the runner's [layers, heads] heatmap
+        shutil.copy(work / "out" / "charts" / "patching_attn.hook_z_by_head_exact.png",
+                    os.path.join(chart_dir, "ioi_patching_heads.png"))
     print(f"as a dataset ({len(rows) // 2} pairs: pipeline.prepare -> runners.tpu_host store of hook_resid_pre and "
           f"attn.hook_z in {stored:.1f} s -> runners.ablate --metric logit_diff --method both in {seconds:.1f} s): "
           f"its hook_resid_pre grid from the store differs from the library's by at most "
