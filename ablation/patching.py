@@ -115,8 +115,26 @@ def cells(intervention: Intervention, pair: Pair) -> list[tuple[Intervention, Ce
         options.append([(dataclasses.replace(atom, position=str(i)),
                          Patch(atom.site, atom.layer, atom.head, (int(corrupted[i]),), (int(clean[i]),)))
                         for i in numbers])
-    return [(Intervention(tuple(atom for atom, _ in chosen)), tuple(patch for _, patch in chosen))
-            for chosen in itertools.product(*options)]
+    out = []
+    for chosen in itertools.product(*options):
+        own, cell = Intervention(tuple(atom for atom, _ in chosen)), tuple(patch for _, patch in chosen)
+        if len(cell) > 1:
+            _refuse_overlap(own, cell)
+        out.append((own, cell))
+    return out
+
+
+def _refuse_overlap(own: Intervention, cell: Cell) -> None:
+    """``UserError`` for a cell whose patches put two values at one (site, block, position, head):
+    exact patching would keep one, attribution would count both."""
+    taken: dict[tuple[str, int, int], set] = {}
+    for patch in cell:
+        for position in patch.positions:
+            heads = taken.setdefault((patch.site, patch.layer, position), set())
+            if patch.head is None and heads or patch.head in heads or None in heads:
+                raise UserError(f"intervention {own.name!r} patches block {patch.layer}'s {patch.site} at position "
+                                f"{position} twice")
+            heads.add(patch.head)
 
 
 def grid_cells(site: str, layers: int, length: int, heads: int | None) -> list[Cell]:
@@ -330,7 +348,11 @@ def stored_values(index: str, sample_id: int, keys: Sequence[tuple[str, int]]) -
     (the pair's clean one), read through the index in one coalesced read; the clean values a grid
     patches without running the clean prompt again. ``UserError`` for one the store lacks."""
     wanted = {(site, layer): array_key(site, layer) for site, layer in keys}
-    found = read_activations(arrays_path(index), [sample_id], list(dict.fromkeys(wanted.values())))
+    try:
+        found = read_activations(arrays_path(index), [sample_id], list(dict.fromkeys(wanted.values())))
+    except FileNotFoundError:
+        raise UserError(f"no per-array index beside {index!r} ({arrays_path(index)}): pass the index.parquet "
+                        "that pipeline.index wrote") from None
     missing = [key for key in wanted.values() if (sample_id, key) not in found]
     if missing:
         raise UserError(f"{index} holds no {describe_key(missing[0])} of sample {sample_id}: store the site at "
@@ -341,7 +363,7 @@ def stored_values(index: str, sample_id: int, keys: Sequence[tuple[str, int]]) -
 def paired(items: Sequence[dict[str, Any]]) -> list[Pair]:
     """The pairs of a paired dataset's samples, each a dict of ``pair`` (its id), ``variant``
     (clean | corrupted), ``ids``, ``answers`` (the clean one's: its answer and wrong answer tokens)
-    and optionally ``sample_id`` and ``roles``; in the order of their corrupted samples. A sample
+    and optionally ``sample_id`` and ``roles``; in the order their pairs first appear. A sample
     of another variant, a missing twin, a pair given twice or a clean sample without answers
     refused in one line."""
     by_pair: dict[Any, dict[str, dict]] = {}
@@ -358,7 +380,8 @@ def paired(items: Sequence[dict[str, Any]]) -> list[Pair]:
         if missing:
             given = variants[{"clean": "corrupted", "corrupted": "clean"}[missing[0]]]
             what = f"sample {given['sample_id']}" if given.get("sample_id") is not None else f"pair {pair_id!r}"
-            raise UserError(f"{what}: pair {pair_id!r} has no {missing[0]} prompt")
+            raise UserError(f"{what}: pair {pair_id!r} has no {missing[0]} prompt (a row pipeline.prepare rejected "
+                            "is listed in its rejected/)")
         clean, corrupted = variants["clean"], variants["corrupted"]
         if not clean.get("answers") or len(clean["answers"]) != 2:
             raise UserError(f"sample {clean.get('sample_id')} (pair {pair_id!r}) has no answer tokens: prepare with "
@@ -393,8 +416,8 @@ def pairs_from_rows(rows: list[dict[str, Any]], tokenizer: Any) -> list[Pair]:
 def write_grid_chart(grid: np.ndarray, labels: list[str], title: str, path: str,
                      row_labels: list[str] | None = None, columns: str = "") -> str:
     """A [rows, columns] grid (blocks by positions, heads...; NaN: blank) as a heatmap, PNG at
-    ``path``: columns labelled by ``labels`` (positions by their tokens), rows by ``row_labels``
-    (default: the block numbers)."""
+    ``path``: columns labelled by ``labels`` (positions by their tokens or numbers), rows by
+    ``row_labels`` (default: the block numbers)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

@@ -31,13 +31,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ablation.config import AblationConfig
+from activations.index import arrays_path, merged_metadata_path, store_model
+from activations.token_plan import read_index_table
 from ablation.patching import (ROWS_PER_FORWARD, Cell, Pair, agreement, attribution_metrics, baselines, cells,
                                exact_metrics, normalize, paired, stored_values, write_grid_chart)
 from ablation.records import Record, read_records
 from common.cli import UserError
+from common.files import read_optional
 from interventions.resolve import check_blocks
 from interventions.spec import Intervention, parse_interventions
 from model.families import load_config
+from model.sites import array_key, describe_key
 
 log = logging.getLogger("runners.ablate")
 PARTS_DIR, RESULTS_FILE, SUMMARY_FILE, AGREEMENT_FILE = ("patching_parts", "patching.parquet", "patching_summary.csv",
@@ -93,9 +97,59 @@ def plan(config: AblationConfig) -> Plan:
     if cut is not None:
         raise UserError(f"sample {cut.sample_id} is longer than --max_seq_length {config.max_seq_length}: a patched "
                         "prompt is scored at its last token, which the cut would move")
-    planned = {pair.name: [(iv, own, cell) for iv in grid for own, cell in cells(iv, pair)] for pair in pairs}
-    _clean_values(config.patch_from, pairs[0], planned[pairs[0].name])  # a site the store lacks: before the model
+    planned = {}
+    for pair in pairs:  # each cell once, though two interventions name it (pos=* and pos=0-1)
+        found = {own.name: (iv, own, cell) for iv in grid for own, cell in cells(iv, pair)}
+        planned[pair.name] = list(found.values())
+    check_store(config.patch_from, model_config, config.model_path, pairs, planned)
     return Plan(grid, pairs, planned)
+
+
+def patched_blocks(planned: Sequence[tuple[Intervention, Intervention, Cell]]) -> list[tuple[str, int]]:
+    """The (site, block)s a pair's cells patch: what the store must hold of its clean sample."""
+    return sorted({(patch.site, patch.layer) for _, _, cell in planned for patch in cell})
+
+
+def check_store(index: str, model_config, model_path: str, pairs: Sequence[Pair],
+                planned: dict[str, list[tuple[Intervention, Intervention, Cell]]]) -> None:
+    """From the store's merged metadata and per-array index (no array read): one line for another
+    model's store, or one without a pair's clean sample at a (site, block) its cells patch, or
+    holding another number of tokens of it; a warning for values computed or stored below the
+    float32 patching runs in, and for another model name (the same model elsewhere is allowed)."""
+    raw = read_optional(merged_metadata_path(index))
+    if raw is None:
+        raise UserError(f"--patch_from {index}: no merged_metadata.json beside it: pass the index.parquet that "
+                        "pipeline.index wrote for the clean store")
+    metadata = json.loads(raw)
+    store = store_model(metadata)
+    other = [f"{name} {store[name]} (this model: {getattr(model_config, name)})"
+             for name in ("model_type", "num_hidden_layers", "hidden_size")
+             if store.get(name) is not None and store[name] != getattr(model_config, name)]
+    if other:
+        raise UserError(f"{index} holds another model's activations: {', '.join(other)}")
+    if store["model"] and store["model"] != model_path:
+        log.warning("%s was stored by %s, this run's model is %s", index, store["model"], model_path)
+    machines = metadata.get("machines", [])
+    lower = sorted({m.get(k) for m in machines for k in ("compute_dtype", "dtype")} - {None, "float32"})
+    if lower:
+        log.warning("%s was computed or stored in %s: the clean values patched carry that rounding (patching runs "
+                    "in float32)", index, ", ".join(lower))
+    clean = sorted({pair.clean_sample for pair in pairs})
+    table = read_index_table(arrays_path(index), "per-array index", columns=["sample_id", "layer", "site", "shape"],
+                             filters=[("sample_id", "in", clean)]).to_pylist()
+    rows = {(r["sample_id"], r["site"], r["layer"]): r["shape"][0] for r in table}
+    for pair in pairs:
+        for site, layer in patched_blocks(planned[pair.name]):
+            found, what = rows.get((pair.clean_sample, site, layer)), describe_key(array_key(site, layer))
+            if found is None:
+                raise UserError(f"{index} holds no {what} of sample {pair.clean_sample} "
+                                f"(pair {pair.name!r}'s clean prompt): store the site at the blocks patched "
+                                "(runners.tpu_host --sites, --layers_to_extract)")
+            if found != len(pair.clean):
+                raise UserError(f"{index} holds {found} tokens of sample {pair.clean_sample} at {what}, the stream's "
+                                "clean prompt has "
+                                f"{len(pair.clean)}: store every token of the stream this experiment reads (no "
+                                "--tokens selection, the same prepare)")
 
 
 def _paired_item(record: Record) -> dict[str, Any]:
@@ -109,25 +163,18 @@ def _paired_item(record: Record) -> dict[str, Any]:
             "answers": record.answers, "sample_id": record.sample_id, "roles": record.roles}
 
 
-def _clean_values(index: str, pair: Pair, planned: Sequence[tuple[Intervention, Intervention, Cell]]
-                  ) -> dict[tuple[str, int], np.ndarray]:
-    """{(site, block): [S, W]} the store holds for the pair's clean sample at every (site, block) its
-    cells patch; ``UserError`` where it holds another prompt (another length)."""
-    keys = sorted({(patch.site, patch.layer) for _, _, cell in planned for patch in cell})
-    values = stored_values(index, pair.clean_sample, keys)
-    other = next((key for key, value in values.items() if value.shape[0] != len(pair.clean)), None)
-    if other is not None:
-        raise UserError(f"{index} holds {values[other].shape[0]} tokens of sample {pair.clean_sample} at {other[0]}, "
-                        f"the stream's clean prompt has {len(pair.clean)}: store every token of the stream this "
-                        "experiment reads (no --tokens selection)")
-    return values
+def patching_settings(config: AblationConfig) -> dict[str, Any]:
+    """What decides a patching run's numbers (float32 and its own attention, whatever --dtype or
+    --attention say): a re-run into the same output must keep it."""
+    return {"model_path": config.model_path, "stream": config.stream, "max_samples": config.max_samples,
+            "max_seq_length": config.max_seq_length, "metric": config.metric, "patch_from": config.patch_from}
 
 
 def run_patching(config: AblationConfig) -> PatchingReport:
-    from ablation.experiment import check_settings, settings
+    from ablation.experiment import check_settings
     start = time.perf_counter()
     planned = plan(config)
-    check_settings(config.output_dir, {**settings(config), "metric": config.metric, "patch_from": config.patch_from})
+    check_settings(config.output_dir, patching_settings(config))
     parts = Parts(config.output_dir)
     finished = set(zip(parts.rows["intervention"], parts.rows["method"], parts.rows["sample_id"]))
     methods = METHODS[config.method]
@@ -141,7 +188,7 @@ def run_patching(config: AblationConfig) -> PatchingReport:
             continue
         if model is None:
             model = _load_model(config)
-        values = _clean_values(config.patch_from, pair, planned.cells[pair.name])
+        values = stored_values(config.patch_from, pair.clean_sample, patched_blocks(planned.cells[pair.name]))
         clean, corrupted = baselines(model, pair)
         for first in range(0, len(todo.get("exact", [])), ROWS_PER_FORWARD):
             chunk = todo["exact"][first:first + ROWS_PER_FORWARD]
@@ -193,7 +240,8 @@ class Parts:
         self.folder = os.path.join(output_dir, PARTS_DIR)
         os.makedirs(self.folder, exist_ok=True)
         paths = sorted(glob.glob(os.path.join(self.folder, "part-*.parquet")))
-        self.count = len(paths)
+        # The next part's number: past the last (a part missing in the middle leaves its number unused).
+        self.count = max((int(os.path.basename(p)[5:11]) + 1 for p in paths), default=0)
         tables = [pq.read_table(p, schema=SCHEMA) for p in paths]
         self.rows = (pa.concat_tables(tables) if tables else SCHEMA.empty_table()).to_pandas()
 

@@ -116,9 +116,11 @@ def test_the_runner_patches_a_stores_values_as_the_library_patches_the_clean_run
     from model.sites import ATTN_Z, RESID_PRE
     model, _, streams, _, two = setup
     nothing = "patch:0:hook_resid_pre:tokens=user"  # the prompts have no user tokens: patches nothing
-    done = ablate(setup, tmp_path / "one", "--method", "both", grids=(*GRIDS, nothing))
+    twice = "patch:1:hook_resid_pre:pos=0-1"  # two cells of the first grid: computed once
+    done = ablate(setup, tmp_path / "one", "--method", "both", grids=(*GRIDS, nothing, twice))
     assert done.returncode == 0, done.stderr
     results = pd.read_parquet(tmp_path / "one" / "patching.parquet")
+    assert not results.duplicated(["intervention", "method", "pair"]).any()
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     lengths = []
     for pair_id, (clean, corrupted) in enumerate(stream_pairs(streams)):
@@ -228,9 +230,10 @@ def test_prepare_keeps_pairs_and_one_token_answers(qwen_tokenizer, qwen_tokenize
 
 
 def test_bad_input_is_one_line(setup, tmp_path):
-    """A sample with no twin, a sample without a pair column, twins of unequal lengths, a site the
-    clean store does not hold, patching under the loss metric or in runners.tpu_host: one line each,
-    before the model loads."""
+    """A sample with no twin, a sample without a pair column, twins of unequal lengths (or unequal
+    tokens= counts), a site the clean store does not hold, a store holding another prompt at the
+    clean sample's id, a cell patching one position twice, a --patch_from that is no merged index,
+    patching under the loss metric or in runners.tpu_host: one line each, before the model loads."""
     records = pair_records(512)
     patching = ["--metric", "logit_diff", "--patch_from", setup[3]]
     cases = [
@@ -245,6 +248,11 @@ def test_bad_input_is_one_line(setup, tmp_path):
          patching + ["--interventions", "patch:0:hook_resid_pre:tokens=text"],
          "pair '0': tokens=text chooses 6 tokens of the clean prompt and 4 of the corrupted"),
         (records, patching + ["--interventions", "patch:*:hook_mlp_out"], "holds no blocks.0.hook_mlp_out of sample 0"),
+        (records, patching, "tokens of sample 0 at blocks.0.hook_resid_pre, the stream's clean prompt has 6"),
+        (records, patching + ["--interventions", "patch:1:hook_resid_pre+patch:1:hook_resid_pre:pos=2"],
+         "patches block 1's hook_resid_pre at position 2 twice"),
+        (records, ["--metric", "logit_diff", "--patch_from", str(tmp_path / "store" / "index.parquet")],
+         "no merged_metadata.json beside it"),
         (records, [], "activation patching is scored by --metric logit_diff"),
     ]
     path = setup[1]
