@@ -62,7 +62,7 @@ from model.attention import causal_attention, dense_attention, fused_attention, 
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
-from model.interventions import STEER_TOKENS, delta_key, patch_key, steer_key
+from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key, steer_key
 from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
 from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID, RESID_POST, RESID_PRE
 
@@ -185,8 +185,8 @@ def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh:
 def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
     """Attention's per-head output [B, S, N, D] as o_proj reads it, [B, S, N*D] (``attn.hook_z``,
     sown by ``module``): heads not kept (``heads``: keep [N], fill [N], mean [N, D'], then a
-    patch's values [B, S, N*D] and (token, head)s [B, S, N], and a delta [B, S, N*D] added, or
-    None) replaced by zero or their mean, patched ones by the patch's values."""
+    patch's slots of values [K, B, S, N*D] and (token, head)s [K, B, S, N], and a delta
+    [B, S, N*D] added, or None) replaced by zero or their mean, patched ones by the patch's values."""
     b, s, n, d = out.shape
     module.sow("stats", "heads", out)
     if heads is not None:
@@ -194,8 +194,8 @@ def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
         mean = mean[:, :d]  # [N, D]: the means of every block are padded to the widest head
         replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
         out = jnp.where(keep[:, None], out, replaced)
-        if values is not None:  # a patch: [B, S, N*D] values in place at the (token, head)s [B, S, N] it replaces
-            out = jnp.where(tokens[..., None], values.reshape(b, s, n, d).astype(out.dtype), out)
+        for slot in range(0 if values is None else values.shape[0]):  # a patch's values at its (token, head)s
+            out = jnp.where(tokens[slot][..., None], values[slot].reshape(b, s, n, d).astype(out.dtype), out)
         if delta is not None:  # attribution patching's point of differentiation, [B, S, N*D]
             out = out + delta.reshape(b, s, n, d).astype(out.dtype)
     out = out.reshape(b, s, n * d)  # [B, S, N*D]
@@ -394,11 +394,12 @@ def steered(x: jax.Array, vector: jax.Array | None, tokens: jax.Array | None = N
 
 def patched(x: jax.Array, values: jax.Array | None, tokens: jax.Array | None, delta: jax.Array | None = None
             ) -> jax.Array:
-    """``x`` [B, S, H] with ``values`` [B, S, H] in place at the ``tokens`` [B, S] (bool) a patch
-    replaces (None: no patch at this site), then plus ``delta`` [B, S, H] (None: none): the point
-    at which attribution patching differentiates the metric; elsewhere ``x`` bit for bit."""
-    if values is not None:
-        x = jnp.where(tokens[..., None], values.astype(x.dtype), x)
+    """``x`` [B, S, H] with each slot's ``values`` [K, B, S, H] in place at the ``tokens`` [K, B, S]
+    (bool) it replaces at this block (``model.interventions.block_arrays``; None: no patch at this
+    site), then plus ``delta`` [B, S, H] (None: none): the point at which attribution patching
+    differentiates the metric; elsewhere ``x`` bit for bit."""
+    for slot in range(0 if values is None else values.shape[0]):
+        x = jnp.where(tokens[slot][..., None], values[slot].astype(x.dtype), x)
     return x if delta is None else x + delta.astype(x.dtype)
 
 
@@ -433,11 +434,11 @@ class DecoderLayer(nn.Module):
         c, wide = self.config, self.residual_dtype
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
-        heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)),
+        heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)[:2]),
                  a.get(delta_key(ATTN_Z))) if ablation is not None else None
         def steered_at(value, site):  # a steering's addition, then a patch's replacement
             value = steered(value, a.get(steer_key(site)), a.get(STEER_TOKENS))
-            return patched(value, *(a.get(name) for name in patch_key(site)), a.get(delta_key(site)))
+            return patched(value, *(a.get(name) for name in patch_key(site)[:2]), a.get(delta_key(site)))
         x = steered_at(x, RESID_PRE)
         block_in = x
         attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x
@@ -635,8 +636,7 @@ class Decoder(nn.Module):
                                               num_layers)  # [B, S, L, P]
         outputs, new_caches = [], []
         for i in range(num_layers):
-            block = None if ablation is None else {name: array if name == STEER_TOKENS else array[i]
-                                                   for name, array in ablation.items()}
+            block = None if ablation is None else block_arrays(ablation, i)
             source = c.kv_source(i)  # a kv-sharing block attends to an earlier block's keys and values
             x, cache = self.layers[i](x, *tables[rotations[i]], mask, positions,
                                       None if caches is None or source is not None else caches[i], cache_index,

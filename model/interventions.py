@@ -8,7 +8,7 @@ the block itself, its norms) whether it is kept and, where it is not, whether it
 experts kept and the expert every token is sent to; what steerings add at each site they steer
 (``steer_key``: the forward computes no steering at a site without one) and, per batch, the tokens
 they add to (``STEER_TOKENS``); what patches put in place of a site's value (or of a head's slice
-of ``attn.hook_z``), per block and batch row (``patch_key``), and a zero array added at a site
+of ``attn.hook_z``), in slots of one block per batch row (``patch_key``), and a zero array added at a site
 whose gradient attribution patching takes (``delta_key``). Which components a spec names, where
 a steering's direction comes from and which tokens it chooses are decided above the model
 (``interventions/``).
@@ -140,31 +140,66 @@ def steer_key(site: str) -> str:
 def add_patch(arrays: dict[str, np.ndarray], site: str, layer: int, values: np.ndarray, tokens: np.ndarray) -> None:
     """Block ``layer``'s value at ``site`` (``STEER_SITES``) replaced by ``values`` [B, S, hidden] at
     the ``tokens`` [B, S] (bool) of each row of a batch: activation patching, the clean run's value
-    put into the corrupted run. Patches at other blocks of the same site add to the same arrays."""
-    num_layers, (rows, length, width) = len(arrays["block_keep"]), values.shape
-    key, chosen = patch_key(site)
-    patched = arrays.setdefault(key, np.zeros((num_layers, rows, length, width), np.float32))  # [L, B, S, H]
-    where = arrays.setdefault(chosen, np.zeros((num_layers, rows, length), bool))  # [L, B, S]
-    patched[layer] = np.where(tokens[..., None], values, patched[layer])
-    where[layer] |= tokens
+    put into the corrupted run. Patches at other blocks of the same site add to the same arrays
+    (``patch_key``: slots of one block a row, not every block's)."""
+    _add_to_slots(arrays, site, layer, values, tokens, tokens[..., None])
 
 
 def add_head_patch(arrays: dict[str, np.ndarray], layer: int, values: np.ndarray, chosen: np.ndarray) -> None:
     """Block ``layer``'s attention heads' outputs (``attn.hook_z``, [B, S, N*D]) replaced by
     ``values`` at the (token, head)s ``chosen`` [B, S, N] (bool) of each row of a batch."""
-    num_layers, (rows, length, width), heads = len(arrays["block_keep"]), values.shape, chosen.shape[-1]
-    key, where_key = patch_key(ATTN_Z)
-    patched = arrays.setdefault(key, np.zeros((num_layers, rows, length, width), np.float32))  # [L, B, S, N*D]
-    where = arrays.setdefault(where_key, np.zeros((num_layers, rows, length, heads), bool))  # [L, B, S, N]
-    per_head = np.repeat(chosen, width // heads, axis=-1)  # [B, S, N*D]
-    patched[layer] = np.where(per_head, values, patched[layer])
-    where[layer] |= chosen
+    heads = chosen.shape[-1]
+    per_head = np.repeat(chosen, values.shape[-1] // heads, axis=-1)  # [B, S, N*D]
+    _add_to_slots(arrays, ATTN_Z, layer, values, chosen, per_head)
 
 
-def patch_key(site: str) -> tuple[str, str]:
-    """The names, among an intervention's arrays, of a patch's values at ``site`` and the tokens it
-    replaces (absent where nothing is patched there: the forward computes no patch at that site)."""
-    return f"patch@{site}", f"patch_tokens@{site}"
+def _add_to_slots(arrays: dict[str, np.ndarray], site: str, layer: int, values: np.ndarray, where: np.ndarray,
+                  elementwise: np.ndarray) -> None:
+    """Each row's patch at ``layer`` into the first slot of that row free or already at ``layer``
+    (a new slot where none is): ``where`` [B, S(, N)] what it replaces, ``elementwise`` the same
+    broadcast over ``values``' [B, S, W]."""
+    key, where_key, layers_key = patch_key(site)
+    rows, length, width = values.shape
+    if key not in arrays:
+        arrays[key] = np.zeros((0, rows, length, width), np.float32)  # [K, B, S, W]
+        arrays[where_key] = np.zeros((0, *where.shape), bool)           # [K, B, S(, N)]
+        arrays[layers_key] = np.zeros((0, rows), np.int32)               # [K, B]: each slot's block, -1 none
+    for row in np.flatnonzero(where.reshape(rows, -1).any(axis=1)):
+        free = np.flatnonzero((arrays[layers_key][:, row] == layer) | (arrays[layers_key][:, row] == -1))
+        if not len(free):  # every slot of this row holds another block: one more slot for all rows
+            arrays[key] = np.concatenate([arrays[key], np.zeros((1, rows, length, width), np.float32)])
+            arrays[where_key] = np.concatenate([arrays[where_key], np.zeros((1, *where.shape), bool)])
+            arrays[layers_key] = np.concatenate([arrays[layers_key], np.full((1, rows), -1, np.int32)])
+            free = [len(arrays[layers_key]) - 1]
+        slot = free[0]
+        arrays[key][slot, row] = np.where(elementwise[row], values[row], arrays[key][slot, row])
+        arrays[where_key][slot, row] |= where[row]
+        arrays[layers_key][slot, row] = layer
+
+
+def patch_key(site: str) -> tuple[str, str, str]:
+    """The names, among an intervention's arrays, of a patch's values at ``site`` [K, B, S, W], the
+    tokens (for ``attn.hook_z``, the token and head) it replaces [K, B, S(, N)] and the block each
+    slot patches [K, B] (-1: none), absent where nothing is patched there (the forward then
+    computes no patch at that site). A row patching K blocks of a site holds K slots, so the arrays
+    grow with the blocks a row patches, not with the model's depth."""
+    return f"patch@{site}", f"patch_tokens@{site}", f"patch_layers@{site}"
+
+
+def block_arrays(arrays: dict[str, np.ndarray], layer: int) -> dict:
+    """Block ``layer``'s slice of an intervention's arrays (the forward's per-block input): each
+    per-block array's row ``layer``; the per-batch ones whole; a patch's values whole, with the
+    tokens of only the slots that patch this block."""
+    out = {}
+    for name, array in arrays.items():
+        if name == STEER_TOKENS or name.startswith("patch@"):
+            out[name] = array
+        elif name.startswith("patch_tokens@"):
+            at_block = arrays["patch_layers@" + name.split("@", 1)[1]] == layer  # [K, B]
+            out[name] = array & at_block.reshape(at_block.shape + (1,) * (array.ndim - 2))
+        elif not name.startswith("patch_layers@"):
+            out[name] = array[layer]
+    return out
 
 
 def delta_key(site: str) -> str:

@@ -56,6 +56,14 @@ def test_every_grid_equals_transformer_lens_patching(models):
     found = [cell for intervention in grid for _, cell in cells(intervention, pair)]
     got = exact_metrics(ours, pair, found, values_by_block(clean_values(ours, pair.clean, ATTN_Z), ATTN_Z))
     np.testing.assert_allclose(got.reshape(layers, heads), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    # A cell of two blocks at one site (a row holding two slots), against TransformerLens's hooks.
+    names = ["blocks.0.hook_attn_out", "blocks.1.hook_attn_out"]
+    expected = metric(theirs.run_with_hooks(corrupted, fwd_hooks=[(n, lambda _, hook: cache[hook.name])
+                                                                  for n in names])).item()
+    (_, cell), = cells(parse_interventions(["+".join(f"patch:{i}:hook_attn_out" for i in (0, 1))], layers, heads)[0],
+                       pair)
+    got = exact_metrics(ours, pair, [cell], values_by_block(clean_values(ours, pair.clean, ATTN_OUT), ATTN_OUT))
+    np.testing.assert_allclose(got, [expected], rtol=1e-5, atol=1e-6)
 
 
 def test_patching_every_position_recovers_the_clean_run_and_nothing_the_corrupted(models):
