@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ablation.config import AblationConfig
+from ablation.experiment import check_settings
 from activations.index import arrays_path, merged_metadata_path, store_model
 from activations.token_plan import read_index_table
 from ablation.patching import (ROWS_PER_FORWARD, Cell, Pair, agreement, attribution_metrics, baselines, cells,
@@ -171,7 +172,6 @@ def patching_settings(config: AblationConfig) -> dict[str, Any]:
 
 
 def run_patching(config: AblationConfig) -> PatchingReport:
-    from ablation.experiment import check_settings
     start = time.perf_counter()
     planned = plan(config)
     check_settings(config.output_dir, patching_settings(config))

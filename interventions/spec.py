@@ -25,7 +25,7 @@
 
     patch:L:SITE[:heads=H][:pos=P][:tokens=ROLES]
                 activation patching (``runners.ablate --metric logit_diff --patch_from STORE``): at
-                SITE of block L (``PATCH_SITES``: a point of the residual stream, what a sublayer adds
+                SITE of block L (``model.interventions.PATCH_SITES``: the residual stream, what a sublayer adds
                 to it, or ``attn.hook_z``, the heads' outputs) the corrupted prompt takes the value
                 its pair's clean prompt has there, read from a store; at every position (the two
                 prompts of one length), or with tokens= at the tokens of these roles (the i-th
@@ -65,7 +65,7 @@ import numpy as np
 from activations.directions import KINDS as DIRECTION_KINDS
 from activations.selection import parse_selection
 from common.cli import UserError
-from model.interventions import STEER_SITES
+from model.interventions import PATCH_SITES, STEER_SITES
 from model.sites import ATTN_Z, RESID_POST
 
 KINDS = ("head", "layer", "attn", "mlp", "norm", "expert", "route", "steer", "patch")
@@ -75,8 +75,6 @@ _ATOM = re.compile(r"(?P<kind>[a-z_]+):(?P<target>[^:]+)(?::mode=(?P<mode>[a-z]+
 _INDEX = re.compile(r"\*|\d+|\d+-\d+")
 STEER_OPTIONS = {"alpha": float, "direction": str, "site": str, "tokens": str}
 PATCH_OPTIONS = ("heads", "pos", "tokens")
-# Where a patch puts the clean value: the stream sites, and the attention heads' outputs, per head.
-PATCH_SITES = (*STEER_SITES, ATTN_Z)
 
 
 
@@ -93,6 +91,11 @@ class Atom:
     site: str = RESID_POST   # steer, patch: where in the block it acts (STEER_SITES, PATCH_SITES)
     tokens: str = ""         # steer, patch: the tokens it acts on (steering_tokens; "": every token)
     position: str = ""       # patch: of the tokens chosen, the P-th (pos=P), each (*, A-B), or "": all
+
+    @property
+    def position_grid(self) -> bool:
+        """A patch's pos= stands for a cell per position (``*`` or ``A-B``), not one cell."""
+        return self.position == "*" or "-" in self.position
 
     def sort_key(self) -> tuple:
         """The atoms' order in an intervention's name (a patch's head None: before any head)."""
@@ -304,14 +307,12 @@ def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
                 if twice.kind == "steer":
                     raise UserError(f"intervention {spec!r}: block {twice.layer}'s {twice.site} is steered twice by "
                                     "one direction (give one alpha)")
-                if twice.kind == "patch":
-                    raise UserError(f"intervention {spec!r}: {twice} is given twice")
                 raise UserError(f"intervention {spec!r}: {str(twice).split(':mode')[0]} is given two modes")
             selections = {a.tokens for a in atoms if a.kind == "steer"}
             if len(selections) > 1:
                 raise UserError(f"intervention {spec!r}: its steerings choose different tokens "
                                 f"({', '.join(repr(t or 'every token') for t in sorted(selections))}): they share one")
-            if len(atoms) > 1 and any(a.position in ("*",) or "-" in a.position for a in atoms if a.kind == "patch"):
+            if len(atoms) > 1 and any(a.position_grid for a in atoms):
                 raise UserError(f"intervention {spec!r}: a grid over positions (pos=* or A-B) is for one patch alone")
             routes = [a.layer for a in atoms if a.kind == "route"]
             if len(set(routes)) != len(routes):

@@ -38,6 +38,10 @@ STEER_TOKENS = "steer_tokens"
 # the stream between, the MLP's addition, the block's output. Each is [hidden] wide and flows on
 # through the stream.
 STEER_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
+# Where a patch may put a clean run's value: the stream sites, and the attention heads' outputs per head.
+PATCH_SITES = (*STEER_SITES, ATTN_Z)
+# The names of a patch's arrays at a site (``patch_key``): its values, what they replace, each slot's block.
+PATCH_VALUES, PATCH_TOKENS, PATCH_LAYERS = "patch@", "patch_tokens@", "patch_layers@"
 
 
 @dataclasses.dataclass
@@ -138,7 +142,8 @@ def steer_key(site: str) -> str:
 
 
 def add_patch(arrays: dict[str, np.ndarray], site: str, layer: int, values: np.ndarray, tokens: np.ndarray) -> None:
-    """Block ``layer``'s value at ``site`` (``STEER_SITES``) replaced by ``values`` [B, S, hidden] at
+    """Block ``layer``'s value at ``site`` (``STEER_SITES``: a patch of ``attn.hook_z`` is
+    ``add_head_patch``'s) replaced by ``values`` [B, S, hidden] at
     the ``tokens`` [B, S] (bool) of each row of a batch: activation patching, the clean run's value
     put into the corrupted run. Patches at other blocks of the same site add to the same arrays
     (``patch_key``: slots of one block a row, not every block's)."""
@@ -183,7 +188,7 @@ def patch_key(site: str) -> tuple[str, str, str]:
     slot patches [K, B] (-1: none), absent where nothing is patched there (the forward then
     computes no patch at that site). A row patching K blocks of a site holds K slots, so the arrays
     grow with the blocks a row patches, not with the model's depth."""
-    return f"patch@{site}", f"patch_tokens@{site}", f"patch_layers@{site}"
+    return PATCH_VALUES + site, PATCH_TOKENS + site, PATCH_LAYERS + site
 
 
 def block_arrays(arrays: dict[str, np.ndarray], layer: int) -> dict:
@@ -192,12 +197,12 @@ def block_arrays(arrays: dict[str, np.ndarray], layer: int) -> dict:
     tokens of only the slots that patch this block."""
     out = {}
     for name, array in arrays.items():
-        if name == STEER_TOKENS or name.startswith("patch@"):
+        if name == STEER_TOKENS or name.startswith(PATCH_VALUES):
             out[name] = array
-        elif name.startswith("patch_tokens@"):
-            at_block = arrays["patch_layers@" + name.split("@", 1)[1]] == layer  # [K, B]
+        elif name.startswith(PATCH_TOKENS):
+            at_block = arrays[PATCH_LAYERS + name[len(PATCH_TOKENS):]] == layer  # [K, B]
             out[name] = array & at_block.reshape(at_block.shape + (1,) * (array.ndim - 2))
-        elif not name.startswith("patch_layers@"):
+        elif not name.startswith(PATCH_LAYERS):
             out[name] = array[layer]
     return out
 

@@ -180,7 +180,7 @@ run_main("runners.ablate", main, sys.argv[3:])
 def test_a_run_killed_during_a_grid_resumes_without_recomputing_finished_cells(setup, tmp_path):
     """Killed (-9) once its first forward's cells are written, held before the second; the re-run
     computes the other pair's cells only, and the results equal an uninterrupted run's."""
-    _, path, stream, one, _ = setup
+    model, path, stream, one, _ = setup
     flags = ["--model_path", path, "--stream", stream, "--metric", "logit_diff", "--patch_from", one,
              "--interventions", GRIDS[0], "--no_tensorboard", "--no_charts"]
     killed = tmp_path / "killed"
@@ -195,7 +195,8 @@ def test_a_run_killed_during_a_grid_resumes_without_recomputing_finished_cells(s
     resumed = run_in_process("runners.ablate", *flags, "--output_dir", str(killed))
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads((killed / "run.json").read_text())
-    cells = [4 * len(clean["input_ids"]) for clean, _ in stream_pairs(stream)]  # [4 layers, positions] a pair
+    layers = model.config.num_hidden_layers
+    cells = [layers * len(clean["input_ids"]) for clean, _ in stream_pairs(stream)]  # [layers, positions] a pair
     forwards = -(-(cells[0] - ROWS_PER_FORWARD) // ROWS_PER_FORWARD) + -(-cells[1] // ROWS_PER_FORWARD)
     assert (report["cells"], report["forwards"]) == (sum(cells), forwards)
     assert report["computed"] == sum(cells) - ROWS_PER_FORWARD  # all but the first forward's
