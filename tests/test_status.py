@@ -87,24 +87,38 @@ def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_stream
     assert [s["samples_done"] for s in seen] == sorted(s["samples_done"] for s in seen)
 
 
+# The runner, its start-up held open until the test signals it (a start-up that reads a long
+# stream before the model loads): when the signal lands must not depend on this machine's speed.
+HELD_START_UP = """
+import pathlib, time
+import host.run
+def held_check_lengths(*args, **kwargs):
+    pathlib.Path({gate!r}).touch()
+    time.sleep(120)  # the signal's handler raises out of the sleep
+host.run.check_lengths = held_check_lengths
+from common.cli import run_main
+from runners.tpu_host import main
+run_main("runners.tpu_host", main, {args!r})
+"""
+
+
 def test_sigterm_during_start_up_stops_at_once(tiny_checkpoints, tmp_path):
-    # --long_samples error reads the whole stream before the model loads: seconds of start-up.
-    stream = tmp_path / "big.jsonl"
-    line = {"sample_id": 0, "input_ids": [7] * 2000, "num_tokens": 2000, "source": "s", "text_preview": ""}
-    stream.write_text("".join(json.dumps({**line, "sample_id": i}) + "\n" for i in range(6000)))
+    stream = tmp_path / "small.jsonl"
+    stream.write_text("".join(json.dumps({"sample_id": i, "input_ids": [7] * 20, "num_tokens": 20, "source": "s",
+                                          "text_preview": ""}) + "\n" for i in range(4)))
     args = ["--machine_id", "0", "--dataset_stream", str(stream), "--model_path", tiny_checkpoints["gqa_tied"],
-            "--output_dir", str(tmp_path / "out"), "--long_samples", "error", "--max_seq_length", "2048"]
-    status_path = tmp_path / "out" / "machine_000" / "status.json"
-    proc = subprocess.Popen([sys.executable, "-m", "runners.tpu_host", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    while not (status_path.exists() and json.loads(status_path.read_text())["state"] == "starting"):
+            "--output_dir", str(tmp_path / "out"), "--long_samples", "error", "--max_seq_length", "64"]
+    gate = tmp_path / "in_start_up"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_START_UP.format(gate=str(gate), args=args)], cwd=REPO,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not gate.exists():
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "stopped: received SIGTERM before any sample was computed" in stdout
-    status = json.loads(status_path.read_text())
+    status = json.loads((tmp_path / "out" / "machine_000" / "status.json").read_text())
     assert status["state"] == "stopped" and "loading" not in [h["state"] for h in status["history"]]
     assert not list((tmp_path / "out" / "machine_000").glob("shard_*"))
 
