@@ -55,11 +55,12 @@ def test_states_in_order_with_the_machine_id_from_the_metadata_server(arc_stream
     code, stdout, stderr, seen = watch(args, tmp_path / "machine_001" / "status.json", env)
     assert code == 0, stderr
     assert "machine id 1 from metadata attribute machine-id '1'" in stderr
-    states = [s["state"] for s in seen]
+    states = [s["state"] for s in seen]  # as polled: a short state may fall between two looks
     assert [PHASE[s] for s in states] == sorted(PHASE[s] for s in states), states  # never backwards
-    assert {"loading", "compiling", "running"} <= set(states) and states[-1] == COMPLETED, states
+    assert "running" in states and states[-1] == COMPLETED, states
     final = seen[-1]
-    history = [h["state"] for h in final["history"]]
+    history = [h["state"] for h in final["history"]]  # every transition
+    assert {"loading", "compiling", "running"} <= set(history), history
     assert history[0] == "starting" and history[-1] == COMPLETED
     assert all(pair in TRANSITIONS for pair in zip(history, history[1:])), history
     stream = read_streams(arc_streams, 2)[1]
