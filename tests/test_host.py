@@ -254,8 +254,11 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams
     rng = random.Random(1234)
     progress_at_kills = []
     for trial in range(3):
-        out = tmp_path / f"trial{trial}"
-        at_kills = run_with_kills(args_for(out), out / "machine_000", len(expected_shards), rng)
+        for attempt in range(3):  # a kill aimed at the last shard may come after the run ended: again
+            out = tmp_path / f"trial{trial}_{attempt}"
+            at_kills = run_with_kills(args_for(out), out / "machine_000", len(expected_shards), rng)
+            if at_kills:
+                break
         assert at_kills
         progress_at_kills += [c["total_shards"] if c else 0 for c in at_kills]
         checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
