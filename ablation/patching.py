@@ -107,8 +107,7 @@ def cells(intervention: Intervention, pair: Pair) -> list[tuple[Intervention, Ce
             options.append([(atom, Patch(atom.site, atom.layer, atom.head, tuple(corrupted.tolist()),
                                          tuple(clean.tolist())))])
             continue
-        low, _, high = atom.position.partition("-")
-        numbers = range(len(corrupted)) if atom.position == "*" else range(int(low), int(high or low) + 1)
+        numbers = atom.positions(len(corrupted))
         if numbers and numbers[-1] >= len(corrupted):
             raise UserError(f"pair {pair.name!r}: {atom} patches position {numbers[-1]} of {len(corrupted)} "
                             "(numbered from 0 among the tokens chosen)")

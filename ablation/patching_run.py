@@ -79,7 +79,7 @@ class Plan:
 
 def plan(config: AblationConfig) -> Plan:
     """Everything checked before the model loads: the grid (patches only, against the model's
-    config.json), the stream's pairs and every pair's cells, and the store's values of the first."""
+    config.json), the stream's pairs and every pair's cells, and the store's index (``check_store``)."""
     from model.extract import check_model_fits
     config.validate()
     model_config = load_config(config.model_dir())

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from common.stream_reader import machine_stream, manifest_entries, open_stream
+from common.stream_reader import open_streams
 from host.stream import stream_records
 
 
@@ -26,12 +25,8 @@ def read_records(stream: str, max_samples: int | None, max_seq_length: int) -> l
     parts; or a prepare's output directory, with its manifest: every machine's stream in machine
     order), validated, each cut to ``max_seq_length`` tokens (its answer may then be cut too, or lie
     wholly past the cut)."""
-    directory = os.path.isdir(stream) if "://" not in stream else not stream.endswith(".jsonl")
-    machines = manifest_entries(stream) if directory else {}
-    streams = ([machine_stream(stream, machine, entry) for machine, entry in sorted(machines.items())] if machines
-               else [open_stream(stream)])
     records = []
-    for found in streams:
+    for found in open_streams(stream):
         left = None if max_samples is None else max_samples - len(records)
         if left == 0:
             break

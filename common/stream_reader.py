@@ -150,16 +150,28 @@ def machine_stream(streams_dir: str, machine: int, entry: Mapping[str, Any] | No
     return Stream(single, (Part(single),))
 
 
+def _may_be_directory(path: str) -> bool:
+    """A local directory, or on gs:// (where a "directory" is a prefix) a path not naming a .jsonl file."""
+    return os.path.isdir(path) if "://" not in path else path.startswith("gs://") and not path.endswith(".jsonl")
+
+
 def open_stream(path: str) -> Stream:
     """An explicit stream (``--dataset_stream``, ``--stream``, a runner's recorded stream): a file,
     or a directory of ``part-*.jsonl`` read in name order. No manifest counts the parts, so a read
     from a later position reads the earlier parts' lines."""
-    local_dir = "://" not in path and os.path.isdir(path)
-    # On gs:// a "directory" is a prefix: one listing unless the path names a .jsonl file.
-    if local_dir or (path.startswith("gs://") and not path.endswith(".jsonl")):
+    if _may_be_directory(path):  # on gs://, one listing
         found = match(join(path, PART_GLOB))
         if found:
             return Stream(path, tuple(Part(p) for p in found))
-        if local_dir:
+        if "://" not in path:
             raise UserError(f"stream directory {path} holds no {PART_GLOB} files")
     return Stream(path, (Part(path),))
+
+
+def open_streams(path: str) -> list[Stream]:
+    """The streams ``path`` names: a prepare's output directory (its manifest) every machine's, in
+    machine order; else the one ``open_stream`` opens."""
+    machines = manifest_entries(path) if _may_be_directory(path) else {}
+    if machines:
+        return [machine_stream(path, machine, entry) for machine, entry in sorted(machines.items())]
+    return [open_stream(path)]

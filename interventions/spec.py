@@ -97,6 +97,11 @@ class Atom:
         """A patch's pos= stands for a cell per position (``*`` or ``A-B``), not one cell."""
         return self.position == "*" or "-" in self.position
 
+    def positions(self, count: int) -> range:
+        """A patch's pos= among ``count`` chosen tokens: every one for ``*``, else its number or
+        range (not checked against ``count``)."""
+        return range(count) if self.position == "*" else _span(self.position)
+
     def sort_key(self) -> tuple:
         """The atoms' order in an intervention's name (a patch's head None: before any head)."""
         return tuple(-1 if value is None else value for value in dataclasses.astuple(self))
@@ -149,8 +154,7 @@ def _indices(text: str, what: str, count: int, spec: str) -> list[int]:
         raise UserError(f"intervention {spec!r}: {what} must be a number, a range A-B or *, got {text!r}")
     if text == "*":
         return list(range(count))
-    low, _, high = text.partition("-")
-    indices = list(range(int(low), int(high or low) + 1))
+    indices = list(_span(text))
     if not indices:
         raise UserError(f"intervention {spec!r}: empty range {text!r}")
     bad = [i for i in indices if i >= count]
@@ -159,6 +163,12 @@ def _indices(text: str, what: str, count: int, spec: str) -> list[int]:
         raise UserError(f"intervention {spec!r}: {what} {bad[0]} does not exist: the model has {count} "
                         f"{plural} (0..{count - 1})")
     return indices
+
+
+def _span(text: str) -> range:
+    """``N`` | ``A-B`` (inclusive) -> the indices."""
+    low, _, high = text.partition("-")
+    return range(int(low), int(high or low) + 1)
 
 
 def alpha_text(alpha: float) -> str:
@@ -228,7 +238,7 @@ def _patch_atoms(text: str, spec: str, num_layers: int, num_heads: int) -> list[
     position = options.get("pos", "")
     if position and not _INDEX.fullmatch(position):
         raise UserError(f"intervention {spec!r}: pos must be a number, a range A-B or *, got {position!r}")
-    if "-" in position and int(position.split("-")[0]) > int(position.split("-")[1]):
+    if position and position != "*" and not _span(position):
         raise UserError(f"intervention {spec!r}: empty range pos={position}")
     tokens = steering_tokens(options["tokens"], spec) if "tokens" in options else ""
     heads = _indices(options["heads"], "head", num_heads, spec) if "heads" in options else [None]
