@@ -24,7 +24,7 @@ from ablation.records import Record, read_records
 from ablation.results import (RESULTS_FILE, SUMMARY_FILE, describe, load_results, summarize,
                               write_results)
 from common.cli import UserError
-from host.profiling import BatchProfiler
+from common.profiling import BatchProfiler
 from interventions.resolve import ablation_arrays, check_blocks, steered_mask, steered_positions, steering_digests
 from interventions.spec import BASELINE, Intervention, parse_interventions
 from model.families import load_config

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.stream_reader import open_streams
-from host.stream import stream_records
+from common.stream_reader import open_streams, stream_records
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,10 +29,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from activations.index import store_moments
 from activations.reader import storage_dtype
 from activations.token_ids import TokenIds
 from activations.token_loader import LoaderConfig, TokenLoader
-from activations.token_plan import stored_moments
 from common.cli import UserError
 from common.files import join, read_range, write_bytes
 from model.sites import ArrayKey, describe_key, key_parts
@@ -275,12 +275,12 @@ def _check_joinable(lead_spec: StoreSpec, lead: TokenLoader, spec: StoreSpec, ot
 
 def column_statistics(plan: ExportPlan, normalize: str) -> dict[str, Any] | None:
     """Per column, its store's statistics (what ``normalize`` scales by), for ``statistics.json``;
-    None where a store has none (an index merged before statistics), unless they are needed."""
+    None where a store has none, or none of every row it stores (``store_moments``), unless they are needed."""
     out = {}
     for store, spec in enumerate(plan.stores):
         keys = {name: key for name, (i, key) in plan.columns.items() if i == store}
         try:
-            moments = stored_moments(spec.index, list(keys.values()))
+            moments = store_moments(spec.index, list(keys.values()))
         except UserError:
             if normalize != "none":
                 raise

@@ -13,18 +13,22 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from typing import Any, Sequence
+import logging
+import re
+from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from activations.site_stats import STATS_SCHEMA, merged_moments, stats_table, table_moments
+from activations.site_stats import STATS_SCHEMA, Moments, StatsKey, merged_moments, stats_table, table_moments
 from common.cli import UserError
-from common.files import join, open_read, write_bytes
+from common.files import delete_file, join, open_read, read_optional, write_bytes
 from common.roles import ROLES, WRITTEN_ROLES, role_counts
 from common.states import COMPLETED
-from model.sites import RESID_POST, key_parts
+from model.sites import RESID_POST, ArrayKey, array_key, describe_key, key_parts
+
+log = logging.getLogger("activations.index")
 
 GENERATION_FIELDS = (pa.field("prompt_tokens", pa.int32()), pa.field("generated_tokens", pa.int32()),
                      pa.field("finish_reason", pa.string()), pa.field("generated_text", pa.string()),
@@ -267,6 +271,9 @@ def merged_metadata(machine_metadata: Sequence[dict[str, Any]], table: pa.Table)
                                                  "gcs_bucket", "gcs_prefix")} for m in machines]}
 
 
+MODEL_SHAPE = ("model_type", "num_hidden_layers", "hidden_size")  # a model's family, depth and width
+
+
 def store_model(metadata: dict[str, Any]) -> dict[str, Any]:
     """The model of a merged store (``merged_metadata``'s): ``model`` (a name, or the names where
     machines differ), and its ``model_type``, ``num_hidden_layers`` and ``hidden_size`` where the
@@ -274,10 +281,29 @@ def store_model(metadata: dict[str, Any]) -> dict[str, Any]:
     machines = metadata.get("machines", [])
     models = sorted({m.get("model") for m in machines if m.get("model")})
     out: dict[str, Any] = {"model": models[0] if len(models) == 1 else (models or None)}
-    for name in ("model_type", "num_hidden_layers", "hidden_size"):
+    for name in MODEL_SHAPE:
         found = {m.get(name) for m in machines} - {None}
         out[name] = found.pop() if len(found) == 1 else None
     return out
+
+
+def model_shape(config: Any) -> dict[str, Any]:
+    """A model config's (``DecoderConfig``'s) family, depth and width, named as ``store_model`` names them."""
+    return {name: getattr(config, name) for name in MODEL_SHAPE}
+
+
+def check_same_model(recorded: Mapping[str, Any], expected: Mapping[str, Any], what: str, theirs: str) -> None:
+    """One line when ``recorded`` (``store_model``'s record: of a store, or of the store a
+    directions file was found on) is of another model than ``expected``: another family, depth or
+    width, each where both record it. Another model name of the same shape is only a warning: the
+    same checkpoint elsewhere, or a base model's direction steering its chat model. ``what`` names
+    what holds ``recorded`` ("'d.npz' holds directions"), ``theirs`` the other side ("this model")."""
+    other = [f"{name} {recorded[name]} ({theirs}: {expected[name]})" for name in MODEL_SHAPE
+             if recorded.get(name) is not None and expected.get(name) is not None and recorded[name] != expected[name]]
+    if other:
+        raise UserError(f"{what} of another model: {', '.join(other)}")
+    if recorded.get("model") and expected.get("model") and recorded["model"] != expected["model"]:
+        log.warning("%s of %s; %s is %s", what, recorded["model"], theirs, expected["model"])
 
 
 def merged_metadata_path(output: str) -> str:
@@ -362,15 +388,23 @@ def typed_columns(table: pa.Table, machines: Sequence[dict[str, Any]]) -> pa.Tab
 
 
 def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
-    """Writes the index, its arrays table, its statistics and tokens tables (where the shards have
-    them) and ``merged_metadata.json`` beside it; returns the merged metadata."""
+    """Writes the index, its arrays table, its statistics (where they are of every stored row:
+    ``statistics_coverage``) and tokens tables (where the shards have them) and
+    ``merged_metadata.json`` beside it, the statistics' coverage in it; returns the merged metadata."""
     write_index(collected.table, output)
-    write_index(merge_index_files(collected.arrays_files, SITES_ARRAYS_SCHEMA), arrays_path(output))
-    if collected.stats_files:
-        write_index(merge_stats_files(collected.stats_files), stats_path(output))
+    arrays = merge_index_files(collected.arrays_files, SITES_ARRAYS_SCHEMA)
+    write_index(arrays, arrays_path(output))
+    stats = merge_stats_files(collected.stats_files) if collected.stats_files else None
+    coverage = statistics_coverage(collected, arrays, stats)
+    if stats is not None and coverage_problem(coverage, collected.machines) is None:
+        write_index(stats, stats_path(output))
+    else:  # none, or of part of the store: no file a query or a trainer could take for the whole store's
+        delete_file(stats_path(output))  # an earlier merge's, of fewer shards
+        if coverage["machines"]:
+            log.warning("no %s: %s", stats_path(output), coverage_problem(coverage, collected.machines))
     if collected.tokens_files:
         write_index(merge_index_files(collected.tokens_files, TOKENS_SCHEMA), tokens_path(output))
-    summary = merged_metadata(collected.machines, collected.table)
+    summary = {**merged_metadata(collected.machines, collected.table), "statistics": coverage}
     write_bytes(merged_metadata_path(output), (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
@@ -378,3 +412,96 @@ def write_merged(collected: CollectedIndex, output: str) -> dict[str, Any]:
 def merge_stats_files(paths: Sequence[str]) -> pa.Table:
     """The statistics of every listed shard statistics file together, merged in path order."""
     return stats_table(merged_moments(table_moments(read_index_file(p, STATS_SCHEMA)) for p in sorted(paths)))
+
+
+def statistics_coverage(collected: CollectedIndex, arrays: pa.Table, stats: pa.Table | None) -> dict[str, Any]:
+    """What the merged statistics are of (``merged_metadata.json``'s ``statistics``): ``machines``,
+    those each shard of which has its statistics file; ``without``, those with a shard without one
+    (``--statistics off``); ``mismatch``, where every shard has one, a (site, layer) whose count is
+    not the rows the arrays table holds (else None)."""
+    have = set(collected.stats_files)
+    machines = {_machine_of(p): [] for p in collected.index_files}
+    for path in collected.index_files:
+        machines[_machine_of(path)].append(path[:-len(".parquet")] + "_stats.parquet" in have)
+    without = [m for m, found in machines.items() if not all(found)]
+    covered = [m for m, found in machines.items() if all(found)]
+    mismatch = _count_mismatch(arrays, stats) if stats is not None and not without else None
+    return {"machines": sorted(covered, key=str), "without": sorted(without, key=str), "mismatch": mismatch}
+
+
+def _machine_of(index_file: str) -> int | str:
+    """The machine an index file is of: N of its path's last ``machine_NNN/`` (the folder above
+    ``index/`` where the path has none)."""
+    found = re.findall(r"(?:^|/)machine_(\d+)/", index_file)
+    return int(found[-1]) if found else index_file.rsplit("/index/", 1)[0]
+
+
+def _count_mismatch(arrays: pa.Table, stats: pa.Table) -> str | None:
+    """The first (site, layer) whose statistics count other rows than its arrays hold, described."""
+    rows = pa.table({"site": arrays["site"], "layer": arrays["layer"], "rows": pc.list_element(arrays["shape"], 0)})
+    stored = {(r["site"], r["layer"]): r["rows_sum"]
+              for r in rows.group_by(["site", "layer"]).aggregate([("rows", "sum")]).to_pylist()}
+    overall = stats if "group_by" not in stats.schema.names else stats.filter(pc.is_null(stats["group_by"]))
+    counted = {(r["site"], r["layer"]): r["count"] for r in overall.select(["site", "layer", "count"]).to_pylist()}
+    for site, layer in sorted(stored.keys() | counted.keys()):
+        if stored.get((site, layer), 0) != counted.get((site, layer), 0):
+            return (f"{describe_key(array_key(site, layer))}: statistics of {counted.get((site, layer), 0)} rows, "
+                    f"{stored.get((site, layer), 0)} stored")
+    return None
+
+
+def _machines(ids: Sequence[int | str]) -> str:
+    return f"machine{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
+def coverage_problem(coverage: dict[str, Any], machines: Sequence[dict[str, Any]]) -> str | None:
+    """Why a store's statistics are not of every row it stores (``statistics_coverage``'s record),
+    in a line's words; None where they are. ``machines``: each machine's ``metadata.json`` (its
+    ``statistics`` setting)."""
+    covered, without = coverage["machines"], coverage["without"]
+    if not covered:
+        return ("the store has no statistics (stored with --statistics off, or before statistics existed): "
+                "rerun with --statistics device to get them")
+    if without:
+        off = {m["machine_id"] for m in machines if m.get("statistics") == "off"}
+        groups = {"--statistics device": covered, "--statistics off": [m for m in without if m in off],
+                  "shards without statistics files": [m for m in without if m not in off]}
+        settings = "; ".join(f"{_machines(ids)}: {what}" for what, ids in groups.items() if ids)
+        return (f"the statistics are of part of the store ({settings}), so nothing normalizes by them: "
+                f"rerun {_machines(without)} with --statistics device (replacing its output) and merge again "
+                "with pipeline.index")
+    if coverage["mismatch"]:
+        return (f"the statistics count other rows than the store holds ({coverage['mismatch']}): a shard's "
+                "statistics file is not its shard's")
+    return None
+
+
+def store_moments(index: str, keys: Sequence[ArrayKey] | None = None) -> dict[StatsKey, Moments]:
+    """The statistics of the whole store ``index`` was merged from (``index_stats.parquet``
+    beside it), of ``keys`` (None: every key and group); one line where it has none, or they are
+    not of every row it stores (``coverage_problem``; for an index merged before the coverage was
+    recorded, their counts against the rows its arrays table holds). What normalises by them reads
+    them here."""
+    metadata = json.loads(read_optional(merged_metadata_path(index)) or b"{}")
+    coverage = metadata.get("statistics")
+    problem = coverage_problem(coverage, metadata.get("machines", [])) if coverage is not None else None
+    if problem:
+        raise UserError(f"{index!r}: {problem}")
+    path = stats_path(index)
+    try:
+        table = read_index_file(path, STATS_SCHEMA)
+    except FileNotFoundError:
+        raise UserError(f"no statistics at {path!r} (its shards have none, or it was merged before they existed): "
+                        "merge the index again with pipeline.index, or rerun with --statistics device") from None
+    if coverage is None:
+        mismatch = _count_mismatch(read_index_file(arrays_path(index), SITES_ARRAYS_SCHEMA), table)
+        if mismatch:
+            raise UserError(f"{index!r}: the statistics count other rows than the store holds ({mismatch}), so "
+                            "nothing normalizes by them: merge the index again with pipeline.index to see which "
+                            "machines lack them")
+    moments = table_moments(table)  # with its groups' rows, if any
+    missing = [k for k in keys or () if k not in moments]
+    if missing:
+        raise UserError(f"{path!r} has no statistics of {', '.join(map(describe_key, missing))}: merge the "
+                        "index again with pipeline.index")
+    return moments if keys is None else {k: moments[k] for k in keys}

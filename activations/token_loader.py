@@ -42,13 +42,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
+from activations.index import store_moments
 from activations.reader import CorruptShardError, decode_array, storage_dtype
 from activations.token_buffer import TokenBuffer
 from activations.token_ids import TokenIds, load_token_ids, machine_streams
 from activations.selection import parse_selection, pooled_row
 from activations.site_stats import Moments
 from activations.stored_tokens import NO_POSITION, kept_rows, read_stored_tokens
-from activations.token_plan import StoredArrays, blocks, stored_arrays, stored_moments
+from activations.token_plan import StoredArrays, blocks, stored_arrays
 from common.cli import UserError
 from common.files import read_range
 from model.config import QUANTIZED_DTYPES, STORED_DTYPES
@@ -199,7 +200,7 @@ class TokenLoader:
             self.token_ids = self._token_ids(self.stored)
         self.scaling = {}  # key -> (shift, scale), when normalising
         if config.normalize != "none":
-            moments = stored_moments(config.index, config.keys)
+            moments = store_moments(config.index, config.keys)  # refused where not of every stored row
             self.scaling = {key: scaling(m, config.normalize) for key, m in moments.items()}
         self.stats = LoaderStats()
 

@@ -1,6 +1,6 @@
 """What a token loader reads: the stored arrays of the chosen keys (layers, or the hook names of
 other sites: ``model.sites``), looked up in the merged index, and the contiguous byte ranges
-(blocks) that an epoch reads them in; the statistics that normalise them.
+(blocks) that an epoch reads them in.
 
 Rows are kept in storage order: shard by shard (sorted by path: machine, process, shard number),
 position by position; within a machine's shard that is sample-id order. One key's arrays of one
@@ -21,10 +21,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from activations.index import arrays_path, merged_metadata_path, read_index_file, read_parquet, stats_path
+from activations.index import arrays_path, merged_metadata_path, read_parquet
 from activations.reader import coalesced_reads, frame_keys
 from activations.selection import Selection
-from activations.site_stats import STATS_SCHEMA, Moments, table_moments
 from activations.stored_tokens import StoredTokens, read_stored_tokens, store_selection
 from common.cli import UserError
 from common.files import read_optional
@@ -176,21 +175,6 @@ def _check_key(key: ArrayKey, frame, first, first_key: ArrayKey, samples, rows) 
     if not (lengths == expected).all():
         bad = frame["sample_id"].to_numpy()[lengths != expected][0]
         raise UserError(f"sample {bad}: its {what} array's length differs from the rows the index says it stored")
-
-
-def stored_moments(index: str, keys: Sequence[ArrayKey]) -> dict[ArrayKey, Moments]:
-    """The statistics of ``keys`` over the whole run (``index_stats.parquet`` beside the index)."""
-    path = stats_path(index)
-    try:
-        moments = table_moments(read_index_file(path, STATS_SCHEMA))  # with its groups' rows, if any
-    except FileNotFoundError:
-        raise UserError(f"no statistics at {path!r} (index written before they existed, or its shards have "
-                        "none): merge the index again with pipeline.index") from None
-    missing = [k for k in keys if k not in moments]
-    if missing:
-        raise UserError(f"{path!r} has no statistics of {', '.join(map(describe_key, missing))}: merge the "
-                        "index again with pipeline.index")
-    return {k: moments[k] for k in keys}
 
 
 def _merged_metadata(index: str) -> dict[str, Any]:

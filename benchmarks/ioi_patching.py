@@ -47,8 +47,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import jax.numpy as jnp
     from transformers import AutoTokenizer
-    from ablation.patching import agreement, attribution_grid, baselines, pairs_from_rows, patching_grid, \
-        write_grid_chart
+    from ablation.charts import write_heatmap
+    from ablation.patching import agreement, attribution_grid, baselines, pairs_from_rows, patching_grid
     from fixtures.ioi import TEMPLATES, ioi_rows
     from fixtures.real_models import cached_checkpoints
     from model.loading import load_model
@@ -82,9 +82,9 @@ def main(argv: list[str]) -> int:
               f"{report['correlation']:.3f}; strongest cells {cells}")
         if args.chart_dir:
             os.makedirs(args.chart_dir, exist_ok=True)
-            path = write_grid_chart(exact, labels, f"IOI, Qwen2.5-Coder-0.5B: patching {site} (mean of "
-                                    f"{len(pairs)} pairs; 1 = clean)", os.path.join(args.chart_dir,
-                                                                                     f"ioi_patching_{site}.png"))
+            path = write_heatmap(exact, os.path.join(args.chart_dir, f"ioi_patching_{site}.png"),
+                                 f"IOI, Qwen2.5-Coder-0.5B: patching {site} (mean of {len(pairs)} pairs; 1 = clean)",
+                                 column_labels=labels, cmap="RdBu")
             print(f"  chart: {path}")
     dataset_run(rows[:2 * len(pairs)], model_path, grids["hook_resid_pre"], args.chart_dir)
     return 0

@@ -6,7 +6,8 @@ A stream is ``stream_NNN.jsonl``, or, past ``--max_part_mb``, the ordered parts
 manifest lists each machine's parts with their record counts. Every reader of streams (the runner,
 the fleet's merge, the token ids of the exports, ``runners.ablate``) goes through here: positions
 count lines across the parts (0-based), a read from a later position passes over the parts before
-it unopened where the manifest counts their records, and an error names the part and its line.
+it unopened where the manifest counts their records, and an error names the part and its line;
+``stream_records`` gives the validated records from a position.
 Local, ``gs://`` and ``hf://`` alike (``common/files.py``); needs neither Beam nor JAX.
 """
 
@@ -19,7 +20,7 @@ from typing import IO, Any, Iterator, Mapping, NamedTuple
 
 from common.cli import UserError
 from common.files import binary_lines, count_lines, file_size, join, match, open_read, read_optional
-from common.stream_format import StreamFormatError, stream_dirname, stream_filename
+from common.stream_format import StreamFormatError, parse_stream_line, stream_dirname, stream_filename
 
 PART_GLOB = "part-*.jsonl"  # the parts of a parted stream; their names sort in stream order
 
@@ -175,3 +176,18 @@ def open_streams(path: str) -> list[Stream]:
     if machines:
         return [machine_stream(path, machine, entry) for machine, entry in sorted(machines.items())]
     return [open_stream(path)]
+
+
+def stream_records(stream: Stream, start: int, limit: int | None,
+                   checkpoint_at: tuple[int, int] | None) -> Iterator[dict]:
+    """Records ``start..limit-1`` of the stream, validated. ``checkpoint_at`` = (position, sample
+    id) of the last covered record: the stream must still have it there (it must not change
+    under a resume)."""
+    first = start if checkpoint_at is None else min(start, checkpoint_at[0])
+    for line in stream.lines(first, limit):
+        if checkpoint_at is not None and line.position == checkpoint_at[0]:
+            if parse_stream_line(line.text, line.where)["sample_id"] != checkpoint_at[1]:
+                raise UserError(f"{line.part} changed since the checkpoint: line {line.number} is no "
+                                f"longer sample {checkpoint_at[1]}")
+        if line.position >= start:
+            yield parse_stream_line(line.text, line.where)

@@ -1,15 +1,15 @@
 """Reading a machine's stream (one file or ordered parts, ``common/stream_reader.py``): the stream
-the flags name, its validated records from a position, checked against the checkpoint; the length
-pre-check of ``--long_samples error``; the record count for the status."""
+the flags name and the columns it keeps; the length pre-check of ``--long_samples error``; the
+record count for the status."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
-from common.cli import UserError
 from common.stream_format import StreamFormatError, parse_stream_line
 from common.stream_reader import Stream, machine_stream, manifest_document, manifest_entries, open_stream
+from common.stream_reader import stream_records  # noqa: F401  host/run.py's, until it imports common.stream_reader's
 from host.progress import Progress
 from transforms.long_samples import SampleTooLong, too_long_message
 
@@ -35,21 +35,6 @@ def kept_column_types(config: HostConfig) -> dict[str, str]:
     if not config.streams_dir:
         return {}
     return dict(manifest_document(config.streams_dir).get("keep_columns") or {})
-
-
-def stream_records(stream: Stream, start: int, limit: int | None,
-                   checkpoint_at: tuple[int, int] | None) -> Iterator[dict]:
-    """Records ``start..limit-1`` of the stream, validated. ``checkpoint_at`` = (position, sample
-    id) of the last covered record: the stream must still have it there (it must not change
-    under a resume)."""
-    first = start if checkpoint_at is None else min(start, checkpoint_at[0])
-    for line in stream.lines(first, limit):
-        if checkpoint_at is not None and line.position == checkpoint_at[0]:
-            if parse_stream_line(line.text, line.where)["sample_id"] != checkpoint_at[1]:
-                raise UserError(f"{line.part} changed since the checkpoint: line {line.number} is no "
-                                f"longer sample {checkpoint_at[1]}")
-        if line.position >= start:
-            yield parse_stream_line(line.text, line.where)
 
 
 def check_lengths(stream: Stream, start: int, limit: int | None, max_seq_length: int, new_tokens: int = 0) -> None:

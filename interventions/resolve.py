@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from activations.directions import KINDS as DIRECTION_KINDS, array_name, read_directions
+from activations.index import MODEL_SHAPE, check_same_model, model_shape
 from activations.selection import parse_selection
 from common.cli import UserError
 from common.files import read_optional
@@ -181,13 +182,8 @@ def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
     of another checkpoint of the same shape, a base model's direction steering its chat model, is
     allowed.)"""
     arrays, metadata = read_directions(atom.path)
-    shape = {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
-             "hidden_size": config.hidden_size}
-    other = [f"{name} {metadata[name]} (this model: {value})" for name, value in shape.items()
-             if metadata.get(name) is not None and metadata[name] != value]
-    if other:
-        raise UserError(f"{atom.path!r} holds directions of another model: {', '.join(other)}")
-    unknown = [name for name in shape if metadata.get(name) is None]
+    check_same_model(metadata, model_shape(config), f"{atom.path!r} holds directions", "this model")
+    unknown = [name for name in MODEL_SHAPE if metadata.get(name) is None]
     if unknown:
         log.warning("%s does not record the model's %s: only its width is checked", atom.path, ", ".join(unknown))
     kinds = [atom.direction] if atom.direction else DIRECTION_KINDS  # diff_in_means first

@@ -20,7 +20,7 @@ import numpy as np
 
 from activations.directions import read_directions
 from activations.flat_layout import check_output_dir
-from activations.index import store_model
+from activations.index import check_same_model, store_model
 from activations.selection import selection_flag
 from activations.token_ids import machine_streams
 from activations.token_loader import TokenLoader
@@ -165,8 +165,9 @@ def plan(config: DashboardConfig) -> tuple[FeatureSet, FeatureSet, DashboardJob,
     if features.encoder.shape[0] != width:
         raise UserError(f"{config.features!r} reads {features.encoder.shape[0]} dimensions, but the store holds "
                         f"{describe_key(key)} {width} wide")
-    if config.features.endswith(".npz"):
-        check_directions_model(config.features, store_model(loader.metadata))
+    if config.features.endswith(".npz"):  # a directions file: of the store's model
+        check_same_model(read_directions(config.features)[1], store_model(loader.metadata),
+                         f"{config.features!r} holds directions", "the store's model")
     check_token_ids(loader, config.streams_dir)
     columns = selected_columns(features, config.feature_indices)
     summarized = folded(features).subset(columns)
@@ -205,18 +206,6 @@ def check_token_ids(loader: TokenLoader, streams_dir: str | None) -> None:
         if missing:
             raise UserError(f"the token ids of machine {machine}: no stream at {missing[0]} (--streams_dir names the "
                             "streams of pipeline.prepare)")
-
-
-def check_directions_model(path: str, store: dict) -> None:
-    """A directions file must be of the store's model (family, depth, width, where both record them)."""
-    metadata = read_directions(path)[1]
-    other = [f"{name} {metadata[name]} (the store's: {store[name]})" for name in
-             ("model_type", "num_hidden_layers", "hidden_size")
-             if metadata.get(name) is not None and store.get(name) is not None and metadata[name] != store[name]]
-    if other:
-        raise UserError(f"{path!r} holds directions of another model: {', '.join(other)}")
-    if metadata.get("model") and store.get("model") and metadata["model"] != store["model"]:  # the same shape
-        log.warning("%s holds directions found on %s; the store is of %s", path, metadata["model"], store["model"])
 
 
 def feature_logits(features: FeatureSet, decoder: np.ndarray, key: ArrayKey,

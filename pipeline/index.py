@@ -1,6 +1,10 @@
 """Merges every machine's per-shard Parquet indexes: the index, its arrays and statistics tables, merged_metadata.json.
 
     python -m pipeline.index --activations_dir DIR_OR_GS --output index.parquet
+
+The statistics table is written only where it is of every stored row (``activations.index.
+statistics_coverage``): a store some of whose machines ran with ``--statistics off`` gets its
+index all the same, a warning naming the machines of each setting, and no statistics file.
 """
 
 from __future__ import annotations

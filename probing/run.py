@@ -94,10 +94,7 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
                         f"({config.group_column}) or --test_fraction")
     log.info("%d rows (%d train, %d held out; %d left out: null label), %s, classes %s", len(test),
              (~test).sum(), test.sum(), rows.null_labels, task, values if task == "classification" else "-")
-    means = label_means(config.index, keys, config.label, values) if task == "classification" else None
-    if task == "classification" and means is None:
-        log.warning("no statistics by %s beside %s (runners.tpu_host --stats_by %s): no diff-in-means baseline",
-                    config.label, config.index, config.label)
+    means = statistics_means(config, keys, values) if task == "classification" else None
     os.makedirs(config.output_dir, exist_ok=True)
     results, directions, probes = [], {}, {}
     y_train, y_test = rows.labels[~test], rows.labels[test]
@@ -132,6 +129,20 @@ def run_probes(config: ProbeConfig) -> pd.DataFrame:
     if config.chart:
         write_chart(table, config.output_dir, config.label)
     return table
+
+
+def statistics_means(config: ProbeConfig, keys: list[ArrayKey], values: list) -> dict | None:
+    """Each label value's mean per key from the store's statistics (``label_means``), or None, with
+    a warning saying why: the baseline and diff-in-means are optional; partial statistics are never used."""
+    try:
+        means = label_means(config.index, keys, config.label, values)
+    except UserError as e:
+        log.warning("no diff-in-means baseline: %s", e)
+        return None
+    if means is None:
+        log.warning("no statistics by %s beside %s (runners.tpu_host --stats_by %s): no diff-in-means baseline",
+                    config.label, config.index, config.label)
+    return means
 
 
 def _write_outputs(config: ProbeConfig, rows: ProbeRows, test: np.ndarray, task: str, values: list,

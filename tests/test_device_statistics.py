@@ -2,18 +2,32 @@
 ones recomputed from the very arrays the step returns (what the shards store): a dense and a
 mixture-of-experts family, float32 and bfloat16 compute, every token and a selection, every row
 and each role's rows; counts and expert loads exact. The runner-level checks (merged statistics,
-two machines against one, kill -9) are in test_host, test_conversations and test_moe."""
+two machines against one, kill -9) are in test_host, test_conversations and test_moe.
+
+And what a store whose machines kept statistics and ran with ``--statistics off`` gives its
+readers: a 2-machine store written without a model (``fixtures.stored_activations``), merged by
+``pipeline.index``; nothing normalizes by the statistics of part of it."""
+
+import json
+import os
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
+from activations.directions import read_directions
+from activations.index import merge_stats_files, merged_metadata_path, read_parquet, stats_path, write_index
 from activations.site_stats import GroupKey, Moments, sample_moments
+from activations.token_loader import LoaderConfig, TokenLoader
+from common.cli import UserError
 from common.roles import ROLES
+from fixtures.stored_activations import StoredSpec, stored_tokens, write_stored
 from model.extract import Extractor
 from model.sites import EXPERT_INDICES, MLP_OUT, RESID_MID, RESID_POST, key_parts
 from model.statistics import StatisticsSpec
-from tests.conftest import assert_statistics_close
+from tests.conftest import assert_statistics_close, run_in_process
+from tests.test_host_errors import one_line_error
 
 LENGTHS = (29, 64, 7, 50)  # padded rows and padded tokens in one batch of 4
 
@@ -33,6 +47,7 @@ def float64_moments(rows: np.ndarray, experts: int = 0) -> Moments:
     return Moments(len(x), x.mean(0), ((x - x.mean(0)) ** 2).sum(0), float(np.linalg.norm(x, axis=1).mean()), counts)
 
 
+@pytest.mark.slow  # a model's whole extraction step, compiled
 @pytest.mark.parametrize("family,dtype", [("dense", "float32"), ("dense", "bfloat16"), ("moe", "float32"),
                                           ("moe", "bfloat16")])
 def test_measured_statistics_equal_float64_ones_of_the_stored_arrays(family, dtype, tiny_checkpoints,
@@ -78,6 +93,7 @@ def check_sample(arrays: dict, measured: dict, row_roles: np.ndarray, experts: i
             assert (ours[group].expert_counts is None) == (not integer)
 
 
+@pytest.mark.slow  # a model's whole extraction step, compiled
 def test_pooled_rows_are_measured_as_stored(tiny_checkpoints):
     """A mean selection stores one row a sample: its statistics are that row's (one count; a
     sample that selects nothing has none)."""
@@ -98,3 +114,113 @@ def test_a_resume_keeps_the_statistics_setting_and_older_output_had_them():
     from model.run_settings import changed_settings
     assert changed_settings({"layers_to_extract": [0]}, {"statistics": "device"}) == []  # from before the flag
     assert changed_settings({"statistics": "off"}, {"statistics": "device"}) == ["--statistics 'off' -> 'device'"]
+
+
+STORE = StoredSpec(num_machines=2, samples_per_machine=6, lengths=(2, 10), hidden_size=8, layers=(0,),
+                   planted=4.0, shard_size_bytes=1_500)  # a label kept (statistics by it); 2+ shards a machine
+PARTIAL = ("the statistics are of part of the store (machine 0: --statistics device; machine 1: --statistics off), "
+           "so nothing normalizes by them: rerun machine 1 with --statistics device (replacing its output) and "
+           "merge again with pipeline.index")
+NONE = ("the store has no statistics (stored with --statistics off, or before statistics existed): rerun with "
+        "--statistics device to get them")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """A 2-machine store, every shard with its statistics, merged: its root."""
+    root = tmp_path_factory.mktemp("store")
+    write_stored(str(root), STORE)
+    return str(root)
+
+
+def without_statistics(root: str, folder, machines: list[int]) -> tuple[str, str]:
+    """A copy of the store's machines, ``machines`` as a run with ``--statistics off`` leaves them (no
+    statistics files, ``metadata.json`` saying off), merged by ``pipeline.index`` into the index
+    path it returns (with the merge's log), where a merge of the whole store wrote its statistics before."""
+    activations = str(shutil.copytree(os.path.join(root, "activations"), folder / "activations"))
+    index = str(folder / "index.parquet")
+    assert run_in_process("pipeline.index", "--activations_dir", activations, "--output", index).returncode == 0
+    assert os.path.exists(stats_path(index))
+    for machine in range(STORE.num_machines):
+        machine_dir = os.path.join(activations, f"machine_{machine:03d}")
+        with open(os.path.join(machine_dir, "metadata.json")) as f:
+            metadata = json.load(f)
+        metadata["statistics"] = "off" if machine in machines else "device"
+        with open(os.path.join(machine_dir, "metadata.json"), "w") as f:
+            json.dump(metadata, f)
+        if machine in machines:
+            for name in os.listdir(os.path.join(machine_dir, "index")):
+                if name.endswith("_stats.parquet"):
+                    os.remove(os.path.join(machine_dir, "index", name))
+    merged = run_in_process("pipeline.index", "--activations_dir", activations, "--output", index)
+    assert merged.returncode == 0, merged.stderr
+    return index, merged.stderr
+
+
+def test_a_whole_store_normalizes_by_the_mean_norm_of_every_stored_token(store):
+    index = os.path.join(store, "index.parquet")
+    with open(merged_metadata_path(index)) as f:
+        assert json.load(f)["statistics"] == {"machines": [0, 1], "without": [], "mismatch": None}
+    rows = np.concatenate(list(stored_tokens(index, [0]).values())).astype(np.float64)  # [tokens, 8]
+    factor = np.sqrt(STORE.hidden_size) / np.linalg.norm(rows, axis=1).mean()
+    loader = TokenLoader(LoaderConfig(index=index, layers=(0,), batch_tokens=len(rows), normalize="mean_norm"))
+    batch = next(iter(loader))
+    expected = {(s, p): rows_of[p] * factor for (s, _), rows_of in stored_tokens(index, [0]).items()
+                for p in range(len(rows_of))}
+    for row, (s, p) in enumerate(zip(batch.sample_ids.tolist(), batch.positions.tolist())):
+        np.testing.assert_allclose(batch.activations[0][row], expected[s, p], rtol=1e-5)
+
+
+def test_statistics_of_one_machine_of_two_are_written_for_no_reader(store, tmp_path):
+    index, merge_log = without_statistics(store, tmp_path, [1])
+    assert [line.split(" ", 2)[2] for line in merge_log.splitlines()] == [  # the time stamp cut
+        f"WARNING activations.index: no {stats_path(index)}: {PARTIAL}"]
+    assert not os.path.exists(stats_path(index))  # the earlier merge's, of every shard: gone
+    with pytest.raises(UserError) as refused:
+        TokenLoader(LoaderConfig(index=index, layers=(0,), normalize="mean_norm"))
+    assert str(refused.value) == f"{index!r}: {PARTIAL}"
+    exported = run_in_process("pipeline.export", "--format", "flat", "--index", index, "--layers", "0",
+                              "--normalize", "standardize", "--output_dir", str(tmp_path / "export"))
+    one_line_error(exported, f"{index!r}: {PARTIAL}", "pipeline.export")
+    probed = run_in_process("runners.probe", "--index", index, "--label", "label", "--layers", "0", "--no_chart",
+                            "--output_dir", str(tmp_path / "probe"))
+    assert probed.returncode == 0, probed.stderr
+    assert f"no diff-in-means baseline: {index!r}: {PARTIAL}" in probed.stderr
+    arrays, _ = read_directions(str(tmp_path / "probe" / "directions.npz"))
+    assert sorted(arrays) == ["probe/blocks.0.hook_resid_post"]  # no diff-in-means of machine 0's tokens alone
+
+
+def test_a_store_without_statistics_says_how_to_get_them(store, tmp_path):
+    index, _ = without_statistics(store, tmp_path, [0, 1])
+    assert not os.path.exists(stats_path(index))
+    with pytest.raises(UserError) as refused:
+        TokenLoader(LoaderConfig(index=index, layers=(0,), normalize="standardize"))
+    assert str(refused.value) == f"{index!r}: {NONE}"
+
+
+def test_an_index_merged_before_the_coverage_was_recorded_is_checked_by_its_counts(store, tmp_path):
+    """As an earlier merge left a partial store: the statistics of machine 0's shards alone and no
+    coverage record. Their counts against the stored rows refuse them; a whole store's pass."""
+    index, _ = without_statistics(store, tmp_path, [1])
+    machine_0 = tmp_path / "activations" / "machine_000" / "index"
+    write_index(merge_stats_files([str(p) for p in machine_0.glob("*_stats.parquet")]), stats_path(index))
+    with open(merged_metadata_path(index)) as f:
+        metadata = json.load(f)
+    del metadata["statistics"]
+    with open(merged_metadata_path(index), "w") as f:
+        json.dump(metadata, f)
+    machines = read_parquet(index, columns=["sample_id", "machine_id"]).to_pandas().set_index("sample_id").machine_id
+    tokens = {s: len(rows) for (s, _), rows in stored_tokens(index, [0]).items()}
+    on_0 = sum(n for s, n in tokens.items() if machines[s] == 0)
+    with pytest.raises(UserError) as refused:
+        TokenLoader(LoaderConfig(index=index, layers=(0,), normalize="mean_norm"))
+    assert str(refused.value).startswith(f"{index!r}: the statistics count other rows than the store holds (layer 0: "
+                                         f"statistics of {on_0} rows, {sum(tokens.values())} stored)")
+    whole = str(tmp_path / "whole")
+    shutil.copytree(store, whole)
+    with open(merged_metadata_path(os.path.join(whole, "index.parquet"))) as f:
+        metadata = json.load(f)
+    del metadata["statistics"]
+    with open(merged_metadata_path(os.path.join(whole, "index.parquet")), "w") as f:
+        json.dump(metadata, f)
+    TokenLoader(LoaderConfig(index=os.path.join(whole, "index.parquet"), layers=(0,), normalize="mean_norm"))

@@ -11,8 +11,7 @@ import pytest
 
 from common.cli import UserError
 from common.stream_format import StreamFormatError, json_line, part_filename, stream_dirname, stream_filename
-from common.stream_reader import StreamNotFound, machine_stream, manifest_entries, open_stream
-from host.stream import stream_records
+from common.stream_reader import StreamNotFound, machine_stream, manifest_entries, open_stream, stream_records
 
 
 def split_stream(streams: pathlib.Path, machine: int, cuts: Sequence[int]) -> list[pathlib.Path]:
