@@ -1,7 +1,8 @@
 """``python -m runners.dashboard``: feature dashboards of a 2-machine store, checked against a plain
 numpy recomputation over every stored token (top tokens, density, histograms, intervals, contexts,
 logit effects through the checkpoint's unembedding as transformers holds it), written
-byte-identically by 1 and 2 workers, read back by SAELens and DuckDB; bad input in one line."""
+byte-identically by 1 and 2 workers, read back by SAELens and DuckDB; bad input in one line.
+Every test here runs dashboard jobs over a store (end-to-end: marked slow)."""
 
 import json
 import os
@@ -14,15 +15,17 @@ import pytest
 
 from activations.index import arrays_path
 from activations.reader import read_activations
-from features.neuronpedia import percent_share, token_strings
-from features.spread import BINS, INTERVALS, histogram_range, interval_bounds
+from features.neuronpedia import token_strings
 from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from fixtures.stored_activations import StoredSpec, stream_token_ids, write_stored
 from fixtures.tiny_models import write_checkpoint
 from tests.conftest import run_in_process
 from tests.test_host_errors import one_line_error
 
+pytestmark = pytest.mark.slow
+
 HIDDEN, D_SAE, LENGTH = 64, 24, 16  # the tiny Qwen2's width; every sample LENGTH tokens (SAEDashboard's prompts)
+BINS, INTERVALS = 50, 5  # SAEDashboard's histogram bins and activation intervals (docs/dashboards.md)
 SPEC = StoredSpec(num_machines=2, samples_per_machine=6, lengths=(LENGTH, LENGTH), hidden_size=HIDDEN, layers=(1,),
                   vocab_size=5000, seed=1, shard_size_bytes=12_000)
 
@@ -64,7 +67,8 @@ def written(setup, tmp_path_factory):
     return out
 
 
-def plain_activations(setup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@pytest.fixture(scope="module")
+def plain(setup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(activations [tokens, F] float64 as the SAE with unit decoder rows gives them, sample ids,
     positions) of every stored token, from the stored arrays and the saved weights."""
     from safetensors.numpy import load_file
@@ -80,18 +84,26 @@ def plain_activations(setup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return acts, sample_ids, positions
 
 
-def plain_unembedding(model: str) -> np.ndarray:
-    """TransformerLens's W_U [hidden, vocab] from transformers' weights: the final norm folded in, centred."""
+@pytest.fixture(scope="module")
+def unembedding(setup) -> np.ndarray:
+    """TransformerLens's W_U [hidden, vocab] from transformers' weights: the final norm folded in,
+    centred (the checkpoint loaded once for the module)."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(setup[1])
     folded = hf.model.norm.weight.detach().double().numpy()[:, None] * hf.lm_head.weight.detach().double().numpy().T
     return folded - folded.mean(axis=1, keepdims=True)
 
 
-def vocabulary(model: str) -> dict[str, int]:
+@pytest.fixture(scope="module")
+def vocab(setup) -> dict[str, int]:
     """The tokenizer's strings -> ids, added tokens included (what SAEDashboard reads: ``tokenizer.vocab``)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model).vocab
+    return AutoTokenizer.from_pretrained(setup[1]).vocab
+
+
+def percent(share: float) -> float:
+    """A share as a percentage to 3 places, over 100 (docs/dashboards.md: frac_nonzero, an interval's share)."""
+    return round(share * 100, 3) / 100
 
 
 def files(root: pathlib.Path) -> dict[str, bytes]:
@@ -103,13 +115,14 @@ def features_of(out: pathlib.Path) -> list[dict]:
     return [f for path in batches for f in json.loads(path.read_text())["features"]]
 
 
-def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, written):
-    acts, sample_ids, positions = plain_activations(setup)
+def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, written, plain, vocab):
+    import torch
+    acts, sample_ids, positions = plain
     tokens, features = len(acts), features_of(written)
     assert [f["feature_index"] for f in features] == list(range(D_SAE))
     assert [len(json.loads(p.read_text())["features"]) for p in sorted(written.glob("batch-*.json"))] == [8, 8, 8]
     top = pq.read_table(written / "top_activations.parquet").to_pandas()
-    strings = token_strings(vocabulary(setup[1]), 0)
+    strings = token_strings(vocab, 0)
     ids = stream_token_ids(os.path.dirname(setup[0]))
     for f, feature in enumerate(features):
         values = acts[:, f]
@@ -119,11 +132,11 @@ def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, 
         assert mine["position"].tolist() == positions[order].tolist()
         np.testing.assert_allclose(mine["value"], values[order], rtol=1e-5, atol=1e-5)
         positive = values[values > 0]
-        assert feature["frac_nonzero"] == (percent_share(len(positive) / tokens) if len(positive) else 0)
-        if len(positive):  # the histogram: torch.histc's bins over [least, maximum] of the values above 0
-            lo, hi = (float(x) for x in histogram_range(positive.min(), positive.max()))
+        assert feature["frac_nonzero"] == (percent(len(positive) / tokens) if len(positive) else 0)
+        if len(positive):  # the histogram: torch.histc's, over its default range [least, maximum] of the values
+            counts = torch.histc(torch.from_numpy(positive.astype(np.float32)), bins=BINS).numpy()
+            lo, hi = positive.min(), positive.max()
             edges = lo + (hi - lo) * np.arange(1, BINS) / BINS
-            counts = np.bincount(np.searchsorted(edges, positive, side="right"), minlength=BINS)
             near_edge = int((np.abs(positive[:, None] - edges) < 1e-4 * hi).sum())  # float32 rounding may move these
             assert np.abs(np.array(feature["freq_hist_data_bar_heights"]) - counts).sum() <= 2 * near_edge
         else:
@@ -135,15 +148,15 @@ def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, 
             assert example["tokens"] == [strings[t] for t in ids[s][1:LENGTH]]
             assert example["qualifying_token_index"] == p - 1
             np.testing.assert_allclose(example["values"], np.round(acts[sample_ids == s, f][1:], 3), atol=1.01e-3)
-        bounds = interval_bounds(np.array([values.max()], np.float32))[0].astype(np.float64)
+        bounds = np.linspace(0, values.max(), INTERVALS + 1)  # equal-width intervals over [0, maximum]
         intervals = [a for a in feature["activations"] if a["bin_min"] != -1]
         for i in range(INTERVALS) if len(positive) else ():  # highest first; each example inside its interval
             low, high = bounds[INTERVALS - 1 - i], bounds[INTERVALS - i]
             inside = (values >= low - 1e-5) & (values <= high + 1e-5)
-            group = [a for a in intervals if a["bin_max"] == float(f"{high:.3f}")]
+            group = [a for a in intervals if abs(a["bin_max"] - high) < 6e-4]  # written to 3 places
             assert len(group) == min(5, int(inside.sum()))
             for example in group:
-                assert example["bin_contains"] == percent_share(inside.sum() / tokens)
+                assert example["bin_contains"] == percent(inside.sum() / tokens)
                 if example["qualifying_token_index"] >= 0:  # -1: a sample's first token, not shown (SAEDashboard's)
                     value = example["values"][example["qualifying_token_index"]]
                     assert low - 1e-3 <= value <= high + 1e-3
@@ -157,13 +170,14 @@ def test_every_number_is_the_plain_recomputation_over_every_stored_token(setup, 
     assert manifest["tokens_read"] == tokens and manifest["logit_effects"] and not (written / "_work").exists()
 
 
-def test_logit_effects_are_the_unit_decoder_rows_through_the_folded_centred_unembedding(setup, written):
+def test_logit_effects_are_the_unit_decoder_rows_through_the_folded_centred_unembedding(setup, written, unembedding,
+                                                                                        vocab):
     from safetensors.numpy import load_file
     from features.dashboard import logit_effects
     decoder = load_file(os.path.join(setup[2], "sae_weights.safetensors"))["W_dec"].astype(np.float64)
-    logits = (decoder / np.linalg.norm(decoder, axis=1, keepdims=True)) @ plain_unembedding(setup[1])  # [F, vocab]
+    logits = (decoder / np.linalg.norm(decoder, axis=1, keepdims=True)) @ unembedding  # [F, vocab]
     ours = logit_effects((decoder / np.linalg.norm(decoder, axis=1, keepdims=True)).astype(np.float32),
-                         plain_unembedding(setup[1]).astype(np.float32))
+                         unembedding.astype(np.float32))
     scale = np.abs(logits).max()
     for f in range(D_SAE):
         top, bottom = np.argsort(-logits[f])[:10], np.argsort(logits[f])[:10]
@@ -171,7 +185,7 @@ def test_logit_effects_are_the_unit_decoder_rows_through_the_folded_centred_unem
         np.testing.assert_allclose(ours.top_values[f], logits[f, top], rtol=1e-5, atol=1e-5 * scale)
         np.testing.assert_allclose(ours.bottom_values[f], logits[f, bottom], rtol=1e-5, atol=1e-5 * scale)
         assert ours.histogram[f].sum() == logits.shape[1]
-    strings = token_strings(vocabulary(setup[1]), logits.shape[1])
+    strings = token_strings(vocab, logits.shape[1])
     for f, feature in enumerate(features_of(written)):  # the job's own, from model.unembedding
         assert feature["pos_str"] == [strings[i] for i in np.argsort(-logits[f])[:10]]
         assert feature["neg_str"] == [strings[i] for i in np.argsort(logits[f])[:10]]
@@ -228,7 +242,7 @@ def test_bad_input_is_one_line(setup, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written before the job could run
 
 
-def test_saelens_reads_the_sparsity_beside_the_sae_from_the_hub(setup, written, tmp_path, monkeypatch):
+def test_saelens_reads_the_sparsity_beside_the_sae_from_the_hub(setup, written, plain, tmp_path, monkeypatch):
     """``SAE.from_pretrained_with_cfg_and_sparsity`` over the real hub client, offline, from a hub
     cache holding the SAE with the job's sparsity.safetensors beside it."""
     from fixtures.hub_cache import write_hub_cache
@@ -241,11 +255,11 @@ def test_saelens_reads_the_sparsity_beside_the_sae_from_the_hub(setup, written, 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     from sae_lens import SAE
     _, _, sparsity = SAE.from_pretrained_with_cfg_and_sparsity("tests/dashboard-sae", "layer_1")
-    acts, _, _ = plain_activations(setup)
+    acts, _, _ = plain
     np.testing.assert_allclose(sparsity.numpy(), np.log10((acts > 0).mean(axis=0) + 1e-10), rtol=1e-6)
 
 
-def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, written, tmp_path):
+def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, written, plain, vocab, tmp_path):
     """SAEDashboard 0.8.0, in an environment of its own (tests/saedashboard.py), loads every batch
     file with NeuronpediaDashboardBatch, finds exactly its keys, and its SequenceDataGenerator,
     ActsHistogramData.from_data and get_logits_table_data, fed the same arrays, agree feature by
@@ -256,7 +270,7 @@ def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, 
     from model.unembedding import folded_unembedding
     from tests.saedashboard import saedashboard_python
     index, model, sae = setup
-    acts, sample_ids, positions = plain_activations(setup)
+    acts, sample_ids, positions = plain
     ids = stream_token_ids(os.path.dirname(index))
     samples = sorted(ids)
     # The job's own logits (their values are checked against transformers' weights above): SAEDashboard
@@ -264,7 +278,7 @@ def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, 
     features = folded(load_features(sae))
     unit = features.decoder / np.linalg.norm(features.decoder, axis=1, keepdims=True)
     logits = np.concatenate([np.asarray(part) for part in logit_vectors(unit, folded_unembedding(model))])  # [F, V]
-    by_id = {i: text for text, i in vocabulary(model).items()}
+    by_id = {i: text for text, i in vocab.items()}
     np.savez(tmp_path / "input.npz", tokens=np.array([ids[s] for s in samples], np.int64),  # [B, S]
              feature_acts=acts.T.reshape(D_SAE, len(samples), LENGTH).astype(np.float32),  # [F, B, S]
              feature_indices=np.arange(D_SAE), logits=logits.astype(np.float32),
@@ -284,7 +298,8 @@ def top_rows(out: pathlib.Path) -> dict[int, list[tuple]]:
     return {int(f): list(zip(g.sample_id, g.position, g.value)) for f, g in table.groupby("feature")}
 
 
-def test_a_subset_of_features_neurons_directions_and_topk_keep_their_numbers_and_values(setup, written, tmp_path):
+def test_a_subset_of_features_neurons_directions_and_topk_keep_their_numbers_and_values(setup, written, unembedding,
+                                                                                        vocab, tmp_path):
     import sae_lens
     import torch
     from sae_lens.saes.sae import SAEMetadata
@@ -311,8 +326,7 @@ def test_a_subset_of_features_neurons_directions_and_topk_keep_their_numbers_and
         values = [(s, p, stored[s, 1][p, dim].astype(np.float32)) for s in ids for p in range(2, LENGTH)]
         expected = sorted(values, key=lambda t: (-t[2], t[0], t[1]))[:20]
         assert dim in (41, 43) and [(s, p) for s, p, _ in rows] == [(s, p) for s, p, _ in expected]
-    unembedding = plain_unembedding(model)
-    strings = token_strings(vocabulary(model), unembedding.shape[1])
+    strings = token_strings(vocab, unembedding.shape[1])
     for feature in features_of(tmp_path / "neurons"):
         assert feature["pos_str"] == [strings[i] for i in np.argsort(-unembedding[feature["feature_index"]])[:10]]
     # Directions: signed projections, named in dashboard.json.
