@@ -37,10 +37,10 @@ from interventions.spec import Atom, Intervention
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import sown_value
-from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays
+from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays, padded_heads
 from model.loading import LoadedModel
 from model.scoring import causal_mask
-from model.sites import ATTN_Z, RESID_POST, RESID_PRE, array_key, describe_key
+from model.sites import ATTN_Z, RESID_POST, RESID_PRE, array_key, describe_key, hook_name, missing_reason
 
 ROWS_PER_FORWARD = 32  # cells patched in one batched forward
 
@@ -160,24 +160,68 @@ def _forward(config: DecoderConfig, patched: bool):
     return jax.jit(run)
 
 
-def site_values(outputs: list, sites: dict, site: str, layers: int) -> np.ndarray:
-    """[L, B, S, W]: what every block had at ``site``, from a forward's outputs and sown sites."""
+def site_values(config: DecoderConfig, outputs: list, sites: dict, site: str) -> np.ndarray:
+    """[L, B, S, W]: what every block had at ``site``, from a forward's outputs and sown sites (at
+    ``attn.hook_z`` each head padded to the widest, ``padded_heads``: W = N * the widest head;
+    zeros at a Gated DeltaNet block, which has no heads to patch)."""
+    layers = config.num_hidden_layers
     if site == RESID_POST:
         return np.stack([np.asarray(o) for o in outputs])
     if site == RESID_PRE:
         return np.stack([np.asarray(sites["embeddings"][0])] + [np.asarray(o) for o in outputs[:layers - 1]])
+    if site == ATTN_Z:
+        n, widest = config.num_attention_heads, config.max_head_dim
+        none = np.zeros((*outputs[0].shape[:2], n * widest), np.float32)  # [B, S, N*widest]
+        return np.stack([none if config.is_deltanet(i) else
+                         padded_heads(np.asarray(sown_value(sites[f"layers_{i}"], site)), n, widest)
+                         for i in range(layers)])
     return np.stack([np.asarray(sown_value(sites[f"layers_{i}"], site)) for i in range(layers)])
 
 
 def clean_values(loaded: LoadedModel, prompt: tuple[int, ...], site: str) -> np.ndarray:
-    """[L, S, W]: a prompt's value at ``site`` in every block."""
+    """[L, S, W]: a prompt's value at ``site`` in every block (``site_values``)."""
+    _check_site(loaded.config, site)
     _, outputs, sites = _forward(loaded.config, False)(loaded.params, jnp.asarray([prompt]), None)
-    return site_values(outputs, sites, site, loaded.config.num_hidden_layers)[:, 0]
+    return site_values(loaded.config, outputs, sites, site)[:, 0]
 
 
-def values_by_block(values: np.ndarray, site: str) -> dict[tuple[str, int], np.ndarray]:
-    """{(site, block): [S, W]} of one site's values [L, S, W]: what the metrics below patch from."""
+def values_by_block(values: np.ndarray | Sequence[np.ndarray], site: str) -> dict[tuple[str, int], np.ndarray]:
+    """{(site, block): [S, W]} of one site's values, [L, S, W] or one [S, W] per block (at
+    ``attn.hook_z``, each block's own width or padded to the widest): what the metrics below patch from."""
     return {(site, layer): value for layer, value in enumerate(values)}
+
+
+def _check_site(config: DecoderConfig, site: str) -> None:
+    """``UserError`` for a site some block lacks (``attn.hook_z`` of a Gated DeltaNet block): a
+    grid covers every block."""
+    reason = next((r for layer in range(config.num_hidden_layers) if (r := missing_reason(site, config, layer))), None)
+    if reason:
+        raise UserError(f"no grid of {site} over every block: {reason}")
+
+
+def checked_values(config: DecoderConfig, pair: Pair, values: Mapping[tuple[str, int], np.ndarray]
+                   ) -> dict[tuple[str, int], np.ndarray]:
+    """``values`` ({(site, block): the clean prompt's [S, W]}) as the metrics read them (float32,
+    ``attn.hook_z`` padded to the widest head); ``UserError`` in one line for values of another
+    number of tokens than the pair's clean prompt (another tokenization: a BOS more or less), of
+    another width than the block's, or at a block without the site."""
+    out = {}
+    for (site, layer), value in values.items():
+        value = np.asarray(value, np.float32)
+        name = hook_name(site, layer)
+        if reason := missing_reason(site, config, layer):
+            raise UserError(f"pair {pair.name!r}: no patch at {name}: {reason}")
+        if value.ndim != 2 or value.shape[0] != len(pair.clean):
+            raise UserError(f"pair {pair.name!r}: the clean values at {name} are of shape {value.shape}, the clean "
+                            f"prompt has {len(pair.clean)} tokens: values of another tokenization (pipeline.prepare's "
+                            "and ablation.patching.pairs_from_rows' put the same BOS in front)")
+        n, head = config.num_attention_heads, config.layer_config(layer).head_dim
+        widths = (n * head, n * config.max_head_dim) if site == ATTN_Z else (config.hidden_size,)
+        if value.shape[1] not in widths:
+            raise UserError(f"pair {pair.name!r}: the clean values at {name} are {value.shape[1]} wide, the block's "
+                            f"are {widths[0]}: values of another model")
+        out[site, layer] = padded_heads(value, n, config.max_head_dim) if site == ATTN_Z else value
+    return out
 
 
 def logit_diff(logits: np.ndarray, pair: Pair) -> np.ndarray:
@@ -210,7 +254,8 @@ def normalize(metric: np.ndarray, clean: float, corrupted: float) -> np.ndarray:
 def exact_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
                   values: Mapping[tuple[str, int], np.ndarray]) -> np.ndarray:
     """[cells]: the corrupted run's logit difference with each cell patched from ``values``
-    ({(site, block): the clean prompt's [S, W]}), ``ROWS_PER_FORWARD`` cells a forward."""
+    ({(site, block): the clean prompt's [S, W]}, ``checked_values``), ``ROWS_PER_FORWARD`` cells a forward."""
+    values = checked_values(loaded.config, pair, values)
     return np.concatenate([np.zeros(0)] + [_patched_forward(loaded, pair, patched[i:i + ROWS_PER_FORWARD], values)
                                            for i in range(0, len(patched), ROWS_PER_FORWARD)])
 
@@ -251,9 +296,11 @@ def patching_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray
     """The grid of one site: [L, S] (a stream site, each (block, position) patched alone) or, for
     ``attn.hook_z``, [L, S, N] (each head at each position), of the corrupted run's logit difference
     with the clean value put back there (``normalized``: 0 corrupted, 1 clean). ``values``
-    [L, S, W]: the clean prompt's values at ``site`` (default: from its run)."""
+    [L, S, W] or one [S, W] per block: the clean prompt's values at ``site`` (default: from its
+    run; ``checked_values`` refuses another length or width in one line)."""
     pair.equal_lengths()
     c = loaded.config
+    _check_site(c, site)
     values = clean_values(loaded, pair.clean, site) if values is None else values
     heads = c.num_attention_heads if site == ATTN_Z else None
     scores = exact_metrics(loaded, pair, grid_cells(site, c.num_hidden_layers, len(pair.corrupted), heads),
@@ -267,9 +314,10 @@ def patching_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray
 def _metric_gradient(config: DecoderConfig, site: str):
     """(delta [L, 1, S, W], params, ids [1, S], arrays, answer, wrong) -> (the logit difference, its
     gradient with respect to ``delta``, added at ``site`` of every block): one jitted program per
-    site (compiled per prompt length). Its attention is the fused kernel's
-    (``jax.nn.dot_product_attention``): the tiled one's loop has bounds reverse mode cannot differentiate."""
-    decoder, layers = Decoder(config, jnp.float32, attention="fused"), config.num_hidden_layers
+    site (compiled per prompt length). Its attention is the one-shot kernel over the causal mask
+    (``model.decoder.attended``'s ``dense``, which takes windows, soft-caps and sinks): the tiled
+    one's loop has bounds reverse mode cannot differentiate."""
+    decoder, layers = Decoder(config, jnp.float32, attention="dense"), config.num_hidden_layers
 
     def metric(delta, params, ids, arrays, answer, wrong):
         positions = jnp.arange(ids.shape[1])[None]
@@ -290,6 +338,7 @@ def attribution_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell]
     prompt per site; (the estimates [cells], the backward passes run)."""
     c = loaded.config
     layers, length = c.num_hidden_layers, len(pair.corrupted)
+    values = checked_values(c, pair, values)
     sites = sorted({patch.site for cell in patched for patch in cell})
     if not sites:
         return np.zeros(len(patched)), 0
@@ -297,7 +346,7 @@ def attribution_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell]
     _, outputs, sown = _forward(c, False)(loaded.params, ids, None)
     corrupted, gradients, metric = {}, {}, 0.0
     for site in sites:
-        corrupted[site] = site_values(outputs, sown, site, layers)[:, 0]  # [L, S, W]
+        corrupted[site] = site_values(c, outputs, sown, site)[:, 0]  # [L, S, W] (attn.hook_z: padded heads)
         delta = jnp.zeros((layers, 1, length, corrupted[site].shape[-1]), jnp.float32)
         value, gradient = _metric_gradient(c, site)(delta, loaded.params, ids, kept_arrays(c, layers), pair.answer,
                                                     pair.wrong)
@@ -320,6 +369,7 @@ def attribution_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndar
     [L, S, N] for ``attn.hook_z``."""
     pair.equal_lengths()
     c = loaded.config
+    _check_site(c, site)
     values = clean_values(loaded, pair.clean, site) if values is None else values  # [L, S, W]
     heads = c.num_attention_heads if site == ATTN_Z else None
     estimate, _ = attribution_metrics(loaded, pair, grid_cells(site, c.num_hidden_layers, len(pair.corrupted), heads),
@@ -393,19 +443,19 @@ def paired(items: Sequence[dict[str, Any]]) -> list[Pair]:
 
 def pairs_from_rows(rows: list[dict[str, Any]], tokenizer: Any) -> list[Pair]:
     """The pairs of a paired dataset's rows (``pair``, ``variant`` clean | corrupted, ``text``,
-    ``answer``, ``wrong_answer``: the clean row's answer tokens), tokenized by ``tokenizer``
-    (without special tokens), as ``pipeline.prepare --answer_columns`` tokenizes them; a missing
-    twin, prompts of unequal lengths or an answer that is not one token refused in one line."""
-    items = []
-    for row in rows:
-        answers = []
-        for column in ("answer", "wrong_answer"):
-            ids = tokenizer(row[column], add_special_tokens=False)["input_ids"]
-            if len(ids) != 1:
-                raise UserError(f"pair {row['pair']!r}: {column} {row[column]!r} is {len(ids)} tokens, not one")
-            answers.append(ids[0])
-        items.append({"pair": row["pair"], "variant": row["variant"], "answers": answers,
-                      "ids": tokenizer(row["text"], add_special_tokens=False)["input_ids"]})
+    ``answer``, ``wrong_answer``: the clean row's answer tokens), tokenized by ``tokenizer`` with
+    ``pipeline.prepare``'s own tokenization of a text column with ``--answer_columns
+    answer,wrong_answer`` (``transforms.tokenize.tokenize_samples``: the BOS in front where the
+    tokenizer adds one), so that a store's values of the same rows fit these pairs token for
+    token; a missing twin, prompts of unequal lengths or an answer that is not one token refused
+    in one line."""
+    from transforms.samples import Sample
+    from transforms.tokenize import tokenize_samples
+    samples = [Sample(i, "pairs", text=row["text"], answer_texts=(row["answer"], row["wrong_answer"]),
+                      origin=f"pair {row['pair']!r}, {row['variant']}") for i, row in enumerate(rows)]
+    items = [{"pair": row["pair"], "variant": row["variant"], "answers": list(sample.answers),
+              "ids": list(sample.input_ids), "roles": sample.roles}
+             for row, sample in zip(rows, tokenize_samples(tokenizer, samples, None))]
     pairs = paired(items)
     for pair in pairs:
         pair.equal_lengths()

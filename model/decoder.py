@@ -83,7 +83,7 @@ class Attention(nn.Module):
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # where the batch lives; causal attention then runs per device
-    attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused | cudnn (fused_attention)
+    attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused | cudnn (fused_attention) | dense
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, o_proj returns it
     window: int | None = None   # this layer's sliding window (None: every earlier key)
 
@@ -160,8 +160,9 @@ class Attention(nn.Module):
 def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh: Mesh | None, window: int | None,
              precision, accumulate, divisor: float | None, cached: bool, sinks=None) -> jax.Array:
     """Attention of q [B, S, K, G, D] over k [B, T, K, D] and v [B, T, K, Dv] (``cached``: keys at
-    cache slots, one-shot; else causal, by ``kernel``) -> [B, S, K, G, Dv]. ``divisor``: None when q
-    comes scaled already; ``sinks`` [K, G] or None."""
+    cache slots, one-shot; else causal, by ``kernel``; ``dense``: one-shot over the causal mask,
+    whose reverse mode works with windows, soft-caps and sinks alike: attribution patching's)
+    -> [B, S, K, G, Dv]. ``divisor``: None when q comes scaled already; ``sinks`` [K, G] or None."""
     c = config
     if not cached and kernel in ("fused", "cudnn"):
         if sinks is not None:
@@ -175,7 +176,7 @@ def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh:
         scale = 1.0 if divisor is None else (None if default else 1 / divisor)
         out = fused_attention(q, k, v, mask, precision, scale, window, "cudnn" if kernel == "cudnn" else None)
         return out[..., :dv]
-    if not cached:
+    if not cached and kernel != "dense":
         return causal_attention(q, k, v, mask, precision, mesh, accumulate, divisor, c.attn_logit_softcap, window,
                                 sinks)
     return dense_attention(q, k, v, windowed(mask, positions, window), precision, accumulate, divisor,
@@ -185,19 +186,22 @@ def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh:
 def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
     """Attention's per-head output [B, S, N, D] as o_proj reads it, [B, S, N*D] (``attn.hook_z``,
     sown by ``module``): heads not kept (``heads``: keep [N], fill [N], mean [N, D'], then a
-    patch's slots of values [K, B, S, N*D] and (token, head)s [K, B, S, N], and a delta
-    [B, S, N*D] added, or None) replaced by zero or their mean, patched ones by the patch's values."""
+    patch's slots of values [K, B, S, N*D'] and (token, head)s [K, B, S, N], and a delta
+    [B, S, N*D'] added, or None) replaced by zero or their mean, patched ones by the patch's values.
+    D' >= D: the means, values and delta of every block are padded to the widest head
+    (``model.interventions.padded_heads``); this block reads each head's first D."""
     b, s, n, d = out.shape
     module.sow("stats", "heads", out)
     if heads is not None:
         keep, fill, mean, values, tokens, delta = heads
-        mean = mean[:, :d]  # [N, D]: the means of every block are padded to the widest head
+        mean = mean[:, :d]  # [N, D]
         replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
         out = jnp.where(keep[:, None], out, replaced)
         for slot in range(0 if values is None else values.shape[0]):  # a patch's values at its (token, head)s
-            out = jnp.where(tokens[slot][..., None], values[slot].reshape(b, s, n, d).astype(out.dtype), out)
-        if delta is not None:  # attribution patching's point of differentiation, [B, S, N*D]
-            out = out + delta.reshape(b, s, n, d).astype(out.dtype)
+            value = values[slot].reshape(b, s, n, -1)[..., :d]  # [B, S, N, D]
+            out = jnp.where(tokens[slot][..., None], value.astype(out.dtype), out)
+        if delta is not None:  # attribution patching's point of differentiation, [B, S, N*D']
+            out = out + delta.reshape(b, s, n, -1)[..., :d].astype(out.dtype)
     out = out.reshape(b, s, n * d)  # [B, S, N*D]
     module.sow("sites", ATTN_Z, out)
     return out
@@ -568,7 +572,7 @@ class Decoder(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None  # the mesh the batch is sharded over, if any (see causal_attention)
     chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
-    attention: str = "tiled"         # tiled | fused | cudnn: see model.attention.attention_for
+    attention: str = "tiled"         # tiled | fused | cudnn: see model.attention.attention_for; dense: ``attended``
     residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
     mlp_hidden: bool = False         # the blocks sow the MLP's hidden activation too (``sites``)
     moe_dispatch: str = "auto"       # how a mixture of experts dispatches tokens (model.config.MOE_DISPATCHES)

@@ -152,10 +152,26 @@ def add_patch(arrays: dict[str, np.ndarray], site: str, layer: int, values: np.n
 
 def add_head_patch(arrays: dict[str, np.ndarray], layer: int, values: np.ndarray, chosen: np.ndarray) -> None:
     """Block ``layer``'s attention heads' outputs (``attn.hook_z``, [B, S, N*D]) replaced by
-    ``values`` at the (token, head)s ``chosen`` [B, S, N] (bool) of each row of a batch."""
-    heads = chosen.shape[-1]
-    per_head = np.repeat(chosen, values.shape[-1] // heads, axis=-1)  # [B, S, N*D]
+    ``values`` at the (token, head)s ``chosen`` [B, S, N] (bool) of each row of a batch. ``values``
+    of the block's own head size D or padded to the widest (``padded_heads``): the slots hold every
+    block's padded, as the means are."""
+    heads, widest = chosen.shape[-1], arrays["head_mean"].shape[-1]  # kept_arrays pads the means to the widest
+    values = padded_heads(values, heads, widest)  # [B, S, N*widest]
+    per_head = np.repeat(chosen, widest, axis=-1)  # [B, S, N*widest]
     _add_to_slots(arrays, ATTN_Z, layer, values, chosen, per_head)
+
+
+def padded_heads(values: np.ndarray, heads: int, width: int) -> np.ndarray:
+    """Per-head values [..., N*D] (``attn.hook_z`` of a block whose heads are D wide) with each
+    head's slice zero-padded to ``width`` -> [..., N*width]: how a patch's values and attribution's
+    delta lie over blocks of other head sizes (Gemma 4's full-attention blocks); the forward reads
+    each block's first D of every head (``model.decoder.heads_output``)."""
+    d = values.shape[-1] // heads
+    if d == width:
+        return values
+    split = values.reshape(*values.shape[:-1], heads, d)  # [..., N, D]
+    padded = np.pad(split, [(0, 0)] * (split.ndim - 1) + [(0, width - d)])  # [..., N, width]
+    return padded.reshape(*values.shape[:-1], heads * width)
 
 
 def _add_to_slots(arrays: dict[str, np.ndarray], site: str, layer: int, values: np.ndarray, where: np.ndarray,
@@ -209,7 +225,9 @@ def block_arrays(arrays: dict[str, np.ndarray], layer: int) -> dict:
 
 def delta_key(site: str) -> str:
     """The name of a [L, B, S, width] array added at ``site`` (zero: nothing changes), whose
-    gradient is the metric's with respect to the site's value: attribution patching's."""
+    gradient is the metric's with respect to the site's value: attribution patching's (at
+    ``attn.hook_z``, width N * the widest head: each block reads its heads' first D,
+    ``padded_heads``)."""
     return f"delta@{site}"
 
 

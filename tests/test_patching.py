@@ -1,7 +1,9 @@
 """Activation patching (``ablation.patching``): every grid equals TransformerLens's own ``patching``
 functions on the same tiny model loaded into both (a GPT-2 and a Llama-style Qwen2), the
 [layers, heads] one through the spec language's ``patch:`` cells; patching every position of a
-block's input recovers the clean run, patching nothing gives the corrupted one."""
+block's input recovers the clean run, patching nothing gives the corrupted one; clean values of
+another length are one line; the library's pairs are tokenized as pipeline.prepare tokenizes (a BOS
+in front). Other families' head layouts: test_patching_families.py."""
 
 import numpy as np
 import pytest
@@ -69,10 +71,15 @@ def test_every_grid_equals_transformer_lens_patching(models):
 def test_patching_every_position_recovers_the_clean_run_and_nothing_the_corrupted(models):
     import jax.numpy as jnp
     from ablation.patching import _forward, logit_diff
+    import torch
     from model.interventions import add_patch, kept_arrays
-    ours, _ = models
+    ours, theirs = models
     pair = a_pair(ours.config.vocab_size)
     clean_run, corrupted_run = baselines(ours, pair)
+    with torch.no_grad():  # TransformerLens's logit differences of the two prompts
+        expected = [float(logits[0, -1, pair.answer] - logits[0, -1, pair.wrong])
+                    for logits in (theirs(torch.tensor([pair.clean])), theirs(torch.tensor([pair.corrupted])))]
+    np.testing.assert_allclose([clean_run, corrupted_run], expected, rtol=1e-5, atol=1e-5 * max(map(abs, expected)))
     grid = patching_grid(ours, pair, RESID_PRE, normalized=True)
     np.testing.assert_allclose(grid[0, [0, 2, 4]], 0, atol=1e-5)  # tokens the pair shares: nothing changes
     # One program for all three: row 0 patched nowhere, row 1 at every position of block 1's input.
@@ -85,6 +92,23 @@ def test_patching_every_position_recovers_the_clean_run_and_nothing_the_corrupte
         k: np.zeros_like(v) for k, v in arrays.items() if k.startswith("patch_tokens")})[0], pair)[0]
     assert abs((recovered - corrupted) / (clean - corrupted) - 1) < 1e-6
     assert abs(corrupted - corrupted_run) < 1e-5 * abs(corrupted_run) and abs(clean - clean_run) < 1e-5 * abs(clean_run)
+
+
+def test_clean_values_of_another_length_are_one_line(models):
+    """Values of a tokenization with a token more (a BOS the pair lacks), or another width, are
+    refused in one line by both grids, before any forward."""
+    from ablation.patching import attribution_grid
+    from common.cli import UserError
+    ours, _ = models
+    pair = a_pair(ours.config.vocab_size)
+    values = np.zeros((ours.config.num_hidden_layers, len(pair.clean) + 1, ours.config.hidden_size), np.float32)
+    for grid in (patching_grid, attribution_grid):
+        with pytest.raises(UserError, match=r"^pair '': the clean values at blocks.0.hook_resid_pre are of shape "
+                                            r"\(6, \d+\), the clean prompt has 5 tokens"):
+            grid(ours, pair, RESID_PRE, values=values)
+        with pytest.raises(UserError, match=r"^pair '': the clean values at blocks.0.hook_resid_pre are 3 wide, "
+                                            r"the block's are \d+: values of another model"):
+            grid(ours, pair, RESID_PRE, values=values[:, 1:, :3])
 
 
 def test_attribution_equals_pytorch_autograd_through_the_same_hooks(models):
@@ -116,11 +140,13 @@ def test_attribution_equals_pytorch_autograd_through_the_same_hooks(models):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(), err_msg=site)
     exact, estimate = patching_grid(ours, pair, RESID_PRE), attribution_grid(ours, pair, RESID_PRE)
     report = agreement(exact, estimate)
-    assert report["correlation"] == np.corrcoef(exact.ravel(), estimate.ravel())[0, 1]
+    x, y = exact.ravel() - exact.mean(), estimate.ravel() - estimate.mean()  # Pearson's r, written out
+    assert abs(report["correlation"] - (x * y).sum() / np.sqrt((x * x).sum() * (y * y).sum())) < 1e-12
     (cell, at_cell, estimated), *_ = report["worst"]
     assert abs(at_cell - estimated) == np.abs(exact - estimate).max() and exact[cell] == at_cell
 
 
+@pytest.mark.slow
 def test_a_grid_patches_the_values_a_store_holds_for_the_clean_sample(tmp_path):
     """The clean values read from a run's store (runners.tpu_host, merged by pipeline.index) are the
     clean run's, and give the same grids without running the clean prompt again."""
@@ -174,3 +200,18 @@ def test_ioi_pairs_tokenize_to_twins_and_bad_pairs_are_one_line(qwen_tokenizer):
                          ([{**rows[0], "answer": " Mary Ann"}, rows[1]], "answer ' Mary Ann' is 2 tokens")):
         with pytest.raises(UserError, match=message):
             pairs_from_rows(bad, qwen_tokenizer)
+
+
+def test_pairs_get_the_bos_prepare_puts_in_front(tmp_path):
+    """A Gemma-style tokenizer's settings put a BOS before every text: the library's pairs start
+    with it as pipeline.prepare's samples do (a byte-level vocabulary: a character's id is its code)."""
+    from ablation.patching import pairs_from_rows
+    from fixtures.family_tokenizers import build_family_tokenizer
+    from transforms.tokenizers import load_tokenizer
+    tokenizer = load_tokenizer(str(build_family_tokenizer("gemma2", tmp_path / "tokenizer")))
+    rows = [{"pair": 0, "variant": "clean", "text": "M and J, J:", "answer": "M", "wrong_answer": "J"},
+            {"pair": 0, "variant": "corrupted", "text": "M and J, M:", "answer": "J", "wrong_answer": "M"}]
+    (pair,) = pairs_from_rows(rows, tokenizer)
+    bos = tokenizer.convert_tokens_to_ids("<bos>")
+    assert pair.clean == (bos, *b"M and J, J:") and pair.corrupted == (bos, *b"M and J, M:")
+    assert (pair.answer, pair.wrong) == (ord("M"), ord("J"))

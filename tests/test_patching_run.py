@@ -1,9 +1,10 @@
 """Activation patching over a paired dataset (``runners.ablate --metric logit_diff``): pairs and
-one-token answers from ``pipeline.prepare``; the runner's grids, with the clean values read from a
-``runners.tpu_host`` store, equal ``ablation.patching``'s (checked against TransformerLens and
-PyTorch autograd in test_patching.py); a whole block's input patched gives the clean run; a
-2-machine store gives the grids of a 1-machine one; a kill -9 resumes without recomputing finished
-cells; bad input is one line."""
+one-token answers from ``pipeline.prepare``, with a tokenizer that puts a BOS in front; the
+runner's grids, with the clean values read from a ``runners.tpu_host`` store, equal
+``ablation.patching``'s on the library's own pairs of the same rows (checked against
+TransformerLens and PyTorch autograd in test_patching.py), and its baselines transformers' logit
+differences; a whole block's input patched gives the clean run; a 2-machine store gives the grids
+of a 1-machine one; a kill -9 resumes without recomputing finished cells; bad input is one line."""
 
 import json
 import pathlib
@@ -17,7 +18,11 @@ import pytest
 from ablation.patching import ROWS_PER_FORWARD
 from tests.conftest import REPO, run_in_process, wait_for
 
+pytestmark = pytest.mark.slow
 LENGTH, PAIRS = 6, 2
+# Pairs for a byte-level tokenizer (fixtures.family_tokenizers: a character is a token): the clean
+# prompt's subject is the second name, the corrupted one's the first, the answer the other name.
+TEMPLATES = ("{A} and {B}, {S}:", "{A} or {B}, {S}:")
 GRIDS = ("patch:*:hook_resid_pre:pos=*", "patch:*:attn.hook_z:heads=*:pos=*", "patch:*:hook_resid_pre")
 SITES = "hook_resid_pre,attn.hook_z"
 
@@ -44,11 +49,21 @@ def write_stream(path, records) -> str:
     return str(path)
 
 
+def letter_rows() -> list[dict]:
+    """``PAIRS`` pairs of the paired layout (``fixtures.ioi``'s) whose names and answers are letters."""
+    rows = []
+    for pair, (template, (a, b)) in enumerate(zip(TEMPLATES, ("MJ", "AT"))):
+        rows += [{"pair": pair, "variant": "clean", "text": template.format(A=a, B=b, S=b), "answer": a,
+                  "wrong_answer": b},
+                 {"pair": pair, "variant": "corrupted", "text": template.format(A=a, B=b, S=a), "answer": b,
+                  "wrong_answer": a}]
+    return rows
+
+
 def prepare(tmp, tokenizer: str, machines: int) -> str:
-    """fixtures.ioi's pairs through pipeline.prepare, as a user prepares a paired dataset."""
-    from fixtures.ioi import ioi_rows
-    write_stream(tmp / "ioi.jsonl", ioi_rows(PAIRS))
-    done = run_in_process("pipeline.prepare", "--dataset", str(tmp / "ioi.jsonl"), "--tokenizer", tokenizer,
+    """``letter_rows`` through pipeline.prepare, as a user prepares a paired dataset."""
+    write_stream(tmp / "pairs.jsonl", letter_rows())
+    done = run_in_process("pipeline.prepare", "--dataset", str(tmp / "pairs.jsonl"), "--tokenizer", tokenizer,
                           "--keep_columns", "pair,variant", "--answer_columns", "answer,wrong_answer",
                           "--num_machines", str(machines), "--output_dir", str(tmp / "streams"))
     assert done.returncode == 0, done.stderr
@@ -69,21 +84,24 @@ def store(tmp, model: str, streams: str, machines: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, qwen_tokenizer_dir):
-    """(the model, its path, a 1-machine prepare of the IOI pairs, its store's index, a 2-machine
-    store's index): a tiny Qwen2 with the real Qwen2.5 vocabulary, its norms' scales spread (so
-    that the clean and corrupted runs' logit differences are far apart)."""
+def setup(tmp_path_factory):
+    """(the model, its path, a 1-machine prepare of ``letter_rows``, its store's index, a 2-machine
+    store's index, the tokenizer's directory): a tiny Qwen2 of a small vocabulary, its norms' scales
+    spread (so that the clean and corrupted runs' logit differences are far apart), and a Gemma-style
+    byte-level tokenizer whose settings put a BOS before every text."""
     import jax.numpy as jnp
-    from fixtures.tiny_models import write_checkpoint
+    from fixtures.family_tokenizers import build_family_tokenizer
+    from fixtures.tiny_models import SMALL_VOCAB, write_checkpoint
     from model.loading import load_model
     tmp = tmp_path_factory.mktemp("patching_run")
-    path = write_checkpoint(tmp / "qwen2", "qwen2", norm_std=0.2)
+    path = write_checkpoint(tmp / "qwen2", "qwen2", norm_std=0.2, vocab_size=SMALL_VOCAB)
+    tokenizer = str(build_family_tokenizer("gemma2", tmp / "tokenizer"))
     (tmp / "one").mkdir()
     (tmp / "two").mkdir()
-    streams = prepare(tmp / "one", qwen_tokenizer_dir, 1)
+    streams = prepare(tmp / "one", tokenizer, 1)
     one = store(tmp / "one", path, streams, 1)
-    two = store(tmp / "two", path, prepare(tmp / "two", qwen_tokenizer_dir, 2), 2)
-    return load_model(path, jnp.float32, with_head=True), path, streams, one, two
+    two = store(tmp / "two", path, prepare(tmp / "two", tokenizer, 2), 2)
+    return load_model(path, jnp.float32, with_head=True), path, streams, one, two, tokenizer
 
 
 def stream_pairs(streams: str) -> list[dict]:
@@ -95,7 +113,7 @@ def stream_pairs(streams: str) -> list[dict]:
 
 
 def ablate(setup, output, *flags: str, grids=GRIDS, index: str | None = None):
-    _, path, stream, one, _ = setup
+    _, path, stream, one, *_ = setup
     return run_in_process("runners.ablate", "--model_path", path, "--stream", stream, "--metric", "logit_diff",
                           "--patch_from", index or one, "--interventions", *grids, "--output_dir", str(output),
                           "--no_tensorboard", *flags)
@@ -108,49 +126,82 @@ def grid_of(results: pd.DataFrame, grid: str, method: str, pair: int, shape: tup
     return rows["logit_diff"].to_numpy().reshape(shape)
 
 
-def test_the_runner_patches_a_stores_values_as_the_library_patches_the_clean_run(setup, tmp_path):
-    """Per pair, the exact and attribution grids of runners.ablate (clean values from the store)
-    equal ablation.patching's with the clean run's; a block's whole input patched recovers the
-    clean run; a 2-machine store gives the same results as a 1-machine one."""
-    from ablation.patching import Pair, attribution_grid, baselines, patching_grid
-    from model.sites import ATTN_Z, RESID_PRE
-    model, _, streams, _, two = setup
-    nothing = "patch:0:hook_resid_pre:tokens=user"  # the prompts have no user tokens: patches nothing
-    twice = "patch:1:hook_resid_pre:pos=0-1"  # two cells of the first grid: computed once
-    done = ablate(setup, tmp_path / "one", "--method", "both", grids=(*GRIDS, nothing, twice))
+NOTHING = "patch:0:hook_resid_pre:tokens=user"  # the prompts have no user tokens: patches nothing
+TWICE = "patch:1:hook_resid_pre:pos=0-1"  # two cells of the first grid: computed once
+
+
+@pytest.fixture(scope="module")
+def both(setup, tmp_path_factory) -> pathlib.Path:
+    """The output of one runners.ablate run of every grid by both methods, beside a cell that
+    patches nothing and two cells of the first grid named again, from the 1-machine store."""
+    output = tmp_path_factory.mktemp("both")
+    done = ablate(setup, output, "--method", "both", grids=(*GRIDS, NOTHING, TWICE))
     assert done.returncode == 0, done.stderr
-    results = pd.read_parquet(tmp_path / "one" / "patching.parquet")
+    return output
+
+
+def test_the_runner_patches_a_stores_values_as_the_library_patches_its_pairs(setup, both, tmp_path):
+    """Per pair of the library's tokenization of the rows (``pairs_from_rows``: the BOS in front,
+    as prepare puts it), the exact and attribution grids of runners.ablate (clean values from the
+    store) equal ablation.patching's with the clean run's, and its baselines are transformers'
+    logit differences; a block's whole input patched recovers the clean run; the store's values a
+    token short (a tokenization without the BOS) are refused in one line; a 2-machine store gives
+    the same results as a 1-machine one."""
+    import torch
+    from ablation.patching import attribution_grid, pairs_from_rows, patching_grid, stored_values
+    from common.cli import UserError
+    from fixtures.hf_reference import load_reference
+    from model.sites import ATTN_Z, RESID_PRE
+    from transforms.tokenizers import load_tokenizer
+    model, path, streams, one, two, tokenizer = setup
+    results = pd.read_parquet(both / "patching.parquet")
     assert not results.duplicated(["intervention", "method", "pair"]).any()
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    pairs = pairs_from_rows(letter_rows(), load_tokenizer(tokenizer))
+    reference = load_reference(path, "float64")
+    bos = load_tokenizer(tokenizer).convert_tokens_to_ids("<bos>")
     lengths = []
-    for pair_id, (clean, corrupted) in enumerate(stream_pairs(streams)):
-        pair = Pair(tuple(clean["input_ids"]), tuple(corrupted["input_ids"]), *clean["answers"])
+    for pair, (clean, corrupted) in zip(pairs, stream_pairs(streams)):
+        assert (list(pair.clean), list(pair.corrupted)) == (clean["input_ids"], corrupted["input_ids"])
+        assert pair.clean[0] == pair.corrupted[0] == bos and (pair.answer, pair.wrong) == tuple(clean["answers"])
         length = len(pair.clean)
         lengths.append(length)
         for grid, site, shape in ((GRIDS[0], RESID_PRE, (layers, length)), (GRIDS[1], ATTN_Z, (layers, length, heads))):
-            for method, reference in (("exact", patching_grid), ("attribution", attribution_grid)):
-                np.testing.assert_allclose(grid_of(results, grid, method, pair_id, shape), reference(model, pair, site),
+            for method, library in (("exact", patching_grid), ("attribution", attribution_grid)):
+                np.testing.assert_allclose(grid_of(results, grid, method, pair.name, shape), library(model, pair, site),
                                            rtol=1e-5, atol=1e-5, err_msg=f"{grid} {method}")
-        whole = results[(results["grid"] == "patch:*:hook_resid_pre") & (results["pair"] == str(pair_id))
-                        & (results["method"] == "exact")]
+        rows = results[results["pair"] == pair.name]
+        with torch.no_grad():
+            logits = [reference(torch.tensor([ids])).logits[0, -1].numpy() for ids in (pair.clean, pair.corrupted)]
+        expected = np.array([scores[pair.answer] - scores[pair.wrong] for scores in logits])  # clean, corrupted
+        np.testing.assert_allclose(rows[["clean_logit_diff", "corrupted_logit_diff"]].to_numpy(),
+                                   np.broadcast_to(expected, (len(rows), 2)), rtol=1e-5,
+                                   atol=1e-5 * np.abs(expected).max())
+        whole = rows[(rows["grid"] == "patch:*:hook_resid_pre") & (rows["method"] == "exact")]
         assert len(whole) == layers
         # Every position of a block's input: the clean run, to float32 rounding (test_patching: 1 within 1e-6
         # with the clean run's own values; a store's come from the extraction's program, rounded otherwise).
         np.testing.assert_allclose(whole["normalized"], 1, atol=1e-5)
-        assert np.allclose(whole[["clean_logit_diff", "corrupted_logit_diff"]].iloc[0], baselines(model, pair))
-        unpatched = results[(results["intervention"] == nothing) & (results["pair"] == str(pair_id))]
+        unpatched = rows[rows["intervention"] == NOTHING]
         assert len(unpatched) == 2  # the corrupted run, both methods (another batch shape: within rounding)
         np.testing.assert_allclose(unpatched["normalized"], 0, atol=1e-5)
-    summary = pd.read_csv(tmp_path / "one" / "patching_summary.csv")
+        stored = stored_values(one, clean["sample_id"], [(RESID_PRE, layer) for layer in range(layers)])
+        short = [stored[RESID_PRE, layer][1:] for layer in range(layers)]  # [S - 1, H]: no BOS
+        message = (rf"^pair '{pair.name}': the clean values at blocks.0.hook_resid_pre are of shape "
+                   rf"\({length - 1}, 64\), the clean prompt has {length} tokens")
+        for library in (patching_grid, attribution_grid):
+            with pytest.raises(UserError, match=message):
+                library(model, pair, RESID_PRE, values=short)
+    summary = pd.read_csv(both / "patching_summary.csv")
     # The two pairs' templates differ in length: positions past the shorter one have one pair.
     assert len(summary) == 2 * (layers * (max(lengths) * (1 + heads) + 1) + 1)
     assert set(summary["pairs"]) == ({PAIRS} if len(set(lengths)) == 1 else {1, PAIRS})
-    agreement = json.loads((tmp_path / "one" / "agreement.json").read_text())
+    agreement = json.loads((both / "agreement.json").read_text())
     assert set(agreement) == {"patch:*:hook_resid_pre:pos=*", "patch:*:attn.hook_z:heads=*:pos=*",
                               "patch:*:hook_resid_pre", "patch:*:hook_resid_pre:tokens=user"}
     assert agreement["patch:*:hook_resid_pre:pos=*"]["cells"] == layers * max(lengths)
     assert agreement["patch:*:hook_resid_pre:tokens=user"]["correlation"] is None  # one cell: none
-    assert len(list((tmp_path / "one" / "charts").glob("patching_*.png"))) == 8
+    assert len(list((both / "charts").glob("patching_*.png"))) == 8
     # The 2-machine store (each pair's twins on two machines): the same values read, the same cells.
     again = ablate(setup, tmp_path / "two", index=two, grids=GRIDS[:2])
     assert again.returncode == 0, again.stderr
@@ -177,10 +228,11 @@ run_main("runners.ablate", main, sys.argv[3:])
 """
 
 
-def test_a_run_killed_during_a_grid_resumes_without_recomputing_finished_cells(setup, tmp_path):
+def test_a_run_killed_during_a_grid_resumes_without_recomputing_finished_cells(setup, both, tmp_path):
     """Killed (-9) once its first forward's cells are written, held before the second; the re-run
-    computes the other pair's cells only, and the results equal an uninterrupted run's."""
-    model, path, stream, one, _ = setup
+    computes the other pair's cells only, and the results equal an uninterrupted run's (``both``'s
+    cells of the grid)."""
+    model, path, stream, one, *_ = setup
     flags = ["--model_path", path, "--stream", stream, "--metric", "logit_diff", "--patch_from", one,
              "--interventions", GRIDS[0], "--no_tensorboard", "--no_charts"]
     killed = tmp_path / "killed"
@@ -200,12 +252,13 @@ def test_a_run_killed_during_a_grid_resumes_without_recomputing_finished_cells(s
     forwards = -(-(cells[0] - ROWS_PER_FORWARD) // ROWS_PER_FORWARD) + -(-cells[1] // ROWS_PER_FORWARD)
     assert (report["cells"], report["forwards"]) == (sum(cells), forwards)
     assert report["computed"] == sum(cells) - ROWS_PER_FORWARD  # all but the first forward's
-    whole = run_in_process("runners.ablate", *flags, "--output_dir", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr
     columns = ["intervention", "pair", "logit_diff"]
-    got, expected = (pd.read_parquet(d / "patching.parquet")[columns].sort_values(columns[:2]).reset_index(drop=True)
-                     for d in (killed, tmp_path / "whole"))
-    pd.testing.assert_frame_equal(got, expected)
+    whole = pd.read_parquet(both / "patching.parquet")
+    whole = whole[(whole["grid"] == GRIDS[0]) & (whole["method"] == "exact")]
+    got, expected = (frame[columns].sort_values(columns[:2]).reset_index(drop=True)
+                     for frame in (pd.read_parquet(killed / "patching.parquet"), whole))
+    # Other cells shared the uninterrupted run's forwards (another program): equal to float32 rounding.
+    pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-5, atol=1e-6)
 
 
 def test_prepare_keeps_pairs_and_one_token_answers(qwen_tokenizer, qwen_tokenizer_dir, tmp_path):
