@@ -11,6 +11,10 @@ computed them in float64 on the host): then its largest relative difference (vec
 and field) and whether its counts are equal are printed; ``metadata.json`` may differ only by time
 stamps and the keys this tree adds; files the base does not write are listed.
 
+``--activation_dtypes float32,bfloat16,float8_e4m3fn`` and ``--shards gzip,raw`` run each stored
+dtype (the runner's ``--activation_dtype``) and each shard format (raw: ``--no_compress_shards``)
+in turn, both sides alike.
+
 ``--devices 1,2`` runs both sides on each number of devices in turn: on the CPU, N host devices
 through ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` in the environment of the runner
 processes (each run is a process of its own, so the count is fixed before JAX starts; on a GPU
@@ -23,7 +27,7 @@ files are all byte for byte the base's, else ``DIFFERS`` and what; then metadata
 
     python benchmarks/byte_identity.py [--base f50bd60] [--families qwen2,gemma3,qwen3_moe] \
         [--dtypes float32,bfloat16] [--attentions tiled,fused] [--meshes 1d,2d] [--devices 1,2] \
-        [--sites hook_resid_post,...]
+        [--sites hook_resid_post,...] [--activation_dtypes float32,bfloat16,float8_e4m3fn] [--shards gzip,raw]
 """
 
 from __future__ import annotations
@@ -167,6 +171,10 @@ def main() -> None:
     parser.add_argument("--sites", default="hook_resid_post", help="the runs' --sites (the base must know them)")
     parser.add_argument("--meshes", default="1d", help="the runs' --mesh_type, each run in turn: 1d (data "
                         "parallel) | 2d (data x model; a mixture of experts: its experts over every device)")
+    parser.add_argument("--activation_dtypes", default="float32", help="stored dtypes (--activation_dtype), each "
+                        "run in turn, e.g. float32,bfloat16,float8_e4m3fn (the base must know them)")
+    parser.add_argument("--shards", default="gzip", help="shard formats, each run in turn: gzip | raw "
+                        "(--no_compress_shards)")
     parser.add_argument("--devices", default="1", help="numbers of devices, each run in turn, both sides alike "
                         f"(on the CPU: XLA_FLAGS={DEVICE_COUNT_FLAG}=N in the runners' environment), e.g. 1,2")
     args = parser.parse_args()
@@ -186,20 +194,23 @@ def main() -> None:
             "--output_dir", str(work / "streams"))
         for family in args.families.split(","):
             model = write_checkpoint(work / family, family, seed=3, vocab_size=151936)
-            for dtype, attention, mesh, devices in itertools.product(
-                    args.dtypes.split(","), args.attentions.split(","), args.meshes.split(","), device_counts):
+            for dtype, attention, mesh, devices, stored, shards in itertools.product(
+                    args.dtypes.split(","), args.attentions.split(","), args.meshes.split(","), device_counts,
+                    args.activation_dtypes.split(","), args.shards.split(",")):
                 if attention == "fused" and load_config(model).attn_logit_softcap is not None:
                     continue  # the fused kernel cannot soft-cap: the runner refuses it
                 out = work / "out"
                 flags = [*RUNNER, "--streams_dir", str(work / "streams"), "--model_path", str(model),
                          "--output_dir", str(out), "--dtype", dtype, "--attention", attention, "--sites", args.sites,
-                         "--mesh_type", mesh]
+                         "--mesh_type", mesh, "--activation_dtype", stored,
+                         *(["--no_compress_shards"] if shards == "raw" else [])]
                 results = {}
                 for name, tree in (("base", base_tree), ("ours", REPO)):
                     run(tree, "runners.tpu_host", *flags, devices=devices)
                     results[name] = work / f"{family}_{name}"
                     shutil.move(out, results[name])
-                run_name = f"{family} {dtype} {attention} {mesh} {devices} device{'s' * (devices > 1)}"
+                run_name = (f"{family} {dtype} {attention} {mesh} {devices} device{'s' * (devices > 1)}, "
+                            f"{stored} {shards} shards")
                 seen = {name: device_count(result / "machine_000") for name, result in results.items()}
                 if any(count != devices for count in seen.values()):
                     print(f"{run_name}: ran on {seen} devices (base, ours), not {devices}", flush=True)

@@ -27,12 +27,16 @@ float64 merge per shard. Issue 33's figures: four sites at every layer of the 0.
 (``--sites hook_resid_mid,attn.hook_z,hook_mlp_out,hook_resid_post --layers 24``).
 
 Every configuration also runs, in the same run and alternating with this tree's, the store path
-of ``--base`` (a commit, checked out in a temporary git worktree; ``none``: skipped): before issue
-56 it computed each array's float64 statistics on the host, in the store threads. Printed per
-configuration: host CPU-seconds per stored GB of both (target: raw <= 0.4, gzip <= 2.0).
+of ``--base`` (a commit, checked out in a temporary git worktree; ``none``: skipped; by default
+the commit before issue 69, whose raw writes went through a buffered file, or ``f410578``, before
+issue 56, which computed each array's float64 statistics on the host, in the store threads).
+Printed per configuration: host CPU-seconds per stored GB of both (target: raw <= 0.4, gzip <=
+2.0). The floor under raw shards, measured in the same run: a plain write loop (``PlainWrites``:
+the producer's arrays, each written from its own memory into a file a shard, fsync'd), run
+alternately with this tree's raw store path to memory; the target: raw within 1.25x of it.
 
     python benchmarks/store_path.py [--total_gb 2] [--shard_size_gb 0.25] [--threads 1,2]
-        [--budget_gb 1] [--gcs_gb 0.5] [--work_dir DIR] [--sites S,S] [--layers 4] [--base f410578]
+        [--budget_gb 1] [--gcs_gb 0.5] [--work_dir DIR] [--sites S,S] [--layers 4] [--base 9de6d22]
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ import time
 import numpy as np
 
 HIDDEN, TOKENS = 896, 512   # an array: [512, 896] float32 = 1.8 MB
-BASE = "f410578"  # the commit before issue 56: float64 statistics computed on the host
+BASE = "9de6d22"  # the commit before issue 69's raw writes (each shard's segments in one writev)
+FLOOR_REPEATS = 3  # raw to memory, this tree and a plain write loop alternating: medians compared
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 8 * 2**20
 # (name, hidden, blocks, non-embedding parameters) of the Qwen2.5 shapes.
@@ -88,7 +93,8 @@ def durable_write_gbps(directory: str, total_gb: float, streamed: bool) -> float
 
 
 def child(spec: dict) -> None:
-    """One configuration through the ShardWriter; prints ``RESULT {json}``."""
+    """One configuration through the ShardWriter, or with ``plain`` the producer's arrays through
+    plain ``write`` calls (``plain_writes``); prints ``RESULT {json}``."""
     from host.allocator import one_malloc_arena
     one_malloc_arena()  # as the runner does
     from host.checkpoint import Checkpoint
@@ -110,7 +116,8 @@ def child(spec: dict) -> None:
                              compression_threads=spec["threads"], upload_threads=4, sites=sites)
     keys = settings.keys
     stats = StoreStats()
-    writer = ShardWriter(settings, Checkpoint(), store, RejectedLog(out, store), stats=stats)
+    writer = PlainWrites(settings) if spec.get("plain") else ShardWriter(
+        settings, Checkpoint(), store, RejectedLog(out, store), stats=stats)
     sample_bytes = len(keys) * TOKENS * HIDDEN * 4
     producing = 0.0  # the producer's own CPU time: copying templates into fresh arrays
     cpu0, start = time.process_time(), time.perf_counter()
@@ -123,14 +130,50 @@ def child(spec: dict) -> None:
             sample["statistics"] = {key: measured[k % len(templates)] for k, key in enumerate(keys)}
         producing += time.thread_time() - t
         writer.add(sample)
+        del sample  # released outside the producer's time: a plain write loop frees its arrays here
     writer.finalize()
     writer.close()
     wall = time.perf_counter() - start
     store_cpu = time.process_time() - cpu0 - producing
     import resource
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    snapshot = writer.snapshot() if spec.get("plain") else stats.snapshot()
     print("RESULT " + json.dumps({"wall_s": wall, "store_cpu_s": store_cpu, "baseline_gb": baseline,
-                                  "peak_gb": peak, "store": stats.snapshot()}))
+                                  "peak_gb": peak, "store": snapshot}))
+
+
+class PlainWrites:
+    """The floor under the raw store path, fed like a ``ShardWriter``: each array written with a
+    plain ``write`` from its own memory, into one file a shard, fsync'd; nothing else (no pickle,
+    index, statistics or checkpoint), in the calling thread."""
+
+    def __init__(self, settings):
+        self.settings, self.shard, self.size, self.stored = settings, 0, 0, 0
+        self.file = None
+
+    def add(self, sample: dict) -> None:
+        if self.file is None:
+            self.shard += 1
+            self.file = open(os.path.join(self.settings.machine_dir, f"plain_{self.shard:04d}.bin"), "wb")
+        for array in sample["activations"].values():
+            self.file.write(memoryview(array).cast("B"))
+            self.size += array.nbytes
+        if self.size >= self.settings.shard_size_bytes:
+            self.finalize()
+
+    def finalize(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.file, self.stored, self.size = None, self.stored + self.size, 0
+
+    def close(self) -> None:
+        self.finalize()
+
+    def snapshot(self) -> dict:
+        return {"activations_gb": self.stored / 1e9, "written_gb": self.stored / 1e9, "uploaded_gb": 0.0,
+                "forward_waited_s": 0.0, "stage_s": {}}
 
 
 def warm_up() -> None:
@@ -254,7 +297,9 @@ def main() -> None:
               f"this machine's own scaling, threads each compressing a buffer of their own: "
               f"{ceiling[1]:.2f} vs {ceiling[2]:.2f} GB/s = {ceiling[2] / ceiling[1]:.2f}x")
     memory_check(args, work, durable)
-    cpu_per_gb(results, base_results, args.base)
+    floor = plain_write_floor({**base, "compress": False, "threads": 1, "total_gb": args.total_gb},
+                              results[("memory", False, 1)])
+    cpu_per_gb(results, base_results, args.base, floor)
     rate_table(results, threads)
     if base_tree:
         subprocess.run(["git", "worktree", "remove", "--force", base_tree], cwd=REPO, capture_output=True)
@@ -271,18 +316,38 @@ def checkout(commit: str, work: str) -> str:
     return tree
 
 
-def cpu_per_gb(results: dict, base_results: dict, base: str) -> None:
+def plain_write_floor(spec: dict, first: dict) -> tuple[float, float]:
+    """Host CPU-seconds per GB of raw shards to memory by this tree's store path and by a plain
+    write loop (``PlainWrites``: the same producer's arrays, each written from its own memory),
+    run alternately ``FLOOR_REPEATS`` times in processes of their own (``first``: this tree's run
+    of the table): the medians of both."""
+    ours, plain = [per_gb(first)], []
+    for k in range(FLOOR_REPEATS):
+        plain.append(per_gb(run({**spec, "out": tempfile.mkdtemp(dir="/dev/shm"), "plain": True})))
+        if k + 1 < FLOOR_REPEATS:
+            ours.append(per_gb(run({**spec, "out": tempfile.mkdtemp(dir="/dev/shm")})))
+    print(f"raw to memory, CPU s per GB, this tree {' '.join(f'{x:.2f}' for x in ours)}; a plain write loop "
+          f"{' '.join(f'{x:.2f}' for x in plain)}")
+    return float(np.median(ours)), float(np.median(plain))
+
+
+def per_gb(result: dict) -> float:
+    return result["store_cpu_s"] / result["store"]["activations_gb"]
+
+
+def cpu_per_gb(results: dict, base_results: dict, base: str, floor: tuple[float, float]) -> None:
     """Host CPU-seconds per stored GB, raw and gzip, of this tree against the base (to memory, one
-    compression thread: no disk in the way), and the targets."""
+    compression thread: no disk in the way), raw against the plain write loop, and the targets."""
     line = []
     for mode, compress, target in (("raw", False, 0.4), ("gzip", True, 2.0)):
-        ours = results[("memory", compress, 1)]
-        figure = f"{mode} {ours['store_cpu_s'] / ours['store']['activations_gb']:.2f}"
+        figure = f"{mode} {per_gb(results[('memory', compress, 1)]):.2f}"
         if base_results:
-            theirs = base_results[("memory", compress, 1)]
-            figure += f" (base {base}: {theirs['store_cpu_s'] / theirs['store']['activations_gb']:.2f})"
+            figure += f" (base {base}: {per_gb(base_results[('memory', compress, 1)]):.2f})"
         line.append(f"{figure}, target <= {target}")
     print("host CPU-seconds per stored GB, to memory, 1 thread: " + "; ".join(line))
+    ours, plain = floor
+    print(f"raw against a plain write loop in this run (medians of {FLOOR_REPEATS}): {ours:.2f} vs {plain:.2f} "
+          f"CPU s per GB = {ours / plain:.2f}x (target <= 1.25x)")
 
 
 def compression_alone_gbps(threads: int) -> float:

@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from activations.selection import parse_selection
 from activations.index import (arrays_index, arrays_index_filename, index_filename, parquet_bytes, shard_index,
@@ -55,6 +55,9 @@ CHECKPOINT_FILE, METADATA_FILE = "checkpoint.json", "metadata.json"
 # A shard file's written bytes are sent to the disk every this many, not all at its fsync: the
 # disk then works while later members compress, and the fsync finds little left to write.
 WRITEBACK_BYTES = 32 * 2**20
+# Segments are handed to the kernel in one ``writev`` once an array's segment (of at least this
+# size) is among them, or this many are: a raw shard's opcodes and array go in one call.
+WRITE_BATCH_BYTES, IOV_MAX = 2**16, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 STORE_NICENESS = 10  # the store threads' nice value (0..19; measured: benchmarks/output_heavy.py)
 # The rates are told once this many shards have been handed over after the run's first (whose
 # window includes the forward's start); the forward waiting longer than this share of that time
@@ -367,31 +370,42 @@ class ShardWriter:
 
     def _write_shard_file(self, path: str, segments: list[Segment | CompressedArray]) -> tuple[list[int], str | None]:
         """Streams the segments (compressed when the shard is) into ``path`` atomically and
-        durably; returns each stored segment's size and, when uploading, the file's CRC32C."""
+        durably; returns each stored segment's size and, when uploading, the file's CRC32C. The
+        segments go to the kernel as they are, an array from its own memory (``write_segments``)."""
         s, stats = self.settings, self.stats
         checksum = Crc32c() if self.store else None
         sizes: list[int] = []
         tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            written = sent = 0  # bytes in the file; bytes whose writeback was started
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            pending: list[Segment] = []
+            written = sent = 0  # bytes handed to the kernel; bytes whose writeback was started
             for chunk in stored_segments(segments, self._compress_member, self._compressing,
                                          ahead=2 * s.compression_threads):
-                with stats.stage("write"):
-                    f.write(chunk)
-                    written += len(chunk)
-                    if written - sent >= WRITEBACK_BYTES:
-                        f.flush()
-                        start_writeback(f.fileno(), sent, written - sent)
-                        sent = written
                 if checksum is not None:
                     with stats.stage("verify"):
                         checksum.update(chunk)
                 sizes.append(len(chunk))
+                pending.append(chunk)
+                if len(chunk) >= WRITE_BATCH_BYTES or len(pending) >= IOV_MAX:
+                    written = self._write_pending(fd, pending, written)
+                if written - sent >= WRITEBACK_BYTES:
+                    start_writeback(fd, sent, written - sent)
+                    sent = written
+            self._write_pending(fd, pending, written)
             with stats.stage("fsync"):
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         return sizes, checksum.base64() if checksum is not None else None
+
+    def _write_pending(self, fd: int, pending: list[Segment], written: int) -> int:
+        """Writes and empties ``pending``; returns the file's size after it."""
+        with self.stats.stage("write"):
+            written += write_segments(fd, pending)
+        pending.clear()
+        return written
 
     # -- upload stage (upload_threads) -----------------------------------------------------------
     def _upload(self, written: WrittenShard) -> WrittenShard:
@@ -483,6 +497,23 @@ def rates_report(settings: ShardSettings, elapsed: float, waited: float, handed:
         "fewer layers or sites", "a --tokens selection"]
     return line, (f"the store path is the limit: it took {taken:.3f} GB/s while the forward waited {share:.0%} of "
                   f"the time; store fewer bytes a token: {', '.join(fewer)}")
+
+
+def write_segments(fd: int, segments: Sequence[Segment]) -> int:
+    """Writes the segments to ``fd`` in order with ``writev``: one system call for many, each
+    from its own memory (an array is not copied to join its opcodes); returns the bytes written."""
+    views = [memoryview(segment).cast("B") for segment in segments]
+    total, first = sum(len(v) for v in views), 0
+    left = total
+    while left:
+        done = os.writev(fd, views[first:first + IOV_MAX])
+        left -= done
+        while done and done >= len(views[first]):  # a short write: go on where it stopped
+            done -= len(views[first])
+            first += 1
+        if done:
+            views[first] = views[first][done:]
+    return total
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

@@ -46,6 +46,10 @@ def shard_contents(machine_dir: pathlib.Path) -> dict:
     return out
 
 
+def shard_bytes(machine_dir: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(machine_dir.glob("shard_*.pkl*"))}
+
+
 def index_rows(machine_dir: pathlib.Path) -> list[dict]:
     """The rows of a machine's per-shard index, arrays and tokens files (shard paths as file names)."""
     rows = []
@@ -247,6 +251,7 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams
     baseline = run_host_cli(*args_for(tmp_path / "baseline"))
     assert baseline.returncode == 0, baseline.stderr
     expected_shards = shard_contents(tmp_path / "baseline" / "machine_000")
+    expected_bytes = shard_bytes(tmp_path / "baseline" / "machine_000")
     expected_index = index_rows(tmp_path / "baseline" / "machine_000")
     expected_stats = stats_files(tmp_path / "baseline" / "machine_000")
     assert len(expected_stats) == len(expected_shards) > 10
@@ -264,6 +269,7 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_output(arc_streams
         checkpoint = json.loads((out / "machine_000" / "checkpoint.json").read_text())
         assert checkpoint["status"] == COMPLETED
         assert shard_contents(out / "machine_000") == expected_shards
+        assert shard_bytes(out / "machine_000") == expected_bytes  # the files, not only what they hold
         assert index_rows(out / "machine_000") == expected_index
         assert stats_files(out / "machine_000") == expected_stats  # so their merge is the same too
         files = sorted(p.name for p in (out / "machine_000").rglob("*") if p.is_file())

@@ -2,17 +2,25 @@
 the memory budget, byte-identical to the in-memory encoding; a failure stops later commits."""
 
 import json
+import os
+import random
 import shutil
+import signal
+import time
+import traceback
+import warnings
 
 import numpy as np
 import pytest
 
 from activations.shards import encode_shard, shard_dict
-from host.checkpoint import Checkpoint
+from common.states import COMPLETED
+from host.checkpoint import Checkpoint, load_checkpoint
+from host.run import remove_orphans
 from host.rejected import RejectedLog
 from host.storage import Crc32c, GcsStore, StorageError
 from host.store_stats import StoreStats
-from host.writer import RATE_SHARDS, ShardSettings, ShardWriter, rates_report
+from host.writer import CHECKPOINT_FILE, RATE_SHARDS, ShardSettings, ShardWriter, rates_report
 from model.statistics import sample_statistics
 
 LAYERS, HIDDEN = (0, 2), 16
@@ -182,3 +190,124 @@ def test_a_forward_waiting_for_the_store_is_told_what_to_store_less_of(tmp_path)
     # Keeping up: no warning, and the forward's own rate, its waits taken out.
     line, warning = rates_report(settings, elapsed=10.0, waited=1.0, handed=9 * 10**9)
     assert warning is None and line.endswith("the forward waited 10% of the time and produces 1.000 GB/s")
+
+
+def test_segments_are_written_in_order_through_short_writes(tmp_path, monkeypatch):
+    """``write_segments`` goes on where a ``writev`` stopped, inside a segment or between two."""
+    import host.writer
+    segments = [b"opcodes", memoryview(np.arange(10, dtype=np.float32)).cast("B"), b"", b"x" * 3, b"end"]
+    writev = os.writev
+    monkeypatch.setattr(host.writer.os, "writev", lambda fd, views: writev(fd, [bytes(b"".join(views)[:5])]))
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    assert host.writer.write_segments(fd, segments) == sum(len(s) for s in segments)
+    os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"".join(segments)
+
+
+KILLS = 16  # kill -9 trials of each mode, gzip and raw
+
+
+def kill_trial_records() -> list[dict]:
+    """A stream for the kill trials: samples of 40-64 rows (one statistics compile), every 9th
+    record a rejection (``rejected.jsonl``)."""
+    rng = np.random.default_rng(7)
+    return [{"sample_id": 1000 + i, "reason": "too long"} if i % 9 == 8 else sample(i, int(rng.integers(40, 65)))
+            for i in range(40)]
+
+
+def store_stream(out, records: list[dict], compress: bool) -> None:
+    """What the runner does around its ShardWriter (host/run.py): resume from the checkpoint on the
+    disk (orphans and temporary files removed, rejected lines cut back to it), store the records
+    after it, close, and mark the checkpoint completed."""
+    checkpoint = load_checkpoint(str(out / CHECKPOINT_FILE)) or Checkpoint()
+    remove_orphans(str(out), None, checkpoint.total_shards)
+    rejected = RejectedLog(str(out), None)
+    rejected.load(checkpoint.total_skipped)
+    settings = ShardSettings(0, str(out), 5 * SAMPLE_BYTES, compress, LAYERS, HIDDEN, "float32", False, 1,
+                             {"run": "test"}, memory_budget_bytes=20 * SAMPLE_BYTES, compression_threads=2,
+                             write_threads=2)
+    writer = ShardWriter(settings, checkpoint, None, rejected, stats=StoreStats())
+    try:
+        for record in records[checkpoint.total_samples_processed:]:
+            writer.skip(record) if "reason" in record else writer.add(record)
+        writer.finalize()
+    finally:
+        writer.close()
+    checkpoint.status = COMPLETED
+    writer.write_state()
+
+
+def in_a_child(run, kill_after: float | None = None) -> bool:
+    """Runs ``run()`` in a forked process, SIGKILLed ``kill_after`` seconds after its start (None:
+    never); True if the kill ended it, False if it ended first (then it must have succeeded). The
+    child runs no JAX computation (JAX warns of forking a process that has its threads)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's test session runs here
+        code = 0
+        try:
+            run()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    deadline = time.monotonic() + (kill_after if kill_after is not None else 120)
+    while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not ended[0]:
+        os.kill(pid, signal.SIGKILL)
+        ended = os.waitpid(pid, 0)
+        assert kill_after is not None, "the child did not end in 120 s"
+    status = ended[1]
+    assert not os.WIFEXITED(status) or os.WEXITSTATUS(status) == 0, "the child failed (its traceback above)"
+    return os.WIFSIGNALED(status)
+
+
+def stored_files(out) -> dict[str, bytes]:
+    """Every file of a machine directory, the checkpoint and metadata without their time stamps."""
+    files = {}
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if path.name in ("checkpoint.json", "metadata.json"):
+            data = json.dumps([{k: v for k, v in s.items() if k != "stored_at"}
+                               for s in json.loads(data)["shards"]]).encode() + data.split(b'"shards"')[0]
+        files[path.relative_to(out).as_posix()] = data
+    return files
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["gzip", "raw"])
+def test_kill_9_at_random_moments_then_resume_stores_every_file_byte_identical(tmp_path, compress):
+    """Processes storing a stream are SIGKILLed at random moments (in start-up, between shards,
+    while members compress, files are written, indexes and checkpoints committed), each resumed by
+    the next, up to 3 kills a run: after ``KILLS`` kills, every file of every run (shards, their
+    index, arrays, statistics and tokens files, rejected.jsonl, the checkpoint) is byte for byte
+    that of an uninterrupted run."""
+    records = kill_trial_records()  # (measured in this process: the children only merge them)
+    out = tmp_path / "machine_000"  # every run the same path: the indexes name their shards by it
+
+    def store() -> None:
+        store_stream(out, records, compress)
+    (out / "index").mkdir(parents=True)
+    start = time.perf_counter()
+    assert not in_a_child(store)
+    whole = time.perf_counter() - start
+    expected = stored_files(out)
+    shards = sum(name.startswith("shard_") for name in expected)
+    assert shards == 6 and "rejected.jsonl" in expected
+    rng = random.Random(69)
+    at_kills: list[int] = []  # shards committed when each kill came
+    while len(at_kills) < KILLS:
+        shutil.rmtree(out)
+        (out / "index").mkdir(parents=True)
+        kills = len(at_kills)
+        for _ in range(3):
+            if not in_a_child(store, kill_after=rng.uniform(0.0, whole)):
+                break  # it stored to the end before the kill
+            checkpoint = out / CHECKPOINT_FILE
+            at_kills.append(json.loads(checkpoint.read_text())["total_shards"] if checkpoint.exists() else 0)
+        else:
+            assert not in_a_child(store)
+        if len(at_kills) > kills:
+            assert stored_files(out) == expected, f"a run killed at {at_kills[kills:]} shards"
+    assert any(0 < n < shards for n in at_kills), at_kills  # kills landed between the first shard and the last
