@@ -461,26 +461,3 @@ def pairs_from_rows(rows: list[dict[str, Any]], tokenizer: Any) -> list[Pair]:
         pair.equal_lengths()
     return pairs
 
-
-def write_grid_chart(grid: np.ndarray, labels: list[str], title: str, path: str,
-                     row_labels: list[str] | None = None, columns: str = "") -> str:
-    """A [rows, columns] grid (blocks by positions, heads...; NaN: blank) as a heatmap, PNG at
-    ``path``: columns labelled by ``labels`` (positions by their tokens or numbers), rows by
-    ``row_labels`` (default: the block numbers)."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    figure, axes = plt.subplots(figsize=(max(6.0, 0.5 * grid.shape[1] + 2), max(4.0, 0.22 * grid.shape[0] + 1.5)))
-    limit = max(float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 0.0, 1e-9)
-    image = axes.imshow(grid, cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
-    axes.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
-    if row_labels is not None:
-        axes.set_yticks(range(len(row_labels)), row_labels, fontsize=8)
-    axes.set_xlabel(columns)
-    axes.set_ylabel("block.head" if row_labels and "." in row_labels[0] else "layer")
-    axes.set_title(title, fontsize=9)
-    figure.colorbar(image, ax=axes)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path

@@ -30,12 +30,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ablation.charts import write_heatmap
 from ablation.config import AblationConfig
 from ablation.experiment import check_settings
-from activations.index import arrays_path, merged_metadata_path, store_model
+from activations.index import arrays_path, check_same_model, merged_metadata_path, model_shape, store_model
 from activations.token_plan import read_index_table
 from ablation.patching import (ROWS_PER_FORWARD, Cell, Pair, agreement, attribution_metrics, baselines, cells,
-                               exact_metrics, normalize, paired, stored_values, write_grid_chart)
+                               exact_metrics, normalize, paired, stored_values)
 from ablation.records import Record, read_records
 from common.cli import UserError
 from common.files import read_optional
@@ -122,14 +123,8 @@ def check_store(index: str, model_config, model_path: str, pairs: Sequence[Pair]
         raise UserError(f"--patch_from {index}: no merged_metadata.json beside it: pass the index.parquet that "
                         "pipeline.index wrote for the clean store")
     metadata = json.loads(raw)
-    store = store_model(metadata)
-    other = [f"{name} {store[name]} (this model: {getattr(model_config, name)})"
-             for name in ("model_type", "num_hidden_layers", "hidden_size")
-             if store.get(name) is not None and store[name] != getattr(model_config, name)]
-    if other:
-        raise UserError(f"{index} holds another model's activations: {', '.join(other)}")
-    if store["model"] and store["model"] != model_path:
-        log.warning("%s was stored by %s, this run's model is %s", index, store["model"], model_path)
+    check_same_model(store_model(metadata), {**model_shape(model_config), "model": model_path},
+                     f"{index} holds activations", "this model")
     machines = metadata.get("machines", [])
     lower = sorted({m.get(k) for m in machines for k in ("compute_dtype", "dtype")} - {None, "float32"})
     if lower:
@@ -361,5 +356,6 @@ def write_charts(summary: pd.DataFrame, folder: str) -> list[str]:
             "_by_position" if ":pos=" in grid else "") + ("_" + re.sub(r"[^A-Za-z0-9]+", "_", tokens) if tokens else "")
         title = f"{grid}\n{method} patching: normalized logit difference, mean of {int(rows['pairs'].max())} pairs"
         path = os.path.join(folder, f"patching_{name}_{method}.png")
-        paths.append(write_grid_chart(values, column_labels, title, path, row_labels, what))
+        paths.append(write_heatmap(values, path, title, rows="block.head" if "." in row_labels[0] else "layer",
+                                   columns=what, row_labels=row_labels, column_labels=column_labels, cmap="RdBu"))
     return paths

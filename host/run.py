@@ -18,7 +18,7 @@ writes the machine's ``status.json`` (``host/machine_status.py``) and logs the s
 
 Around that core, each in a module of its own: reading the stream (``host/stream.py``), the
 machine id (``host/machine_id.py``), the health file (``host/status.py``), the compilation cache
-(``host/compilation_cache.py``), profiling (``host/profiling.py``) and the skipped records
+(``host/compilation_cache.py``), profiling (``common/profiling.py``) and the skipped records
 (``host/rejected.py``).
 """
 
@@ -44,6 +44,7 @@ from activations.site_stats import ROLE_GROUPING
 from common.roles import missing_roles
 from common.cli import UserError
 from common.files import read_optional
+from common.profiling import BatchProfiler
 from host import distributed
 from host.allocator import one_malloc_arena
 from host.checkpoint import Checkpoint, covers, load_checkpoint
@@ -52,14 +53,14 @@ from host.config import HostConfig
 from host.lease import MachineLease, lease_store
 from host.machine_id import resolve_machine_id
 from host.machine_status import MachineStatus, mark_failed
-from host.profiling import BatchProfiler
 from host.progress import Progress
 from host.rejected import RejectedLog
 from common.states import COMPLETED, IN_PROGRESS, LOADING, RUNNING, STOPPED
+from common.stream_reader import stream_records
 from host.status import STATUS_FILE, HealthReporter, Stopped
 from host.storage import GcsStore
 from host.store_stats import StoreStats
-from host.stream import check_lengths, count_records, kept_column_types, runner_stream, stream_records
+from host.stream import check_lengths, count_records, kept_column_types, runner_stream
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, METADATA_FILE, ShardSettings, ShardWriter
 from interventions.resolve import intervention_for, steered_positions, steering_digests, steers_written_tokens

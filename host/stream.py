@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from common.stream_format import StreamFormatError, parse_stream_line
 from common.stream_reader import Stream, machine_stream, manifest_document, manifest_entries, open_stream
-from common.stream_reader import stream_records  # noqa: F401  host/run.py's, until it imports common.stream_reader's
 from host.progress import Progress
 from transforms.long_samples import SampleTooLong, too_long_message
 
