@@ -52,23 +52,31 @@ LONGEST_FIRST = ("test_real_qwen.py", "test_ablate.py", "test_real_gemma.py", "t
                  "test_pipeline_extract.py")
 
 
-def pytest_sessionstart(session) -> None:
-    # SAEDashboard's environment (tests/saedashboard.py: about 12 s of pip on a fresh clone) starts
-    # building at once in a process of its own, beside the first tests, instead of when
-    # tests/test_dashboard.py asks for it; that test then waits on its lock, or finds it built.
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that starts the workers, or a plain run
-        subprocess.Popen([sys.executable, "-c", "from tests.saedashboard import saedashboard_python; "
-                          "saedashboard_python()"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
+    # SAEDashboard's environment (tests/saedashboard.py: about 12 s of pip on a fresh clone), when a
+    # selected test asks for it (``saedashboard_interpreter``), starts building at once in a process
+    # of its own, beside the first tests; that test then waits on its lock, or finds it built. Every
+    # pytest-xdist worker collects every test: the first one starts it.
+    if (os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+            and any("saedashboard_interpreter" in getattr(item, "fixturenames", ()) for item in items)):
+        subprocess.Popen([sys.executable, "-c", "from tests.saedashboard import saedashboard_python; "
+                          "saedashboard_python()"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_unconfigure(config) -> None:
     if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that made it, after its workers
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def saedashboard_interpreter() -> str:
+    """The interpreter of SAEDashboard 0.8.0's environment (tests/saedashboard.py), built in the
+    background since collection (``pytest_collection_modifyitems``)."""
+    from tests.saedashboard import saedashboard_python
+    return saedashboard_python()
 
 
 @pytest.fixture(scope="session")

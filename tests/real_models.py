@@ -19,7 +19,6 @@ import numpy as np
 
 from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, our_config,
                                    reference_activations, reference_sites, relative_error, site_places)
-from model.families import load_config
 from model.extract import Extractor
 from model.generate import Generator
 from model.loading import LoadedModel, load_model
@@ -41,7 +40,7 @@ def arc_prompts(model_dir: str, count: int = 3) -> list[list[int]]:
 
 def loaded_float32(model_dir: str) -> LoadedModel:
     """The whole model in float32 with its head, on one device: loaded once per test module, for
-    the float32 extraction and greedy generation alike."""
+    the float32 extraction (every block's output, every site) and greedy generation alike."""
     return load_model(model_dir, jnp.float32, with_head=True, devices=jax.devices()[:1])
 
 
@@ -86,16 +85,16 @@ def block_outputs(reference: list[dict[tuple[str, int], np.ndarray]]) -> list[di
     return [{layer: a for (site, layer), a in found.items() if site == RESID_POST} for found in reference]
 
 
-def site_errors(model_dir: str, prompts, reference, site_layers) -> dict[str, float]:
-    """Per site (at ``site_layers``), the worst prompt's relative error of our float32 forward
-    against ``reference``; asserts, on our arrays, that resid_mid = resid_pre + attn_out and
-    resid_post = resid_mid + mlp_out within float32 rounding."""
-    sites = sites_of(load_config(model_dir), site_layers)
-    ours = our_activations(model_dir, prompts, layers=site_layers, sites=sites)
+def site_errors(loaded: LoadedModel, prompts, reference, site_layers) -> dict[str, float]:
+    """Per site (at ``site_layers``), the worst prompt's relative error of our float32 forward (of
+    ``loaded_float32``) against ``reference``; asserts, on our arrays, that resid_mid = resid_pre +
+    attn_out and resid_post = resid_mid + mlp_out within float32 rounding."""
+    sites = sites_of(loaded.config, site_layers)
+    ours = our_activations(loaded, prompts, layers=site_layers, sites=sites)
     errors = {site: max(relative_error(o[array_key(site, layer)], r[site, layer])
                         for o, r in zip(ours, reference) for layer in site_layers) for site in sites}
-    print(f"{model_dir}: every site at layers {list(site_layers)}, float32 vs transformers float64, worst "
-          "relative error:", " ".join(f"{site}:{e:.1e}" for site, e in errors.items()))
+    print(f"{loaded.config.model_type}: every site at layers {list(site_layers)}, float32 vs transformers float64, "
+          "worst relative error:", " ".join(f"{site}:{e:.1e}" for site, e in errors.items()))
     for o in ours:
         for layer in site_layers:
             pre, attn, mid, mlp, post = (o[array_key(site, layer)] for site in (RESID_PRE, ATTN_OUT, RESID_MID,

@@ -1,5 +1,7 @@
 """Tiled causal attention against the one-shot masked softmax; per-token chunk sizes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,37 +15,48 @@ from fixtures.hf_reference import relative_error
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def random_qkv(batch, seq, kv_heads=2, groups=3, head_dim=16, dtype=jnp.float32):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def random_qkv(batch, seq, kv_heads=2, groups=3, head_dim=16):
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(keys[0], (batch, seq, kv_heads, groups, head_dim), dtype)  # [B, S, K, G, D]
-    k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)  # [B, S, K, D]
-    v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), dtype)
+    q = jax.random.normal(keys[0], (batch, seq, kv_heads, groups, head_dim), jnp.float32)  # [B, S, K, G, D]
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), jnp.float32)  # [B, S, K, D]
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.float32)
     return q, k, v
+
+
+def on_host(fn, *args) -> np.ndarray:
+    """``fn(*args)`` as one compiled program, its result in host memory: applied eagerly, each of
+    its operations (and each slice of its result) would be a program of its own, compiled apart."""
+    return np.asarray(jax.jit(fn)(*args))
+
+
+def padded_inputs(seq: int, lengths: list[int]):
+    """q, k, v [rows, seq, ...] and the causal mask [rows, seq, seq] of rows of ``lengths`` real tokens."""
+    return (*random_qkv(len(lengths), seq), jax.jit(causal_mask, static_argnums=1)(jnp.array(lengths), seq))
 
 
 @pytest.mark.parametrize("seq", [300, 512, 96])
 def test_blocked_equals_dense_with_padding(seq):
     assert ATTENTION_BLOCK == 128  # 300: tiles of 128 with the last one padded; 96: one tile
     # full, across a tile edge, one token, a padding row
-    lengths = jnp.array([seq, min(seq, 129), 1, 0])
-    q, k, v = random_qkv(4, seq)
-    mask = causal_mask(lengths, seq)
-    ours = jax.jit(lambda *a: causal_attention(*a, HIGHEST))(q, k, v, mask)
-    ref = dense_attention(q, k, v, mask, HIGHEST)
-    for row, n in enumerate(lengths.tolist()[:3]):  # the padding row has no real query
+    lengths = [seq, min(seq, 129), 1, 0]
+    q, k, v, mask = padded_inputs(seq, lengths)
+    attend = jax.jit(lambda *a: causal_attention(*a, HIGHEST))
+    ours = np.asarray(attend(q, k, v, mask))
+    ref = on_host(lambda *a: dense_attention(*a, HIGHEST), q, k, v, mask)
+    for row, n in enumerate(lengths[:3]):  # the padding row has no real query
         assert relative_error(ours[row, :n], ref[row, :n]) <= 1e-6, (row, n)
     # A real query never sees the values of padding or future keys.
-    v_changed = v.at[1, 129:].set(1e6)
-    changed = jax.jit(lambda *a: causal_attention(*a, HIGHEST))(q, k, v_changed, mask)
+    v_changed = np.array(v)
+    v_changed[1, 129:] = 1e6
+    changed = np.asarray(attend(q, k, v_changed, mask))
     np.testing.assert_array_equal(changed[1, :129], ours[1, :129])
 
 
 def test_per_device_over_a_mesh_equals_one_device():
     assert len(jax.devices()) == 8
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    lengths = jnp.array([300, 17, 256, 1])
-    q, k, v = random_qkv(4, 300)
-    mask = causal_mask(lengths, 300)
+    q, k, v, mask = padded_inputs(300, [300, 17, 256, 1])
     single = jax.jit(lambda *a: causal_attention(*a, HIGHEST))(q, k, v, mask)
     sharded = jax.jit(lambda *a: causal_attention(*a, HIGHEST, mesh))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-6, atol=1e-6)
@@ -149,23 +162,25 @@ def test_a_sliding_window_holds_in_the_tiled_and_fused_kernels(window):
     """Query q sees keys q - window + 1 .. q only, whichever kernel: the same as the one-shot
     softmax over the windowed mask, across tile edges and with padding; soft-capping too."""
     from model.attention import fused_attention, windowed
-    lengths = jnp.array([300, 129, 1, 0])
-    q, k, v = random_qkv(4, 300)
-    mask = causal_mask(lengths, 300)
-    positions = jnp.broadcast_to(jnp.arange(300), (4, 300))
-    reference = dense_attention(q, k, v, windowed(mask, positions, window), HIGHEST, divisor=4.0, softcap=2.0)
-    tiled = jax.jit(lambda *a: causal_attention(*a, HIGHEST, divisor=4.0, softcap=2.0, window=window))(q, k, v, mask)
-    plain = dense_attention(q, k, v, windowed(mask, positions, window), HIGHEST, divisor=4.0)
-    fused = jax.jit(lambda *a: fused_attention(*a, HIGHEST, scale=0.25, window=window))(q, k, v, mask)
-    for row, n in enumerate(lengths.tolist()[:3]):
+    lengths = [300, 129, 1, 0]
+    q, k, v, mask = padded_inputs(300, lengths)
+    positions = np.broadcast_to(np.arange(300), (4, 300))
+    reference, plain = on_host(lambda *a: [dense_attention(*a[:3], windowed(a[3], positions, window), HIGHEST,
+                                                           divisor=4.0, softcap=softcap) for softcap in (2.0, None)],
+                               q, k, v, mask)
+    tiled = on_host(lambda *a: causal_attention(*a, HIGHEST, divisor=4.0, softcap=2.0, window=window), q, k, v, mask)
+    fused = on_host(lambda *a: fused_attention(*a, HIGHEST, scale=0.25, window=window), q, k, v, mask)
+    for row, n in enumerate(lengths[:3]):
         assert relative_error(tiled[row, :n], reference[row, :n]) <= 1e-6, (window, row)
         assert relative_error(fused[row, :n], plain[row, :n]) <= 1e-6, (window, row)
     # Padding positions hold garbage, but finite: past a row's end by more than the window, a
     # query block has no key left to see, and still visits one.
-    assert np.isfinite(np.asarray(tiled)).all() and np.isfinite(np.asarray(fused)).all()
+    assert np.isfinite(tiled).all() and np.isfinite(fused).all()
     if window < 300:  # a key just past the last query's window changes nothing there, only where it is seen
         attend = jax.jit(lambda *a: causal_attention(*a, HIGHEST, window=window))
-        changed, base = attend(q, k, v.at[0, 299 - window].set(1e6), mask), attend(q, k, v, mask)
+        v_changed = np.array(v)
+        v_changed[0, 299 - window] = 1e6
+        changed, base = np.asarray(attend(q, k, v_changed, mask)), np.asarray(attend(q, k, v, mask))
         np.testing.assert_array_equal(changed[0, 299], base[0, 299])
         assert not np.array_equal(changed[0, 299 - window], base[0, 299 - window])
 
@@ -184,15 +199,14 @@ def test_attention_sinks_equal_transformers_gpt_oss_attention(window):
     q = rng.normal(size=(b, s, k_heads, groups, d)).astype(np.float32)
     k, v = (rng.normal(size=(b, s, k_heads, d)).astype(np.float32) for _ in range(2))
     sinks = rng.normal(size=k_heads * groups).astype(np.float32) * 2
-    lengths = np.array([70, 41])
-    mask = causal_mask(jnp.asarray(lengths), s)
-    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-    precision, divisor = jax.lax.Precision.HIGHEST, d ** 0.5
-    tiled = causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, precision, divisor=divisor,
-                             window=window, sinks=jnp.asarray(sinks).reshape(k_heads, groups))
-    dense = dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), windowed(mask, positions, window),
-                            precision, divisor=divisor, sinks=jnp.asarray(sinks).reshape(k_heads, groups))
-    allowed = np.asarray(windowed(mask, positions, window))  # [B, S, S]
+    lengths = [70, 41]
+    mask = jax.jit(causal_mask, static_argnums=1)(jnp.array(lengths), s)
+    positions = np.broadcast_to(np.arange(s), (b, s))
+    precision, divisor, head_sinks = jax.lax.Precision.HIGHEST, d ** 0.5, sinks.reshape(k_heads, groups)
+    tiled = on_host(lambda *a: causal_attention(*a, precision, divisor=divisor, window=window, sinks=head_sinks),
+                    q, k, v, mask)
+    allowed = on_host(lambda m: windowed(m, positions, window), mask)  # [B, S, S]
+    dense = on_host(lambda *a: dense_attention(*a, precision, divisor=divisor, sinks=head_sinks), q, k, v, allowed)
     additive = torch.from_numpy(np.where(allowed, 0.0, -np.inf)[:, None])  # [B, 1, S, S]
     module = types.SimpleNamespace(sinks=torch.from_numpy(sinks).double(), num_key_value_groups=groups,
                                    training=False)
@@ -200,11 +214,10 @@ def test_attention_sinks_equal_transformers_gpt_oss_attention(window):
     key, value = (torch.from_numpy(x).double().transpose(1, 2) for x in (k, v))  # [B, K, S, D]
     theirs, _ = eager_attention_forward(module, query, key, value, additive, scaling=d ** -0.5)  # [B, S, N, D]
     theirs = theirs.numpy().reshape(b, s, k_heads, groups, d)
-    for ours in (np.asarray(tiled), np.asarray(dense)):
+    for ours in (tiled, dense):
         for row, n in enumerate(lengths):
             assert relative_error(ours[row, :n], theirs[row, :n]) <= 1e-6
-    plain = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, precision,
-                                        divisor=divisor, window=window))
+    plain = on_host(lambda *a: causal_attention(*a, precision, divisor=divisor, window=window), q, k, v, mask)
     assert relative_error(plain[0], theirs[0]) > 1e-2  # the sinks take their share
 
 

@@ -259,7 +259,8 @@ def test_saelens_reads_the_sparsity_beside_the_sae_from_the_hub(setup, written, 
     np.testing.assert_allclose(sparsity.numpy(), np.log10((acts > 0).mean(axis=0) + 1e-10), rtol=1e-6)
 
 
-def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, written, plain, vocab, tmp_path):
+def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, written, plain, vocab, tmp_path,
+                                                                         saedashboard_interpreter):
     """SAEDashboard 0.8.0, in an environment of its own (tests/saedashboard.py), loads every batch
     file with NeuronpediaDashboardBatch, finds exactly its keys, and its SequenceDataGenerator,
     ActsHistogramData.from_data and get_logits_table_data, fed the same arrays, agree feature by
@@ -268,7 +269,6 @@ def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, 
     from features.dashboard import folded, logit_vectors
     from features.encoders import load_features
     from model.unembedding import folded_unembedding
-    from tests.saedashboard import saedashboard_python
     index, model, sae = setup
     acts, sample_ids, positions = plain
     ids = stream_token_ids(os.path.dirname(index))
@@ -284,7 +284,7 @@ def test_saedashboard_reads_every_batch_file_and_its_own_functions_agree(setup, 
              feature_indices=np.arange(D_SAE), logits=logits.astype(np.float32),
              vocab_json=np.array(json.dumps([by_id.get(i) for i in range(logits.shape[1])])))
     assert (sample_ids.reshape(len(samples), LENGTH)[:, 0] == samples).all()  # rows in ascending sample id
-    result = subprocess.run([saedashboard_python(), str(pathlib.Path(__file__).parent / "saedashboard_check.py"),
+    result = subprocess.run([saedashboard_interpreter, str(pathlib.Path(__file__).parent / "saedashboard_check.py"),
                              str(tmp_path / "input.npz"), str(written)], capture_output=True, text=True,
                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     report = json.loads(result.stdout)

@@ -48,16 +48,19 @@ def test_padding_stays_out_of_the_state_and_the_forms_agree(inputs):
     real outputs and final state are what it gives alone, in either form."""
     q, k, v, g, beta, _ = inputs
     lengths = np.array([S, 20])
-    g_masked, beta_masked = deltanet.masked_gates(g, beta, lengths)
-    chunked = jax.jit(lambda *a: deltanet.chunked(*a, chunk_size=16))(q, k, v, g_masked, beta_masked)
-    recurrent = jax.jit(deltanet.recurrent)(q, k, v, g_masked, beta_masked)
+    g_masked, beta_masked = jax.jit(deltanet.masked_gates)(g, beta, lengths)
+    # Each form compiled once, its results in host memory (eagerly, every operation and every
+    # slice would be a program of its own).
+    chunked = jax.device_get(jax.jit(lambda *a: deltanet.chunked(*a, chunk_size=16))(q, k, v, g_masked, beta_masked))
+    recurrent = jax.device_get(jax.jit(deltanet.recurrent)(q, k, v, g_masked, beta_masked))
     for row, n in enumerate(lengths):
-        alone = deltanet.recurrent(*(x[row:row + 1, :n] for x in (q, k, v, g, beta)))
+        alone = jax.device_get(jax.jit(deltanet.recurrent)(*(x[row:row + 1, :n] for x in (q, k, v, g, beta))))
         for out, final in (chunked, recurrent):
-            assert relative_error(np.asarray(out[row, :n]), np.asarray(alone[0][0])) <= 1e-5
-            assert relative_error(np.asarray(final[row]), np.asarray(alone[1][0])) <= 1e-5
+            assert relative_error(out[row, :n], alone[0][0]) <= 1e-5
+            assert relative_error(final[row], alone[1][0]) <= 1e-5
 
 
+@pytest.mark.slow  # a process of its own, 40 forwards of 512 positions
 def test_the_chunked_rule_over_512_positions_finishes_in_a_process_that_imports_model():
     """With XLA:CPU's concurrency-optimized scheduler on, most such processes never finish on one
     CPU device (model.xla_flags, which importing ``model`` applies, turns it off; on the tests' 8

@@ -49,6 +49,7 @@ def rows_of(out: pathlib.Path) -> tuple[FlatExport, list[dict]]:
                    zip(table.column_names, table.columns)} for table in map(flat.provenance, range(len(flat.shards)))]
 
 
+@pytest.mark.slow  # three export pipelines, two of them over worker processes
 def test_two_workers_write_what_one_does_every_token_once_each_shard_from_the_whole_store(store, tmp_path, caplog):
     caplog.set_level("INFO", logger="pipeline.export")
     flags = ["--index", store, "--layers", "0,2", "--sites", "hook_mlp_out", "--seed", "3", "--shard_mb", "0.004",

@@ -85,6 +85,7 @@ print(sorted(record["sample_id"] for record in load_shard({shard!r})[1]))
 """
 
 
+@pytest.mark.slow  # prepare and the runner in a process of its own
 def test_prepare_the_runner_and_the_reader_need_no_extra(tmp_path, qwen_tokenizer_dir, tiny_checkpoints):
     streams, out = tmp_path / "streams", tmp_path / "out"
     script = BARE_RUN.format(blocked=BLOCKED, tokenizer=qwen_tokenizer_dir, streams=str(streams),

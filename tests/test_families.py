@@ -52,13 +52,16 @@ def one_device(path: str, dtype: str = "float32", **kw) -> Extractor:
 
 
 @pytest.fixture(scope="module")
-def float64_references(family_checkpoints) -> dict[str, list[dict[int, np.ndarray]]]:
+def float64_models(family_checkpoints) -> dict[str, object]:
+    """Per case, transformers' float64 model, loaded once for every test that reads it."""
+    return {case: load_reference(family_checkpoints[case, "transformers5"], "float64") for case in FAMILY_CASES}
+
+
+@pytest.fixture(scope="module")
+def float64_references(family_checkpoints, float64_models) -> dict[str, list[dict[int, np.ndarray]]]:
     """Per case, transformers' float64 block outputs of ``ids_for`` (the same in both layouts)."""
-    out = {}
-    for case in FAMILY_CASES:
-        path = family_checkpoints[case, "transformers5"]
-        out[case] = reference_activations(load_reference(path, "float64"), ids_for(path))
-    return out
+    return {case: reference_activations(float64_models[case], ids_for(family_checkpoints[case, "transformers5"]))
+            for case in FAMILY_CASES}
 
 
 # The hub layout reads as the same config (below); the multimodal one also keeps its text tensors
@@ -133,9 +136,10 @@ MOE_CASES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
-def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(family_checkpoints, arc_like, case):
+def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(family_checkpoints, float64_models,
+                                                                            arc_like, case):
     path = family_checkpoints[case, "transformers5"]
-    exact = reference_activations(load_reference(path, "float64"), arc_like)
+    exact = reference_activations(float64_models[case], arc_like)
     theirs = reference_activations(load_reference(path, "bfloat16"), arc_like)
     extractor = Extractor.load(path, dtype="bfloat16", residual_dtype="float32", activation_dtype="float32",
                                max_seq_length=256, min_bucket=256, batch_size_per_device=3, devices=jax.devices()[:1])
@@ -153,7 +157,7 @@ def test_bfloat16_with_a_float32_stream_is_closer_than_transformers_bfloat16(fam
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
-def test_logits_match_transformers(family_checkpoints, case):
+def test_logits_match_transformers(family_checkpoints, float64_models, case):
     """The scoring path's logits (final norm, LM head, Gemma 2's final soft-cap) in float32."""
     import torch
     path = family_checkpoints[case, "transformers5"]
@@ -165,7 +169,7 @@ def test_logits_match_transformers(family_checkpoints, case):
     ids, lengths = model.inputs(sequences, MAX_SEQ)
     unablated = ablation_arrays(Intervention(), model.config, model.num_layers)
     logits = model.logits(model.residuals(ids, lengths, unablated))
-    reference = load_reference(path, "float64")
+    reference = float64_models[case]
     for row, seq in enumerate(sequences):
         with torch.no_grad():
             expected = reference(torch.tensor([seq])).logits[0].numpy()

@@ -114,6 +114,7 @@ def test_dry_run_prints_the_manifest_and_creates_nothing(streams_on_gcs, tmp_pat
     assert job.spec.completion_mode == "Indexed" and not list(tmp_path.glob("*.yaml"))
 
 
+@pytest.mark.slow  # runners.fleet in processes of its own: launch, supervise, teardown
 def test_apply_and_teardown_through_the_kubernetes_client(streams_on_gcs, tmp_path):
     # Processes of their own: the Kubernetes client reads KUBECONFIG when it is first imported.
     with FakeKubernetesApi() as api:
@@ -147,6 +148,7 @@ def machine_files(arc_streams, gcs):
     return write
 
 
+@pytest.mark.slow  # a whole fleet through runners.fleet processes
 def test_a_preempted_index_runs_again_uncounted_and_the_fleet_completes(streams_on_gcs, machine_files,
                                                                         tmp_path, in_process_client):
     runs: dict[int, int] = {}
@@ -273,6 +275,7 @@ def test_the_slice_jobset_of_a_v5e_4x4_field_by_field(streams_on_gcs, tmp_path):
     assert command[-5:] == ["--model_path", "Qwen/Qwen2.5-0.5B", "--layers_to_extract", "6", "12"]
 
 
+@pytest.mark.slow  # a whole fleet through runners.fleet processes
 def test_a_preempted_slice_restarts_whole_uncounted_and_the_fleet_completes(streams_on_gcs, machine_files,
                                                                             tmp_path, in_process_client):
     def run_pod(pod: dict) -> int:

@@ -19,7 +19,7 @@ SITE_LAYERS = (1, MIDDLE)  # every activation site is checked at these blocks (m
 
 @pytest.fixture(scope="module")
 def real_float32(real_model_dir):
-    """The model in float32 with its head, loaded once: the float32 forward and the generation read it."""
+    """The model in float32 with its head, loaded once: the float32 forwards and the generation read it."""
     return checks.loaded_float32(real_model_dir)
 
 
@@ -34,8 +34,8 @@ def test_float32_matches_transformers_float64_at_every_layer_with_the_real_signa
     assert ratio >= 10
 
 
-def test_every_site_matches_transformers_float64_and_adds_up(real_model_dir, real_prompts, real_reference):
-    errors = checks.site_errors(real_model_dir, real_prompts, real_reference, SITE_LAYERS)
+def test_every_site_matches_transformers_float64_and_adds_up(real_float32, real_prompts, real_reference):
+    errors = checks.site_errors(real_float32, real_prompts, real_reference, SITE_LAYERS)
     assert max(errors.values()) <= 1e-5, errors
 
 
