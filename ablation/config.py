@@ -41,7 +41,7 @@ class AblationConfig(ModelRunSettings, ProfileSettings):
                        "logit_diff: activation patching (patch: specs) over a paired stream, the clean answer's "
                        "logit minus the wrong answer's at the last position, and normalized (0 corrupted, 1 clean)")
     method: str = flag("exact", "with --metric logit_diff: exact (a forward per cell), attribution (one forward and "
-                       "one backward per pair and site) or both (and their agreement per grid)")
+                       "one backward per pair) or both (and their agreement per grid)")
     patch_from: str | None = flag(None, "with --metric logit_diff: the clean store's index.parquet (pipeline.index; "
                                   "local or gs://), holding the patched sites of each pair's clean sample")
     output_dir: str = flag("ablation_output", "local directory for results.parquet, summary.csv, means.npz, "

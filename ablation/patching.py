@@ -37,7 +37,8 @@ from interventions.spec import Atom, Intervention
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import sown_value
-from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays, padded_heads
+from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays, padded_heads, \
+    reserve_patch_slots
 from model.loading import LoadedModel
 from model.scoring import causal_mask
 from model.sites import ATTN_Z, RESID_POST, RESID_PRE, array_key, describe_key, hook_name, missing_reason
@@ -231,13 +232,11 @@ def logit_diff(logits: np.ndarray, pair: Pair) -> np.ndarray:
 
 
 def baselines(loaded: LoadedModel, pair: Pair) -> tuple[float, float]:
-    """(the clean run's logit difference, the corrupted run's)."""
+    """(the clean run's logit difference, the corrupted run's), a forward each: the program of one
+    row that ``clean_values`` and ``attribution_metrics`` run too (a batch of both would be one more)."""
     forward = _forward(loaded.config, False)
-    if len(pair.clean) == len(pair.corrupted):  # one forward for both
-        logits, _, _ = forward(loaded.params, jnp.asarray([pair.clean, pair.corrupted]), None)
-    else:
-        logits = np.concatenate([forward(loaded.params, jnp.asarray([prompt]), None)[0]
-                                 for prompt in (pair.clean, pair.corrupted)])
+    logits = np.concatenate([forward(loaded.params, jnp.asarray([prompt]), None)[0]
+                             for prompt in (pair.clean, pair.corrupted)])  # [2, V]
     clean, corrupted = logit_diff(logits, pair)
     return float(clean), float(corrupted)
 
@@ -254,18 +253,29 @@ def normalize(metric: np.ndarray, clean: float, corrupted: float) -> np.ndarray:
 def exact_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
                   values: Mapping[tuple[str, int], np.ndarray]) -> np.ndarray:
     """[cells]: the corrupted run's logit difference with each cell patched from ``values``
-    ({(site, block): the clean prompt's [S, W]}, ``checked_values``), ``ROWS_PER_FORWARD`` cells a forward."""
+    ({(site, block): the clean prompt's [S, W]}, ``checked_values``), ``ROWS_PER_FORWARD`` cells a
+    forward. Every forward of a call carries the patch arrays of every site its cells patch, with
+    as many slots as the most blocks of a site one cell patches: one compiled program a call, of
+    any mix of sites (per prompt length, sites and slots)."""
     values = checked_values(loaded.config, pair, values)
-    return np.concatenate([np.zeros(0)] + [_patched_forward(loaded, pair, patched[i:i + ROWS_PER_FORWARD], values)
+    slots: dict[str, int] = {}  # site -> the most blocks of it one cell patches
+    for cell in patched:
+        for site in {patch.site for patch in cell}:
+            slots[site] = max(slots.get(site, 0), len({patch.layer for patch in cell if patch.site == site}))
+    return np.concatenate([np.zeros(0)] + [_patched_forward(loaded, pair, patched[i:i + ROWS_PER_FORWARD], values,
+                                                            slots)
                                            for i in range(0, len(patched), ROWS_PER_FORWARD)])
 
 
 def _patched_forward(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
-                     values: Mapping[tuple[str, int], np.ndarray]) -> np.ndarray:
-    """The metric of one forward whose row r patches cell r (the rows past the cells patch nothing:
-    one program per prompt length and set of sites)."""
+                     values: Mapping[tuple[str, int], np.ndarray], slots: Mapping[str, int]) -> np.ndarray:
+    """The metric of one forward whose row r patches cell r, with ``slots`` empty slots at each site
+    to fill (the rows past the cells, and the slots no cell of this forward fills, patch nothing)."""
     c = loaded.config
     layers, length, rows, heads = c.num_hidden_layers, len(pair.corrupted), ROWS_PER_FORWARD, c.num_attention_heads
+    arrays: dict[str, Any] = kept_arrays(c, layers)
+    for site, count in slots.items():
+        reserve_patch_slots(arrays, site, count, rows, length)
     batch: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}  # (site, block) -> (values, where)
     for row, cell in enumerate(patched):
         for patch in cell:
@@ -280,14 +290,13 @@ def _patched_forward(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell],
                 where[row, list(patch.positions), slice(None) if patch.head is None else patch.head] = True
             else:
                 where[row, list(patch.positions)] = True
-    arrays: dict[str, Any] = kept_arrays(c, layers)
     for (site, layer), (put, where) in batch.items():
         if site == ATTN_Z:
             add_head_patch(arrays, layer, put, where)
         else:
             add_patch(arrays, site, layer, put, where)
     ids = jnp.asarray(np.broadcast_to(np.asarray(pair.corrupted), (rows, length)))
-    logits, _, _ = _forward(c, bool(batch))(loaded.params, ids, arrays if batch else None)
+    logits, _, _ = _forward(c, bool(slots))(loaded.params, ids, arrays if slots else None)
     return logit_diff(logits, pair)[:len(patched)]
 
 
@@ -310,20 +319,20 @@ def patching_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray
     return scores.reshape(c.num_hidden_layers, len(pair.corrupted), *([heads] if heads else []))
 
 
-@functools.lru_cache(maxsize=8)
-def _metric_gradient(config: DecoderConfig, site: str):
-    """(delta [L, 1, S, W], params, ids [1, S], arrays, answer, wrong) -> (the logit difference, its
-    gradient with respect to ``delta``, added at ``site`` of every block): one jitted program per
-    site (compiled per prompt length). Its attention is the one-shot kernel over the causal mask
-    (``model.decoder.attended``'s ``dense``, which takes windows, soft-caps and sinks): the tiled
-    one's loop has bounds reverse mode cannot differentiate."""
+@functools.lru_cache(maxsize=4)
+def _metric_gradient(config: DecoderConfig):
+    """(deltas {``delta_key(site)``: [L, 1, S, W]}, params, ids [1, S], arrays, answer, wrong) ->
+    (the logit difference, its gradient with respect to each delta, added at its site of every
+    block): one jitted program per model, compiled per prompt length and set of sites. Its
+    attention is the one-shot kernel over the causal mask (``model.decoder.attended``'s ``dense``,
+    which takes windows, soft-caps and sinks): the tiled one's loop has bounds reverse mode cannot
+    differentiate."""
     decoder, layers = Decoder(config, jnp.float32, attention="dense"), config.num_hidden_layers
 
-    def metric(delta, params, ids, arrays, answer, wrong):
+    def metric(deltas, params, ids, arrays, answer, wrong):
         positions = jnp.arange(ids.shape[1])[None]
         mask = causal_mask(jnp.full(1, ids.shape[1]), ids.shape[1])
-        outputs, _ = decoder.apply({"params": params}, ids, positions, mask, layers,
-                                   ablation={**arrays, delta_key(site): delta})
+        outputs, _ = decoder.apply({"params": params}, ids, positions, mask, layers, ablation={**arrays, **deltas})
         logits = decoder.apply({"params": params}, outputs[-1][:, -1], method=Decoder.logits)  # [1, V]
         return logits[0, answer] - logits[0, wrong]
 
@@ -335,7 +344,8 @@ def attribution_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell]
     """Attribution patching's estimate of ``exact_metrics``: the corrupted run's metric plus, for
     each patch of a cell, (clean - corrupted) . d metric / d value summed over its positions (and
     for ``attn.hook_z`` one head's slice), from one forward and one backward of the corrupted
-    prompt per site; (the estimates [cells], the backward passes run)."""
+    prompt (the gradient at every site the cells patch at once); (the estimates [cells], the
+    backward passes run: 1, or 0 without a patch)."""
     c = loaded.config
     layers, length = c.num_hidden_layers, len(pair.corrupted)
     values = checked_values(c, pair, values)
@@ -344,14 +354,12 @@ def attribution_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell]
         return np.zeros(len(patched)), 0
     ids = jnp.asarray([pair.corrupted])
     _, outputs, sown = _forward(c, False)(loaded.params, ids, None)
-    corrupted, gradients, metric = {}, {}, 0.0
-    for site in sites:
-        corrupted[site] = site_values(c, outputs, sown, site)[:, 0]  # [L, S, W] (attn.hook_z: padded heads)
-        delta = jnp.zeros((layers, 1, length, corrupted[site].shape[-1]), jnp.float32)
-        value, gradient = _metric_gradient(c, site)(delta, loaded.params, ids, kept_arrays(c, layers), pair.answer,
-                                                    pair.wrong)
-        metric, gradients[site] = float(value), np.asarray(gradient, np.float64)[:, 0]  # [L, S, W]
-    estimates = np.full(len(patched), metric)
+    corrupted = {site: site_values(c, outputs, sown, site)[:, 0] for site in sites}  # [L, S, W] (hook_z: padded)
+    deltas = {delta_key(site): jnp.zeros((layers, 1, length, corrupted[site].shape[-1]), jnp.float32)
+              for site in sites}  # [L, 1, S, W] each
+    value, gradient = _metric_gradient(c)(deltas, loaded.params, ids, kept_arrays(c, layers), pair.answer, pair.wrong)
+    gradients = {site: np.asarray(gradient[delta_key(site)], np.float64)[:, 0] for site in sites}  # [L, S, W]
+    estimates = np.full(len(patched), float(value))
     for i, cell in enumerate(patched):
         for patch in cell:
             at, layer = list(patch.positions), patch.layer
@@ -360,7 +368,7 @@ def attribution_metrics(loaded: LoadedModel, pair: Pair, patched: Sequence[Cell]
             if patch.head is not None:
                 change = change.reshape(len(at), c.num_attention_heads, -1)[:, patch.head]
             estimates[i] += change.sum()
-    return estimates, len(sites)
+    return estimates, 1
 
 
 def attribution_grid(loaded: LoadedModel, pair: Pair, site: str, values: np.ndarray | None = None,

@@ -5,7 +5,7 @@ prompt with the clean prompt's values read from a store (``--patch_from INDEX``)
 logit difference of the clean answer over the wrong one at the last position, and normalized (0 the
 corrupted run, 1 the clean one). ``--method exact`` patches each cell in a forward of its own
 (``ROWS_PER_FORWARD`` cells a batch); ``attribution`` estimates every cell from one forward and one
-backward a site (``ablation.patching.attribution_metrics``); ``both`` does both and reports their
+backward a pair (``ablation.patching.attribution_metrics``); ``both`` does both and reports their
 agreement per grid.
 
 Results are written as parts (``patching_parts/part-NNNNNN.parquet``, one per forward, each
@@ -66,7 +66,7 @@ class PatchingReport:
     cells: int            # (cell, pair, method) results in all
     computed: int         # of them, computed by this run
     forwards: int         # batched forwards of patched cells
-    backwards: int        # attribution's backward passes (one per pair and site)
+    backwards: int        # attribution's backward passes (one per pair)
     wall_s: float
     outputs: list[str]
 

@@ -182,9 +182,7 @@ def _add_to_slots(arrays: dict[str, np.ndarray], site: str, layer: int, values: 
     key, where_key, layers_key = patch_key(site)
     rows, length, width = values.shape
     if key not in arrays:
-        arrays[key] = np.zeros((0, rows, length, width), np.float32)  # [K, B, S, W]
-        arrays[where_key] = np.zeros((0, *where.shape), bool)           # [K, B, S(, N)]
-        arrays[layers_key] = np.zeros((0, rows), np.int32)               # [K, B]: each slot's block, -1 none
+        reserve_patch_slots(arrays, site, 0, rows, length)
     for row in np.flatnonzero(where.reshape(rows, -1).any(axis=1)):
         free = np.flatnonzero((arrays[layers_key][:, row] == layer) | (arrays[layers_key][:, row] == -1))
         if not len(free):  # every slot of this row holds another block: one more slot for all rows
@@ -196,6 +194,21 @@ def _add_to_slots(arrays: dict[str, np.ndarray], site: str, layer: int, values: 
         arrays[key][slot, row] = np.where(elementwise[row], values[row], arrays[key][slot, row])
         arrays[where_key][slot, row] |= where[row]
         arrays[layers_key][slot, row] = layer
+
+
+def reserve_patch_slots(arrays: dict[str, np.ndarray], site: str, slots: int, rows: int, length: int) -> None:
+    """Empty patch arrays at ``site`` (``patch_key``) of ``slots`` slots for a batch of ``rows`` x
+    ``length`` tokens, patching nothing until patches fill them: batches given the same slots are of
+    one shape and structure whatever blocks (or none) they patch, so one compiled forward serves them."""
+    key, where_key, layers_key = patch_key(site)
+    heads = arrays["head_keep"].shape[1]
+    if site == ATTN_Z:  # every head padded to the widest (kept_arrays' means are)
+        width, where = heads * arrays["head_mean"].shape[-1], (slots, rows, length, heads)
+    else:
+        width, where = arrays["attn_mean"].shape[-1], (slots, rows, length)
+    arrays[key] = np.zeros((slots, rows, length, width), np.float32)  # [K, B, S, W]
+    arrays[where_key] = np.zeros(where, bool)                           # [K, B, S(, N)]
+    arrays[layers_key] = np.full((slots, rows), -1, np.int32)           # [K, B]: each slot's block, -1 none
 
 
 def patch_key(site: str) -> tuple[str, str, str]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ablation.patching import Pair, attribution_grid, attribution_metrics, cells, clean_values, exact_metrics, \
-    patching_grid, values_by_block
+    grid_cells, patching_grid, values_by_block
 from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -168,30 +168,47 @@ def assert_close(got: np.ndarray, expected: np.ndarray, tolerance: float, what: 
 
 def test_every_grid_equals_transformers_hooks_and_autograd(models):
     """Exact grids within 1e-5 and attribution grids within 1e-4 of transformers' float64 model, at
-    every stream site and per head at attn.hook_z (heads of each block's own width). Clean values
-    as a store holds them (each block its own width: Gemma 4's full blocks wider) patch as the
-    padded ones; values of another length are one line."""
+    every stream site and per head at attn.hook_z (heads of each block's own width), every site's
+    cells in one call of each method. Clean values as a store holds them (each block its own
+    width: Gemma 4's full blocks wider) patch as the padded ones; values of another length are one
+    line."""
     from common.cli import UserError
     ours, theirs, _ = models
     c = ours.config
     pair, layers, n = a_pair(c.vocab_size), range(c.num_hidden_layers), c.num_attention_heads
     assert {c.layer_config(i).head_dim for i in layers} == ({16, 32} if c.model_type == "gemma4" else {c.head_dim})
-    for site in SITES:
-        heads = n if site == ATTN_Z else None
-        assert_close(patching_grid(ours, pair, site), reference_exact(theirs, pair, site, layers, heads), 1e-5,
-                     f"{c.model_type} {site} exact")
-        assert_close(attribution_grid(ours, pair, site), reference_attribution(theirs, pair, site, layers, heads),
-                     1e-4, f"{c.model_type} {site} attribution")
     padded = clean_values(ours, pair.clean, ATTN_Z)  # [L, S, N * the widest head]
     own = [block.reshape(len(pair.clean), n, -1)[..., :c.layer_config(i).head_dim].reshape(len(pair.clean), -1)
            for i, block in enumerate(padded)]  # [S, N * D] each
-    head_cells = [cell for iv in parse(["patch:*:attn.hook_z:heads=*:pos=1"], c) for _, cell in cells(iv, pair)]
-    np.testing.assert_array_equal(exact_metrics(ours, pair, head_cells, values_by_block(own, ATTN_Z)),
-                                  exact_metrics(ours, pair, head_cells, values_by_block(padded, ATTN_Z)))
-    np.testing.assert_array_equal(attribution_metrics(ours, pair, head_cells, values_by_block(own, ATTN_Z))[0],
-                                  attribution_metrics(ours, pair, head_cells, values_by_block(padded, ATTN_Z))[0])
+    stream = {key: value for site in SITES[1:] for key, value in values_by_block(clean_values(ours, pair.clean, site),
+                                                                                site).items()}
+    as_stored, as_padded = {**stream, **values_by_block(own, ATTN_Z)}, {**stream, **values_by_block(padded, ATTN_Z)}
+    exact = exact_metrics(ours, pair, every_cell(c, pair), as_stored)
+    estimate = attribution_metrics(ours, pair, every_cell(c, pair), as_stored)[0]
+    for site, exact_grid, estimate_grid in zip(SITES, grids(c, pair, exact), grids(c, pair, estimate)):
+        heads = n if site == ATTN_Z else None
+        assert_close(exact_grid, reference_exact(theirs, pair, site, layers, heads), 1e-5,
+                     f"{c.model_type} {site} exact")
+        assert_close(estimate_grid, reference_attribution(theirs, pair, site, layers, heads), 1e-4,
+                     f"{c.model_type} {site} attribution")
+    np.testing.assert_array_equal(exact, exact_metrics(ours, pair, every_cell(c, pair), as_padded))
+    np.testing.assert_array_equal(estimate, attribution_metrics(ours, pair, every_cell(c, pair), as_padded)[0])
     with pytest.raises(UserError, match=r"^pair '': the clean values at blocks.0.attn.hook_z are of shape \(3, "):
         patching_grid(ours, pair, ATTN_Z, values=[block[1:] for block in own])
+
+
+def every_cell(config, pair: Pair) -> list:
+    """The cells of every site's grid (``SITES``), site after site, each in TransformerLens's order."""
+    return [cell for site in SITES for cell in grid_cells(site, config.num_hidden_layers, len(pair.corrupted),
+                                                         config.num_attention_heads if site == ATTN_Z else None)]
+
+
+def grids(config, pair: Pair, metrics: np.ndarray) -> list[np.ndarray]:
+    """Each site's grid [L, S(, N)] of the metrics of ``every_cell``."""
+    shapes = [(config.num_hidden_layers, len(pair.corrupted), *([config.num_attention_heads] if site == ATTN_Z
+                                                                 else [])) for site in SITES]
+    parts = np.split(metrics, np.cumsum([np.prod(shape) for shape in shapes])[:-1])
+    return [part.reshape(shape) for part, shape in zip(parts, shapes)]
 
 
 def parse(specs, config):
