@@ -230,7 +230,11 @@ def merge_index_files(paths: Sequence[str], schema: pa.Schema = SCHEMA) -> pa.Ta
     """All rows of the given index files, sorted by ``sample_id`` (then ``layer`` and ``site``, if
     any). Per-array files (``SITES_ARRAYS_SCHEMA``) gain their ``site`` column where they lack it."""
     arrays = schema == SITES_ARRAYS_SCHEMA
-    tables = [read_arrays_file(p) if arrays else read_index_file(p, schema) for p in paths]
+    return concat_sorted([read_arrays_file(p) if arrays else read_index_file(p, schema) for p in paths], schema)
+
+
+def concat_sorted(tables: Sequence[pa.Table], schema: pa.Schema = SCHEMA) -> pa.Table:
+    """Index tables read from their files as one, sorted as ``merge_index_files`` sorts."""
     try:  # kept columns: a shard's all-null column takes the others' type, an integer one a float one's
         merged = pa.concat_tables(tables, promote_options="permissive") if tables else schema.empty_table()
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
@@ -245,7 +249,6 @@ def write_index(table: pa.Table, path: str) -> None:
 
 def find_files(root: str, pattern: str) -> list[str]:
     """Files under ``root`` (local or ``gs://``) whose path relative to it matches ``pattern``."""
-    import re
     from common.files import match
     base = root.rstrip("/") + "/"
     return [p for p in match(base + "**") if re.fullmatch(pattern, p[len(base):])]
@@ -348,6 +351,7 @@ class CollectedIndex:
     machines: list[dict[str, Any]]      # each machine's metadata.json
     stats_files: list[str] = dataclasses.field(default_factory=list)  # per shard (activations.site_stats)
     tokens_files: list[str] = dataclasses.field(default_factory=list)  # per shard (TOKENS_SCHEMA)
+    file_machines: dict[str, int] = dataclasses.field(default_factory=dict)  # index file -> its rows' machine_id
 
     @property
     def duplicates(self) -> int:
@@ -372,8 +376,11 @@ def collect_index(activations_dir: str) -> CollectedIndex:
     for path in metadata_files:
         with open_read(path) as f:
             machines.append(json.load(f))
-    table = typed_columns(merge_index_files(index_files), machines)
-    return CollectedIndex(table, index_files, arrays_files, machines, stats_files, tokens_files)
+    tables = {path: read_index_file(path, SCHEMA) for path in index_files}
+    table = typed_columns(concat_sorted(list(tables.values())), machines)
+    # Each file's machine from its rows, not its path: a run's --gcs_prefix may name its folder anything.
+    file_machines = {path: t["machine_id"][0].as_py() for path, t in tables.items() if t.num_rows}
+    return CollectedIndex(table, index_files, arrays_files, machines, stats_files, tokens_files, file_machines)
 
 
 def typed_columns(table: pa.Table, machines: Sequence[dict[str, Any]]) -> pa.Table:
@@ -420,20 +427,14 @@ def statistics_coverage(collected: CollectedIndex, arrays: pa.Table, stats: pa.T
     (``--statistics off``); ``mismatch``, where every shard has one, a (site, layer) whose count is
     not the rows the arrays table holds (else None)."""
     have = set(collected.stats_files)
-    machines = {_machine_of(p): [] for p in collected.index_files}
+    machines: dict[int | str, list[bool]] = {}
     for path in collected.index_files:
-        machines[_machine_of(path)].append(path[:-len(".parquet")] + "_stats.parquet" in have)
+        machine = collected.file_machines.get(path, path.rsplit("/index/", 1)[0])  # a file of no rows: its folder
+        machines.setdefault(machine, []).append(path[:-len(".parquet")] + "_stats.parquet" in have)
     without = [m for m, found in machines.items() if not all(found)]
     covered = [m for m, found in machines.items() if all(found)]
     mismatch = _count_mismatch(arrays, stats) if stats is not None and not without else None
     return {"machines": sorted(covered, key=str), "without": sorted(without, key=str), "mismatch": mismatch}
-
-
-def _machine_of(index_file: str) -> int | str:
-    """The machine an index file is of: N of its path's last ``machine_NNN/`` (the folder above
-    ``index/`` where the path has none)."""
-    found = re.findall(r"(?:^|/)machine_(\d+)/", index_file)
-    return int(found[-1]) if found else index_file.rsplit("/index/", 1)[0]
 
 
 def _count_mismatch(arrays: pa.Table, stats: pa.Table) -> str | None:

@@ -133,10 +133,11 @@ def store(tmp_path_factory) -> str:
     return str(root)
 
 
-def without_statistics(root: str, folder, machines: list[int]) -> tuple[str, str]:
+def without_statistics(root: str, folder, machines: list[int], names: tuple[str, ...] = ()) -> tuple[str, str]:
     """A copy of the store's machines, ``machines`` as a run with ``--statistics off`` leaves them (no
     statistics files, ``metadata.json`` saying off), merged by ``pipeline.index`` into the index
-    path it returns (with the merge's log), where a merge of the whole store wrote its statistics before."""
+    path it returns (with the merge's log), where a merge of the whole store wrote its statistics before.
+    ``names``: the machines' folders renamed so (as runs given their own --gcs_prefix name them)."""
     activations = str(shutil.copytree(os.path.join(root, "activations"), folder / "activations"))
     index = str(folder / "index.parquet")
     assert run_in_process("pipeline.index", "--activations_dir", activations, "--output", index).returncode == 0
@@ -152,6 +153,8 @@ def without_statistics(root: str, folder, machines: list[int]) -> tuple[str, str
             for name in os.listdir(os.path.join(machine_dir, "index")):
                 if name.endswith("_stats.parquet"):
                     os.remove(os.path.join(machine_dir, "index", name))
+    for machine, name in enumerate(names):
+        os.rename(os.path.join(activations, f"machine_{machine:03d}"), os.path.join(activations, name))
     merged = run_in_process("pipeline.index", "--activations_dir", activations, "--output", index)
     assert merged.returncode == 0, merged.stderr
     return index, merged.stderr
@@ -188,6 +191,14 @@ def test_statistics_of_one_machine_of_two_are_written_for_no_reader(store, tmp_p
     assert f"no diff-in-means baseline: {index!r}: {PARTIAL}" in probed.stderr
     arrays, _ = read_directions(str(tmp_path / "probe" / "directions.npz"))
     assert sorted(arrays) == ["probe/blocks.0.hook_resid_post"]  # no diff-in-means of machine 0's tokens alone
+
+
+def test_machines_are_named_by_their_rows_whatever_their_folders(store, tmp_path):
+    index, merge_log = without_statistics(store, tmp_path, [1], names=("run-a", "run-b"))
+    assert [line.split(" ", 2)[2] for line in merge_log.splitlines()] == [
+        f"WARNING activations.index: no {stats_path(index)}: {PARTIAL}"]
+    with open(merged_metadata_path(index)) as f:
+        assert json.load(f)["statistics"] == {"machines": [0], "without": [1], "mismatch": None}
 
 
 def test_a_store_without_statistics_says_how_to_get_them(store, tmp_path):

@@ -2,13 +2,11 @@
 the memory budget, byte-identical to the in-memory encoding; a failure stops later commits."""
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
-import signal
 import time
-import traceback
-import warnings
 
 import numpy as np
 import pytest
@@ -237,31 +235,27 @@ def store_stream(out, records: list[dict], compress: bool) -> None:
     writer.write_state()
 
 
-def in_a_child(run, kill_after: float | None = None) -> bool:
-    """Runs ``run()`` in a forked process, SIGKILLed ``kill_after`` seconds after its start (None:
-    never); True if the kill ended it, False if it ended first (then it must have succeeded). The
-    child runs no JAX computation (JAX warns of forking a process that has its threads)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        pid = os.fork()
-    if pid == 0:  # the child: nothing of the parent's test session runs here
-        code = 0
-        try:
-            run()
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        os._exit(code)
-    deadline = time.monotonic() + (kill_after if kill_after is not None else 120)
-    while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
-        time.sleep(0.001)
-    if not ended[0]:
-        os.kill(pid, signal.SIGKILL)
-        ended = os.waitpid(pid, 0)
+FORKS = multiprocessing.get_context("forkserver")
+# What the children run, imported once in the server (not __main__, pytest's), and pandas, which
+# pyarrow's pa.table imports on its first call (seconds, a child's whole run otherwise).
+FORKS.set_forkserver_preload([__name__, "pandas"])
+
+
+def in_a_child(run, args: tuple, kill_after: float | None = None) -> bool:
+    """Runs ``run(*args)`` in a child process, SIGKILLed ``kill_after`` seconds after its start
+    (None: never); True if the kill ended it, False if it ended first (then it must have succeeded).
+    The children fork from a small server process (``forkserver``), not from this one: forking a
+    test worker that holds models costs ~0.5 s a child here (its page tables), more than a trial."""
+    child = FORKS.Process(target=run, args=args)
+    child.start()
+    child.join(kill_after if kill_after is not None else 120)
+    killed = child.is_alive()
+    if killed:
         assert kill_after is not None, "the child did not end in 120 s"
-    status = ended[1]
-    assert not os.WIFEXITED(status) or os.WEXITSTATUS(status) == 0, "the child failed (its traceback above)"
-    return os.WIFSIGNALED(status)
+        child.kill()
+        child.join()
+    assert killed or child.exitcode == 0, "the child failed (its traceback above)"
+    return killed
 
 
 def stored_files(out) -> dict[str, bytes]:
@@ -286,11 +280,10 @@ def test_kill_9_at_random_moments_then_resume_stores_every_file_byte_identical(t
     records = kill_trial_records()  # (measured in this process: the children only merge them)
     out = tmp_path / "machine_000"  # every run the same path: the indexes name their shards by it
 
-    def store() -> None:
-        store_stream(out, records, compress)
     (out / "index").mkdir(parents=True)
+    assert not in_a_child(time.sleep, (0,))  # the server started: the run below is timed alone
     start = time.perf_counter()
-    assert not in_a_child(store)
+    assert not in_a_child(store_stream, (out, records, compress))
     whole = time.perf_counter() - start
     expected = stored_files(out)
     shards = sum(name.startswith("shard_") for name in expected)
@@ -302,12 +295,12 @@ def test_kill_9_at_random_moments_then_resume_stores_every_file_byte_identical(t
         (out / "index").mkdir(parents=True)
         kills = len(at_kills)
         for _ in range(3):
-            if not in_a_child(store, kill_after=rng.uniform(0.0, whole)):
+            if not in_a_child(store_stream, (out, records, compress), kill_after=rng.uniform(0.0, whole)):
                 break  # it stored to the end before the kill
             checkpoint = out / CHECKPOINT_FILE
             at_kills.append(json.loads(checkpoint.read_text())["total_shards"] if checkpoint.exists() else 0)
         else:
-            assert not in_a_child(store)
+            assert not in_a_child(store_stream, (out, records, compress))
         if len(at_kills) > kills:
             assert stored_files(out) == expected, f"a run killed at {at_kills[kills:]} shards"
     assert any(0 < n < shards for n in at_kills), at_kills  # kills landed between the first shard and the last
