@@ -121,6 +121,18 @@ def write_bytes(path: str, data: bytes | memoryview) -> None:
         f.write(data)
 
 
+def write_atomically(path: str, data: bytes | list[bytes]) -> None:
+    """Replaces ``path`` with ``data`` (bytes, or chunks written in order) so that readers see
+    the old or the new file, never half of one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        for chunk in ([data] if isinstance(data, bytes) else data):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def delete_tree(path: str) -> None:
     """Deletes the directory ``path`` and everything under it (on ``gs://``: every object under
     the prefix); nothing there is not an error."""

@@ -29,9 +29,10 @@ def read_required(path: str, what: str, missing: str) -> bytes:
     return data
 
 
-def read_settings(path: str, config_cls: type, sections: Sequence[str] = ()) -> dict[str, Any]:
-    """The settings a YAML or JSON file holds, by flag name; the ``sections`` (mappings) are
-    merged into the top level. An unknown name is an error."""
+def read_settings(path: str, config_cls: type | tuple[type, ...], sections: Sequence[str] = ()) -> dict[str, Any]:
+    """The settings a YAML or JSON file holds, by flag name, of one configuration class or of
+    several (a command's flags from each); the ``sections`` (mappings) are merged into the top
+    level. An unknown name is an error."""
     data = read_required(path, f"--config {path!r}", f"--config {path!r} does not exist")
     try:
         import yaml
@@ -46,7 +47,8 @@ def read_settings(path: str, config_cls: type, sections: Sequence[str] = ()) -> 
             flat.update(value)
         else:
             flat[key] = value
-    fields = {f.name for f in dataclasses.fields(config_cls)}
+    fields = {f.name for c in (config_cls if isinstance(config_cls, tuple) else (config_cls,))
+              for f in dataclasses.fields(c)}
     unknown = sorted(set(flat) - fields)
     if unknown:
         raise UserError(f"--config {path!r}: unknown setting(s) {', '.join(unknown)}")

@@ -20,7 +20,7 @@ from typing import Sequence
 from fleet.backend import ABSENT, ALIVE, GONE, Backend, Health, Incarnation
 from fleet.machines import parse_time
 from fleet.runner import local_command
-from host.checkpoint import write_atomically
+from common.files import write_atomically
 from host.status import utc_now
 
 log = logging.getLogger("runners.fleet")

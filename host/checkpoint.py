@@ -71,18 +71,6 @@ def covers(ran_under: int | None, processed: int, limit: int | None) -> bool:
     return ran_under is None or processed < ran_under or (limit is not None and ran_under >= limit)
 
 
-def write_atomically(path: str, data: bytes | list[bytes]) -> None:
-    """Replaces ``path`` with ``data`` (bytes, or chunks written in order) so that readers see
-    the old or the new file, never half of one."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        for chunk in ([data] if isinstance(data, bytes) else data):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def load_checkpoint(path: str) -> Checkpoint | None:
     if not os.path.exists(path):
         return None

@@ -21,8 +21,8 @@ import logging
 import os
 from typing import Any, Sequence
 
-from host.checkpoint import write_atomically
 from common.states import COMPILING, COMPLETED, FAILED, LOADING, RUNNING, STARTING, STOPPED
+from common.files import write_atomically
 from host.status import STATUS_FILE, utc_now
 from host.storage import GcsStore
 

@@ -13,7 +13,7 @@ import os
 from typing import Any, Iterable
 
 from common.cli import UserError
-from host.checkpoint import write_atomically
+from common.files import write_atomically
 from host.storage import GcsStore
 from common.stream_format import json_line
 

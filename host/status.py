@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from common.cli import UserError
-from host.checkpoint import write_atomically
+from common.files import write_atomically
 from common.states import COMPILING, FAILED, RUNNING, STARTING, STOPPED
 
 if TYPE_CHECKING:  # annotations only: this module needs neither JAX nor a GCS client to import

@@ -43,7 +43,8 @@ from activations.site_stats import ROLE_GROUPING, Moments, StatsKey, merged_mome
 from activations.shards import (DEFAULT_COMPRESSOR, CompressedArray, Segment, activation_bytes,
                                 array_locations, gzip_member_compressor, shard_dict, shard_filename,
                                 shard_segments, stored_segments)
-from host.checkpoint import Checkpoint, write_atomically
+from common.files import write_atomically
+from host.checkpoint import Checkpoint
 from host.lease import MachineLease
 from host.rejected import RejectedLog
 from host.status import utc_now
