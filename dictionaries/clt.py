@@ -59,7 +59,8 @@ def decoder_norms(params: Params, layer: int) -> jax.Array:
     return jnp.linalg.norm(W_dec.reshape(W_dec.shape[0], -1), axis=-1)
 
 
-def encode_clt(config: DictionaryConfig, params: Params, xs: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+def encode_clt(config: DictionaryConfig, params: Params,
+               xs: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
     """(each layer's feature activations, its pre-activations), [batch, d_sae] each, from the
     input site's rows ``xs`` [batch, d_in] at every layer."""
     acts, pres = [], []
