@@ -35,6 +35,7 @@ import numpy as np
 
 from activations.token_loader import LoaderConfig, TokenBatch, TokenLoader
 from common.cli import UserError, flag
+from common.extras import require
 from common.files import write_atomically
 from dictionaries.config import DTYPES, DictionaryConfig, OptimizerConfig
 from dictionaries.optimizer import coefficient, learning_rate
@@ -66,6 +67,8 @@ class TrainingConfig:
     normalize: bool = flag(True, "scale each site to mean norm sqrt(width) by the store's statistics "
                            "(folded into the saved weights)")
     dtype: str = flag("float32", f"the weights' dtype: {', '.join(DTYPES)}")
+    tensorboard: bool = flag(True, "the metrics as TensorBoard events too (tensorboard/ in --output_dir; needs "
+                             "the 'tracking' extra)")
     checkpoint_every: int = flag(200, "steps between checkpoints")
     log_every: int = flag(50, "steps between log lines")
 
@@ -100,7 +103,7 @@ class TrainingResult:
 def settings(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig) -> dict[str, Any]:
     """Every setting a resume must share, by flag name (the logging ones aside)."""
     found = {**dataclasses.asdict(dictionary), **dataclasses.asdict(optimizer), **dataclasses.asdict(training)}
-    for name in ("checkpoint_every", "log_every", "output_dir"):
+    for name in ("checkpoint_every", "log_every", "output_dir", "tensorboard"):
         found.pop(name)
     return json.loads(json.dumps(found))  # tuples as lists, as a checkpoint reads them back
 
@@ -149,6 +152,7 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
     if state is None:
         state = initial_state(init_params(dictionary, d_in, d_out, jax.random.key(training.seed), dtype))
     cut_metrics(training.output_dir, start)
+    events = open_events(training, start)
     log.info("%s %s of %d latents on %s%s: steps %d..%d of %d tokens", "resuming" if start else "training",
              dictionary.architecture, d_sae, describe_key(input_key),
              f" -> {describe_key(target_key)}" if training.target else "", start, training.steps, training.batch_tokens)
@@ -172,8 +176,11 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
             final, window = mean_row(window), []
         if (step + 1) % training.checkpoint_every == 0 or step + 1 == training.steps:
             append_metrics(training.output_dir, rows)
+            write_events(events, rows)
             write_checkpoint(training.output_dir, state, current)
             rows = []
+    if events is not None:
+        events.close()
     elapsed = max(time.perf_counter() - began, 1e-9)
     write_dictionary(training, dictionary, loader, state, d_in, d_out)
     dead = int(jnp.sum(state["since_fired"] > optimizer.dead_feature_window))
@@ -215,6 +222,24 @@ def log_window(window: list[dict[str, float]], done: int, training: TrainingConf
     m = mean_row(window)
     log.info("step %d/%d: loss %.4g, mse %.4g, explained variance %.3f, L0 %.1f, dead %d; %.0f tokens/s, %.0f s left",
              done, training.steps, m["loss"], m["mse_loss"], m["explained_variance"], m["l0"], m["dead"], rate, left)
+
+
+def open_events(training: TrainingConfig, start: int) -> Any:
+    """A TensorBoard event writer (None where off) whose readers drop what a killed run logged from
+    ``start`` on (``purge_step``): each step's values once, as in metrics.csv."""
+    if not training.tensorboard:
+        return None
+    writer = require("tensorboardX", "tracking", "--tensorboard").SummaryWriter
+    return writer(os.path.join(training.output_dir, "tensorboard"), purge_step=start or None)
+
+
+def write_events(events: Any, rows: list[dict[str, float]]) -> None:
+    if events is None:
+        return
+    for row in rows:
+        for name in METRICS[2:]:
+            events.add_scalar(f"train/{name}", row[name], row["step"])
+    events.flush()
 
 
 def flat_state(state: State) -> dict[str, np.ndarray]:

@@ -49,6 +49,8 @@ def test_an_sae_trains_logs_every_step_once_and_saelens_loads_it(index, tmp_path
     assert done.returncode == 0, done.stderr
     assert "runners.train_dictionary: topk, 8 -> 32 latents -> 8: 24 steps" in done.stdout
     assert metric_steps(tmp_path / "sae") == list(range(24))
+    events = b"".join(p.read_bytes() for p in (tmp_path / "sae" / "tensorboard").iterdir())
+    assert all(f"train/{name}".encode() in events for name in ("loss", "explained_variance", "l0", "dead"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = sae_lens.SAE.load_from_disk(str(tmp_path / "sae"))
