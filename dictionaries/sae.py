@@ -102,14 +102,14 @@ def pre_activations(params: Params, x: jax.Array, sae: bool) -> jax.Array:
     return ((x - params["b_dec"]) if sae else x) @ params["W_enc"] + params["b_enc"]
 
 
-Chosen = tuple[jax.Array, jax.Array, jax.Array]  # (values, rows, latents), each [n]: the latents that fire
+# (values, rows, latents): the latents that fire; [batch, k] each for TopK (rows broadcast), [n] for BatchTopK.
+Chosen = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def top_k_rows(pre: jax.Array, k: int) -> Chosen:
     """Each row's k largest pre-activations [batch, d_sae], ReLU'd (SAELens's ``TopK``)."""
     values, latents = jax.lax.top_k(pre, k)  # [batch, k]
-    rows = jnp.repeat(jnp.arange(pre.shape[0]), k)
-    return jax.nn.relu(values).reshape(-1), rows, latents.reshape(-1)
+    return jax.nn.relu(values), jnp.arange(pre.shape[0])[:, None], latents
 
 
 def top_k_batch(pre: jax.Array, k: float) -> Chosen:
@@ -130,6 +130,8 @@ def decode_chosen(chosen: Chosen, decoder: jax.Array, scale: jax.Array | None, b
     values, rows, latents = chosen
     if scale is not None:
         values = values / scale[latents]
+    if values.ndim == 2:  # k a row: a batched product over the gathered rows, no scatter
+        return jnp.einsum("bk,bkd->bd", values, decoder[latents])
     return jnp.zeros((batch, decoder.shape[1]), decoder.dtype).at[rows].add(values[:, None] * decoder[latents])
 
 
