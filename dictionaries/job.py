@@ -156,7 +156,7 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
     log.info("%s %s of %d latents on %s%s: steps %d..%d of %d tokens", "resuming" if start else "training",
              dictionary.architecture, d_sae, describe_key(input_key),
              f" -> {describe_key(target_key)}" if training.target else "", start, training.steps, training.batch_tokens)
-    rows, window, final, waited, began = [], [], {}, 0.0, time.perf_counter()
+    steps, final, waited, began = StepLog(training.batch_tokens), {}, 0.0, time.perf_counter()
     stream = batches_from(loader, start)
     for step in range(start, training.steps):
         t0 = time.perf_counter()
@@ -168,17 +168,17 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
         weight = step_coefficient(dictionary, step)
         state, metrics = train_step(state, x, y, jnp.asarray(lr, dtype), jnp.asarray(weight, dtype),
                                     config=dictionary, optimizer=optimizer, sae=training.target is None)
-        dead = int(jnp.sum(state["since_fired"] > optimizer.dead_feature_window))
-        rows.append(metrics_row(step, training.batch_tokens, lr, weight, metrics, dead))
-        window.append(rows[-1])
+        steps.add(step, lr, weight, metrics)
         if (step + 1) % training.log_every == 0 or step + 1 == training.steps:
+            window = steps.take_window()
             log_window(window, step + 1, training, time.perf_counter() - began, start)
-            final, window = mean_row(window), []
+            final = mean_row(window)
         if (step + 1) % training.checkpoint_every == 0 or step + 1 == training.steps:
+            rows = steps.take_rows()
             append_metrics(training.output_dir, rows)
             write_events(events, rows)
             write_checkpoint(training.output_dir, state, current)
-            rows = []
+    stream.close()  # the loader's reading threads
     if events is not None:
         events.close()
     elapsed = max(time.perf_counter() - began, 1e-9)
@@ -187,6 +187,37 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
     taken = training.steps - start
     return TrainingResult(training.steps, start, d_in, d_sae, d_out, final, dead,
                           taken * training.batch_tokens / elapsed, waited / elapsed, training.output_dir)
+
+
+class StepLog:
+    """Each step's metrics, kept on the device until a log line or a checkpoint reads them: reading
+    them at once would wait for the step, and the next batch's read would not overlap it."""
+
+    def __init__(self, batch_tokens: int):
+        self.batch_tokens = batch_tokens
+        self.pending: list[tuple[int, float, float, dict[str, jax.Array]]] = []  # since the last checkpoint
+        self.rows: list[dict[str, float]] = []    # the first of them, read back
+        self.window: list[dict[str, float]] = []  # rows read since the last log line
+
+    def add(self, step: int, lr: float, weight: float, metrics: dict[str, jax.Array]) -> None:
+        self.pending.append((step, lr, weight, metrics))
+
+    def _read(self) -> None:
+        new = [metrics_row(step, self.batch_tokens, *rest) for step, *rest in self.pending[len(self.rows):]]
+        self.rows += new
+        self.window += new
+
+    def take_window(self) -> list[dict[str, float]]:
+        """The rows since the last log line."""
+        self._read()
+        window, self.window = self.window, []
+        return window
+
+    def take_rows(self) -> list[dict[str, float]]:
+        """The rows since the last checkpoint."""
+        self._read()
+        rows, self.rows, self.pending = self.rows, [], []
+        return rows
 
 
 def step_coefficient(dictionary: DictionaryConfig, step: int) -> float:
@@ -198,15 +229,16 @@ def step_coefficient(dictionary: DictionaryConfig, step: int) -> float:
     return 0.0
 
 
-def metrics_row(step: int, batch_tokens: int, lr: float, weight: float, metrics: dict[str, jax.Array],
-                dead: int) -> dict[str, float]:
+def metrics_row(step: int, batch_tokens: int, lr: float, weight: float,
+                metrics: dict[str, jax.Array]) -> dict[str, float]:
+    """A step's ``metrics.csv`` row (the sparsity terms summed, the auxiliary ones summed)."""
     losses = {k: float(v) for k, v in metrics.items()}
     sparsity = sum(v for k, v in losses.items() if k in ("l1_loss", "l0_loss", "pre_act_loss"))
     auxiliary = sum(v for k, v in losses.items() if k == "auxiliary_reconstruction_loss" or k.startswith("inner_"))
     return {"step": step, "tokens": (step + 1) * batch_tokens, "lr": lr, "coefficient": weight,
             "loss": losses["loss"], "mse_loss": losses["mse_loss"], "sparsity_loss": sparsity,
             "auxiliary_loss": auxiliary, "explained_variance": losses["explained_variance"], "l0": losses["l0"],
-            "dead": dead}
+            "dead": int(losses["dead"])}
 
 
 def mean_row(rows: list[dict[str, float]]) -> dict[str, float]:

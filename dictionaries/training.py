@@ -36,7 +36,8 @@ def initial_state(params: Params) -> State:
 def train_step(state: State, x: jax.Array, target: jax.Array, lr: jax.Array, coefficient: jax.Array, *,
                config: DictionaryConfig, optimizer: OptimizerConfig, sae: bool) -> tuple[State, dict[str, jax.Array]]:
     """One step on ``x`` [batch, d_in] reconstructing ``target`` [batch, d_out]: the new state and
-    the step's metrics (the loss, each loss term, L0, explained variance), computed before the update."""
+    the step's metrics (the loss, each loss term, L0, explained variance, computed before the
+    update; the latents dead after it)."""
     params = state["params"]
     if "threshold" in params:  # SAELens clamps before each forward pass, not after the update
         params = {**params, "threshold": jnp.maximum(params["threshold"], 0)}
@@ -53,9 +54,11 @@ def train_step(state: State, x: jax.Array, target: jax.Array, lr: jax.Array, coe
         threshold = jnp.where(positive.any(), (1 - rate) * threshold + rate * least, threshold)
     count = state["step"] + 1
     new_params, moments = adam(optimizer, params, clipped(grads), state["moments"], count.astype(lr.dtype), lr)
-    new_state = {"params": new_params, "moments": moments, "step": count,
-                 "since_fired": jnp.where(fired, 0.0, state["since_fired"] + 1), "topk_threshold": threshold}
-    return new_state, {"loss": loss, **found["losses"], **batch_metrics(target, out, acts)}
+    since_fired = jnp.where(fired, 0.0, state["since_fired"] + 1)
+    new_state = {"params": new_params, "moments": moments, "step": count, "since_fired": since_fired,
+                 "topk_threshold": threshold}
+    dead = jnp.sum(since_fired > optimizer.dead_feature_window)  # after this batch: the next step's
+    return new_state, {"loss": loss, **found["losses"], **batch_metrics(target, out, acts), "dead": dead}
 
 
 def batch_metrics(target: jax.Array, out: jax.Array, acts: jax.Array) -> dict[str, jax.Array]:

@@ -92,7 +92,7 @@ def our_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndarray]
         state, metrics = train_step(state, x, x, jnp.float64(learning_rate(OPTIMIZER, t, STEPS)),
                                     jnp.float64(coefficient(final, warm_up, t)), config=config,
                                     optimizer=OPTIMIZER, sae=True)
-        losses.append({k: float(v) for k, v in metrics.items() if k not in ("l0", "explained_variance")})
+        losses.append({k: float(v) for k, v in metrics.items() if k not in ("l0", "explained_variance", "dead")})
     return losses, {k: np.asarray(v) for k, v in state["params"].items()}, float(state["topk_threshold"])
 
 
