@@ -13,6 +13,7 @@ from common.cli import UserError, flag
 # SAELens's training architectures (``TrainingSAE`` subclasses), each with its losses (dictionaries.sae).
 ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu", "matryoshka_batchtopk")
 TOP_K = ("topk", "batchtopk", "matryoshka_batchtopk")  # chosen by size; the AuxK loss on dead latents
+BATCH_TOP_K = ("batchtopk", "matryoshka_batchtopk")    # chosen over the batch; a running threshold (saved as JumpReLU)
 SPARSITY_LOSS_MODES = ("step", "tanh", "quadratic")     # JumpReLU's L0 penalty
 LR_SCHEDULES = ("constant", "cosineannealing", "cosineannealingwarmrestarts")
 DTYPES = ("float32", "float64")

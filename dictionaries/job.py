@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from activations.index import store_model
 from activations.token_loader import LoaderConfig, TokenBatch, TokenLoader
 from common.cli import UserError, flag
 from common.extras import require
@@ -42,6 +43,7 @@ from dictionaries.optimizer import coefficient, learning_rate
 from dictionaries.sae import init_params
 from dictionaries.saelens_format import saved_architecture, write_saelens
 from dictionaries.training import State, initial_state, train_step
+from model.run_settings import changed_settings
 from model.sites import describe_key, key_parts, hook_name, normalized_key
 
 log = logging.getLogger("dictionaries.job")
@@ -170,9 +172,8 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
                                     config=dictionary, optimizer=optimizer, sae=training.target is None)
         steps.add(step, lr, weight, metrics)
         if (step + 1) % training.log_every == 0 or step + 1 == training.steps:
-            window = steps.take_window()
-            log_window(window, step + 1, training, time.perf_counter() - began, start)
-            final = mean_row(window)
+            final = mean_row(steps.take_window())
+            log_window(final, step + 1, training, time.perf_counter() - began, start)
         if (step + 1) % training.checkpoint_every == 0 or step + 1 == training.steps:
             rows = steps.take_rows()
             append_metrics(training.output_dir, rows)
@@ -182,7 +183,7 @@ def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Optim
     if events is not None:
         events.close()
     elapsed = max(time.perf_counter() - began, 1e-9)
-    write_dictionary(training, dictionary, loader, state, d_in, d_out)
+    write_dictionary(training, dictionary, loader, state)
     dead = int(jnp.sum(state["since_fired"] > optimizer.dead_feature_window))
     taken = training.steps - start
     return TrainingResult(training.steps, start, d_in, d_sae, d_out, final, dead,
@@ -246,12 +247,10 @@ def mean_row(rows: list[dict[str, float]]) -> dict[str, float]:
         "dead": rows[-1]["dead"]}
 
 
-def log_window(window: list[dict[str, float]], done: int, training: TrainingConfig, elapsed: float,
-               start: int) -> None:
-    """One progress line: the window's mean losses, tokens/s and the time left."""
+def log_window(m: dict[str, float], done: int, training: TrainingConfig, elapsed: float, start: int) -> None:
+    """One progress line: the window's mean losses (``mean_row``), tokens/s and the time left."""
     rate = (done - start) * training.batch_tokens / max(elapsed, 1e-9)
     left = (training.steps - done) * training.batch_tokens / max(rate, 1e-9)
-    m = mean_row(window)
     log.info("step %d/%d: loss %.4g, mse %.4g, explained variance %.3f, L0 %.1f, dead %d; %.0f tokens/s, %.0f s left",
              done, training.steps, m["loss"], m["mse_loss"], m["explained_variance"], m["l0"], m["dead"], rate, left)
 
@@ -313,7 +312,7 @@ def resumed_state(output_dir: str, current: dict[str, Any]) -> State | None:
     with np.load(path) as saved:
         arrays = {name: saved[name] for name in saved.files}
     stored = json.loads(str(arrays["settings"]))
-    changed = [f"--{k} {stored.get(k)!r} -> {v!r}" for k, v in current.items() if stored.get(k) != v]
+    changed = changed_settings(stored, current)
     if changed:
         raise UserError(f"{path} was written with other settings ({'; '.join(changed)}): resume with the same "
                         "ones, or train into another --output_dir")
@@ -346,14 +345,14 @@ def append_metrics(output_dir: str, rows: list[dict[str, float]]) -> None:
         os.fsync(f.fileno())
 
 
-def write_dictionary(training: TrainingConfig, dictionary: DictionaryConfig, loader: TokenLoader, state: State,
-                     d_in: int, d_out: int) -> None:
+def write_dictionary(training: TrainingConfig, dictionary: DictionaryConfig, loader: TokenLoader,
+                     state: State) -> None:
     """SAELens's files in ``output_dir``, the activation scales folded in."""
     def scale(key) -> float:
         return float(loader.scaling[key][1][0]) if key in loader.scaling else 1.0
     input_key, target_key = training.keys[0], training.keys[-1]
     metadata = {"hook_name": _hook(input_key),
-                "model_name": (loader.metadata.get("machines") or [{}])[0].get("model"),
+                "model_name": store_model(loader.metadata)["model"],
                 "dataset_path": training.index, "exclude_first_positions": training.exclude_first_positions,
                 "tokens": training.tokens}
     if training.target:

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dictionaries.config import DictionaryConfig
+from dictionaries.config import BATCH_TOP_K, TOP_K, DictionaryConfig
 
 Params = dict[str, jax.Array]
 
@@ -162,24 +162,32 @@ def encode(config: DictionaryConfig, params: Params, x: jax.Array, sae: bool) ->
     return dense(chosen, pre), pre
 
 
+def ranked(config: DictionaryConfig, params: Params, pre: jax.Array) -> jax.Array:
+    """A top-k kind's pre-activations as it ranks them: times the decoder norms where it rescales."""
+    return pre * decoder_norms(params) if config.rescale_acts_by_decoder_norm else pre
+
+
 def choose(config: DictionaryConfig, params: Params, pre: jax.Array) -> tuple[jax.Array, Chosen]:
-    """A top-k kind's (pre-activations as chosen on: times the decoder norms where it rescales, the latents chosen)."""
-    if config.rescale_acts_by_decoder_norm:
-        pre = pre * decoder_norms(params)
+    """A top-k kind's (pre-activations as ranked, the latents chosen)."""
+    pre = ranked(config, params, pre)
     return pre, (top_k_rows(pre, int(config.k)) if config.architecture == "topk" else top_k_batch(pre, config.k))
 
 
 def effective_decoder(config: DictionaryConfig, params: Params) -> jax.Array:
     """[d_sae, d_out]: what each latent's activation multiplies (rows of unit norm where the top-k
     kinds rescale by the decoder's norms)."""
-    if config.architecture in ("topk", "batchtopk", "matryoshka_batchtopk") and config.rescale_acts_by_decoder_norm:
+    if config.architecture in TOP_K and config.rescale_acts_by_decoder_norm:
         return params["W_dec"] / decoder_norms(params)[:, None]
     return params["W_dec"]
 
 
 def decode(config: DictionaryConfig, params: Params, acts: jax.Array, x: jax.Array) -> jax.Array:
     """[batch, d_out]: the reconstruction (a skip-transcoder's plus ``x @ W_skip.T``)."""
-    out = acts @ effective_decoder(config, params) + params["b_dec"]
+    return with_skip(params, acts @ effective_decoder(config, params) + params["b_dec"], x)
+
+
+def with_skip(params: Params, out: jax.Array, x: jax.Array) -> jax.Array:
+    """``out`` plus a skip-transcoder's affine skip of its input ``x``."""
     return out + x @ params["W_skip"].T if "W_skip" in params else out
 
 
@@ -189,11 +197,10 @@ def training_losses(config: DictionaryConfig, params: Params, x: jax.Array, targ
     ``x`` [batch, d_in] read, ``target`` [batch, d_out] reconstructed (``x`` for an SAE),
     ``coefficient`` the scheduled L1 / L0 weight, ``dead`` [d_sae] bool (AuxK's, pre_act_loss's)."""
     kind, norms = config.architecture, decoder_norms(params)
-    if kind in ("topk", "batchtopk"):  # only the chosen latents decoded
+    if kind in ("topk", "batchtopk"):  # only the chosen latents decoded (matryoshka decodes prefixes: dense)
         pre, chosen = choose(config, params, pre_activations(params, x, sae))
         acts, rescale = dense(chosen, pre), norms if config.rescale_acts_by_decoder_norm else None
-        out = decode_chosen(chosen, params["W_dec"], rescale, x.shape[0]) + params["b_dec"]
-        out = out + x @ params["W_skip"].T if "W_skip" in params else out
+        out = with_skip(params, decode_chosen(chosen, params["W_dec"], rescale, x.shape[0]) + params["b_dec"], x)
     else:
         acts, pre = encode(config, params, x, sae)
         out = decode(config, params, acts, x)
@@ -251,9 +258,7 @@ def inference_encode(config: DictionaryConfig, params: Params, topk_threshold: j
                      sae: bool) -> jax.Array:
     """[batch, d_sae]: the feature activations of the dictionary as saved: a BatchTopK kind by its
     running threshold (SAELens saves it as a JumpReLU), the others as they train."""
-    if config.architecture not in ("batchtopk", "matryoshka_batchtopk"):
+    if config.architecture not in BATCH_TOP_K:
         return encode(config, params, x, sae)[0]
-    pre = pre_activations(params, x, sae)
-    if config.rescale_acts_by_decoder_norm:
-        pre = pre * decoder_norms(params)
+    pre = ranked(config, params, pre_activations(params, x, sae))
     return jax.nn.relu(pre) * (pre > topk_threshold)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from common.cli import UserError
-from dictionaries.config import DictionaryConfig
+from dictionaries.config import BATCH_TOP_K, TOP_K, DictionaryConfig
 
 SAELENS_VERSION = "6.54.12"  # the metadata SAELens needs (>= 6) to read hook_name
 CONFIG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
@@ -28,7 +28,7 @@ CONFIG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
 def saved_architecture(config: DictionaryConfig, transcoder: bool) -> str:
     """SAELens's inference architecture for a trained dictionary; a TopK transcoder refused."""
     kind = config.architecture
-    jump = kind in ("jumprelu", "batchtopk", "matryoshka_batchtopk")
+    jump = kind == "jumprelu" or kind in BATCH_TOP_K
     if not transcoder:
         return "jumprelu" if jump else kind
     if kind == "topk":
@@ -45,12 +45,11 @@ def inference_weights(config: DictionaryConfig, params: dict[str, Any], topk_thr
     p["W_enc"], p["W_dec"], p["b_dec"] = p["W_enc"] * scale_in, p["W_dec"] / scale_out, p["b_dec"] / scale_out
     if "W_skip" in p:
         p["W_skip"] = p["W_skip"] * scale_in / scale_out
-    top_k = config.architecture in ("topk", "batchtopk", "matryoshka_batchtopk")
-    if top_k and config.rescale_acts_by_decoder_norm:
+    if config.architecture in TOP_K and config.rescale_acts_by_decoder_norm:
         topk_threshold = topk_threshold / scale_out
         norms = np.maximum(np.linalg.norm(p["W_dec"], axis=-1), 1e-8)  # [d_sae]
         p["W_enc"], p["b_enc"], p["W_dec"] = p["W_enc"] * norms, p["b_enc"] * norms, p["W_dec"] / norms[:, None]
-    if config.architecture in ("batchtopk", "matryoshka_batchtopk"):
+    if config.architecture in BATCH_TOP_K:
         p["threshold"] = np.full_like(p["b_enc"], topk_threshold)
     return p
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dictionaries.config import DictionaryConfig, OptimizerConfig
+from dictionaries.config import BATCH_TOP_K, DictionaryConfig, OptimizerConfig
 from dictionaries.optimizer import adam, clipped
 from dictionaries.sae import Params, training_losses
 
@@ -47,7 +47,7 @@ def train_step(state: State, x: jax.Array, target: jax.Array, lr: jax.Array, coe
     acts, out = found["acts"], found["out"]
     fired = jnp.any(acts != 0, axis=0)
     threshold = state["topk_threshold"]
-    if config.architecture in ("batchtopk", "matryoshka_batchtopk"):
+    if config.architecture in BATCH_TOP_K:
         positive = acts > 0
         least = jnp.min(jnp.where(positive, acts, jnp.inf)).astype(threshold.dtype)
         rate = config.topk_threshold_lr
