@@ -59,6 +59,16 @@ class StoredArrays:
     def __len__(self) -> int:
         return len(self.sample_id)
 
+    def rows(self, chosen: np.ndarray) -> StoredArrays:
+        """These rows alone (indices or a [rows] bool mask, kept in storage order): a part of the
+        store, e.g. its held-out samples or one process's share of an epoch."""
+        chosen = np.flatnonzero(chosen) if np.asarray(chosen).dtype == bool else np.sort(np.asarray(chosen, np.int64))
+        per_row = {f.name: getattr(self, f.name)[chosen] for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), np.ndarray)}
+        per_key = {name: {k: v[chosen] for k, v in getattr(self, name).items()}
+                   for name in ("offset", "length", "scale_offset", "scale_length")}
+        return dataclasses.replace(self, **per_row, **per_key)
+
     @functools.cached_property
     def extent(self) -> dict[ArrayKey, np.ndarray]:
         """Per key, [rows] int64: the bytes from each array's first to its last, through its scales if any."""

@@ -1,17 +1,29 @@
 """The dictionary training job: a merged store read through the token loader's global shuffle, one
-compiled step a batch (``dictionaries.training``), checkpoints that make a kill -9 cost nothing but
-the steps since the last one, and SAELens's files at the end.
+compiled step a batch on a mesh (``dictionaries.mesh``), checkpoints that make a kill -9 cost
+nothing but the steps since the last one, and the trained dictionaries written for their users.
 
     run(TrainingConfig(index="out/index.parquet", site="blocks.12.hook_resid_post", output_dir="sae"),
         DictionaryConfig(architecture="topk", k=32), OptimizerConfig(lr=3e-4))
 
-Exactly once: the state (weights, Adam's moments, the step, the firing counts, BatchTopK's running
-threshold) and the settings are one file, ``checkpoint.npz``, replaced atomically every
-``checkpoint_every`` steps. The loader's stream is a function of its seed and epoch, so a resume
-takes up at the batch after the checkpoint's (whole epochs skipped by count, the rest of one read
-and dropped) and ends with the weights an uninterrupted run ends with. ``metrics.csv`` gains each
-step's row when its checkpoint is written; a resume cuts rows past the checkpoint, so every step
-is there once.
+What trains (``TrainingConfig.trainees``): an SAE of each ``site``; with ``target``, a transcoder
+of each site to its target; with ``clt``, one cross-layer transcoder reading the sites (one a
+layer) and writing the targets. Several dictionaries share each batch's read, one compiled step
+each, from the same seed.
+
+The data: ``eval_tokens`` of whole samples held out (drawn by the seed) for the final evaluation;
+the rest split into ``data_parts`` parts of about equal tokens, each shuffled by its own
+``TokenLoader``. A step's batch is every part's ``batch_tokens / data_parts`` tokens in part
+order; a process reads only its own parts, so processes read disjoint parts of the epoch, and
+the batch (hence the weights) does not depend on how many processes read it.
+
+Exactly once: every dictionary's state (weights, Adam's moments, the step, the firing counts,
+BatchTopK's running threshold) and the settings are one file, ``checkpoint.npz``, replaced
+atomically every ``checkpoint_every`` steps. The loaders' streams are functions of the seed and
+the epoch, so a resume takes up at the batch after the checkpoint's (whole epochs skipped by
+count, the rest of one read and dropped) and ends with the weights an uninterrupted run ends
+with. ``metrics.csv`` gains each step's rows when its checkpoint is written; a resume cuts rows
+past the checkpoint, so every step is there once. Process 0 writes; the output directory is a
+local (or shared) path.
 
 Normalisation (``--normalize``, on by default): each site scaled by the store's statistics to
 tokens of norm sqrt(width) on average (SAELens's ``expected_average_only_in``, measured in the
@@ -20,205 +32,334 @@ extraction's compiled step instead of over batches), folded into the saved weigh
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import json
 import logging
 import os
+import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from activations.index import store_model
-from activations.token_loader import LoaderConfig, TokenBatch, TokenLoader
+from activations.token_loader import LoaderConfig, TokenLoader
+from activations.token_plan import StoredArrays, stored_arrays
 from common.cli import UserError, flag
-from common.extras import require
-from common.files import write_atomically
+from dictionaries import records
+from dictionaries.clt import init_clt
 from dictionaries.config import DTYPES, DictionaryConfig, OptimizerConfig
+from dictionaries.mesh import (check_fit, check_split, device_bytes, device_memory, global_batch, host_state,
+                               placed, replicated, state_shardings,
+                               training_mesh)
 from dictionaries.optimizer import coefficient, learning_rate
 from dictionaries.sae import init_params
 from dictionaries.saelens_format import saved_architecture, write_saelens
-from dictionaries.training import State, initial_state, train_step
-from model.run_settings import changed_settings
-from model.sites import describe_key, key_parts, hook_name, normalized_key
+from dictionaries.training import State, initial_state, step_function
+from model.sites import ArrayKey, describe_key, hook_name, key_parts, normalized_key
 
 log = logging.getLogger("dictionaries.job")
-CHECKPOINT_FILE, METRICS_FILE = "checkpoint.npz", "metrics.csv"
-METRICS = ("step", "tokens", "lr", "coefficient", "loss", "mse_loss", "sparsity_loss", "auxiliary_loss",
-           "explained_variance", "l0", "dead")
+NOT_SETTINGS = ("checkpoint_every", "log_every", "output_dir", "tensorboard", "model_axis", "coordinator_address",
+                "num_processes", "process_id")  # free to change on a resume
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainee:
+    """One dictionary of a job: what it reads and what it reconstructs."""
+    kind: str                      # sae | transcoder | clt (dictionaries.training.KINDS)
+    inputs: tuple[ArrayKey, ...]   # its input site (a CLT's at each of its layers)
+    outputs: tuple[ArrayKey, ...]  # what it reconstructs (an SAE: its input)
+
+    @property
+    def name(self) -> str:
+        """Its name in logs, metrics and output folders: its input's hook name (a CLT: ``clt``)."""
+        return "clt" if self.kind == "clt" else _hook(self.inputs[0])
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
-    """What the job reads, how long it trains and where it writes."""
+    """What the job reads, how long it trains, on which devices and where it writes."""
     index: str = flag(help="the store's merged index.parquet (pipeline.index)")
-    site: str = flag(help="the input: a layer (its block output) or a stored site's hook name")
-    output_dir: str = flag(help="where the checkpoint, metrics.csv and SAELens's files go")
+    site: str = flag(help="the input: a layer (its block output) or a stored site's hook name; several, "
+                     "comma-separated, train one dictionary each on one read (with --clt: its input at each layer)")
+    output_dir: str = flag(help="where the checkpoint, metrics.csv and the dictionaries' files go")
     target: str | None = flag(None, "a transcoder's output site (e.g. blocks.L.hook_mlp_out for "
-                              "blocks.L.ln2.hook_normalized); none: an SAE of --site")
+                              "blocks.L.ln2.hook_normalized), one a --site; none: an SAE of each --site")
+    clt: bool = flag(False, "one cross-layer transcoder: --site its input at each layer, in layer order, "
+                     "--target its outputs")
     steps: int = flag(1000, "training steps")
     batch_tokens: int = flag(4096, "tokens a step")
-    seed: int = flag(0, "seed of the initialisation and of the store's shuffle")
-    buffer_tokens: int = flag(1 << 18, "the shuffle buffer's tokens (activations.token_loader)")
+    seed: int = flag(0, "seed of the initialisation, the held-out samples and the store's shuffle")
+    buffer_tokens: int = flag(1 << 18, "the shuffle buffer's tokens, over all --data_parts (activations.token_loader)")
     tokens: str | None = flag(None, "train on a token selection (activations.selection), e.g. -special")
     exclude_first_positions: int = flag(0, "leave out each sample's first k tokens (attention sinks)")
     normalize: bool = flag(True, "scale each site to mean norm sqrt(width) by the store's statistics "
                            "(folded into the saved weights)")
+    eval_tokens: int = flag(1 << 14, "tokens of whole samples held out of training for the final evaluation")
     dtype: str = flag("float32", f"the weights' dtype: {', '.join(DTYPES)}")
+    model_axis: int = flag(1, "devices the latents are split over (the rest split each batch's tokens)")
+    data_parts: int = flag(0, "parts of the epoch read apart, a process reading its own (0: one a process); "
+                           "a batch takes batch_tokens / data_parts tokens of each")
+    coordinator_address: str | None = flag(None, "host:port of process 0, to train as one of several processes "
+                                           "(jax.distributed); every process runs the same command")
+    num_processes: int | None = flag(None, "the processes, with --coordinator_address")
+    process_id: int | None = flag(None, "this process's index, with --coordinator_address")
     tensorboard: bool = flag(True, "the metrics as TensorBoard events too (tensorboard/ in --output_dir; needs "
                              "the 'tracking' extra)")
     checkpoint_every: int = flag(200, "steps between checkpoints")
     log_every: int = flag(50, "steps between log lines")
 
     def validate(self) -> None:
-        for name in ("steps", "batch_tokens", "checkpoint_every", "log_every"):
+        for name in ("steps", "batch_tokens", "checkpoint_every", "log_every", "model_axis"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("eval_tokens", "data_parts"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be at least 0, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.target is not None and normalized_key(self.target) == normalized_key(self.site):
-            raise UserError(f"--target is --site ({self.site}): an SAE has no --target")
+        self.trainees()
+
+    def trainees(self) -> list[Trainee]:
+        """The dictionaries this job trains (``UserError`` where the sites do not pair up)."""
+        sites = [normalized_key(s.strip()) for s in self.site.split(",")]
+        targets = [normalized_key(s.strip()) for s in self.target.split(",")] if self.target else []
+        if len(set(sites)) != len(sites):
+            raise UserError(f"--site names a site twice: {self.site}")
+        if targets and len(targets) != len(sites):
+            raise UserError(f"--target names {len(targets)} sites for --site's {len(sites)}: one output a site")
+        same = [describe_key(s) for s, t in zip(sites, targets) if s == t]
+        if same:
+            raise UserError(f"--target is --site ({same[0]}): an SAE has no --target")
+        if self.clt:
+            layers = [key_parts(s)[1] for s in sites]
+            if not targets:
+                raise UserError("--clt needs --target: the output site at each of --site's layers")
+            if layers != sorted(set(layers)) or [key_parts(t)[1] for t in targets] != layers:
+                raise UserError(f"--clt reads one site a layer in layer order and writes each layer's --target: "
+                                f"got layers {layers}")
+            return [Trainee("clt", tuple(sites), tuple(targets))]
+        if not targets:
+            return [Trainee("sae", (s,), (s,)) for s in sites]
+        return [Trainee("transcoder", (s,), (t,)) for s, t in zip(sites, targets)]
 
     @property
-    def keys(self) -> tuple[Any, ...]:
-        return (normalized_key(self.site),) + ((normalized_key(self.target),) if self.target else ())
+    def keys(self) -> tuple[ArrayKey, ...]:
+        """Every site read, once."""
+        return tuple(dict.fromkeys(k for t in self.trainees() for k in t.inputs + t.outputs))
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainingResult:
     steps: int               # steps taken in all (the checkpoint's, on a resume)
     resumed_from: int        # the step a resume took up at (0: a new run)
-    d_in: int
-    d_sae: int
-    d_out: int
-    final: dict[str, float]  # the last logged window's mean metrics
-    dead: int                # latents that fired in none of the last dead_feature_window steps
-    tokens_per_s: float      # this process's, over the steps it took
+    names: list[str]         # the dictionaries (Trainee.name)
+    widths: list[tuple[int, int, int]]    # each one's (d_in, d_sae, d_out)
+    final: dict[str, dict[str, float]]    # each one's last logged window's mean metrics
+    dead: list[int]          # each one's latents that fired in none of the last dead_feature_window steps
+    tokens_per_s: float      # over the steps this run took
     wait_share: float        # the share of its time spent waiting for batches
     output_dir: str
 
 
-def settings(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig) -> dict[str, Any]:
-    """Every setting a resume must share, by flag name (the logging ones aside)."""
+def settings(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig,
+             parts: int) -> dict[str, Any]:
+    """Every setting a resume must share, by flag name (``data_parts`` resolved)."""
     found = {**dataclasses.asdict(dictionary), **dataclasses.asdict(optimizer), **dataclasses.asdict(training)}
-    for name in ("checkpoint_every", "log_every", "output_dir", "tensorboard"):
+    for name in NOT_SETTINGS:
         found.pop(name)
+    found["data_parts"] = parts
     return json.loads(json.dumps(found))  # tuples as lists, as a checkpoint reads them back
 
 
-def open_loader(training: TrainingConfig) -> TokenLoader:
-    """The store's tokens of the input (and target) sites, shuffled, in whole batches."""
-    loader = TokenLoader(LoaderConfig(
-        index=training.index, layers=training.keys, batch_tokens=training.batch_tokens, seed=training.seed,
-        buffer_tokens=max(training.buffer_tokens, training.batch_tokens), drop_last=True,
+def split_rows(stored: StoredArrays, eval_tokens: int, seed: int, parts: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the held-out rows: whole samples drawn by the seed until ``eval_tokens`` tokens, the rest
+    in ``parts`` runs of storage order of about equal tokens)."""
+    order = np.random.default_rng([seed, 70]).permutation(len(stored))
+    covered = np.cumsum(stored.num_tokens[order])
+    held = np.sort(order[:int(np.searchsorted(covered, eval_tokens)) + 1]) if eval_tokens else np.zeros(0, np.int64)
+    train = np.setdiff1d(np.arange(len(stored)), held)
+    tokens = np.cumsum(stored.num_tokens[train])
+    edges = np.searchsorted(tokens, tokens[-1] * np.arange(1, parts) / parts) if len(train) else []
+    return held, np.split(train, edges)
+
+
+def loader_for(training: TrainingConfig, stored: StoredArrays, batch_tokens: int, buffer_tokens: int,
+               seed: int | None = None) -> TokenLoader:
+    """A loader of ``stored``'s rows (a part of the store), the job's filters and normalisation."""
+    return TokenLoader(LoaderConfig(
+        index=training.index, layers=training.keys, batch_tokens=batch_tokens,
+        seed=training.seed if seed is None else seed, buffer_tokens=max(buffer_tokens, batch_tokens), drop_last=True,
         tokens=training.tokens, exclude_first_positions=training.exclude_first_positions,
-        normalize="mean_norm" if training.normalize else "none"))
-    if loader.total_tokens < training.batch_tokens:
-        raise UserError(f"{training.index!r}: {int(loader.kept_tokens.sum())} tokens to train on, fewer than one "
-                        f"batch (--batch_tokens {training.batch_tokens})")
-    return loader
+        normalize="mean_norm" if training.normalize else "none"), stored=stored)
 
 
-def batches_from(loader: TokenLoader, start: int) -> Iterator[TokenBatch]:
-    """Batches without end (epoch after epoch), from the ``start``-th: whole epochs skipped by count."""
-    per_epoch = loader.total_tokens // loader.config.batch_tokens
+def open_loaders(training: TrainingConfig, parts: int) -> tuple[list[TokenLoader], TokenLoader | None, int]:
+    """(a loader for each part of the epoch, one of the held-out samples (None: none held out),
+    the batches an epoch holds: as many as its smallest part gives)."""
+    if training.batch_tokens % parts:
+        raise UserError(f"--batch_tokens {training.batch_tokens} does not split into {parts} --data_parts")
+    stored = stored_arrays(training.index, training.keys)  # one line where the store lacks a site
+    held, rows = split_rows(stored, training.eval_tokens, training.seed, parts)
+    per_part = training.batch_tokens // parts
+    loaders = [loader_for(training, stored.rows(r), per_part, training.buffer_tokens // parts) for r in rows]
+    if loaders[0].pools and any(t.kind != "sae" for t in training.trainees()):
+        raise UserError(f"--tokens {training.tokens or loaders[0].stored.selection}: a pooled row is no token's "
+                        "input or output, so a transcoder has nothing to map (train an SAE of it)")
+    per_epoch = min(loader.total_tokens // per_part for loader in loaders)
+    if per_epoch < 1:
+        kept = sum(int(loader.kept_tokens.sum()) for loader in loaders)
+        raise UserError(f"{training.index!r}: {kept} tokens to train on after --eval_tokens {training.eval_tokens} "
+                        f"held out, fewer than one batch (--batch_tokens {training.batch_tokens}) in each of {parts} "
+                        "--data_parts")
+    evaluation = loader_for(training, stored.rows(held), training.batch_tokens, training.batch_tokens, None) \
+        if len(held) else None
+    return loaders, evaluation, per_epoch
+
+
+def batches_from(loaders: list[TokenLoader], per_epoch: int, start: int) -> Iterator[dict[ArrayKey, np.ndarray]]:
+    """This process's rows of each batch, without end (epoch after epoch), from the ``start``-th:
+    its parts' batches side by side; whole epochs skipped by count."""
     epoch, skip = divmod(start, per_epoch)
     while True:
-        for i, batch in enumerate(loader.batches(epoch)):
-            if i >= skip:
-                yield batch
+        streams = [loader.batches(epoch) for loader in loaders]
+        try:
+            for i, parts in zip(range(per_epoch), zip(*streams)):
+                if i >= skip:
+                    yield {key: np.concatenate([p.activations[key] for p in parts]) for key in parts[0].activations}
+        finally:
+            for stream in streams:
+                stream.close()  # the loaders' reading threads
         epoch, skip = epoch + 1, 0
 
 
-def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig) -> TrainingResult:
-    """Trains (or resumes) one dictionary and writes it in SAELens's layout; see the module's docstring."""
+def run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig,
+        devices: int | None = None) -> TrainingResult:
+    """Trains (or resumes) the dictionaries and writes them; see the module's docstring.
+    ``devices``: train on the first few devices only (default: every process's)."""
     for config in (training, dictionary):
         config.validate()
+    with jax.enable_x64(training.dtype == "float64"):  # float64 weights need JAX's 64-bit mode
+        return _run(training, dictionary, optimizer, devices)
+
+
+def _run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig,
+         devices: int | None) -> TrainingResult:
     optimizer.validate(training.steps)
-    saved_architecture(dictionary, transcoder=training.target is not None)  # a TopK transcoder: refused now
-    loader = open_loader(training)
-    input_key, target_key = training.keys[0], training.keys[-1]
-    d_in, d_out = loader.stored.width[input_key], loader.stored.width[target_key]
-    d_sae = dictionary.width(d_in)
-    if dictionary.architecture == "matryoshka_batchtopk" and dictionary.matryoshka_widths[-1] > d_sae:
-        raise UserError(f"--matryoshka_widths end at {dictionary.matryoshka_widths[-1]}, past --d_sae {d_sae}")
+    trainees = training.trainees()
+    for trainee in trainees:
+        if trainee.kind != "clt":
+            saved_architecture(dictionary, transcoder=trainee.kind == "transcoder")  # a TopK transcoder: refused now
+    mesh = training_mesh(training.model_axis, devices)
+    parts = training.data_parts or jax.process_count()
+    if parts % jax.process_count():
+        raise UserError(f"--data_parts {parts} does not split over {jax.process_count()} processes")
+    loaders, evaluation, per_epoch = open_loaders(training, parts)
+    mine = loaders[jax.process_index()::jax.process_count()]
+    width = loaders[0].stored.width
     dtype = jnp.float64 if training.dtype == "float64" else jnp.float32
-    current = settings(training, dictionary, optimizer)
+    shapes = [state_shape(t, dictionary, width, dtype) for t in trainees]
+    widths = [(width[t.inputs[0]], dictionary.width(width[t.inputs[0]]), width[t.outputs[0]]) for t in trainees]
+    for trainee, shape, (d_in, d_sae, d_out) in zip(trainees, shapes, widths):
+        if dictionary.architecture == "matryoshka_batchtopk" and dictionary.matryoshka_widths[-1] > d_sae:
+            raise UserError(f"--matryoshka_widths end at {dictionary.matryoshka_widths[-1]}, past --d_sae {d_sae}")
+        check_split(mesh, d_sae, training.batch_tokens)
+        check_fit(device_bytes(mesh, shape, d_sae, len(trainee.inputs), training.batch_tokens), device_memory(),
+                  f"{trainee.name}'s {d_sae} latents on {d_in} -> {d_out}", training.model_axis)
+    current = settings(training, dictionary, optimizer, parts)
     os.makedirs(training.output_dir, exist_ok=True)
-    state = resumed_state(training.output_dir, current)
-    start = 0 if state is None else int(state["step"])
-    if state is None:
-        state = initial_state(init_params(dictionary, d_in, d_out, jax.random.key(training.seed), dtype))
-    cut_metrics(training.output_dir, start)
-    events = open_events(training, start)
-    log.info("%s %s of %d latents on %s%s: steps %d..%d of %d tokens", "resuming" if start else "training",
-             dictionary.architecture, d_sae, describe_key(input_key),
-             f" -> {describe_key(target_key)}" if training.target else "", start, training.steps, training.batch_tokens)
-    steps, final, waited, began = StepLog(training.batch_tokens), {}, 0.0, time.perf_counter()
-    stream = batches_from(loader, start)
+    shardings = [state_shardings(mesh, shape) for shape in shapes]
+    saved = records.resumed_states(training.output_dir, current)
+    start = 0 if saved is None else int(saved[0]["step"])
+    if saved is None:
+        states = [new_state(t, dictionary, width, dtype, training.seed, s) for t, s in zip(trainees, shardings)]
+    else:
+        states = [placed(state, s) for state, s in zip(saved, shardings)]
+    steps_of = [jax.jit(step_function(t.kind, dictionary, optimizer), out_shardings=(s, replicated(mesh)),
+                        donate_argnums=0) for t, s in zip(trainees, shardings)]
+    writer = jax.process_index() == 0
+    if writer:
+        records.cut_metrics(training.output_dir, start)
+    events = records.open_events(training.output_dir, start) if training.tensorboard and writer else None
+    for trainee, (_, d_sae, _) in zip(trainees, widths):
+        log.info("%s %s %s of %d latents on %s%s: steps %d..%d of %d tokens on a %s mesh",
+                 "resuming" if start else "training", dictionary.architecture, trainee.kind, d_sae,
+                 ", ".join(map(describe_key, trainee.inputs)),
+                 "" if trainee.kind == "sae" else " -> " + ", ".join(map(describe_key, trainee.outputs)),
+                 start, training.steps, training.batch_tokens, "x".join(map(str, mesh.devices.shape)))
+    names = [t.name for t in trainees]
+    steps, final, waited, began = records.StepLog(training.batch_tokens, names), {}, 0.0, time.perf_counter()
+    stream = batches_from(mine, per_epoch, start)
+    bar = progress_bar(training, start) if writer else None
     for step in range(start, training.steps):
         t0 = time.perf_counter()
-        batch = next(stream)
+        local = next(stream)
+        batch = {key: global_batch(mesh, values, dtype) for key, values in local.items()}
         waited += time.perf_counter() - t0
-        x = jnp.asarray(batch.activations[input_key], dtype)
-        y = jnp.asarray(batch.activations[target_key], dtype) if training.target else x
-        lr = learning_rate(optimizer, step, training.steps)
-        weight = step_coefficient(dictionary, step)
-        state, metrics = train_step(state, x, y, jnp.asarray(lr, dtype), jnp.asarray(weight, dtype),
-                                    config=dictionary, optimizer=optimizer, sae=training.target is None)
-        steps.add(step, lr, weight, metrics)
+        lr, weight = learning_rate(optimizer, step, training.steps), step_coefficient(dictionary, step)
+        found = []
+        for i, trainee in enumerate(trainees):
+            states[i], metrics = steps_of[i](states[i], tuple(batch[k] for k in trainee.inputs),
+                                             tuple(batch[k] for k in trainee.outputs),
+                                             jnp.asarray(lr, dtype), jnp.asarray(weight, dtype))
+            found.append(metrics)
+        steps.add(step, lr, weight, found)
+        if bar is not None:
+            rate = (step + 1 - start) * training.batch_tokens / (time.perf_counter() - began)
+            bar.update(1)
+            bar.set_postfix(tokens_per_s=f"{rate:.0f}", refresh=False)
         if (step + 1) % training.log_every == 0 or step + 1 == training.steps:
-            final = mean_row(steps.take_window())
+            final = records.mean_rows(steps.take_window())
             log_window(final, step + 1, training, time.perf_counter() - began, start)
         if (step + 1) % training.checkpoint_every == 0 or step + 1 == training.steps:
-            rows = steps.take_rows()
-            append_metrics(training.output_dir, rows)
-            write_events(events, rows)
-            write_checkpoint(training.output_dir, state, current)
-    stream.close()  # the loader's reading threads
+            rows, host = steps.take_rows(), [host_state(state) for state in states]  # every process gathers
+            if writer:
+                records.append_metrics(training.output_dir, rows)
+                records.write_events(events, rows, len(trainees) > 1)
+                records.write_checkpoint(training.output_dir, host, current)
+    stream.close()
+    if bar is not None:
+        bar.close()
     if events is not None:
         events.close()
     elapsed = max(time.perf_counter() - began, 1e-9)
-    write_dictionary(training, dictionary, loader, state)
-    dead = int(jnp.sum(state["since_fired"] > optimizer.dead_feature_window))
+    host = [host_state(state) for state in states]
+    if writer:
+        write_dictionaries(training, dictionary, trainees, loaders[0], host)
+    dead = [int(np.sum(state["since_fired"] > optimizer.dead_feature_window)) for state in host]
     taken = training.steps - start
-    return TrainingResult(training.steps, start, d_in, d_sae, d_out, final, dead,
-                          taken * training.batch_tokens / elapsed, waited / elapsed, training.output_dir)
+    return TrainingResult(training.steps, start, names, widths, final, dead, taken * training.batch_tokens / elapsed,
+                          waited / elapsed, training.output_dir)
 
 
-class StepLog:
-    """Each step's metrics, kept on the device until a log line or a checkpoint reads them: reading
-    them at once would wait for the step, and the next batch's read would not overlap it."""
+def initializer(trainee: Trainee, dictionary: DictionaryConfig, width: dict[ArrayKey, int],
+                dtype: Any) -> Callable[[jax.Array], State]:
+    """key -> the trainee's initial state (SAELens's initialisation; a CLT's, ``dictionaries.clt``)."""
+    d_in, d_out = width[trainee.inputs[0]], width[trainee.outputs[0]]
+    if trainee.kind == "clt":
+        return lambda key: initial_state(init_clt(dictionary, len(trainee.inputs), d_in, d_out, key, dtype))
+    return lambda key: initial_state(init_params(dictionary, d_in, d_out, key, dtype))
 
-    def __init__(self, batch_tokens: int):
-        self.batch_tokens = batch_tokens
-        self.pending: list[tuple[int, float, float, dict[str, jax.Array]]] = []  # since the last checkpoint
-        self.rows: list[dict[str, float]] = []    # the first of them, read back
-        self.window: list[dict[str, float]] = []  # rows read since the last log line
 
-    def add(self, step: int, lr: float, weight: float, metrics: dict[str, jax.Array]) -> None:
-        self.pending.append((step, lr, weight, metrics))
+def state_shape(trainee: Trainee, dictionary: DictionaryConfig, width: dict[ArrayKey, int], dtype: Any) -> State:
+    """The initial state's shapes and dtypes, nothing allocated."""
+    return jax.eval_shape(initializer(trainee, dictionary, width, dtype), jax.random.key(0))
 
-    def _read(self) -> None:
-        new = [metrics_row(step, self.batch_tokens, *rest) for step, *rest in self.pending[len(self.rows):]]
-        self.rows += new
-        self.window += new
 
-    def take_window(self) -> list[dict[str, float]]:
-        """The rows since the last log line."""
-        self._read()
-        window, self.window = self.window, []
-        return window
+def new_state(trainee: Trainee, dictionary: DictionaryConfig, width: dict[ArrayKey, int], dtype: Any, seed: int,
+              shardings: State) -> State:
+    """The initial state, made on the mesh in its layout (the same values whatever the layout)."""
+    return jax.jit(initializer(trainee, dictionary, width, dtype), out_shardings=shardings)(jax.random.key(seed))
 
-    def take_rows(self) -> list[dict[str, float]]:
-        """The rows since the last checkpoint."""
-        self._read()
-        rows, self.rows, self.pending = self.rows, [], []
-        return rows
+
+def progress_bar(training: TrainingConfig, start: int) -> Any:
+    """A bar of steps with tokens/s and the time left, on a terminal (None elsewhere: the log lines say it)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=training.steps, initial=start, unit=" steps", dynamic_ncols=True)
 
 
 def step_coefficient(dictionary: DictionaryConfig, step: int) -> float:
@@ -230,135 +371,34 @@ def step_coefficient(dictionary: DictionaryConfig, step: int) -> float:
     return 0.0
 
 
-def metrics_row(step: int, batch_tokens: int, lr: float, weight: float,
-                metrics: dict[str, jax.Array]) -> dict[str, float]:
-    """A step's ``metrics.csv`` row (the sparsity terms summed, the auxiliary ones summed)."""
-    losses = {k: float(v) for k, v in metrics.items()}
-    sparsity = sum(v for k, v in losses.items() if k in ("l1_loss", "l0_loss", "pre_act_loss"))
-    auxiliary = sum(v for k, v in losses.items() if k == "auxiliary_reconstruction_loss" or k.startswith("inner_"))
-    return {"step": step, "tokens": (step + 1) * batch_tokens, "lr": lr, "coefficient": weight,
-            "loss": losses["loss"], "mse_loss": losses["mse_loss"], "sparsity_loss": sparsity,
-            "auxiliary_loss": auxiliary, "explained_variance": losses["explained_variance"], "l0": losses["l0"],
-            "dead": int(losses["dead"])}
-
-
-def mean_row(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "mse_loss", "explained_variance", "l0")} | {
-        "dead": rows[-1]["dead"]}
-
-
-def log_window(m: dict[str, float], done: int, training: TrainingConfig, elapsed: float, start: int) -> None:
-    """One progress line: the window's mean losses (``mean_row``), tokens/s and the time left."""
+def log_window(window: dict[str, dict[str, float]], done: int, training: TrainingConfig, elapsed: float,
+               start: int) -> None:
+    """A progress line a dictionary: the window's mean losses (``records.mean_rows``), tokens/s and the time left."""
     rate = (done - start) * training.batch_tokens / max(elapsed, 1e-9)
     left = (training.steps - done) * training.batch_tokens / max(rate, 1e-9)
-    log.info("step %d/%d: loss %.4g, mse %.4g, explained variance %.3f, L0 %.1f, dead %d; %.0f tokens/s, %.0f s left",
-             done, training.steps, m["loss"], m["mse_loss"], m["explained_variance"], m["l0"], m["dead"], rate, left)
+    for name, m in window.items():
+        log.info("step %d/%d%s: loss %.4g, mse %.4g, explained variance %.3f, L0 %.1f, dead %d; %.0f tokens/s, "
+                 "%.0f s left", done, training.steps, f" {name}" if len(window) > 1 else "", m["loss"], m["mse_loss"],
+                 m["explained_variance"], m["l0"], m["dead"], rate, left)
 
 
-def open_events(training: TrainingConfig, start: int) -> Any:
-    """A TensorBoard event writer (None where off) whose readers drop what a killed run logged from
-    ``start`` on (``purge_step``): each step's values once, as in metrics.csv."""
-    if not training.tensorboard:
-        return None
-    writer = require("tensorboardX", "tracking", "--tensorboard").SummaryWriter
-    return writer(os.path.join(training.output_dir, "tensorboard"), purge_step=start or None)
-
-
-def write_events(events: Any, rows: list[dict[str, float]]) -> None:
-    if events is None:
-        return
-    for row in rows:
-        for name in METRICS[2:]:
-            events.add_scalar(f"train/{name}", row[name], row["step"])
-    events.flush()
-
-
-def flat_state(state: State) -> dict[str, np.ndarray]:
-    """The state as named arrays (``params/W_enc``, ``moments/m/W_enc``, ``step``, ...)."""
-    out = {f"params/{k}": np.asarray(v) for k, v in state["params"].items()}
-    for which, moments in state["moments"].items():
-        out.update({f"moments/{which}/{k}": np.asarray(v) for k, v in moments.items()})
-    out.update({k: np.asarray(state[k]) for k in ("step", "since_fired", "topk_threshold")})
-    return out
-
-
-def nested_state(arrays: dict[str, np.ndarray]) -> State:
-    state: State = {"params": {}, "moments": {"m": {}, "v": {}}}
-    for name, value in arrays.items():
-        if name == "settings":
-            continue
-        parts, value = name.split("/"), jnp.asarray(value)
-        if parts[0] == "params":
-            state["params"][parts[1]] = value
-        elif parts[0] == "moments":
-            state["moments"][parts[1]][parts[2]] = value
-        else:
-            state[name] = value
-    return state
-
-
-def write_checkpoint(output_dir: str, state: State, current: dict[str, Any]) -> None:
-    """The state and the settings in one file, replaced atomically: a kill leaves this one or the last."""
-    buffer = io.BytesIO()
-    np.savez(buffer, settings=np.array(json.dumps(current, sort_keys=True)), **flat_state(state))
-    write_atomically(os.path.join(output_dir, CHECKPOINT_FILE), buffer.getvalue())
-
-
-def resumed_state(output_dir: str, current: dict[str, Any]) -> State | None:
-    """The checkpoint's state (None: no checkpoint); refused where it was written with other settings."""
-    path = os.path.join(output_dir, CHECKPOINT_FILE)
-    if not os.path.exists(path):
-        return None
-    with np.load(path) as saved:
-        arrays = {name: saved[name] for name in saved.files}
-    stored = json.loads(str(arrays["settings"]))
-    changed = changed_settings(stored, current)
-    if changed:
-        raise UserError(f"{path} was written with other settings ({'; '.join(changed)}): resume with the same "
-                        "ones, or train into another --output_dir")
-    return nested_state(arrays)
-
-
-def cut_metrics(output_dir: str, start: int) -> None:
-    """``metrics.csv`` holding only the steps before ``start`` (those a killed run wrote past its checkpoint cut)."""
-    path = os.path.join(output_dir, METRICS_FILE)
-    if not os.path.exists(path):
-        return
-    with open(path, newline="") as f:
-        kept = [row for row in csv.DictReader(f) if int(row["step"]) < start]
-    text = io.StringIO()
-    writer = csv.DictWriter(text, METRICS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(kept)
-    write_atomically(path, text.getvalue().encode())
-
-
-def append_metrics(output_dir: str, rows: list[dict[str, float]]) -> None:
-    path = os.path.join(output_dir, METRICS_FILE)
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, METRICS, lineterminator="\n")
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_dictionary(training: TrainingConfig, dictionary: DictionaryConfig, loader: TokenLoader,
-                     state: State) -> None:
-    """SAELens's files in ``output_dir``, the activation scales folded in."""
+def write_dictionaries(training: TrainingConfig, dictionary: DictionaryConfig, trainees: list[Trainee],
+                       loader: TokenLoader, states: list[State]) -> None:
+    """Each dictionary's files, the activation scales folded in: SAELens's layout for SAEs and
+    transcoders (in ``output_dir``, or ``output_dir/<hook name>`` where there are several)."""
     def scale(key) -> float:
         return float(loader.scaling[key][1][0]) if key in loader.scaling else 1.0
-    input_key, target_key = training.keys[0], training.keys[-1]
-    metadata = {"hook_name": _hook(input_key),
-                "model_name": store_model(loader.metadata)["model"],
-                "dataset_path": training.index, "exclude_first_positions": training.exclude_first_positions,
-                "tokens": training.tokens}
-    if training.target:
-        metadata["hook_name_out"] = _hook(target_key)
-    write_saelens(training.output_dir, dictionary, state["params"], float(state["topk_threshold"]),
-                  training.target is not None, metadata, scale(input_key), scale(target_key))
+    model = store_model(loader.metadata)["model"]
+    for trainee, state in zip(trainees, states):
+        if trainee.kind == "clt":
+            continue  # circuit-tracer's CLT files: dictionaries.circuit_tracer_format
+        directory = training.output_dir if len(trainees) == 1 else os.path.join(training.output_dir, trainee.name)
+        metadata = {"hook_name": trainee.name, "model_name": model, "dataset_path": training.index,
+                    "exclude_first_positions": training.exclude_first_positions, "tokens": training.tokens}
+        if trainee.kind == "transcoder":
+            metadata["hook_name_out"] = _hook(trainee.outputs[0])
+        write_saelens(directory, dictionary, state["params"], float(state["topk_threshold"]),
+                      trainee.kind == "transcoder", metadata, scale(trainee.inputs[0]), scale(trainee.outputs[0]))
 
 
 def _hook(key) -> str:

@@ -60,16 +60,22 @@ def initialize(config: HostConfig) -> HostConfig:
 
     Must run before anything touches a JAX backend."""
     import jax
-    try:
-        jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
-                                   heartbeat_timeout_seconds=config.distributed_timeout_s)
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise UserError(f"--distributed: jax.distributed.initialize failed: {str(e).splitlines()[0]} "
-                        "(pass --coordinator_address, --num_processes and --process_id, or run on "
-                        "every host of a TPU slice)") from None
+    join(config.coordinator_address, config.num_processes, config.process_id, config.distributed_timeout_s,
+         "pass --coordinator_address, --num_processes and --process_id, or run on every host of a TPU slice")
     log.info("process %d of %d of machine %s (%d devices here, %d in all)", jax.process_index(),
              jax.process_count(), config.machine_id, jax.local_device_count(), jax.device_count())
     return dataclasses.replace(config, num_processes=jax.process_count(), process_id=jax.process_index())
+
+
+def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None, timeout_s: int,
+         hint: str) -> None:
+    """``jax.distributed.initialize``, or one line ending with ``hint`` where it fails."""
+    import jax
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   heartbeat_timeout_seconds=timeout_s)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]} ({hint})") from None
 
 
 def gathered(value: int) -> list[int]:

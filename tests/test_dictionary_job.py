@@ -27,7 +27,7 @@ STORE = StoredSpec(num_machines=2, samples_per_machine=10, lengths=(8, 24), hidd
                    linked=("ln2.hook_normalized", "hook_mlp_out"), shard_size_bytes=4_000)
 SAE = ("--site", "blocks.0.hook_resid_post", "--architecture", "topk", "--k", "3", "--expansion", "4",
        "--steps", "24", "--batch_tokens", "32", "--buffer_tokens", "128", "--checkpoint_every", "5",
-       "--log_every", "6", "--lr", "3e-3", "--dead_feature_window", "4")
+       "--log_every", "6", "--lr", "3e-3", "--dead_feature_window", "4", "--eval_tokens", "48")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def metric_steps(output_dir) -> list[int]:
 def test_an_sae_trains_logs_every_step_once_and_saelens_loads_it(index, tmp_path):
     done = train(index, tmp_path / "sae", *SAE)
     assert done.returncode == 0, done.stderr
-    assert "runners.train_dictionary: topk, 8 -> 32 latents -> 8: 24 steps" in done.stdout
+    assert "runners.train_dictionary: topk, 24 steps; blocks.0.hook_resid_post: 8 -> 32 latents -> 8" in done.stdout
     assert metric_steps(tmp_path / "sae") == list(range(24))
     events = b"".join(p.read_bytes() for p in (tmp_path / "sae" / "tensorboard").iterdir())
     assert all(f"train/{name}".encode() in events for name in ("loss", "explained_variance", "l0", "dead"))
@@ -62,7 +62,7 @@ def test_an_sae_trains_logs_every_step_once_and_saelens_loads_it(index, tmp_path
 def test_a_transcoder_between_two_sites_learns_their_map(index, tmp_path):
     done = train(index, tmp_path / "tc", "--site", "blocks.0.ln2.hook_normalized", "--target",
                  "blocks.0.hook_mlp_out", "--architecture", "batchtopk", "--k", "4", "--expansion", "4",
-                 "--steps", "150", "--batch_tokens", "32", "--lr", "1e-2", "--log_every", "50")
+                 "--steps", "150", "--batch_tokens", "32", "--lr", "1e-2", "--log_every", "50", "--eval_tokens", "48")
     assert done.returncode == 0, done.stderr
     with open(tmp_path / "tc" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
