@@ -48,7 +48,10 @@ from activations.index import store_model
 from activations.token_loader import LoaderConfig, TokenLoader
 from activations.token_plan import StoredArrays, stored_arrays
 from common.cli import UserError, flag
+from common.files import write_atomically
 from dictionaries import records
+from dictionaries.circuit_tracer_format import (activation, check_layers, circuit_tracer_hooks,
+                                               clt_inference_weights, write_clt, write_transcoder_set)
 from dictionaries.clt import init_clt
 from dictionaries.config import DTYPES, DictionaryConfig, OptimizerConfig
 from dictionaries.mesh import (check_fit, check_split, device_bytes, device_memory, global_batch, host_state,
@@ -56,13 +59,15 @@ from dictionaries.mesh import (check_fit, check_split, device_bytes, device_memo
                                training_mesh)
 from dictionaries.optimizer import coefficient, learning_rate
 from dictionaries.sae import init_params
-from dictionaries.saelens_format import saved_architecture, write_saelens
+from dictionaries.evaluation import ce_loss, check_ce_loss, evaluate, evaluate_clt, scoring_model, write_sparsity
+from dictionaries.saelens_format import inference_weights, saved_architecture, write_saelens
 from dictionaries.training import State, initial_state, step_function
 from model.sites import ArrayKey, describe_key, hook_name, key_parts, normalized_key
 
 log = logging.getLogger("dictionaries.job")
+EVALUATION_FILE = "evaluation.json"
 NOT_SETTINGS = ("checkpoint_every", "log_every", "output_dir", "tensorboard", "model_axis", "coordinator_address",
-                "num_processes", "process_id")  # free to change on a resume
+                "num_processes", "process_id", "ce_loss", "model_path")  # free to change on a resume
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +103,9 @@ class TrainingConfig:
     normalize: bool = flag(True, "scale each site to mean norm sqrt(width) by the store's statistics "
                            "(folded into the saved weights)")
     eval_tokens: int = flag(1 << 14, "tokens of whole samples held out of training for the final evaluation")
+    ce_loss: bool = flag(True, "the evaluation splices each dictionary into the model (the store's, where it is a "
+                         "directory here, or --model_path) for SAELens's CE loss score")
+    model_path: str | None = flag(None, "the store's model at another path, for the CE loss score")
     dtype: str = flag("float32", f"the weights' dtype: {', '.join(DTYPES)}")
     model_axis: int = flag(1, "devices the latents are split over (the rest split each batch's tokens)")
     data_parts: int = flag(0, "parts of the epoch read apart, a process reading its own (0: one a process); "
@@ -162,6 +170,7 @@ class TrainingResult:
     tokens_per_s: float      # over the steps this run took
     wait_share: float        # the share of its time spent waiting for batches
     output_dir: str
+    evaluation: dict[str, dict[str, Any]]  # each one's held-out metrics (evaluation.json; {}: none held out)
 
 
 def settings(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: OptimizerConfig,
@@ -187,18 +196,20 @@ def split_rows(stored: StoredArrays, eval_tokens: int, seed: int, parts: int) ->
 
 
 def loader_for(training: TrainingConfig, stored: StoredArrays, batch_tokens: int, buffer_tokens: int,
-               seed: int | None = None) -> TokenLoader:
-    """A loader of ``stored``'s rows (a part of the store), the job's filters and normalisation."""
-    return TokenLoader(LoaderConfig(
-        index=training.index, layers=training.keys, batch_tokens=batch_tokens,
-        seed=training.seed if seed is None else seed, buffer_tokens=max(buffer_tokens, batch_tokens), drop_last=True,
-        tokens=training.tokens, exclude_first_positions=training.exclude_first_positions,
-        normalize="mean_norm" if training.normalize else "none"), stored=stored)
+               **changes: Any) -> TokenLoader:
+    """A loader of ``stored``'s rows (a part of the store) with the job's filters and normalisation
+    (``changes``: other ``LoaderConfig`` settings)."""
+    settings = dict(index=training.index, layers=training.keys, batch_tokens=batch_tokens, seed=training.seed,
+                    buffer_tokens=max(buffer_tokens, batch_tokens), drop_last=True, tokens=training.tokens,
+                    exclude_first_positions=training.exclude_first_positions,
+                    normalize="mean_norm" if training.normalize else "none")
+    return TokenLoader(LoaderConfig(**{**settings, **changes}), stored=stored)
 
 
-def open_loaders(training: TrainingConfig, parts: int) -> tuple[list[TokenLoader], TokenLoader | None, int]:
-    """(a loader for each part of the epoch, one of the held-out samples (None: none held out),
-    the batches an epoch holds: as many as its smallest part gives)."""
+def open_loaders(training: TrainingConfig, parts: int) -> tuple[list[TokenLoader], TokenLoader | None, int, str | None]:
+    """(a loader for each part of the epoch, one of the held-out samples (raw, with their token ids
+    where a model scores them; None: none held out), the batches an epoch holds (as many as its
+    smallest part gives), the model that scores them (``scoring_path``))."""
     if training.batch_tokens % parts:
         raise UserError(f"--batch_tokens {training.batch_tokens} does not split into {parts} --data_parts")
     stored = stored_arrays(training.index, training.keys)  # one line where the store lacks a site
@@ -214,9 +225,11 @@ def open_loaders(training: TrainingConfig, parts: int) -> tuple[list[TokenLoader
         raise UserError(f"{training.index!r}: {kept} tokens to train on after --eval_tokens {training.eval_tokens} "
                         f"held out, fewer than one batch (--batch_tokens {training.batch_tokens}) in each of {parts} "
                         "--data_parts")
-    evaluation = loader_for(training, stored.rows(held), training.batch_tokens, training.batch_tokens, None) \
-        if len(held) else None
-    return loaders, evaluation, per_epoch
+    # Raw values, every held-out token in storage order: the evaluation reads the saved weights.
+    scorer = scoring_path(training, stored.metadata) if len(held) else None
+    evaluation = loader_for(training, stored.rows(held), training.batch_tokens, training.batch_tokens, seed=None,
+                            normalize="none", drop_last=False, with_token_ids=scorer is not None) if len(held) else None
+    return loaders, evaluation, per_epoch, scorer
 
 
 def batches_from(loaders: list[TokenLoader], per_epoch: int, start: int) -> Iterator[dict[ArrayKey, np.ndarray]]:
@@ -249,14 +262,16 @@ def _run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Opti
          devices: int | None) -> TrainingResult:
     optimizer.validate(training.steps)
     trainees = training.trainees()
-    for trainee in trainees:
-        if trainee.kind != "clt":
-            saved_architecture(dictionary, transcoder=trainee.kind == "transcoder")  # a TopK transcoder: refused now
+    for trainee in trainees:  # what cannot be written (a TopK transcoder or CLT): refused now
+        if trainee.kind == "clt":
+            activation(dictionary, cross_layer=True)
+        else:
+            saved_architecture(dictionary, transcoder=trainee.kind == "transcoder")
     mesh = training_mesh(training.model_axis, devices)
     parts = training.data_parts or jax.process_count()
     if parts % jax.process_count():
         raise UserError(f"--data_parts {parts} does not split over {jax.process_count()} processes")
-    loaders, evaluation, per_epoch = open_loaders(training, parts)
+    loaders, evaluation, per_epoch, scorer = open_loaders(training, parts)
     mine = loaders[jax.process_index()::jax.process_count()]
     width = loaders[0].stored.width
     dtype = jnp.float64 if training.dtype == "float64" else jnp.float32
@@ -326,12 +341,15 @@ def _run(training: TrainingConfig, dictionary: DictionaryConfig, optimizer: Opti
         events.close()
     elapsed = max(time.perf_counter() - began, 1e-9)
     host = [host_state(state) for state in states]
+    evaluations = {}
     if writer:
         write_dictionaries(training, dictionary, trainees, loaders[0], host)
+        if evaluation is not None:
+            evaluations = evaluate_all(training, dictionary, trainees, loaders[0], evaluation, host, scorer)
     dead = [int(np.sum(state["since_fired"] > optimizer.dead_feature_window)) for state in host]
     taken = training.steps - start
     return TrainingResult(training.steps, start, names, widths, final, dead, taken * training.batch_tokens / elapsed,
-                          waited / elapsed, training.output_dir)
+                          waited / elapsed, training.output_dir, evaluations)
 
 
 def initializer(trainee: Trainee, dictionary: DictionaryConfig, width: dict[ArrayKey, int],
@@ -385,20 +403,120 @@ def log_window(window: dict[str, dict[str, float]], done: int, training: Trainin
 def write_dictionaries(training: TrainingConfig, dictionary: DictionaryConfig, trainees: list[Trainee],
                        loader: TokenLoader, states: list[State]) -> None:
     """Each dictionary's files, the activation scales folded in: SAELens's layout for SAEs and
-    transcoders (in ``output_dir``, or ``output_dir/<hook name>`` where there are several)."""
-    def scale(key) -> float:
-        return float(loader.scaling[key][1][0]) if key in loader.scaling else 1.0
-    model = store_model(loader.metadata)["model"]
+    transcoders (in ``output_dir``, or ``output_dir/<hook name>`` where there are several);
+    transcoders of every layer as circuit-tracer's transcoder set, and a CLT as circuit-tracer's
+    CLT, in ``output_dir`` (``dictionaries.circuit_tracer_format``)."""
+    scale, model = input_scales(loader), store_model(loader.metadata)
+    transcoders = {}
     for trainee, state in zip(trainees, states):
+        key_in, key_out = trainee.inputs[0], trainee.outputs[0]
         if trainee.kind == "clt":
-            continue  # circuit-tracer's CLT files: dictionaries.circuit_tracer_format
-        directory = training.output_dir if len(trainees) == 1 else os.path.join(training.output_dir, trainee.name)
-        metadata = {"hook_name": trainee.name, "model_name": model, "dataset_path": training.index,
+            write_clt(training.output_dir, dictionary, state["params"], input_site=key_parts(key_in)[0],
+                      output_site=key_parts(key_out)[0], model_name=model["model"],
+                      model_type=circuit_tracer_model(trainees, model), num_hidden_layers=model["num_hidden_layers"],
+                      scales_in=[scale(k) for k in trainee.inputs], scales_out=[scale(k) for k in trainee.outputs])
+            continue
+        metadata = {"hook_name": trainee.name, "model_name": model["model"], "dataset_path": training.index,
                     "exclude_first_positions": training.exclude_first_positions, "tokens": training.tokens}
         if trainee.kind == "transcoder":
-            metadata["hook_name_out"] = _hook(trainee.outputs[0])
-        write_saelens(directory, dictionary, state["params"], float(state["topk_threshold"]),
-                      trainee.kind == "transcoder", metadata, scale(trainee.inputs[0]), scale(trainee.outputs[0]))
+            metadata["hook_name_out"] = _hook(key_out)
+        write_saelens(output_of(training, trainee, len(trainees)), dictionary, state["params"],
+                      float(state["topk_threshold"]), trainee.kind == "transcoder", metadata, scale(key_in),
+                      scale(key_out))
+        if trainee.kind == "transcoder":
+            transcoders[key_parts(key_in)[1]] = inference_weights(
+                dictionary, state["params"], float(state["topk_threshold"]), scale(key_in), scale(key_out))
+    if transcoders and circuit_tracer_model(trainees, model):
+        write_transcoder_set(training.output_dir, dictionary, transcoders,
+                             input_site=key_parts(trainees[0].inputs[0])[0],
+                             output_site=key_parts(trainees[0].outputs[0])[0], model_name=model["model"],
+                             model_type=model["model_type"], num_hidden_layers=model["num_hidden_layers"])
+
+
+def circuit_tracer_model(trainees: list[Trainee], model: dict[str, Any]) -> str | None:
+    """The model type circuit-tracer places the job's transcoders (or CLT) in: one input and one
+    output site at every layer of a family it hooks; None, and a log line saying why, otherwise."""
+    if trainees[0].kind == "sae":
+        return None
+    sites = {(key_parts(i)[0], key_parts(o)[0]) for t in trainees for i, o in zip(t.inputs, t.outputs)}
+    layers = [key_parts(k)[1] for t in trainees for k in t.inputs]
+    try:
+        if len(sites) != 1:
+            raise UserError(f"its transcoders map one site to one site at every layer, not {sorted(sites)}")
+        (input_site, output_site), = sites
+        circuit_tracer_hooks(model["model_type"] or "unknown", input_site, output_site)
+        check_layers(layers, model["num_hidden_layers"] or 0)
+    except UserError as e:
+        log.info("no circuit-tracer config.yaml: %s", e)
+        return None
+    return model["model_type"]
+
+
+def output_of(training: TrainingConfig, trainee: Trainee, count: int) -> str:
+    """A dictionary's folder: ``output_dir``, or ``output_dir/<its name>`` where the job trains several."""
+    return training.output_dir if count == 1 else os.path.join(training.output_dir, trainee.name)
+
+
+def input_scales(loader: TokenLoader) -> Callable[[ArrayKey], float]:
+    """key -> the scale the training read its values at (``mean_norm``; 1 unnormalised)."""
+    return lambda key: float(loader.scaling[key][1][0]) if key in loader.scaling else 1.0
+
+
+def scoring_path(training: TrainingConfig, metadata: dict[str, Any]) -> str | None:
+    """The model the evaluation splices into: ``--model_path``, or the store's where it is a
+    directory here; None (and a log line saying why) where there is none or ``--no_ce_loss``."""
+    if not training.ce_loss:
+        return None
+    path = training.model_path or store_model(metadata)["model"]
+    if jax.process_count() > 1:
+        log.info("no CE loss score: the evaluation runs in process 0 alone, and the model's forward spans every "
+                 "process's devices")
+        return None
+    if not isinstance(path, str) or not (training.model_path or os.path.isdir(path)):
+        log.info("no CE loss score: the store's model %r is not a directory here (--model_path names it)", path)
+        return None
+    return path
+
+
+def evaluate_all(training: TrainingConfig, dictionary: DictionaryConfig, trainees: list[Trainee], loader: TokenLoader,
+                 held_out: TokenLoader, states: list[State], scorer: str | None) -> dict[str, dict[str, Any]]:
+    """Each dictionary's metrics on the held-out tokens (``dictionaries.evaluation``), an SAE's and
+    a transcoder's CE loss score where ``scorer`` names the model, written beside it as
+    ``evaluation.json`` and ``sparsity.safetensors`` (a CLT's: every layer's latents, layer by layer)."""
+    scale, model, out = input_scales(loader), None, {}
+    for trainee, state in zip(trainees, states):
+        directory = output_of(training, trainee, len(trainees))
+        key_in, key_out = trainee.inputs[0], trainee.outputs[0]
+        if trainee.kind == "clt":
+            weights = clt_inference_weights(dictionary, state["params"], [scale(k) for k in trainee.inputs],
+                                            [scale(k) for k in trainee.outputs])
+            found = evaluate_clt(held_out, dictionary, weights, trainee.inputs, trainee.outputs)
+        else:
+            weights = inference_weights(dictionary, state["params"], float(state["topk_threshold"]), scale(key_in),
+                                        scale(key_out))
+            found = evaluate(held_out, dictionary, weights, key_in, key_out)
+        write_sparsity(directory, found.density)
+        metrics = {k: v for k, v in dataclasses.asdict(found).items() if k != "density"}
+        if scorer and trainee.kind != "clt" and spliceable(trainee):
+            model = model or scoring_model(held_out, training.model_path)
+            metrics["ce_loss"] = dataclasses.asdict(ce_loss(held_out, dictionary, weights, key_in, key_out, model))
+        log.info("%s on %d held-out tokens: explained variance %.4f, L0 %.1f, %d dead, %d dense%s", trainee.name,
+                 found.tokens, found.explained_variance, found.l0, found.dead, found.dense,
+                 f", CE loss score {metrics['ce_loss']['score']:.3f}" if "ce_loss" in metrics else "")
+        write_atomically(os.path.join(directory, EVALUATION_FILE), json.dumps(metrics, indent=2).encode())
+        out[trainee.name] = metrics
+    return out
+
+
+def spliceable(trainee: Trainee) -> bool:
+    """Whether the model's forward can take the trainee's output in place of its output site's
+    values (a log line where not)."""
+    try:
+        check_ce_loss(trainee.outputs[0])
+    except UserError as e:
+        log.info("%s: %s", trainee.name, e)
+        return False
+    return True
 
 
 def _hook(key) -> str:

@@ -52,18 +52,26 @@ LONGEST_FIRST = ("test_real_qwen.py", "test_ablate.py", "test_real_gemma.py", "t
                  "test_pipeline_extract.py")
 
 
+# fixture -> (module, function) of the environments tests build on first use: SAEDashboard's
+# (tests/saedashboard.py: about 12 s of pip on a fresh clone) and circuit-tracer's
+# (tests/circuit_tracer.py: about 80 s).
+ENVIRONMENTS = {"saedashboard_interpreter": ("tests.saedashboard", "saedashboard_python"),
+                "circuit_tracer_interpreter": ("tests.circuit_tracer", "circuit_tracer_python")}
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
-    # SAEDashboard's environment (tests/saedashboard.py: about 12 s of pip on a fresh clone), when a
-    # selected test asks for it (``saedashboard_interpreter``), starts building at once in a process
-    # of its own, beside the first tests; that test then waits on its lock, or finds it built. Every
-    # pytest-xdist worker collects every test: the first one starts it.
-    if (os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
-            and any("saedashboard_interpreter" in getattr(item, "fixturenames", ()) for item in items)):
-        subprocess.Popen([sys.executable, "-c", "from tests.saedashboard import saedashboard_python; "
-                          "saedashboard_python()"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # An environment of its own (``ENVIRONMENTS``), when a selected test asks for it, starts building
+    # at once in a process of its own, beside the first tests; that test then waits on its lock, or
+    # finds it built. Every pytest-xdist worker collects every test: the first one starts it.
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    for fixture, (module, function) in ENVIRONMENTS.items():
+        if any(fixture in getattr(item, "fixturenames", ()) for item in items):
+            subprocess.Popen([sys.executable, "-c", f"from {module} import {function}; {function}()"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_unconfigure(config) -> None:
@@ -77,6 +85,14 @@ def saedashboard_interpreter() -> str:
     background since collection (``pytest_collection_modifyitems``)."""
     from tests.saedashboard import saedashboard_python
     return saedashboard_python()
+
+
+@pytest.fixture(scope="session")
+def circuit_tracer_interpreter() -> str:
+    """The interpreter of circuit-tracer 0.5.0's environment (tests/circuit_tracer.py), built in the
+    background since collection (``pytest_collection_modifyitems``)."""
+    from tests.circuit_tracer import circuit_tracer_python
+    return circuit_tracer_python()
 
 
 @pytest.fixture(scope="session")

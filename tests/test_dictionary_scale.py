@@ -5,6 +5,7 @@ single device's weights, and the refusals that come before anything is written."
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -13,11 +14,14 @@ import warnings
 import numpy as np
 import pytest
 
+from activations.token_loader import LoaderConfig, TokenLoader
+from activations.token_plan import stored_arrays
 from dictionaries.config import DictionaryConfig, OptimizerConfig
-from dictionaries.job import TrainingConfig, run
+from dictionaries.job import TrainingConfig, run, split_rows
 from dictionaries.records import CHECKPOINT_FILE
 from fixtures.gcs_emulator import free_port
 from fixtures.stored_activations import StoredSpec, write_stored
+from model.sites import normalized_key
 from tests.conftest import REPO, run_in_process
 
 sae_lens = pytest.importorskip("sae_lens")
@@ -65,6 +69,32 @@ def test_a_cross_layer_transcoder_trains_in_the_job(index, tmp_path):
     saved = checkpoint(tmp_path / "clt")
     assert saved["0/params/W_dec_0"].shape == (32, 2, 8) and saved["0/params/W_dec_1"].shape == (32, 1, 8)
     assert result.final["clt"]["explained_variance"] > 0.5, result.final
+    # circuit-tracer's CLT files, without config.yaml: the store names no model family it hooks
+    assert sorted(os.listdir(tmp_path / "clt")) == [
+        "W_dec_0.safetensors", "W_dec_1.safetensors", "W_enc_0.safetensors", "W_enc_1.safetensors", "checkpoint.npz",
+        "evaluation.json", "metrics.csv", "sparsity.safetensors"]
+    # The held-out evaluation: the written files' CLT, by numpy, on the raw held-out rows.
+    from safetensors.numpy import load_file
+    files = {k: v.astype(np.float64) for name in os.listdir(tmp_path / "clt") if name.startswith("W_")
+             for k, v in load_file(str(tmp_path / "clt" / name)).items()}
+    keys = [normalized_key(f"blocks.{layer}.{site}") for site in ("ln2.hook_normalized", "hook_mlp_out")
+            for layer in (0, 1)]
+    stored = stored_arrays(index, keys)
+    held, _ = split_rows(stored, 48, 0, 1)
+    rows = {k: np.concatenate([b.activations[k] for b in TokenLoader(LoaderConfig(
+        index=index, layers=tuple(keys), seed=None), stored=stored.rows(held)).batches()]).astype(np.float64)
+        for k in keys}
+    acts = []
+    for layer in (0, 1):
+        pre = rows[keys[layer]] @ files[f"W_enc_{layer}"].T + files[f"b_enc_{layer}"]
+        acts.append(pre * (pre > files[f"threshold_{layer}"]))
+    outs = [sum(acts[l] @ files[f"W_dec_{l}"][:, j - l] for l in range(j + 1)) + files[f"b_dec_{j}"] for j in (0, 1)]
+    y, out = np.concatenate([rows[k] for k in keys[2:]], 1), np.concatenate(outs, 1)
+    explained = 1 - np.sum((out - y) ** 2) / len(y) / (np.sum(y ** 2) / len(y) - np.sum(y.mean(0) ** 2))
+    written = json.loads((tmp_path / "clt" / "evaluation.json").read_text())
+    assert written["tokens"] == len(y)
+    np.testing.assert_allclose([written["explained_variance"], written["l0"]],
+                               [explained, np.mean([np.sum(f != 0, 1).mean() for f in acts])], rtol=1e-5)
 
 
 def parity_config(output_dir, **changes) -> TrainingConfig:
@@ -133,3 +163,32 @@ def test_statistics_of_part_of_the_store_are_refused_when_normalizing(tmp_path):
                             "--site", "blocks.0.hook_resid_post", "--eval_tokens", "8", "--batch_tokens", "8")
     assert result.returncode == 2 and PARTIAL in result.stderr.splitlines()[-1], result.stderr
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_transcoders_of_every_layer_are_written_as_circuit_tracers_transcoder_set(index, tmp_path):
+    """Where the store's model is a family circuit-tracer hooks (here its metadata says Gemma 2,
+    which reads ln2.hook_normalized), every layer's transcoder goes into its transcoder set too."""
+    import shutil
+
+    import yaml
+    from safetensors.numpy import load_file
+
+    from activations.index import merged_metadata_path
+    store = tmp_path / "store"
+    shutil.copytree(os.path.dirname(index), store)
+    copy = str(store / os.path.basename(index))
+    metadata = json.loads(open(merged_metadata_path(copy)).read())
+    for machine in metadata["machines"]:
+        machine.update(model="google/gemma-2-2b", model_type="gemma2", num_hidden_layers=2)
+    open(merged_metadata_path(copy), "w").write(json.dumps(metadata))
+    run(TrainingConfig(index=copy, site="blocks.0.ln2.hook_normalized,blocks.1.ln2.hook_normalized",
+                       target="blocks.0.hook_mlp_out,blocks.1.hook_mlp_out", output_dir=str(tmp_path / "set"), steps=4,
+                       **SMALL), DictionaryConfig(architecture="jumprelu", expansion=2), OptimizerConfig(lr=1e-3))
+    config = yaml.safe_load((tmp_path / "set" / "config.yaml").read_text())
+    assert config == {"model_kind": "transcoder_set", "feature_input_hook": "ln2.hook_normalized",
+                      "feature_output_hook": "hook_mlp_out", "model_name": "google/gemma-2-2b"}
+    for layer in (0, 1):
+        saelens = load_file(str(tmp_path / "set" / f"blocks.{layer}.ln2.hook_normalized" / "sae_weights.safetensors"))
+        tracer = load_file(str(tmp_path / "set" / f"layer_{layer}.safetensors"))
+        np.testing.assert_array_equal(tracer["W_enc"], saelens["W_enc"].T)
+        np.testing.assert_array_equal(tracer["activation_function.threshold"], saelens["threshold"])

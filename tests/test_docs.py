@@ -26,7 +26,8 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 README_MAX_LINES = 250
 FLEET = ("launch", "status", "supervise", "merge", "teardown")
 COMMANDS = ("pipeline.prepare", "pipeline.extract", "pipeline.index", "pipeline.export", "runners.tpu_host",
-            "runners.ablate", "runners.verify_model", "runners.train_sae", "runners.probe", "fixtures.tiny_models",
+            "runners.ablate", "runners.verify_model", "runners.train_sae", "runners.train_dictionary", "runners.probe",
+            "fixtures.tiny_models",
             "fixtures.qwen_tokenizer", "fixtures.real_models",
             "fixtures.family_tokenizers", *(f"runners.fleet {name}" for name in FLEET))
 MARKER = re.compile(r"<!--\s*flags:\s*(.*?)\s*-->")
