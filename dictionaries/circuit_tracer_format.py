@@ -31,6 +31,7 @@ transcoder or CLT is refused; a BatchTopK kind is saved as the JumpReLU it infer
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 from typing import Any, Mapping, Sequence
@@ -43,6 +44,9 @@ from dictionaries.config import BATCH_TOP_K, DictionaryConfig
 
 CIRCUIT_TRACER_VERSION = "0.5.0"
 CONFIG_FILE = "config.yaml"
+# Beside a CLT, our own record of the sites each layer reads and writes (TransformerLens hook
+# names), which circuit-tracer's files do not hold: what runners.dashboard reads a layer's latents by.
+CLT_SITES_FILE = "clt_sites.json"
 THRESHOLD = "activation_function.threshold"  # a SingleLayerTranscoder's JumpReLU threshold
 
 # model_type (config.json's) -> ({our input site: circuit-tracer's hook}, {our output site: its hook}):
@@ -167,6 +171,12 @@ def write_clt(directory: str, config: DictionaryConfig, params: Mapping[str, Any
         files[f"W_dec_{l}.safetensors"] = {f"W_dec_{l}": w[f"W_dec_{l}"]}
     _write(directory, files, hooks and {"model_kind": "cross_layer_transcoder", "feature_input_hook": hooks[0],
                                         "feature_output_hook": hooks[1], "model_name": model_name})
+
+
+def write_clt_sites(directory: str, input_hooks: Sequence[str], output_hooks: Sequence[str]) -> None:
+    """``clt_sites.json``: the hook name each layer of a CLT reads and writes, layer by layer."""
+    with open(os.path.join(directory, CLT_SITES_FILE), "w") as f:
+        json.dump({"input_hooks": list(input_hooks), "output_hooks": list(output_hooks)}, f, indent=2)
 
 
 # The files circuit-tracer finds by pattern: one of an earlier write that this one lacks would be loaded too.

@@ -51,7 +51,8 @@ from common.cli import UserError, flag
 from common.files import write_atomically
 from dictionaries import records
 from dictionaries.circuit_tracer_format import (activation, check_layers, circuit_tracer_hooks,
-                                               clt_inference_weights, write_clt, write_transcoder_set)
+                                               clt_inference_weights, write_clt, write_clt_sites,
+                                               write_transcoder_set)
 from dictionaries.clt import init_clt
 from dictionaries.config import DTYPES, DictionaryConfig, OptimizerConfig
 from dictionaries.mesh import (check_fit, check_split, device_bytes, device_memory, global_batch, host_state,
@@ -415,6 +416,7 @@ def write_dictionaries(training: TrainingConfig, dictionary: DictionaryConfig, t
                       output_site=key_parts(key_out)[0], model_name=model["model"],
                       model_type=circuit_tracer_model(trainees, model), num_hidden_layers=model["num_hidden_layers"],
                       scales_in=[scale(k) for k in trainee.inputs], scales_out=[scale(k) for k in trainee.outputs])
+            write_clt_sites(training.output_dir, list(map(_hook, trainee.inputs)), list(map(_hook, trainee.outputs)))
             continue
         metadata = {"hook_name": trainee.name, "model_name": model["model"], "dataset_path": training.index,
                     "exclude_first_positions": training.exclude_first_positions, "tokens": training.tokens}

@@ -10,8 +10,13 @@ dashboard shows. Three sources, named as ``runners.dashboard --features`` names 
 - a SAELens SAE or transcoder directory (``cfg.json`` + ``sae_weights.safetensors``), of the
   architectures ``standard`` (ReLU), ``jumprelu`` and ``topk``, encoded as SAELens' ``encode``
   does: ``(x - b_dec) @ W_enc + b_enc`` (the ``b_dec`` term where ``apply_b_dec_to_input``), then
-  the activation (a transcoder: ReLU, its decoder writing its target); anything else (another
-  architecture, activation normalisation) refused in one line;
+  the activation (a transcoder, skip or not: ReLU or JumpReLU, its decoder writing its target;
+  the skip path is no feature's); anything else (another architecture, activation normalisation)
+  refused in one line;
+- a cross-layer transcoder directory (circuit-tracer's ``W_enc_{i}`` / ``W_dec_{i}`` files and
+  the job's ``clt_sites.json``, ``dictionaries.circuit_tracer_format``): the latents of the layer
+  whose input site is the key, each decoder direction its writes into every later layer summed
+  (what it adds to the residual stream in all);
 - a directions file (``activations.directions``, ``runners.probe``'s): each direction a feature,
   its activation the row's projection on it (signed);
 - ``neurons:SITE:LAYER[:DIMS]``: the site's raw dimensions (all, or ``DIMS``: ``0-15,40``).
@@ -32,11 +37,14 @@ import numpy as np
 from activations.directions import read_directions
 from common.cli import UserError
 from common.files import join, read_optional
+from dictionaries.circuit_tracer_format import CLT_SITES_FILE
 from model.sites import ArrayKey, array_key, hook_name, key_parts, normalized_key, parse_sites
 
 ACTIVATIONS = ("relu", "jumprelu", "topk", "linear")  # how pre-activations become feature activations
-# SAELens cfg.json's architectures -> their activation (a transcoder: ReLU, its decoder into its target)
-SAE_ARCHITECTURES = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk", "transcoder": "relu"}
+# SAELens cfg.json's architectures -> their activation (a transcoder's decoder writes into its target)
+SAE_ARCHITECTURES = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk", "transcoder": "relu",
+                     "skip_transcoder": "relu", "jumprelu_transcoder": "jumprelu",
+                     "jumprelu_skip_transcoder": "jumprelu"}
 SAE_CONFIG, SAE_WEIGHTS = "cfg.json", "sae_weights.safetensors"  # SAELens' file names
 
 
@@ -121,6 +129,8 @@ def load_features(spec: str, key: ArrayKey | None = None, width: int | None = No
     if spec.endswith(".npz"):
         return direction_features(spec, key)
     if spec.startswith("gs://") or os.path.isdir(spec):
+        if read_optional(join(spec, CLT_SITES_FILE)) is not None:
+            return clt_features(spec, key)
         return sae_features(spec, key)
     raise UserError(f"--features {spec!r}: not a SAELens SAE directory, a directions file (.npz) or "
                     "neurons:SITE:LAYER[:DIMS]")
@@ -155,6 +165,30 @@ def sae_features(directory: str, key: ArrayKey | None = None) -> FeatureSet:
         activation=SAE_ARCHITECTURES[architecture], threshold=as_float.get("threshold"), k=cfg.get("k"),
         decoder_scaled=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
         output_key=normalized_key(output) if output else None)
+
+
+def clt_features(directory: str, key: ArrayKey | None) -> FeatureSet:
+    """The latents of one layer of a cross-layer transcoder the training job wrote: the layer whose
+    input site is ``key`` (``clt_sites.json`` names each layer's input and output site)."""
+    from safetensors.numpy import load
+    sites = json.loads(read_optional(join(directory, CLT_SITES_FILE)))
+    inputs = [normalized_key(hook) for hook in sites["input_hooks"]]
+    if key is None or normalized_key(key) not in inputs:
+        raise UserError(f"{directory!r} is a cross-layer transcoder reading {', '.join(sites['input_hooks'])}: "
+                        f"name the layer's input site to show (--key){'' if key is None else f', not {key}'}")
+    i = inputs.index(normalized_key(key))
+    files = {name: read_optional(join(directory, f"{name}_{i}.safetensors")) for name in ("W_enc", "W_dec")}
+    if None in files.values():
+        raise UserError(f"{directory!r} lacks {'W_enc' if files['W_enc'] is None else 'W_dec'}_{i}.safetensors")
+    weights = {k: np.asarray(v, np.float32) for data in files.values() for k, v in load(data).items()}
+    threshold = weights.get(f"threshold_{i}")
+    return FeatureSet(
+        name=f"{os.path.basename(os.path.normpath(directory))}/{i}", key=inputs[i],
+        encoder=weights[f"W_enc_{i}"].T, encoder_bias=weights[f"b_enc_{i}"],
+        input_bias=np.zeros(weights[f"W_enc_{i}"].shape[1], np.float32),
+        decoder=weights[f"W_dec_{i}"].sum(axis=1),  # [d_sae, d_out]: every later layer's write, summed
+        activation="relu" if threshold is None else "jumprelu", threshold=threshold,
+        output_key=normalized_key(sites["output_hooks"][i]))
 
 
 def _sae_key(directory: str, hook: str | None, key: ArrayKey | None) -> ArrayKey:

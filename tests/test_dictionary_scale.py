@@ -19,6 +19,7 @@ from activations.token_plan import stored_arrays
 from dictionaries.config import DictionaryConfig, OptimizerConfig
 from dictionaries.job import TrainingConfig, run, split_rows
 from dictionaries.records import CHECKPOINT_FILE
+from features.encoders import load_features
 from fixtures.gcs_emulator import free_port
 from fixtures.stored_activations import StoredSpec, write_stored
 from model.sites import normalized_key
@@ -72,7 +73,7 @@ def test_a_cross_layer_transcoder_trains_in_the_job(index, tmp_path):
     # circuit-tracer's CLT files, without config.yaml: the store names no model family it hooks
     assert sorted(os.listdir(tmp_path / "clt")) == [
         "W_dec_0.safetensors", "W_dec_1.safetensors", "W_enc_0.safetensors", "W_enc_1.safetensors", "checkpoint.npz",
-        "evaluation.json", "metrics.csv", "sparsity.safetensors"]
+        "clt_sites.json", "evaluation.json", "metrics.csv", "sparsity.safetensors"]
     # The held-out evaluation: the written files' CLT, by numpy, on the raw held-out rows.
     from safetensors.numpy import load_file
     files = {k: v.astype(np.float64) for name in os.listdir(tmp_path / "clt") if name.startswith("W_")
@@ -91,6 +92,11 @@ def test_a_cross_layer_transcoder_trains_in_the_job(index, tmp_path):
     outs = [sum(acts[l] @ files[f"W_dec_{l}"][:, j - l] for l in range(j + 1)) + files[f"b_dec_{j}"] for j in (0, 1)]
     y, out = np.concatenate([rows[k] for k in keys[2:]], 1), np.concatenate(outs, 1)
     explained = 1 - np.sum((out - y) ** 2) / len(y) / (np.sum(y ** 2) / len(y) - np.sum(y.mean(0) ** 2))
+    # runners.dashboard's features of layer 1: its latents as the files encode them, its whole write as the decoder
+    layer_1 = load_features(str(tmp_path / "clt"), "blocks.1.ln2.hook_normalized")
+    assert layer_1.output_key == normalized_key("blocks.1.hook_mlp_out")
+    np.testing.assert_allclose(np.asarray(layer_1.encode(rows[keys[1]])), acts[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(layer_1.decoder, files["W_dec_1"].sum(1), rtol=1e-6)
     written = json.loads((tmp_path / "clt" / "evaluation.json").read_text())
     assert written["tokens"] == len(y)
     np.testing.assert_allclose([written["explained_variance"], written["l0"]],
@@ -192,3 +198,5 @@ def test_transcoders_of_every_layer_are_written_as_circuit_tracers_transcoder_se
         tracer = load_file(str(tmp_path / "set" / f"layer_{layer}.safetensors"))
         np.testing.assert_array_equal(tracer["W_enc"], saelens["W_enc"].T)
         np.testing.assert_array_equal(tracer["activation_function.threshold"], saelens["threshold"])
+        shown = load_features(str(tmp_path / "set" / f"blocks.{layer}.ln2.hook_normalized"))  # runners.dashboard's
+        assert shown.activation == "jumprelu" and shown.output_key == normalized_key(f"blocks.{layer}.hook_mlp_out")
