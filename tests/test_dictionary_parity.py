@@ -2,7 +2,7 @@
 20 batches through SAELens's own training SAEs, ``SAETrainer.step`` (its Adam, clipping, schedules
 and dead-latent count) and through ``dictionaries.training.train_step`` give the same losses each
 step and the same final weights, in float64 on the CPU (where a top-k choice cannot flip on a
-rounding difference)."""
+rounding difference); in float32, within rounding."""
 
 from __future__ import annotations
 
@@ -54,17 +54,17 @@ def weights_and_batches(seed: int) -> tuple[dict[str, np.ndarray], list[np.ndarr
     return weights, [rng.normal(0, 4.0, (BATCH, D_IN)) for _ in range(STEPS)]
 
 
-def saelens_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndarray]):
+def saelens_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndarray], dtype: str = "float64"):
     """SAELens's trainer over the batches: (losses of each step, final weights, the BatchTopK threshold)."""
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
     _, class_name, settings = ARCHITECTURES[name]
     sae_class = getattr(sae_lens, class_name)
     config_class = getattr(sae_lens, class_name + "Config")
-    sae = sae_class(config_class(d_in=D_IN, d_sae=D_SAE, dtype="float64", device="cpu", **settings))
+    sae = sae_class(config_class(d_in=D_IN, d_sae=D_SAE, dtype=dtype, device="cpu", **settings))
     with torch.no_grad():
         for key, parameter in sae.named_parameters():
-            parameter.copy_(torch.from_numpy(weights[key]))
+            parameter.copy_(torch.from_numpy(weights[key].astype(dtype)))
     o = OPTIMIZER
     trainer = SAETrainer(sae=sae, data_provider=iter([]), cfg=SAETrainerConfig(
         total_training_samples=STEPS * BATCH, train_batch_size_samples=BATCH, lr=o.lr, lr_end=o.lr_end,
@@ -72,7 +72,7 @@ def saelens_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndar
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, dead_feature_window=o.dead_feature_window, device="cpu"))
     losses = []
     for batch in batches:
-        output = trainer.step(torch.from_numpy(batch))
+        output = trainer.step(torch.from_numpy(batch.astype(dtype)))
         trainer.n_training_steps += 1  # as fit() counts
         losses.append({"loss": float(output.loss), **{k: float(v) for k, v in output.losses.items()}})
     final = {key: p.detach().double().numpy() for key, p in sae.named_parameters()}
@@ -80,17 +80,17 @@ def saelens_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndar
     return losses, final, threshold
 
 
-def our_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndarray]):
+def our_run(name: str, weights: dict[str, np.ndarray], batches: list[np.ndarray], dtype: str = "float64"):
     config = ARCHITECTURES[name][0]
-    params = {key: jnp.asarray(value) for key, value in weights.items()
+    params = {key: jnp.asarray(value, dtype) for key, value in weights.items()
               if key != "threshold" or config.architecture == "jumprelu"}
     state, losses = initial_state(params), []
     warm_up = config.l1_warm_up_steps if config.architecture == "standard" else config.l0_warm_up_steps
     final = config.l1_coefficient if config.architecture == "standard" else config.l0_coefficient
     for t, batch in enumerate(batches):
-        x = jnp.asarray(batch)
-        state, metrics = train_step(state, x, x, jnp.float64(learning_rate(OPTIMIZER, t, STEPS)),
-                                    jnp.float64(coefficient(final, warm_up, t)), config=config,
+        x = jnp.asarray(batch, dtype)
+        state, metrics = train_step(state, x, x, jnp.asarray(learning_rate(OPTIMIZER, t, STEPS), dtype),
+                                    jnp.asarray(coefficient(final, warm_up, t), dtype), config=config,
                                     optimizer=OPTIMIZER, sae=True)
         losses.append({k: float(v) for k, v in metrics.items() if k not in ("l0", "explained_variance", "dead")})
     return losses, {k: np.asarray(v) for k, v in state["params"].items()}, float(state["topk_threshold"])
@@ -115,3 +115,19 @@ def test_twenty_steps_give_saelens_losses_and_weights(name):
         assert np.abs(final[key] - value).max() <= 1e-5 * scale, key
     if expected_threshold is not None:
         assert threshold == pytest.approx(expected_threshold, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["standard", "topk", "batchtopk", "jumprelu"])
+def test_float32_stays_within_rounding_of_saelens(name):
+    """In float32 the two runs part by rounding alone: their largest relative difference over the
+    20 steps' losses and the final weights is reported, and bounded (1e-4)."""
+    weights, batches = weights_and_batches(seed=len(name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected_losses, expected, _ = saelens_run(name, weights, batches, "float32")
+    losses, final, _ = our_run(name, weights, batches, "float32")
+    loss_gap = max(abs(ours[k] - v) / max(abs(v), 1e-6) for ours, theirs in zip(losses, expected_losses)
+                   for k, v in theirs.items())
+    weight_gap = max(np.abs(final[k] - v).max() / np.abs(v).max() for k, v in expected.items())
+    print(f"{name} float32: losses within {loss_gap:.1e}, weights within {weight_gap:.1e} (relative)")
+    assert loss_gap < 1e-4 and weight_gap < 1e-4, (loss_gap, weight_gap)
