@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from common.cli import UserError
 from dictionaries.config import DictionaryConfig
-from dictionaries.sae import Params, dense, jumprelu, step, top_k_rows
+from dictionaries.sae import Params, jumprelu, step
+from dictionaries.sparse import dense, top_k_rows
 
 CLT_ARCHITECTURES = ("standard", "jumprelu", "topk")
 

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from dictionaries.config import BATCH_TOP_K, TOP_K, DictionaryConfig
+from dictionaries.sparse import (Chosen, chosen_pre, decode_chosen, dense, encoder, top_k_batch, top_k_rows,
+                                 with_encoder_grad)
 
 Params = dict[str, jax.Array]
 
@@ -99,40 +101,9 @@ step.defvjp(_step_fwd, _step_bwd)
 
 def pre_activations(params: Params, x: jax.Array, sae: bool) -> jax.Array:
     """[batch, d_sae]: ``(x - b_dec) @ W_enc + b_enc`` (an SAE's), ``x @ W_enc + b_enc`` (a transcoder's)."""
-    return ((x - params["b_dec"]) if sae else x) @ params["W_enc"] + params["b_enc"]
+    return encoder(x, params["W_enc"], params["b_enc"], params["b_dec"], sae)
 
 
-# (values, rows, latents): the latents that fire; [batch, k] each for TopK (rows broadcast), [n] for BatchTopK.
-Chosen = tuple[jax.Array, jax.Array, jax.Array]
-
-
-def top_k_rows(pre: jax.Array, k: int) -> Chosen:
-    """Each row's k largest pre-activations [batch, d_sae], ReLU'd (SAELens's ``TopK``)."""
-    values, latents = jax.lax.top_k(pre, k)  # [batch, k]
-    return jax.nn.relu(values), jnp.arange(pre.shape[0])[:, None], latents
-
-
-def top_k_batch(pre: jax.Array, k: float) -> Chosen:
-    """The ``int(k * batch)`` largest ReLU'd pre-activations of the whole batch (``BatchTopK``)."""
-    values, flat = jax.lax.top_k(jax.nn.relu(pre).reshape(-1), int(k * pre.shape[0]))
-    return values, flat // pre.shape[1], flat % pre.shape[1]
-
-
-def dense(chosen: Chosen, like: jax.Array) -> jax.Array:
-    """[batch, d_sae]: the chosen latents' values in place, 0 elsewhere."""
-    values, rows, latents = chosen
-    return jnp.zeros_like(like).at[rows, latents].set(values)
-
-
-def decode_chosen(chosen: Chosen, decoder: jax.Array, scale: jax.Array | None, batch: int) -> jax.Array:
-    """[batch, d_out]: the chosen latents decoded alone (sparsify's decoder: k rows a token gathered,
-    not a [batch, d_sae] matmul), each divided by ``scale`` [d_sae] where given; no bias."""
-    values, rows, latents = chosen
-    if scale is not None:
-        values = values / scale[latents]
-    if values.ndim == 2:  # k a row: a batched product over the gathered rows, no scatter
-        return jnp.einsum("bk,bkd->bd", values, decoder[latents])
-    return jnp.zeros((batch, decoder.shape[1]), decoder.dtype).at[rows].add(values[:, None] * decoder[latents])
 
 
 def auxk_loss(pre: jax.Array, dead: jax.Array, decoder: jax.Array, residual: jax.Array, k_aux: int,
@@ -193,13 +164,20 @@ def with_skip(params: Params, out: jax.Array, x: jax.Array) -> jax.Array:
 
 def training_losses(config: DictionaryConfig, params: Params, x: jax.Array, target: jax.Array, sae: bool,
                     coefficient: jax.Array, dead: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-    """(the loss, {``losses``: each term by SAELens's key, ``acts``, ``out``}) of one batch:
+    """(the loss, {``losses``: each term by SAELens's key, ``acts``, ``out``, and a top-k kind's
+    ``chosen`` latents, ``Chosen``}) of one batch:
     ``x`` [batch, d_in] read, ``target`` [batch, d_out] reconstructed (``x`` for an SAE),
     ``coefficient`` the scheduled L1 / L0 weight, ``dead`` [d_sae] bool (AuxK's, pre_act_loss's)."""
     kind, norms = config.architecture, decoder_norms(params)
     if kind in ("topk", "batchtopk"):  # only the chosen latents decoded (matryoshka decodes prefixes: dense)
-        pre, chosen = choose(config, params, pre_activations(params, x, sae))
-        acts, rescale = dense(chosen, pre), norms if config.rescale_acts_by_decoder_norm else None
+        # chosen on the pre-activations as computed; the gradient through the chosen entries alone
+        pre = jax.lax.stop_gradient(pre_activations(params, x, sae))
+        _, (_, rows, latents) = choose(config, jax.lax.stop_gradient(params), pre)
+        values = chosen_pre(x, params["W_enc"], params["b_enc"], params["b_dec"], pre[rows, latents], rows, latents,
+                             sae)
+        rescale = norms if config.rescale_acts_by_decoder_norm else None
+        chosen = (jax.nn.relu(values if rescale is None else values * rescale[latents]), rows, latents)
+        acts = dense(jax.lax.stop_gradient(chosen), pre)  # (unused by train_step: gone from its program)
         out = with_skip(params, decode_chosen(chosen, params["W_dec"], rescale, x.shape[0]) + params["b_dec"], x)
     else:
         acts, pre = encode(config, params, x, sae)
@@ -217,10 +195,45 @@ def training_losses(config: DictionaryConfig, params: Params, x: jax.Array, targ
         decoder, k_aux = effective_decoder(config, params), x.shape[-1] // 2
         if kind == "matryoshka_batchtopk":
             losses.update(_matryoshka_losses(config, params, pre, acts, out, decoder, target, dead, k_aux))
+        elif kind in ("topk", "batchtopk"):
+            losses["auxiliary_reconstruction_loss"] = _auxk_if_dead(
+                config, sae, params, x, pre, jax.lax.stop_gradient(target - out), dead)
         else:
             losses["auxiliary_reconstruction_loss"] = auxk_loss(
                 pre, dead, decoder, jax.lax.stop_gradient(target - out), k_aux, config.aux_loss_coefficient)
-    return sum(losses.values()), {"losses": losses, "acts": acts, "out": out}
+    found = {"losses": losses, "acts": acts, "out": out}
+    if kind in ("topk", "batchtopk"):
+        found["chosen"] = jax.lax.stop_gradient(chosen)
+    return sum(losses.values()), found
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _auxk_if_dead(config: DictionaryConfig, sae: bool, params: Params, x: jax.Array, pre: jax.Array,
+                  residual: jax.Array, dead: jax.Array) -> jax.Array:
+    """A top-k kind's AuxK loss on ``pre`` (the pre-activations, not ranked), it and its gradient
+    computed only where a latent is dead (else 0, as SAELens skips it)."""
+    return jax.lax.cond(dead.any(), functools.partial(_auxk_of, config, sae), lambda *_: jnp.zeros((), residual.dtype),
+                        params, x, pre, residual, dead)
+
+
+def _auxk_of(config, sae, params, x, pre, residual, dead):
+    pre = ranked(config, params, with_encoder_grad(x, params["W_enc"], params["b_enc"], params["b_dec"], pre, sae))
+    return auxk_loss(pre, dead, effective_decoder(config, params), residual, x.shape[-1] // 2,
+                     config.aux_loss_coefficient)
+
+
+def _auxk_if_dead_fwd(config, sae, params, x, pre, residual, dead):
+    def skipped(params, *_):
+        return jnp.zeros((), residual.dtype), jax.tree.map(jnp.zeros_like, params)
+    return jax.lax.cond(dead.any(), jax.value_and_grad(functools.partial(_auxk_of, config, sae)), skipped,
+                        params, x, pre, residual, dead)  # (the loss, its gradient: the residuals)
+
+
+def _auxk_if_dead_bwd(config, sae, grads, g):
+    return jax.tree.map(lambda grad: grad * g, grads), None, None, None, None
+
+
+_auxk_if_dead.defvjp(_auxk_if_dead_fwd, _auxk_if_dead_bwd)
 
 
 def _l0_loss(config: DictionaryConfig, params: Params, pre: jax.Array, acts: jax.Array, norms: jax.Array,

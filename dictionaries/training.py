@@ -75,12 +75,22 @@ def _step(state: State, xs: tuple[jax.Array, ...], ys: tuple[jax.Array, ...], lr
         (loss, found), grads = jax.value_and_grad(loss_of, has_aux=True)(params, list(xs), list(ys), coefficient)
         acts, outs = jnp.stack(found["acts"]), found["outs"]  # [layers, batch, d_sae]
         fired = jnp.any(acts != 0, axis=1)                    # [layers, d_sae]
+        l0 = jnp.sum(acts != 0, axis=-1).mean()
     else:
         loss_of = functools.partial(training_losses, config)
         (loss, found), grads = jax.value_and_grad(loss_of, has_aux=True)(
             params, xs[0], ys[0], kind == "sae", coefficient, dead)
-        acts, outs = found["acts"][None], [found["out"]]
-        fired = jnp.any(found["acts"] != 0, axis=0)          # [d_sae]
+        outs = [found["out"]]
+        if "chosen" in found:  # TopK's, BatchTopK's: from the chosen latents, no [batch, d_sae] pass
+            acts, _, latents = found["chosen"]  # the values [batch, k] or [n], their latents
+            fires = (acts != 0).reshape(-1)
+            fired = jnp.zeros(state["since_fired"].shape, jnp.int32).at[latents.reshape(-1)].add(
+                fires.astype(jnp.int32)) > 0                  # [d_sae]
+            l0 = jnp.sum(fires) / xs[0].shape[0]
+        else:
+            acts = found["acts"][None]
+            fired = jnp.any(found["acts"] != 0, axis=0)      # [d_sae]
+            l0 = jnp.sum(acts != 0, axis=-1).mean()
     threshold = state["topk_threshold"]
     if config.architecture in BATCH_TOP_K:
         positive = acts > 0
@@ -93,14 +103,14 @@ def _step(state: State, xs: tuple[jax.Array, ...], ys: tuple[jax.Array, ...], lr
     new_state = {"params": new_params, "moments": moments, "step": count, "since_fired": since_fired,
                  "topk_threshold": threshold}
     dead = jnp.sum(since_fired > optimizer.dead_feature_window)  # after this batch: the next step's
-    return new_state, {"loss": loss, **found["losses"], **batch_metrics(ys, outs, acts), "dead": dead}
+    return new_state, {"loss": loss, **found["losses"], **batch_metrics(ys, outs, l0), "dead": dead}
 
 
-def batch_metrics(targets: tuple[jax.Array, ...], outs: list[jax.Array], acts: jax.Array) -> dict[str, jax.Array]:
+def batch_metrics(targets: tuple[jax.Array, ...], outs: list[jax.Array], l0: jax.Array) -> dict[str, jax.Array]:
     """SAELens's per-batch log: explained variance (1 - mean squared error / mean variance about
     the batch's mean, each summed over dimensions, and over a CLT's layers) and L0 (latents firing
-    per token; a CLT's per token and layer) from ``acts`` [layers, batch, d_sae]."""
+    per token; a CLT's per token and layer), ``l0``."""
     error = sum(jnp.sum((out - y) ** 2, axis=-1) for out, y in zip(outs, targets))
     variance = sum(jnp.sum((y - y.mean(0)) ** 2, axis=-1) for y in targets)
     return {"explained_variance": 1 - error.mean() / variance.mean(),
-            "l0": jnp.sum(acts != 0, axis=-1).mean()}
+            "l0": l0}
