@@ -49,6 +49,11 @@ CASES = {
 FAMILIES = ("llama", "qwen3")
 
 
+def compiled_init_clt(config, layers, d_in, d_out, key, dtype):
+    """``init_clt`` compiled (op by op, JAX dispatches slowly)."""
+    return jax.jit(lambda k: init_clt(config, layers, d_in, d_out, k, dtype))(key)
+
+
 def perturbed(params: dict, seed: int) -> dict[str, np.ndarray]:
     """Weights as after training: none zero (biases, W_skip), decoder rows of several norms,
     thresholds positive, float32."""
@@ -78,7 +83,7 @@ class Dictionary:
         self.scales_out = rng.uniform(0.5, 3.0, layers).tolist()
         if self.cross_layer:
             key = jax.random.key(seed)
-            self.params = perturbed(init_clt(self.config, layers, width, width, key, jnp.float32), seed)
+            self.params = perturbed(compiled_init_clt(self.config, layers, width, width, key, jnp.float32), seed)
         else:
             self.params = [perturbed(init_params(self.config, width, width, jax.random.key(seed + l), jnp.float32),
                                      seed + l) for l in range(layers)]
@@ -229,7 +234,7 @@ def test_a_transcoder_set_is_a_layer_file_each_and_a_config(tmp_path):
 
 def test_a_clt_is_an_encoder_and_a_decoder_file_a_layer_with_the_scales_folded_in(tmp_path):
     config = DictionaryConfig(architecture="jumprelu", d_sae=10)
-    params = perturbed(init_clt(config, 3, 6, 6, jax.random.key(0), jnp.float32), 0)
+    params = perturbed(compiled_init_clt(config, 3, 6, 6, jax.random.key(0), jnp.float32), 0)
     write_clt(str(tmp_path), config, params, scales_in=[2.0, 1.0, 1.0], scales_out=[1.0, 4.0, 0.5],
               **site("llama", "hook_resid_mid", 3))
     assert yaml.safe_load((tmp_path / CONFIG_FILE).read_text())["model_kind"] == "cross_layer_transcoder"
@@ -249,7 +254,7 @@ def test_a_rewrite_leaves_no_file_of_the_earlier_one_that_circuit_tracer_would_r
     config = DictionaryConfig(architecture="standard", d_sae=10)
     write_transcoder_set(str(tmp_path), config, transcoder_layers(config, 3), **site("llama", "mlp.hook_in", 3))
     (tmp_path / "notes.safetensors").write_bytes(b"")  # not circuit-tracer's: kept
-    write_clt(str(tmp_path), config, perturbed(init_clt(config, 2, 6, 6, jax.random.key(0), jnp.float32), 0),
+    write_clt(str(tmp_path), config, perturbed(compiled_init_clt(config, 2, 6, 6, jax.random.key(0), jnp.float32), 0),
               **site("llama", "hook_resid_mid", 2))
     assert sorted(os.listdir(tmp_path)) == sorted([CONFIG_FILE, "notes.safetensors", "W_enc_0.safetensors",
                                                    "W_enc_1.safetensors", "W_dec_0.safetensors",
@@ -263,7 +268,7 @@ STANDARD = DictionaryConfig(architecture="standard", d_sae=10)
 @pytest.mark.parametrize("call, message", [
     (lambda d: write_transcoder_set(d, TOPK, transcoder_layers(TOPK), **site("llama", "mlp.hook_in", 2)),
      "circuit-tracer 0.5.0 has no TopK transcoder: train it as batchtopk"),
-    (lambda d: write_clt(d, TOPK, init_clt(TOPK, 2, 6, 6, jax.random.key(0), jnp.float32),
+    (lambda d: write_clt(d, TOPK, compiled_init_clt(TOPK, 2, 6, 6, jax.random.key(0), jnp.float32),
                          **site("llama", "hook_resid_mid", 2)),
      "circuit-tracer 0.5.0 has no TopK cross-layer transcoder: train it as standard or jumprelu"),
     (lambda d: circuit_tracer_hooks("qwen3", "hook_resid_mid", "hook_mlp_out"),
@@ -274,7 +279,7 @@ STANDARD = DictionaryConfig(architecture="standard", d_sae=10)
      r"replaces the MLP's output \(hook_mlp_out\), not hook_resid_post"),
     (lambda d: write_transcoder_set(d, STANDARD, transcoder_layers(STANDARD, 2), **site("llama", "mlp.hook_in", 3)),
      r"replaces the MLP of each of the model's 3 layers: no transcoder of layers \[2\]"),
-    (lambda d: write_clt(d, STANDARD, init_clt(STANDARD, 3, 6, 6, jax.random.key(0), jnp.float32),
+    (lambda d: write_clt(d, STANDARD, compiled_init_clt(STANDARD, 3, 6, 6, jax.random.key(0), jnp.float32),
                          **site("llama", "mlp.hook_in", 2)),
      r"replaces the MLP of each of the model's 2 layers: the model has no layers \[2\]"),
 ], ids=["topk_transcoder", "topk_clt", "qwen3_resid_mid", "unknown_family", "not_the_mlp_output", "missing_layer",

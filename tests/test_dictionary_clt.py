@@ -74,14 +74,15 @@ def test_loss_and_gradients_equal_torch_autograd(kind):
     config = DictionaryConfig(architecture=kind, d_sae=D_SAE, k=2, jumprelu_bandwidth=0.5)
     rng = np.random.default_rng(6)
     with jax.enable_x64(True):
-        shapes = {k: v.shape for k, v in init_clt(config, LAYERS, D_IN, D_OUT, jax.random.key(0), jnp.float64).items()}
+        shapes = {k: v.shape for k, v in jax.eval_shape(
+            lambda key: init_clt(config, LAYERS, D_IN, D_OUT, key, jnp.float64), jax.random.key(0)).items()}
         weights = {k: (rng.uniform(0.1, 0.8, s) if k.startswith("threshold") else rng.normal(0, 0.5, s))
                    for k, s in shapes.items()}
         xs = [rng.normal(0, 1.0, (BATCH, D_IN)) for _ in range(LAYERS)]
         ys = [rng.normal(0, 1.0, (BATCH, D_OUT)) for _ in range(LAYERS)]
-        (loss, _), grads = jax.value_and_grad(
+        (loss, _), grads = jax.jit(jax.value_and_grad(  # compiled: op by op, JAX dispatches slowly
             lambda p: clt_losses(config, p, [jnp.asarray(x) for x in xs], [jnp.asarray(y) for y in ys],
-                                 jnp.float64(0.3)), has_aux=True)({k: jnp.asarray(v) for k, v in weights.items()})
+                                 jnp.float64(0.3)), has_aux=True))({k: jnp.asarray(v) for k, v in weights.items()})
     assert shapes["W_dec_0"] == (D_SAE, LAYERS, D_OUT) and shapes[f"W_dec_{LAYERS - 1}"] == (D_SAE, 1, D_OUT)
     w = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
     expected = reference(kind, w, [torch.tensor(x) for x in xs], [torch.tensor(y) for y in ys], 0.3, 2, 0.5)

@@ -59,6 +59,7 @@ def test_an_sae_trains_logs_every_step_once_and_saelens_loads_it(index, tmp_path
     assert again.returncode == 0 and "(resumed at 24)" in again.stdout
 
 
+@pytest.mark.slow  # 150 steps; the transcoder's files and losses are checked fast elsewhere
 def test_a_transcoder_between_two_sites_learns_their_map(index, tmp_path):
     done = train(index, tmp_path / "tc", "--site", "blocks.0.ln2.hook_normalized", "--target",
                  "blocks.0.hook_mlp_out", "--architecture", "batchtopk", "--k", "4", "--expansion", "4",

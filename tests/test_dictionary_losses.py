@@ -54,9 +54,10 @@ def test_loss_and_gradients_equal_torch_autograd(name, config):
     x, y = rng.normal(0, 1.0, (BATCH, D_IN)), rng.normal(0, 1.0, (BATCH, D_OUT))
     dead = np.arange(D_SAE) % 3 == 0
     with jax.enable_x64(True):
-        (loss, _), grads = jax.value_and_grad(
+        params = {k: jnp.asarray(v) for k, v in weights.items()}
+        (loss, _), grads = jax.jit(jax.value_and_grad(  # compiled: op by op, JAX dispatches slowly
             lambda p: training_losses(config, p, jnp.asarray(x), jnp.asarray(y), False, jnp.float64(0.7),
-                                      jnp.asarray(dead)), has_aux=True)({k: jnp.asarray(v) for k, v in weights.items()})
+                                      jnp.asarray(dead)), has_aux=True))(params)
     w = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
     expected = reference(name, w, torch.tensor(x), torch.tensor(y), 0.7, torch.tensor(dead))
     expected.backward()

@@ -117,6 +117,7 @@ def test_twenty_steps_give_saelens_losses_and_weights(name):
         assert threshold == pytest.approx(expected_threshold, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["standard", "topk", "batchtopk", "jumprelu"])
 def test_float32_stays_within_rounding_of_saelens(name):
     """In float32 the two runs part by rounding alone: their largest relative difference over the

@@ -33,6 +33,7 @@ def a_pair(vocab: int) -> Pair:
     return Pair(tuple(clean.tolist()), tuple(corrupted.tolist()), int(answer), int(wrong))
 
 
+@pytest.mark.slow  # the quick tier's slowest (every grid kind against TransformerLens, two models); make test runs it
 def test_every_grid_equals_transformer_lens_patching(models):
     import torch
     from transformer_lens import patching
