@@ -57,10 +57,10 @@ demo: install
 		--layers_to_extract 6,12,18 --output $(DEMO_DIR)/model_generation_verification.txt
 	@echo "first-token norm / median token norm in the stored shards (median per layer; random weights give ~1):"
 	$(PY) -c "import pandas as pd, statistics; from activations.reader import read_activations; from model.report import first_token_ratio; ids = pd.read_parquet('$(DEMO_DIR)/index.parquet').sample_id.tolist(); print({l: round(statistics.median(first_token_ratio(a) for a in read_activations('$(DEMO_DIR)/index_arrays.parquet', sample_ids=ids, layers=[l]).values()), 1) for l in (6, 12, 18)})"
-	$(PY) -m pipeline.export --format saelens --index $(DEMO_DIR)/index.parquet --layers 12 --context_size 128 \
-		--exclude_first_positions 1 --output_dir $(DEMO_DIR)/saelens --overwrite
-	$(PY) -m runners.train_sae --export_dir $(DEMO_DIR)/saelens --steps 200 --batch_tokens 1024 --log_every 20 \
-		--output_dir $(DEMO_DIR)/sae
+	rm -rf $(DEMO_DIR)/sae && $(PY) -m runners.train_dictionary --index $(DEMO_DIR)/index.parquet \
+		--site blocks.12.hook_resid_post --exclude_first_positions 1 --architecture topk --k 32 --expansion 2 \
+		--steps 200 --batch_tokens 1024 --lr 1e-3 --lr_decay_steps 40 --dead_feature_window 50 --log_every 50 \
+		--no_ce_loss --output_dir $(DEMO_DIR)/sae
 	$(PY) -m runners.probe --index $(DEMO_DIR)/index.parquet --label same_shape --layers 6,12,18 --tokens last \
 		--test_fraction 0.25 --output_dir $(DEMO_DIR)/probe
 	$(PY) -c "import duckdb; print(duckdb.sql(\"SELECT machine_id, count(*) AS samples, sum(num_tokens) AS tokens, count_if(truncated) AS truncated, count(DISTINCT shard_path) AS shards FROM '$(DEMO_DIR)/index.parquet' GROUP BY machine_id ORDER BY machine_id\")); print(duckdb.sql(\"SELECT sample_id, source, shard_path, position FROM '$(DEMO_DIR)/index.parquet' ORDER BY sample_id LIMIT 3\"))"

@@ -133,8 +133,8 @@ class TrainingConfig:
 
     def trainees(self) -> list[Trainee]:
         """The dictionaries this job trains (``UserError`` where the sites do not pair up)."""
-        sites = [normalized_key(s.strip()) for s in self.site.split(",")]
-        targets = [normalized_key(s.strip()) for s in self.target.split(",")] if self.target else []
+        sites = [_key(s) for s in self.site.split(",")]
+        targets = [_key(s) for s in self.target.split(",")] if self.target else []
         if len(set(sites)) != len(sites):
             raise UserError(f"--site names a site twice: {self.site}")
         if targets and len(targets) != len(sites):
@@ -519,6 +519,12 @@ def spliceable(trainee: Trainee) -> bool:
         log.info("%s: %s", trainee.name, e)
         return False
     return True
+
+
+def _key(text: str) -> ArrayKey:
+    """A site as given: a layer number (its block output) or a hook name."""
+    text = text.strip()
+    return normalized_key(int(text) if text.isdigit() else text)
 
 
 def _hook(key) -> str:

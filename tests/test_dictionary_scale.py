@@ -43,6 +43,11 @@ def checkpoint(output_dir) -> dict[str, np.ndarray]:
         return {name: saved[name] for name in saved.files if "/params/" in name}
 
 
+def test_a_layer_number_names_its_block_output():
+    assert [t.inputs for t in TrainingConfig(index="i", site="12, blocks.3.hook_mlp_out", output_dir="o").trainees()] \
+        == [(12,), (normalized_key("blocks.3.hook_mlp_out"),)]
+
+
 def test_several_saes_share_a_read_and_each_is_what_it_would_be_alone(index, tmp_path):
     topk = DictionaryConfig(architecture="topk", k=3, expansion=4)
     both = run(TrainingConfig(index=index, site="blocks.0.hook_resid_post,blocks.1.hook_resid_post",
