@@ -68,7 +68,7 @@ from model.sites import ArrayKey, describe_key, hook_name, key_parts, normalized
 log = logging.getLogger("dictionaries.job")
 EVALUATION_FILE = "evaluation.json"
 NOT_SETTINGS = ("checkpoint_every", "log_every", "output_dir", "tensorboard", "model_axis", "coordinator_address",
-                "num_processes", "process_id", "ce_loss", "model_path")  # free to change on a resume
+                "num_processes", "process_id", "ce_loss", "model_path", "ce_loss_samples")  # free to change on a resume
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,8 @@ class TrainingConfig:
     ce_loss: bool = flag(True, "the evaluation splices each dictionary into the model (the store's, where it is a "
                          "directory here, or --model_path) for SAELens's CE loss score")
     model_path: str | None = flag(None, "the store's model at another path, for the CE loss score")
+    ce_loss_samples: int | None = flag(None, "score the CE loss on the first N held-out samples only (none: all; "
+                                       "the model's three passes over them are the evaluation's cost)")
     dtype: str = flag("float32", f"the weights' dtype: {', '.join(DTYPES)}")
     model_axis: int = flag(1, "devices the latents are split over (the rest split each batch's tokens)")
     data_parts: int = flag(0, "parts of the epoch read apart, a process reading its own (0: one a process); "
@@ -124,6 +126,8 @@ class TrainingConfig:
         for name in ("steps", "batch_tokens", "checkpoint_every", "log_every", "model_axis"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.ce_loss_samples is not None and self.ce_loss_samples < 1:
+            raise UserError(f"--ce_loss_samples must be at least 1, got {self.ce_loss_samples}")
         for name in ("eval_tokens", "data_parts"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be at least 0, got {getattr(self, name)}")
@@ -501,7 +505,8 @@ def evaluate_all(training: TrainingConfig, dictionary: DictionaryConfig, trainee
         metrics = {k: v for k, v in dataclasses.asdict(found).items() if k != "density"}
         if scorer and trainee.kind != "clt" and spliceable(trainee):
             model = model or scoring_model(held_out, training.model_path)
-            metrics["ce_loss"] = dataclasses.asdict(ce_loss(held_out, dictionary, weights, key_in, key_out, model))
+            metrics["ce_loss"] = dataclasses.asdict(ce_loss(held_out, dictionary, weights, key_in, key_out, model,
+                                                            training.ce_loss_samples))
         log.info("%s on %d held-out tokens: explained variance %.4f, L0 %.1f, %d dead, %d dense%s", trainee.name,
                  found.tokens, found.explained_variance, found.l0, found.dead, found.dense,
                  f", CE loss score {metrics['ce_loss']['score']:.3f}" if "ce_loss" in metrics else "")

@@ -243,7 +243,8 @@ def test_the_job_evaluates_each_dictionary_on_its_held_out_samples(model_store, 
     site = f"blocks.{CE_LAYER}.hook_resid_post"
     done = run_in_process("runners.train_dictionary", "--index", index, "--site", site, "--output_dir",
                           str(tmp_path / "sae"), "--architecture", "topk", "--k", "8", "--expansion", "2",
-                          "--steps", "6", "--batch_tokens", "16", "--eval_tokens", "20", "--no_tensorboard")
+                          "--steps", "6", "--batch_tokens", "16", "--eval_tokens", "20", "--no_tensorboard",
+                          "--ce_loss_samples", "1")
     assert done.returncode == 0, done.stderr
     written = json.loads((tmp_path / "sae" / "evaluation.json").read_text())
     key = normalized_key(site)
@@ -253,7 +254,8 @@ def test_the_job_evaluates_each_dictionary_on_its_held_out_samples(model_store, 
                          stored=stored.rows(held))
     config = DictionaryConfig(architecture="topk", k=8, expansion=2)
     weights = load_file(str(tmp_path / "sae" / "sae_weights.safetensors"))
-    found, ce = evaluate(loader, config, weights, key, key), ce_loss(loader, config, weights, key, key, scorer)
+    found, ce = evaluate(loader, config, weights, key, key), ce_loss(loader, config, weights, key, key, scorer, 1)
+    assert written["ce_loss"]["samples"] == 1 < len(held)
     assert written["tokens"] == found.tokens == int(stored.num_tokens[held].sum()) >= 20
     np.testing.assert_allclose([written[k] for k in ("explained_variance", "l0", "dead", "dense")],
                                [found.explained_variance, found.l0, found.dead, found.dense], rtol=1e-6)
