@@ -25,22 +25,14 @@ What the environment holds, and why:
   ``device_map``), safetensors 0.8, einops, pydantic, PyYAML, numpy 2 come from the project venv
   as they are.
 
-A marker file, written last, says the environment is complete (a half-made one is rebuilt), and a
-file lock keeps two pytest workers from building it at once.
+How it is made, completed and locked: ``tests/environments.py``.
 """
 
 from __future__ import annotations
 
-import fcntl
-import shutil
 import time
-from pathlib import Path
 
-from tests.saedashboard import PROJECT_VENV, _base_python, _run, _site_packages
-
-ENV_DIR = PROJECT_VENV / "envs" / "circuit-tracer-0.5.0"
-MARKER = ENV_DIR / "complete"
-LOCK = ENV_DIR.parent / "circuit-tracer-0.5.0.lock"
+from tests.environments import environment_python
 
 # What the environment installs itself, all without dependencies, so that pip never reaches for
 # torch (the project venv provides it and the rest).
@@ -71,8 +63,6 @@ REQUIREMENTS = (
     "executing==2.3.0",
     "pure-eval==0.2.4",
 )
-# The marker holds the requirements, so changing them rebuilds the environment.
-MARKER_TEXT = "\n".join(REQUIREMENTS) + "\n"
 
 # Modules the check imports: if one of them cannot be imported here, the environment is unusable.
 SMOKE_TEST = """
@@ -90,38 +80,7 @@ assert torch.__version__.endswith("+cpu"), torch.__version__
 
 def circuit_tracer_python() -> str:
     """The interpreter of the circuit-tracer 0.5.0 environment, which is made on first use."""
-    python = ENV_DIR / "bin" / "python"
-    if _complete():  # the usual case: no lock, no subprocess
-        return str(python)
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it; wait for it
-        if not _complete():
-            _build()
-    return str(python)
-
-
-def _complete() -> bool:
-    return MARKER.is_file() and MARKER.read_text() == MARKER_TEXT
-
-
-def _build() -> None:
-    """Make the environment from scratch (whatever a failed attempt left is thrown away)."""
-    shutil.rmtree(ENV_DIR, ignore_errors=True)
-    # Without pip of its own: the project venv's pip installs into it (--python).
-    _run([_base_python(), "-m", "venv", "--without-pip", str(ENV_DIR)], "could not create its venv")
-    env_python = str(ENV_DIR / "bin" / "python")
-    # Compiled on install (pip's default): transformers' thousands of modules would otherwise be
-    # compiled on every import where bytecode is not written (PYTHONDONTWRITEBYTECODE).
-    _run([str(PROJECT_VENV / "bin" / "python"), "-m", "pip", "--python", env_python, "install", "--quiet",
-          "--no-deps", "--disable-pip-version-check", "--no-warn-conflicts", *REQUIREMENTS],
-         "pip could not install circuit-tracer 0.5.0 (is the package registry reachable?)")
-    # Only now the project venv's packages become visible: pip above must neither count them as
-    # installed nor touch them.
-    (Path(_site_packages(env_python)) / "project_venv.pth").write_text(
-        _site_packages(str(PROJECT_VENV / "bin" / "python")) + "\n")
-    _run([env_python, "-c", SMOKE_TEST], "circuit-tracer 0.5.0's modules do not import in its environment")
-    MARKER.write_text(MARKER_TEXT)
+    return environment_python("circuit-tracer-0.5.0", REQUIREMENTS, SMOKE_TEST)
 
 
 if __name__ == "__main__":

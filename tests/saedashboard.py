@@ -25,22 +25,12 @@ What the environment holds, and why:
   and pandas win. Its other pins (safetensors < 0.5, transformers < 4.57, transformer-lens < 3,
   datasets < 4, rich < 14, jaxtyping < 0.3, typer < 0.13) are therefore not honoured.
 
-A marker file, written last, says the environment is complete (a half-made one is rebuilt), and a
-file lock keeps two pytest workers from building it at once.
+How it is made, completed and locked: ``tests/environments.py``.
 """
 
 from __future__ import annotations
 
-import fcntl
-import shutil
-import subprocess
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-PROJECT_VENV = REPO / ".venv"
-ENV_DIR = PROJECT_VENV / "envs" / "saedashboard-0.8.0"
-MARKER = ENV_DIR / "complete"
-LOCK = ENV_DIR.parent / "saedashboard-0.8.0.lock"
+from tests.environments import environment_python
 
 # What the environment installs itself; all without dependencies, so that pip never reaches for
 # torch or transformers (the project venv provides those).
@@ -54,9 +44,6 @@ REQUIREMENTS = (
     "mypy-extensions==1.1.0",
     "eindex-callum==0.1.2",
 )
-# The marker holds the requirements, so changing them rebuilds the environment.
-MARKER_TEXT = "\n".join(REQUIREMENTS) + "\n"
-
 # Modules the check imports: if one of them cannot be imported here, the environment is unusable.
 SMOKE_TEST = """
 import numpy, pandas, torch
@@ -69,57 +56,7 @@ assert numpy.__version__ == "1.26.4", numpy.__version__
 
 def saedashboard_python() -> str:
     """The interpreter of the SAEDashboard 0.8.0 environment, which is made on first use."""
-    python = ENV_DIR / "bin" / "python"
-    if _complete():  # the usual case: no lock, no subprocess
-        return str(python)
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it; wait for it
-        if not _complete():
-            _build()
-    return str(python)
-
-
-def _complete() -> bool:
-    return MARKER.is_file() and MARKER.read_text() == MARKER_TEXT
-
-
-def _build() -> None:
-    """Make the environment from scratch (whatever a failed attempt left is thrown away)."""
-    shutil.rmtree(ENV_DIR, ignore_errors=True)
-    # Without pip of its own: the project venv's pip installs into it (--python), which saves the
-    # seconds ensurepip takes.
-    _run([_base_python(), "-m", "venv", "--without-pip", str(ENV_DIR)], "could not create its venv")
-    env_python = str(ENV_DIR / "bin" / "python")
-    _run([str(PROJECT_VENV / "bin" / "python"), "-m", "pip", "--python", env_python, "install", "--quiet",
-          "--no-deps", "--disable-pip-version-check", "--no-warn-conflicts", *REQUIREMENTS],
-         "pip could not install SAEDashboard 0.8.0 (is the package registry reachable?)")
-    # Only now the project venv's packages become visible: pip above must neither count them as
-    # installed nor touch them.
-    (Path(_site_packages(env_python)) / "project_venv.pth").write_text(
-        _site_packages(str(PROJECT_VENV / "bin" / "python")) + "\n")
-    _run([env_python, "-c", SMOKE_TEST], "SAEDashboard 0.8.0's modules do not import in its environment")
-    MARKER.write_text(MARKER_TEXT)
-
-
-def _base_python() -> str:
-    """The interpreter the project venv was made from (the environment's Python must be the same
-    version, since it loads the project venv's compiled packages)."""
-    return subprocess.run([str(PROJECT_VENV / "bin" / "python"), "-c", "import sys; print(sys._base_executable)"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _site_packages(python: str) -> str:
-    return subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _run(command: list[str], failure: str) -> None:
-    """Run quietly; on failure raise one clear line (with the command's last line of output)."""
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        raise RuntimeError(f"{failure}: {lines[-1] if lines else f'exit status {result.returncode}'}")
+    return environment_python("saedashboard-0.8.0", REQUIREMENTS, SMOKE_TEST)
 
 
 if __name__ == "__main__":
