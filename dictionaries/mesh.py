@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from common.cli import UserError
 from dictionaries.training import State
 
-# Per step, beside the weights: a [batch, d_sae] array's copies alive at once (pre-activations,
-# activations, their gradients and a top-k's ranking), a measured upper bound on XLA's CPU and GPU plans.
+# Per step, beside the weights: a [batch, d_sae] array's copies taken to be alive at once
+# (pre-activations, activations, their gradients, a top-k's ranking): an estimate, not measured.
 STEP_COPIES = 6
 
 

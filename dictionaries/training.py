@@ -2,7 +2,6 @@
 
     state = initial_state(params)
     state, metrics = train_step(state, x, target, lr, coefficient, config=..., optimizer=..., sae=True)
-    state, metrics = train_clt_step(state, xs, ys, lr, coefficient, config=..., optimizer=...)
 
 The state (a pytree, what a checkpoint holds): the weights, Adam's moments, the steps taken, each
 latent's steps since it last fired (float32, as SAELens counts them; ``[layers, d_sae]`` for a
@@ -55,14 +54,6 @@ def train_step(state: State, x: jax.Array, target: jax.Array, lr: jax.Array, coe
     update; the latents dead after it)."""
     return _step(state, (x,), (target,), lr, coefficient, kind="sae" if sae else "transcoder", config=config,
                  optimizer=optimizer)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "optimizer"), donate_argnames=("state",))
-def train_clt_step(state: State, xs: tuple[jax.Array, ...], ys: tuple[jax.Array, ...], lr: jax.Array,
-                   coefficient: jax.Array, *, config: DictionaryConfig,
-                   optimizer: OptimizerConfig) -> tuple[State, dict[str, jax.Array]]:
-    """A cross-layer transcoder's step: ``xs`` / ``ys`` its input and output site at each layer."""
-    return _step(state, xs, ys, lr, coefficient, kind="clt", config=config, optimizer=optimizer)
 
 
 def _step(state: State, xs: tuple[jax.Array, ...], ys: tuple[jax.Array, ...], lr: jax.Array, coefficient: jax.Array,

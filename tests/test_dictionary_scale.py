@@ -142,13 +142,17 @@ def test_two_processes_give_one_devices_weights(index, tmp_path):
         np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-12, err_msg=name)
 
 
+HUGE = 1 << 34  # latents: far more than any device holds
 BASE = ("--site", "blocks.0.hook_resid_post", "--eval_tokens", "48", "--batch_tokens", "32", "--steps", "5")
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--d_sae", "30", "--model_axis", "4"), "--d_sae 30 does not split over --model_axis 4 devices"),
     (("--batch_tokens", "36"), "--batch_tokens 36 does not split over the mesh's 8 data devices"),
-    (("--d_sae", str(1 << 34)), "needs 5222.68 GB a device with --model_axis 1"),
+    # float32 W_enc, W_dec (8 wide), b_enc, b_dec and Adam's two moments of each, the firing counts, the
+    # step and the threshold; six [4, d_sae] step arrays a device (32 tokens over 8 data devices)
+    (("--d_sae", str(HUGE)), f"needs {(3 * 4 * (17 * HUGE + 8) + 4 * HUGE + 8 + 6 * 4 * HUGE * 4) / 1e9:.2f} GB a "
+     "device with --model_axis 1"),
     (("--tokens", "mean", "--target", "blocks.0.hook_mlp_out", "--site", "blocks.0.ln2.hook_normalized",
       "--architecture", "batchtopk"), "a pooled row is no token's input or output"),
     (("--site", "blocks.0.ln2.hook_normalized,blocks.1.ln2.hook_normalized", "--target", "blocks.0.hook_mlp_out"),
