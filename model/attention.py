@@ -62,6 +62,31 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, dtype, softcap: float | N
     return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(dtype)
 
 
+def score_rows(q: jax.Array, k: jax.Array, mask: jax.Array, positions: jax.Array, window: int | None,
+               divisor: float, softcap: float | None = None, sinks: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """Attention's scores and probabilities as per-query rows, for the sites that store them
+    (``attn.hook_attn_scores``, ``attn.hook_pattern``): q [B, S, N, D] rotated and not yet scaled,
+    k [B, T, K, D], mask [B, S, T] (its window applied here) -> ([B, S, N*T], [B, S, N*T]) in
+    float32, head-major. Scores are scaled, soft-capped and -inf where masked; the probabilities are
+    their softmax, with each head's sink logit (``sinks`` [K, G]) joined and its share dropped."""
+    b, s, n, d = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.astype(jnp.float32).reshape(b, s, kv_heads, n // kv_heads, d) / divisor  # [B, S, K, G, D]
+    scores = jnp.einsum("bskgd,btkd->bskgt", grouped, k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)  # [B, S, K, G, T]
+    scores = soft_capped(scores, softcap)
+    allowed = windowed(mask, positions, window)[:, :, None, None, :]  # [B, S, 1, 1, T]
+    logits = jnp.where(allowed, scores, MASKED)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, :, None], logits.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+    flat = lambda y: y.reshape(b, s, -1)  # [B, S, N*T]: query head n = kv head * G + its group
+    return flat(jnp.where(allowed, scores, -jnp.inf)), flat(probs)
+
+
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                     precision: jax.lax.Precision, accumulate=None, divisor: float | None = None,
                     softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:

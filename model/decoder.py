@@ -58,13 +58,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model import deltanet
-from model.attention import causal_attention, dense_attention, fused_attention, windowed
+from model.attention import causal_attention, dense_attention, fused_attention, score_rows, windowed
 from model.config import DecoderConfig
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
 from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key, steer_key
 from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
-from model.sites import ATTN_OUT, ATTN_Z, LN2_NORMALIZED, MLP_IN, MLP_OUT, MLP_POST, RESID_MID, RESID_POST, RESID_PRE
+from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
+                         ATTN_V, ATTN_Z, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT, MLP_OUT,
+                         Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -86,6 +88,7 @@ class Attention(nn.Module):
     attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused | cudnn (fused_attention) | dense
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, o_proj returns it
     window: int | None = None   # this layer's sliding window (None: every earlier key)
+    patterns: bool = False      # sow the scores and pattern too, recomputed from q and k (extraction only)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -104,6 +107,8 @@ class Attention(nn.Module):
         if c.attn_output_gate:  # per head: its query, then its gate (Qwen3.5)
             q, gate = jnp.split(q.reshape(b, s, c.num_attention_heads, 2 * c.head_dim), 2, axis=-1)  # [B, S, N, D]
             q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)  # [B, S, N*D]
+            self.sow("sites", ATTN_GATE, gate)
+        self.sow("sites", ATTN_Q, q)  # [B, S, N*D]
         shared = kv_from is not None
         if shared and (c.clip_qkv is not None or (c.qk_norm and c.qk_norm_scope == "projection")):
             raise ValueError("a kv-sharing block has no k or v to clip or to norm over the projection")
@@ -113,11 +118,15 @@ class Attention(nn.Module):
             # Gemma 4's full layers: the values are the keys' projection (normed apart below).
             k_eq_v = c.attention_k_eq_v and self.window is None
             v = k if k_eq_v else project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
+            self.sow("sites", ATTN_K, k)
+            self.sow("sites", ATTN_V, v)
         # q/k norms before RoPE, float32 out with a wide stream (RoPE follows): over the whole
         # projection (OLMo 2) before the split into heads, or per head over head_dim after it.
         qk_norm = lambda name, y: norm_for(c, name, self.dtype, self.residual_dtype, keep_wide=True)(y, norms)
         if c.qk_norm and c.qk_norm_scope == "projection":
             q, k = qk_norm("q_norm", q), qk_norm("k_norm", k)
+            self.sow("sites", Q_NORM_OUT, q)
+            self.sow("sites", K_NORM_OUT, k)
         if c.clip_qkv is not None:  # OLMoE: after the norms, before the split into heads
             q, k, v = (jnp.clip(y, -c.clip_qkv, c.clip_qkv) for y in (q, k, v))
         q = q.reshape(b, s, c.num_attention_heads, c.head_dim)  # [B, S, N, D]
@@ -126,11 +135,18 @@ class Attention(nn.Module):
             v = v.reshape(b, s, c.num_key_value_heads, c.head_dim)  # [B, S, K, D]
         if c.qk_norm and c.qk_norm_scope == "head":
             q, k = qk_norm("q_norm", q), k if shared else qk_norm("k_norm", k)
+            self.sow("sites", Q_NORM_OUT, q.reshape(b, s, -1))
+            if not shared:
+                self.sow("sites", K_NORM_OUT, k.reshape(b, s, -1))
         if c.value_norm and not shared:  # v / rms(v) per head, without a weight (Gemma 4)
             v = rms_normalized(v, c.norm_eps).astype(v.dtype)
         if cos is not None:  # RoPE (learned positions were added to the embeddings instead)
             q, k = apply_rope(q, cos, sin), k if shared else apply_rope(k, cos, sin)
+            self.sow("sites", ROT_Q, q.reshape(b, s, -1))
+            if not shared:
+                self.sow("sites", ROT_K, k.reshape(b, s, -1))
         divisor = c.query_scale_divisor
+        scored_q = q  # [B, S, N, D]: rotated, not yet scaled
         prescaled = accumulate is not None
         if prescaled:  # rotated and scaled in float32, rounded once to matmul operands
             q = q / divisor
@@ -147,6 +163,11 @@ class Attention(nn.Module):
             sinks = self.param("sinks", nn.initializers.zeros, (c.num_attention_heads,), self.dtype)
             sinks = sinks.astype(jnp.float32).reshape(c.num_key_value_heads, c.kv_groups)  # [K, G]
         cached = cache is not None or (shared and cache_index is not None)
+        if self.patterns and not cached:
+            scores, pattern = score_rows(scored_q, k, mask, positions, self.window, divisor,
+                                         c.attn_logit_softcap, sinks)  # [B, S, N*T] each
+            self.sow("sites", ATTN_SCORES, scores)
+            self.sow("sites", ATTN_PATTERN, pattern)
         out = attended(q, k, v, mask, positions, c, self.attention, self.mesh, self.window, precision_for(self.dtype),
                        accumulate, None if prescaled else divisor, cached, sinks)  # [B, S, K, G, D]
         out = out.reshape(b, s, c.num_attention_heads, c.head_dim).astype(self.dtype)  # [B, S, N, D]
@@ -423,11 +444,12 @@ class DecoderLayer(nn.Module):
     attention: str = "tiled"
     residual_dtype: Any = None  # the dtype of x and of the sums (None: dtype)
     window: int | None = None   # this layer's sliding window
-    mlp_hidden: bool = False    # sow the MLP's hidden activation (a wider output of its chunked loop)
+    mlp_sites: tuple[str, ...] = ()  # sow these of the MLP's hidden sites (wider outputs of its chunked loop)
     sparse: bool = False        # the MLP is the config's mixture of experts (model.moe)
     moe_dispatch: str = "auto"  # model.config.MOE_DISPATCHES
     routing_sites: bool = False  # sow the router's logits and choice (and the shared expert's output)
     deltanet: bool = False      # the mixer is Gated DeltaNet (config.deltanet), not attention
+    patterns: bool = False      # attention sows its scores and pattern (Attention.patterns)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -445,7 +467,10 @@ class DecoderLayer(nn.Module):
             return patched(value, *(a.get(name) for name in patch_key(site)[:2]), a.get(delta_key(site)))
         x = steered_at(x, RESID_PRE)
         block_in = x
-        attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide)(x, norm) if c.pre_norms else x
+        attn_in = x
+        if c.pre_norms:
+            attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide, normalized_site=LN1_NORMALIZED)(x, norm)
+        self.sow("sites", ATTN_IN, attn_in)
         if self.deltanet:
             attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
                                                                                       cache_index)
@@ -454,8 +479,9 @@ class DecoderLayer(nn.Module):
                 attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
         else:
             attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window,
-                                            name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,
+                                            self.patterns, name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,
                                                               heads, norm, kv_from)
+        self.sow("sites", ATTN_MODULE_OUT, attn_out)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
         attn_out = steered_at(_replaced(attn_out, a, "attn"), ATTN_OUT)
@@ -480,11 +506,8 @@ class DecoderLayer(nn.Module):
                 for site, value in routing.items():
                     self.sow("sites", site, value)
         else:
-            mlp_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
-                                            self.chunk_tokens)
-            if self.mlp_hidden:
-                mlp_out, hidden = mlp_out
-                self.sow("sites", MLP_POST, hidden)
+            mlp_out = self.dense_mlp(mlp_in)
+        self.sow("sites", MLP_MODULE_OUT, mlp_out)
         if c.sandwich_norms:
             mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
         mlp_out = steered_at(_replaced(mlp_out, a, "mlp"), MLP_OUT)
@@ -509,11 +532,7 @@ class DecoderLayer(nn.Module):
         input) through ``post_mlp_norm_1``, plus the experts of ``pre_moe_norm(x)``, routed from the
         stream x itself, through ``post_moe_norm`` -> [B, S, H] (the post-MLP norm follows)."""
         c, wide = self.config, self.residual_dtype
-        dense_out = map_over_token_chunks(MLP(c, self.dtype, wide, self.mlp_hidden, name="mlp"), mlp_in, self.mesh,
-                                          self.chunk_tokens)
-        if self.mlp_hidden:
-            dense_out, hidden = dense_out
-            self.sow("sites", MLP_POST, hidden)
+        dense_out = self.dense_mlp(mlp_in)
         dense_out = norm_for(c, "post_mlp_norm_1", self.dtype, wide, keep_wide=True)(dense_out, norm)
         experts_in = norm_for(c, "pre_moe_norm", self.dtype, wide)(x, norm)
         # Not in chunks of tokens: the router reads other values (x) than the experts.
@@ -524,6 +543,18 @@ class DecoderLayer(nn.Module):
             for site, value in routing.items():
                 self.sow("sites", site, value)
         return dense_out + norm_for(c, "post_moe_norm", self.dtype, wide, keep_wide=True)(routed, norm)
+
+    def dense_mlp(self, mlp_in: jax.Array) -> jax.Array:
+        """The dense MLP of its normed input [B, S, H], in chunks of tokens, sowing the hidden
+        sites it returns (``mlp_sites``) -> [B, S, H]."""
+        mlp = MLP(self.config, self.dtype, self.residual_dtype, self.mlp_sites, name="mlp")
+        out = map_over_token_chunks(mlp, mlp_in, self.mesh, self.chunk_tokens)
+        if not self.mlp_sites:
+            return out
+        out, hidden = out
+        for site, value in hidden.items():
+            self.sow("sites", site, value)
+        return out
 
     def per_layer_addition(self, x: jax.Array, per_layer_input: jax.Array, norm=None) -> jax.Array:
         """What Gemma 4's per-layer embedding adds after the MLP: the stream x [B, S, H] gated
@@ -574,9 +605,10 @@ class Decoder(nn.Module):
     chunk_tokens: int | None = None  # MLP tokens per device at a time (map_over_token_chunks)
     attention: str = "tiled"         # tiled | fused | cudnn: see model.attention.attention_for; dense: ``attended``
     residual_dtype: Any = None       # the residual stream's (None: dtype); see the module docstring
-    mlp_hidden: bool = False         # the blocks sow the MLP's hidden activation too (``sites``)
+    mlp_sites: tuple[str, ...] = ()  # the blocks sow these MLP hidden sites too (``sites``; model.layers.MLP)
     moe_dispatch: str = "auto"       # how a mixture of experts dispatches tokens (model.config.MOE_DISPATCHES)
     routing_sites: bool = False      # the blocks sow their routing too (``sites``)
+    pattern_layers: tuple[int, ...] = ()  # the blocks whose attention sows its scores and pattern (``sites``)
 
     def setup(self):
         c = self.config
@@ -586,8 +618,9 @@ class Decoder(nn.Module):
             self.embed_positions = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
                                             param_dtype=self.dtype)
         self.layers = [DecoderLayer(c.layer_config(i), self.dtype, self.mesh, self.chunk_tokens, self.attention,
-                                    self.residual_dtype, c.window(i), self.mlp_hidden, c.is_sparse(i),
-                                    self.moe_dispatch, self.routing_sites, c.is_deltanet(i), name=f"layers_{i}")
+                                    self.residual_dtype, c.window(i), self.mlp_sites, c.is_sparse(i),
+                                    self.moe_dispatch, self.routing_sites, c.is_deltanet(i), i in self.pattern_layers,
+                                    name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
         if c.per_layer_input_size:

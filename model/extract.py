@@ -45,8 +45,9 @@ from model.decoder import Decoder, chunk_tokens_for, steered
 from model.interventions import STEER_TOKENS, steer_key, steered_token_mask
 from model.sharding import batch_sharding
 from model.statistics import STAT_FIELDS, KeyStatistics, StatisticsSpec, row_statistics, split_statistics
-from model.sites import (DEFAULT_SITES, MLP_POST, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES, ArrayKey,
-                         array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites, site_width)
+from model.sites import (ATTN_SCORES, DEFAULT_SITES, MLP_HIDDEN, MLP_POST, PATTERNS, RESID_POST, RESID_PRE, ROUTING,
+                         SHARED_EXPERT, SITES, ArrayKey, array_key, array_keys, blocks_needed, check_sites,
+                         describe_key, parse_sites, site_width)
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
@@ -196,8 +197,9 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
     quantized there (``model.quantize``). The statistics are of the stored rows as a reader gets
     them (``model.statistics``; float8 rows dequantized)."""
     model = Decoder(config, dtype, mesh, chunk_tokens_for(mesh), attention_for(mesh, attention, config, dtype),
-                    residual_dtype, mlp_hidden=MLP_POST in sites, moe_dispatch=moe_dispatch,
-                    routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites))
+                    residual_dtype, mlp_sites=tuple(site for site in (*MLP_HIDDEN, MLP_POST) if site in sites),
+                    moe_dispatch=moe_dispatch, routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites),
+                    pattern_layers=layers if any(site in PATTERNS for site in sites) else ())
     num_layers = blocks_needed(sites, layers)
 
     def forward(params, input_ids, lengths, ablation, select=None, row_roles=None):
@@ -230,7 +232,7 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 else:
                     stored = values[key] = (stacked if out_dtype is None or SITES[site].integer
                                             else stacked.astype(out_dtype))
-                if statistics is not None:
+                if statistics is not None and site not in PATTERNS:  # of the fixed-width sites only
                     valid = stored_rows(lengths, select, pool, stacked.shape[2])  # [B, S or K]
                     measured[key] = row_statistics(stored, valid, row_roles, statistics, SITES[site].integer)
         return values if statistics is None else (values, measured)
@@ -253,8 +255,8 @@ def width_groups(config: DecoderConfig, site: str, layers: Sequence[int]) -> dic
     One array keyed by the site where every block gives it the same width; else one per width,
     keyed ``site@width`` (Gemma 4's heads and MLPs: no block's values padded to another's)."""
     groups: dict[int, list[int]] = {}
-    for layer in layers:
-        groups.setdefault(site_width(site, config, layer), []).append(layer)
+    for layer in layers:  # a pattern's width is the sample's; each block's is its heads' times it
+        groups.setdefault(site_width(site, config, layer, 1), []).append(layer)
     if len(groups) == 1:
         return {site: tuple(layers)}
     return {f"{site}@{width}": tuple(group) for width, group in groups.items()}
@@ -281,11 +283,14 @@ def check_pool(pool: str | None, sites: Sequence[str]) -> None:
 
 def check_quantized(activation_dtype: str | None, sites: Sequence[str]) -> None:
     """``UserError`` for float8 storage of a site of integers (a mixture of experts' expert ids):
-    ids are not scaled and rounded."""
+    ids are not scaled and rounded; nor are scores, whose masked keys are -inf."""
     integer = [site for site in sites if SITES[site].integer]
     if activation_dtype in QUANTIZED_DTYPES and integer:
         raise UserError(f"--activation_dtype {activation_dtype}: {integer[0]} holds expert ids, which are "
                         "never quantized; store them with another --activation_dtype, or leave them out of --sites")
+    if activation_dtype in QUANTIZED_DTYPES and ATTN_SCORES in sites:
+        raise UserError(f"--activation_dtype {activation_dtype}: {ATTN_SCORES} holds -inf at masked keys, which "
+                        f"has no float8 scale; store attn.hook_pattern, or the scores with another --activation_dtype")
 
 
 def check_float16_range(activations: dict[ArrayKey, np.ndarray]) -> None:
@@ -327,6 +332,7 @@ class InFlight:
     out: dict[str, jax.Array | tuple[jax.Array, jax.Array]]
     lengths: np.ndarray     # [rows]: the rows each sequence keeps (its tokens, or its selected rows)
     count: int              # real sequences (the first rows)
+    tokens: np.ndarray | None = None  # [rows]: each sequence's tokens (a pattern row's keys)
     statistics: dict[str, dict[str, jax.Array]] | None = None  # output key -> model.statistics.row_statistics
 
 
@@ -548,7 +554,7 @@ class Extractor:
         for array in jax.tree_util.tree_leaves(copied):
             for _, data in local_blocks(array):
                 data.copy_to_host_async()  # starts the transfer as soon as the forward ends
-        return InFlight(out, kept, len(sequences), measured)
+        return InFlight(out, kept, len(sequences), lengths, measured)
 
     @functools.cached_property
     def host_memory_kind(self) -> str | None:
@@ -603,7 +609,9 @@ class Extractor:
                             n = batch.lengths[row]
                             # Keyed in storage order from the start, whichever site comes first.
                             arrays = results[row] = results[row] or dict.fromkeys(keys)
-                            arrays.update({array_key(site, layer): acts[j, i, :n] for j, layer in enumerate(group)})
+                            arrays.update({array_key(site, layer): self._unpadded(site, acts[j, i, :n],
+                                                                                  batch.tokens[row])
+                                           for j, layer in enumerate(group)})
                             if row_scales is not None:
                                 kept = scales[row] = scales[row] or {}
                                 kept.update({array_key(site, layer): row_scales[j, i, :n]
@@ -615,6 +623,14 @@ class Extractor:
         self.observer.computed(batch.count)
         return [None if arrays is None else (arrays, measured and measured[row], scales[row])
                 for row, arrays in enumerate(results)]
+
+    def _unpadded(self, site: str, rows: np.ndarray, tokens: int) -> np.ndarray:
+        """A sequence's stored ``rows`` [n, width] of ``site``; a pattern's [n, heads * bucket]
+        narrowed to its own ``tokens`` keys: [n, heads * tokens]."""
+        if site not in PATTERNS:
+            return rows
+        heads = self.config.num_attention_heads
+        return rows.reshape(len(rows), heads, -1)[:, :, :tokens].reshape(len(rows), heads * tokens)
 
     def _collected_statistics(self, batch: InFlight) -> list[dict[ArrayKey, KeyStatistics]] | None:
         """Per sequence of ``batch`` (this process's rows), ``{key: KeyStatistics}``: the small

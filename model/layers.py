@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import DecoderConfig
+from model.sites import MLP_POST, MLP_PRE, MLP_PRE_LINEAR
 
 _TANH_GELU = functools.partial(jax.nn.gelu, approximate=True)  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": _TANH_GELU, "gelu_new": _TANH_GELU,
@@ -124,7 +125,7 @@ class MLP(nn.Module):
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, the gating is in it
-    with_hidden: bool = False   # also return the hidden activation (mlp.hook_post)
+    returned: tuple[str, ...] = ()  # also return these hidden sites: mlp.hook_pre, mlp.hook_pre_linear, mlp.hook_post
     intermediate_size: int | None = None  # None: the config's (Qwen2-MoE's shared expert has its own)
 
     @nn.compact
@@ -135,10 +136,13 @@ class MLP(nn.Module):
         act = ACTIVATIONS[c.hidden_act]
         f = self.intermediate_size or c.intermediate_size
         if c.gated_mlp:
-            gate, up = project(f, "gate_proj")(x), project(f, "up_proj")(x)
+            gate, up = project(f, "gate_proj")(x), project(f, "up_proj")(x)  # [B, S, F] each
             hidden = act(gate) * up  # [B, S, F]
+            sites = {MLP_PRE: gate, MLP_PRE_LINEAR: up, MLP_POST: hidden}
         else:  # GPT-2's c_fc, GPT-NeoX's dense_h_to_4h: our up_proj
-            hidden = act(project(f, "up_proj")(x))  # [B, S, F]
+            pre = project(f, "up_proj")(x)  # [B, S, F]
+            hidden = act(pre)
+            sites = {MLP_PRE: pre, MLP_POST: hidden}
         out = project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))  # [B, S, H]
         # Returned rather than sown: the MLP may run inside a scan over token chunks.
-        return (out, hidden) if self.with_hidden else out
+        return (out, {site: sites[site] for site in self.returned}) if self.returned else out

@@ -28,13 +28,32 @@ ROUTER_LOGITS, EXPERT_INDICES, ROUTING_WEIGHTS = "mlp.hook_router_logits", "mlp.
 SHARED_EXPERT_GATE, SHARED_EXPERT_OUT = "mlp.hook_shared_expert_gate", "mlp.hook_shared_expert_out"
 ROUTING = (ROUTER_LOGITS, EXPERT_INDICES, ROUTING_WEIGHTS)
 SHARED_EXPERT = (SHARED_EXPERT_GATE, SHARED_EXPERT_OUT)
+# Attention's inside (model.decoder.Attention) and the MLP's pre-activations.
+LN1_NORMALIZED, ATTN_IN = "ln1.hook_normalized", "attn.hook_in"
+ATTN_Q, ATTN_K, ATTN_V = "attn.hook_q", "attn.hook_k", "attn.hook_v"
+Q_NORM_OUT, K_NORM_OUT = "attn.q_norm.hook_out", "attn.k_norm.hook_out"
+ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"
+ATTN_SCORES, ATTN_PATTERN = "attn.hook_attn_scores", "attn.hook_pattern"
+ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
+MLP_PRE, MLP_PRE_LINEAR, MLP_MODULE_OUT = "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_out"
+QK_NORM = (Q_NORM_OUT, K_NORM_OUT)
+PATTERNS = (ATTN_SCORES, ATTN_PATTERN)  # a row per query token over the sample's keys: its width varies
+# Sites of attention heads: none in a Gated DeltaNet block; the keys' and values' none in a block
+# attending to another block's (kv sharing).
+HEAD_SITES = (ATTN_Q, ATTN_K, ATTN_V, *QK_NORM, ROT_Q, ROT_K, *PATTERNS, ATTN_GATE)
+OWN_KV = (ATTN_K, ATTN_V, K_NORM_OUT, ROT_K)
+MLP_HIDDEN = (MLP_PRE, MLP_PRE_LINEAR)  # beside mlp.hook_post: returned by the MLP, never by an expert
+# The families whose configs have each switch (for the refusal naming them).
+QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5"
+GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
     name: str
-    width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | intermediate |
-                      # experts (num_experts) | top_k (experts per token) | one
+    width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | kv_heads
+                      # (num_key_value_heads x head_dim) | scores (num_attention_heads x the sample's
+                      # tokens) | intermediate | experts (num_experts) | top_k (experts per token) | one
     meaning: str
     integer: bool = False  # stored as int32 whatever the activation dtype (expert ids)
 
@@ -43,8 +62,34 @@ class Site:
 SITES: dict[str, Site] = {s.name: s for s in (
     Site(RESID_PRE, "hidden", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
                               "plus the learned positions in GPT-2)"),
+    Site(LN1_NORMALIZED, "hidden", "attention's input after its norm, before the norm's gain (and bias): x / rms(x), "
+                                   "or (x - mean) / std for a LayerNorm, in float32 (none where attention's input "
+                                   "has no norm: OLMo 2)"),
+    Site(ATTN_IN, "hidden", "attention's input after its norm with the gain applied (the attention module's input)"),
+    Site(ATTN_Q, "heads", "the queries, q_proj's output per head (before a QK-norm and rotary), flattened to "
+                          "n_heads * head_dim (head-major)"),
+    Site(ATTN_K, "kv_heads", "the keys, k_proj's output per key/value head (before a QK-norm and rotary), "
+                             "n_kv_heads * head_dim"),
+    Site(ATTN_V, "kv_heads", "the values, v_proj's output per key/value head (before Gemma 4's value norm), "
+                             "n_kv_heads * head_dim"),
+    Site(Q_NORM_OUT, "heads", "the queries after the QK-norm, its gain applied, before rotary (per head, or over "
+                              "the whole projection in OLMo 2)"),
+    Site(K_NORM_OUT, "kv_heads", "the keys after the QK-norm, its gain applied, before rotary"),
+    Site(ROT_Q, "heads", "the queries the scores are taken from: after the QK-norm and rotary, before the 1/sqrt(d) scale"),
+    Site(ROT_K, "kv_heads", "the keys the scores are taken from: after the QK-norm and rotary"),
+    Site(ATTN_SCORES, "scores", "each query token's scores over the sample's keys, [heads, keys] flattened: "
+                                "q.k scaled, soft-capped where the family caps (Gemma 2), masked keys -inf "
+                                "(the future, and keys past a sliding window), before the softmax; recomputed "
+                                "from attn.hook_rot_q and attn.hook_rot_k"),
+    Site(ATTN_PATTERN, "scores", "each query token's attention probabilities over the sample's keys, [heads, "
+                                 "keys] flattened: the softmax of attn.hook_attn_scores (with gpt-oss's sink "
+                                 "logit joined, its share dropped, so a row sums to 1 less the sink's)"),
+    Site(ATTN_GATE, "heads", "gated attention's output gate before its sigmoid: q_proj's gate half per head "
+                             "(Qwen3.5, Qwen3-Next: each head's output is multiplied by sigmoid of it)"),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
                           "n_heads * head_dim (head-major)"),
+    Site(ATTN_MODULE_OUT, "hidden", "the attention module's output (o_proj's), before a post-attention norm: "
+                                    "hook_attn_out itself where the block has none"),
     Site(ATTN_OUT, "hidden", "what attention adds to the stream (after the post-attention norm where the "
                              "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_MID, "hidden", "resid_pre + attn_out: the MLP's input before its norm (none in a parallel block: "
@@ -65,8 +110,13 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(SHARED_EXPERT_GATE, "one", "Qwen2-MoE's shared expert gate: sigmoid(shared_expert_gate(x))"),
     Site(SHARED_EXPERT_OUT, "hidden", "the shared expert's output (Qwen2-MoE's, before its gate scales it; "
                                       "DeepSeek's shared_experts, added as it is)"),
+    Site(MLP_PRE, "intermediate", "the MLP's pre-activation: gate_proj's output, or a plain MLP's fc output "
+                                  "(the dense MLP's; none in a mixture of experts)"),
+    Site(MLP_PRE_LINEAR, "intermediate", "a gated MLP's linear branch: up_proj's output (none in a plain MLP)"),
     Site(MLP_POST, "intermediate", "the MLP's hidden activation, act(gate) * up, or act(fc) in a plain MLP "
                                    "(the down projection's input; the dense MLP's beside Gemma 4's experts)"),
+    Site(MLP_MODULE_OUT, "hidden", "the MLP's output before a post-feedforward norm: hook_mlp_out itself where "
+                                   "the block has none"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
                             "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
@@ -77,17 +127,37 @@ ArrayKey = int | str  # L for block L's output, else the full hook name
 _HOOK = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
+# interp-engine's point names (``interp_engine/points.py``) of the block sites -> ours. A name that
+# differs by family in interp-engine (attn_out: before a post-norm) is the module's output here
+# too, so the mapping needs no family; docs/sites.md says where the two conventions differ.
+INTERP_ENGINE_POINTS = {
+    "resid_pre": RESID_PRE, "attn_in": ATTN_IN, "q_norm_in": ATTN_Q, "q_norm_out": Q_NORM_OUT, "k_norm_in": ATTN_K,
+    "k_norm_out": K_NORM_OUT, "value": ATTN_V, "attn_scores": ATTN_SCORES, "attn_probs": ATTN_PATTERN,
+    "z": ATTN_Z, "attn_gate": ATTN_GATE, "attn_out": ATTN_MODULE_OUT, "attn_out_post": ATTN_OUT,
+    "resid_mid": RESID_MID, "mlp_in": MLP_IN, "mlp_pre": MLP_PRE, "mlp_pre_linear": MLP_PRE_LINEAR,
+    "mlp_act": MLP_POST, "router_logits": ROUTER_LOGITS, "expert_weights": ROUTING_WEIGHTS,
+    "expert_indices": EXPERT_INDICES, "mlp_out": MLP_MODULE_OUT, "mlp_out_post": MLP_OUT, "resid_post": RESID_POST,
+}
+
+
 def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
-    """``--sites`` (comma- or space-separated site names) -> the sites in block order;
-    ``UserError`` names one that does not exist."""
+    """``--sites`` (comma- or space-separated site names, ours or interp-engine's point names) ->
+    the sites in block order; ``UserError`` names one that does not exist."""
     names = text.replace(",", " ").split() if isinstance(text, str) else list(text)
+    names = [INTERP_ENGINE_POINTS.get(n, n) for n in names]
     unknown = [n for n in names if n not in SITES]
     if unknown:
         raise UserError(f"unknown site {unknown[0]!r} (choose from {', '.join(SITES)}; names as in "
-                        "TransformerLens, after blocks.L.)")
+                        "TransformerLens, after blocks.L., or interp-engine's point names)")
     if not names:
         raise UserError("no sites to extract")
     return tuple(s for s in SITES if s in names)
+
+
+def interp_engine_names(text: str | Iterable[str]) -> dict[str, str]:
+    """The interp-engine point names among ``--sites`` -> the sites they are stored as."""
+    names = text.replace(",", " ").split() if isinstance(text, str) else list(text)
+    return {n: INTERP_ENGINE_POINTS[n] for n in names if n in INTERP_ENGINE_POINTS}
 
 
 def missing_reason(site: str, config, layer: int | None = None) -> str | None:
@@ -116,7 +186,44 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
                 f"its attention blocks are {_spans(config.attention_layers) or 'none'}")
     if site == LN2_NORMALIZED and not config.has_mlp_norm:
         return f"{config.model_type}'s MLP reads the stream without a norm before it (mlp.hook_in is its input)"
+    return _attention_reason(site, config, layer) or _mlp_reason(site, config, layer)
+
+
+def _attention_reason(site: str, config, layer: int | None) -> str | None:
+    """Why a model has no attention-inside site (``HEAD_SITES``, ``ln1.hook_normalized``) at
+    ``layer`` (None: at any), or None."""
+    if site == LN1_NORMALIZED and not config.pre_norms:
+        return f"{config.model_type}'s attention reads the stream without a norm before it (attn.hook_in is its input)"
+    if site not in HEAD_SITES:
+        return None
+    if config.deltanet is not None and (layer is None and not config.attention_layers
+                                        or layer is not None and config.is_deltanet(layer)):
+        where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
+        return (f"{where} mixes with Gated DeltaNet: no attention heads; its attention blocks are "
+                f"{_spans(config.attention_layers) or 'none'}")
+    if config.mla is not None:
+        return (f"{config.model_type}'s latent attention expands its keys and values from a shared latent: "
+                "its queries, keys, values and patterns are not sites yet (attn.hook_z is)")
+    if site in QK_NORM and not config.qk_norm:
+        return f"{config.model_type} has no QK-norm (the families with one: {QK_NORM_FAMILIES})"
+    if site == ATTN_GATE and not config.attn_output_gate:
+        return f"{config.model_type}'s attention has no output gate (gated attention: {GATE_FAMILIES})"
+    if site in (ROT_Q, ROT_K) and config.positions == "learned":
+        return (f"{config.model_type} adds learned positions to the embeddings: no rotary "
+                f"({'attn.hook_q' if site == ROT_Q else 'attn.hook_k'} is what is scored)")
+    if site in OWN_KV and layer is not None and config.kv_source(layer) is not None:
+        return (f"block {layer} attends to block {config.kv_source(layer)}'s keys and values (kv sharing): it has "
+                "none of its own")
     return None
+
+
+def _mlp_reason(site: str, config, layer: int | None) -> str | None:
+    """Why a model has no MLP pre-activation site at ``layer`` (None: at any), or None."""
+    if site not in MLP_HIDDEN:
+        return None
+    if site == MLP_PRE_LINEAR and not config.gated_mlp:
+        return f"{config.model_type}'s MLP is not gated: it has one input projection (mlp.hook_pre)"
+    return missing_reason(MLP_POST, config, layer)
 
 
 def check_sites(sites: Sequence[str], config, layers: Sequence[int] = ()) -> None:
@@ -172,31 +279,43 @@ def blocks_needed(sites: Sequence[str], layers: Sequence[int]) -> int:
     return max(1, *(layer + (site != RESID_PRE) for layer in layers for site in sites))
 
 
-def site_width(site: str, config, layer: int | None = None) -> int:
+def site_width(site: str, config, layer: int | None = None, length: int | None = None) -> int:
     """The last dimension of ``site``'s arrays for a ``DecoderConfig`` (at block ``layer``, where
-    blocks differ: Gemma 4's full blocks' heads, its kv-sharing blocks' wider MLPs)."""
+    blocks differ: Gemma 4's full blocks' heads, its kv-sharing blocks' wider MLPs); a pattern's
+    for a sample of ``length`` tokens (its keys)."""
     kind = SITES[site].width
     config = config if layer is None else config.layer_config(layer)
-    if kind == "heads":
-        return config.num_attention_heads * config.head_dim
+    if kind == "scores":
+        if length is None:
+            raise ValueError(f"{site}'s width grows with the sample: give its length")
+        return config.num_attention_heads * length
+    if kind in ("heads", "kv_heads"):
+        heads = config.num_attention_heads if kind == "heads" else config.num_key_value_heads
+        return heads * config.head_dim
     if kind in ("experts", "top_k"):
         return config.moe.num_experts if kind == "experts" else config.moe.top_k
     return {"intermediate": config.intermediate_size, "one": 1}.get(kind, config.hidden_size)
 
 
 def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int,
-                    row_bytes: int = 0) -> dict[str, int]:
+                    row_bytes: int = 0, length: int | None = None) -> dict[str, int]:
     """What each site stores per token over ``layers`` (bytes), in block order; ``row_bytes``: what
-    each row of a layer adds besides its values (float8's scale: ``model.quantize.SCALE_BYTES``)."""
-    return {site: sum(site_width(site, config, layer) for layer in layers) * (4 if SITES[site].integer else itemsize)
+    each row of a layer adds besides its values (float8's scale: ``model.quantize.SCALE_BYTES``);
+    a pattern's in a sample of ``length`` tokens."""
+    return {site: sum(site_width(site, config, layer, length) for layer in layers)
+            * (4 if SITES[site].integer else itemsize)
             + (0 if SITES[site].integer else row_bytes * len(layers)) for site in SITES if site in sites}
 
 
-def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int, row_bytes: int = 0) -> str:
-    """One line saying what a run stores per token, site by site (printed before a run)."""
-    per_site = bytes_per_token(sites, layers, config, itemsize, row_bytes)
+def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int, row_bytes: int = 0,
+              length: int | None = None) -> str:
+    """One line saying what a run stores per token, site by site (printed before a run); a
+    pattern's row grows with the sample: its figure is a sample of ``length`` tokens'."""
+    per_site = bytes_per_token(sites, layers, config, itemsize, row_bytes, length)
     resid = config.hidden_size * len(layers) * itemsize
-    parts = ", ".join(f"{site} {n / 1024:.1f} KiB ({n / resid:.2g}x resid)" for site, n in per_site.items())
+    grows = lambda site: f" at {length} tokens: a sample's [S, heads, S]" if SITES[site].width == "scores" else ""
+    parts = ", ".join(f"{site} {n / 1024:.1f} KiB ({n / resid:.2g}x resid{grows(site)})"
+                      for site, n in per_site.items())
     return (f"storing {len(per_site)} site(s) at {len(layers)} layer(s): {sum(per_site.values()) / 1024:.1f} KiB "
             f"per token ({parts})")
 
