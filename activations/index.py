@@ -26,7 +26,7 @@ from common.cli import UserError
 from common.files import delete_file, join, open_read, read_optional, write_bytes
 from common.roles import ROLES, WRITTEN_ROLES, role_counts
 from common.states import COMPLETED
-from model.sites import RESID_POST, ArrayKey, array_key, describe_key, key_parts
+from model.sites import RESID_POST, SITES, UNMEASURED, ArrayKey, array_key, describe_key, key_parts
 
 log = logging.getLogger("activations.index")
 
@@ -438,8 +438,12 @@ def statistics_coverage(collected: CollectedIndex, arrays: pa.Table, stats: pa.T
 
 
 def _count_mismatch(arrays: pa.Table, stats: pa.Table) -> str | None:
-    """The first (site, layer) whose statistics count other rows than its arrays hold, described."""
+    """The first (site, layer) whose statistics count other rows than its arrays hold, described;
+    the sites no statistics are measured of (``model.sites.UNMEASURED``: a pattern's rows, the
+    sample's heads x tokens wide; the loss, NaN at a sample's last token; token ids and ranks) left
+    out, by design."""
     rows = pa.table({"site": arrays["site"], "layer": arrays["layer"], "rows": pc.list_element(arrays["shape"], 0)})
+    rows = rows.filter(pc.invert(pc.is_in(rows["site"], pa.array(UNMEASURED))))
     stored = {(r["site"], r["layer"]): r["rows_sum"]
               for r in rows.group_by(["site", "layer"]).aggregate([("rows", "sum")]).to_pylist()}
     overall = stats if "group_by" not in stats.schema.names else stats.filter(pc.is_null(stats["group_by"]))
@@ -502,6 +506,11 @@ def store_moments(index: str, keys: Sequence[ArrayKey] | None = None) -> dict[St
                             "machines lack them")
     moments = table_moments(table)  # with its groups' rows, if any
     missing = [k for k in keys or () if k not in moments]
+    unmeasured = [k for k in missing if key_parts(k)[0] in UNMEASURED]
+    if unmeasured:  # not of rows of varying width, NaN or ids
+        site = key_parts(unmeasured[0])[0]
+        raise UserError(f"{describe_key(unmeasured[0])}: no statistics are measured of {site} "
+                        f"({SITES[site].meaning})")
     if missing:
         raise UserError(f"{path!r} has no statistics of {', '.join(map(describe_key, missing))}: merge the "
                         "index again with pipeline.index")

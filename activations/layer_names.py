@@ -23,9 +23,10 @@ SAELENS_HOOK_TEMPLATE = sites.HOOK_TEMPLATE
 
 
 def column_name(key: ArrayKey, template: str = SAELENS_HOOK_TEMPLATE) -> str:
-    """The export's column of ``key``: ``template`` with ``{layer}`` and ``{site}`` filled in."""
+    """The export's column of ``key``: ``template`` with ``{layer}`` and ``{site}`` filled in (a
+    model-level site's: its name)."""
     site, layer = key_parts(key)
-    return template.format(layer=layer, site=site)
+    return site if site in sites.MODEL_SITES else template.format(layer=layer, site=site)
 
 
 def hf_hidden_states_index(layer: int, num_hidden_layers: int | None) -> int | None:

@@ -8,11 +8,14 @@ shard, for training sparse autoencoders, transcoders and probes.
 
 ``layers`` holds array keys (``model.sites``): a layer number for block outputs, or the hook name
 of any stored site (``"blocks.12.hook_mlp_out"``, ``"blocks.12.attn.hook_z"``), each at its own
-width; ``"blocks.12.hook_resid_post"`` is key 12. ``normalize`` scales each key by the run's
-statistics (``index_stats.parquet``): ``mean_norm`` or ``standardize``. ``tokens`` reads only the
-tokens of a selection (``activations.selection``: ``assistant,-special``, ``last``, ...), from
-what the index's tokens table says each stored row is (``activations.stored_tokens``); a pooled
-one (``mean:assistant``) gives one row a sample, the mean of its selected tokens.
+width; ``"blocks.12.hook_resid_post"`` is key 12. A pattern site (``attn.hook_pattern``,
+``attn.hook_attn_scores``), whose rows' width is the sample's heads x tokens, is refused in one
+line (``activations.reader.read_activations`` returns its arrays as stored). ``normalize``
+scales each key by the run's statistics (``index_stats.parquet``): ``mean_norm`` or
+``standardize``. ``tokens`` reads only the tokens of a selection (``activations.selection``:
+``assistant,-special``, ``last``, ...), from what the index's tokens table says each stored row
+is (``activations.stored_tokens``); a pooled one (``mean:assistant``) gives one row a sample,
+the mean of its selected tokens.
 
 How: the epoch's blocks (runs of neighbouring arrays, one ranged read per key: see
 ``token_plan``) are read in a random order by a pool of threads, ``read_ahead`` blocks ahead of

@@ -28,9 +28,20 @@ from activations.stored_tokens import StoredTokens, read_stored_tokens, store_se
 from common.cli import UserError
 from common.files import read_optional
 from model.config import FLOAT8
-from model.sites import RESID_POST, ArrayKey, describe_key, key_parts, normalized_key
+from model.sites import PATTERNS, RESID_POST, ArrayKey, describe_key, key_parts, normalized_key
 
 ARRAYS_WHAT = "per-array index (pipeline.index writes it beside the index)"
+# Why a pattern site (model.sites.PATTERNS) is refused wherever rows of one width are read.
+VARIABLE_WIDTH = ("its rows are each token's [heads, keys] flattened, n_heads x the sample's tokens wide (a width per "
+                  "sample), not the one width a token batch, an export, a probe or a dashboard reads; read them as "
+                  "stored with activations.reader.read_activations")
+
+
+def check_fixed_width(what: str, site: str) -> None:
+    """``UserError`` in one line, ``what: why``, where ``site`` is a pattern site: its rows differ in
+    width by sample, so no [batch, width] batch, export column, probe or feature holds them."""
+    if site in PATTERNS:
+        raise UserError(f"{what}: {VARIABLE_WIDTH}")
 
 
 @dataclasses.dataclass
@@ -90,10 +101,12 @@ def read_index_table(path: str, what: str, **kwargs) -> pa.Table:
 def stored_arrays(index: str, keys: Sequence[ArrayKey]) -> StoredArrays:
     """The arrays of ``keys`` (layers or hook names, normalised by ``model.sites.normalized_key``)
     of every sample of the merged ``index`` (``index.parquet`` with its ``index_arrays.parquet``
-    beside it, as ``pipeline.index`` writes them)."""
+    beside it, as ``pipeline.index`` writes them); a pattern site's refused (``check_fixed_width``)."""
     if not keys:
         raise UserError("name at least one layer to read")
     keys = [normalized_key(k) for k in keys]
+    for key in keys:
+        check_fixed_width(describe_key(key), key_parts(key)[0])
     samples = read_index_table(index, "merged index", columns=["sample_id", "machine_id", "num_tokens"])
     arrays = read_index_table(arrays_path(index), ARRAYS_WHAT,
                          filters=[("layer", "in", sorted({key_parts(k)[1] for k in keys}))])

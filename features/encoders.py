@@ -19,7 +19,8 @@ dashboard shows. Three sources, named as ``runners.dashboard --features`` names 
   (what it adds to the residual stream in all);
 - a directions file (``activations.directions``, ``runners.probe``'s): each direction a feature,
   its activation the row's projection on it (signed);
-- ``neurons:SITE:LAYER[:DIMS]``: the site's raw dimensions (all, or ``DIMS``: ``0-15,40``).
+- ``neurons:SITE:LAYER[:DIMS]``: the site's raw dimensions (all, or ``DIMS``: ``0-15,40``), of any
+  site of fixed width (``mlp.hook_pre``, ``attn.hook_q``, ...; a pattern site's refused in one line).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from activations.directions import read_directions
+from activations.token_plan import check_fixed_width
 from common.cli import UserError
 from common.files import join, read_optional
 from dictionaries.circuit_tracer_format import CLT_SITES_FILE
@@ -221,11 +223,13 @@ def direction_features(path: str, key: ArrayKey | None = None) -> FeatureSet:
 
 
 def parse_neurons(spec: str) -> tuple[ArrayKey, list[int] | None]:
-    """``neurons:SITE:LAYER[:DIMS]`` -> (its key, its dimensions or None for all); DIMS like ``0-15,40``."""
+    """``neurons:SITE:LAYER[:DIMS]`` -> (its key, its dimensions or None for all); DIMS like ``0-15,40``;
+    ``UserError`` for a pattern site (its rows' width is the sample's heads x tokens)."""
     parts = spec.split(":")
     if parts[0] != "neurons" or len(parts) not in (3, 4):
         raise UserError(f"{spec!r}: neurons are named neurons:SITE:LAYER[:DIMS], e.g. neurons:hook_mlp_out:12:0-99")
     site = parse_sites([parts[1]])[0]
+    check_fixed_width(spec, site)  # a pattern's rows differ in width by sample: no fixed dimensions
     try:
         layer = int(parts[2])
         dims = None if len(parts) == 3 else spans(parts[3])

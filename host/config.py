@@ -14,6 +14,7 @@ from host.lease import MIN_LEASE_S
 from host.machine_id import machine_id_flag
 from model.config import QUANTIZED_DTYPES, STORED_DTYPES
 from model.settings import GenerationSettings, ModelRunSettings, ProfileSettings, SiteSettings
+from model.sites import MAX_ROW_KIB
 from transforms.long_samples import POLICIES
 
 # JAX's own variable, where a user has set it; else a per-user directory.
@@ -110,6 +111,11 @@ class HostConfig(ModelRunSettings, ProfileSettings, SiteSettings, GenerationSett
                               "last | last:user | mean:assistant: docs/datasets.md#token-selection); the forward "
                               "still runs on every token, only the selected rows leave the device (default: every "
                               "token)", parse=selection_flag)
+    logits_top_k: int | None = flag(None, "also store the K most probable next tokens and their log-probabilities "
+                                    "at each stored token (logits.hook_top_k_ids, logits.hook_top_k_logprobs)")
+    max_row_kib: float = flag(MAX_ROW_KIB, "refuse a run without --tokens whose attention patterns, scores or logits "
+                              "would store more than this per token at --max_seq_length (KiB; a pattern's row is "
+                              "[heads, keys]: it grows with the sample)")
     statistics: str = flag("device", "per-site statistics of the stored rows (index/shard_NNNN_stats.parquet): "
                            "device (measured inside the forward, merged in float64 on the host) | off (none "
                            "stored; metadata.json says so)", choices=STATISTICS)

@@ -74,7 +74,7 @@ from model.settings import GenerationSettings, ModelRunSettings, SiteSettings
 from model.quantize import SCALE_BYTES
 from model.sharding import make_mesh
 from model.statistics import StatisticsSpec
-from model.sites import blocks_needed, cost_line, parse_sites
+from model.sites import blocks_needed, check_row_size, cost_line, parse_sites, with_top_k
 from transforms.extraction import ELSEWHERE, REJECTED, ExtractConfig, OrderedExtraction, Tagged
 from transforms.generation import generation_tokenizer, thinking_ids
 from transforms.tokenizers import load_tokenizer
@@ -213,9 +213,11 @@ def check_model(config: HostConfig) -> None:
         raise UserError("--stop finds strings in a continuation's text, which needs a tokenizer: the checkpoint has "
                         "none, pass --tokenizer")
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
-    sites = parse_sites(config.sites)
+    sites = with_top_k(parse_sites(config.sites), config.logits_top_k)
     check_quantized(config.activation_dtype, sites)  # the flags alone: before what the model has
     check_model_fits(model, sites, config.max_seq_length, layers)
+    check_row_size(sites, layers, model, storage_dtype(config.activation_dtype).itemsize, config.max_seq_length,
+                   config.max_row_kib, config.tokens is not None)
     intervention = intervention_for(config.ablate, config.ablation_means, model,
                                     intervened_blocks(config, model, sites, layers))
     if intervention is not None and intervention.steer_tokens and config.generate is not None:
@@ -235,7 +237,8 @@ def steer_tokens(config: HostConfig, model: DecoderConfig) -> str | None:
 def intervened_blocks(config: HostConfig, model: DecoderConfig, sites, layers) -> int:
     """The blocks an ``--ablate`` may act on: those computed, or with ``--generate`` every one
     (they all write)."""
-    return model.num_hidden_layers if config.generate is not None else blocks_needed(sites, layers)
+    return model.num_hidden_layers if config.generate is not None else blocks_needed(sites, layers,
+                                                                                      model.num_hidden_layers)
 
 
 def run_process(config: HostConfig, placement: Placement | None = None,
@@ -371,8 +374,9 @@ def _run_held(config: HostConfig, health: HealthReporter, progress: Progress, st
     if config.process_id in (None, 0):  # what the run will store, before it starts
         itemsize = storage_dtype(config.activation_dtype).itemsize
         row_bytes = SCALE_BYTES if config.activation_dtype in QUANTIZED_DTYPES else 0
-        print(f"machine {config.machine_id}: "
-              f"{cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize, row_bytes)}")
+        cost = cost_line(settings['sites'], settings['layers_to_extract'], model_config, itemsize, row_bytes,
+                         config.max_seq_length, config.logits_top_k)
+        print(f"machine {config.machine_id}: {cost}")
     checkpoint.status, checkpoint.max_samples = IN_PROGRESS, config.max_samples  # a new limit goes on
     rejected = _back_to_checkpoint(config, store, checkpoint, lease)
     extraction = loaded or OrderedExtraction(extract_config(config))
@@ -463,7 +467,7 @@ def extract_config(config: HostConfig) -> ExtractConfig:
         **shared, layers=config.layers_to_extract, max_seq_length=config.max_seq_length,
         activation_dtype=config.activation_dtype, window=config.window, long_samples=config.long_samples,
         batches_in_flight=config.batches_in_flight, ablation=config.ablate, ablation_means=config.ablation_means,
-        tokens=config.tokens, statistics=statistics_spec(config))
+        tokens=config.tokens, statistics=statistics_spec(config), logits_top_k=config.logits_top_k)
 
 
 def statistics_spec(config: HostConfig) -> StatisticsSpec | None:
@@ -539,7 +543,7 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
     """The flags that decide what a run stores, resolved (``auto``, all layers); a resumed run
     must keep them."""
     layers = validate_layers(config.layers_to_extract or range(model.num_hidden_layers), model)
-    sites = parse_sites(config.sites)
+    sites = with_top_k(parse_sites(config.sites), config.logits_top_k)
     intervention = intervention_for(config.ablate, config.ablation_means, model,
                                     intervened_blocks(config, model, sites, layers))
     # A checkpoint from before --ablate has neither key: each reads as None, the same as unset.
@@ -555,6 +559,7 @@ def output_settings(config: HostConfig, model: DecoderConfig) -> dict[str, Any]:
             # Checkpoints from before these read None: every token stored, no groups.
             "tokens": config.tokens, "stats_by": list(config.stats_by) or None,
             "statistics": config.statistics,  # from before it: device (model.run_settings.BEFORE)
+            "logits_top_k": config.logits_top_k,  # from before it: None (no top k)
             # Checkpoints from before --generate read None: nothing generated.
             "generate": generation_settings(config)}
 
@@ -609,5 +614,6 @@ def _metadata(config: HostConfig, extractor, ablation: str | None, stream: str,
             "ablation": ablation, "ablation_means": config.ablation_means if ablation else None,
             "tokens": config.tokens, "stats_by": list(config.stats_by), "statistics": config.statistics,
             "generate": generation_settings(config),
+            **({"logits_top_k": config.logits_top_k} if config.logits_top_k else {}),
             # The streams' kept columns and their types (from the manifest), where it says.
             **({"columns": columns} if columns else {})}

@@ -66,7 +66,7 @@ from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key
 from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
 from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
                          ATTN_V, ATTN_Z, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT, MLP_OUT,
-                         Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q)
+                         Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q, EMBED, FINAL_NORMALIZED)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -478,9 +478,10 @@ class DecoderLayer(nn.Module):
             attn_out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
                 attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
         else:
-            attn_out, new_cache = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window,
-                                            self.patterns, name="self_attn")(attn_in, cos, sin, mask, positions, cache, cache_index,
-                                                              heads, norm, kv_from)
+            attention = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, self.patterns,
+                                  name="self_attn")
+            attn_out, new_cache = attention(attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm,
+                                            kv_from)
         self.sow("sites", ATTN_MODULE_OUT, attn_out)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
@@ -622,7 +623,7 @@ class Decoder(nn.Module):
                                     self.moe_dispatch, self.routing_sites, c.is_deltanet(i), i in self.pattern_layers,
                                     name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
-        self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype)
+        self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
         if c.per_layer_input_size:
             self.per_layer_inputs = PerLayerInputs(c, self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:
@@ -638,6 +639,7 @@ class Decoder(nn.Module):
             # Clipped: padding past the table (a bucket longer than the sequence) must not read
             # NaN, which an out-of-range gather gives; real positions are within it (checked).
             table = self.embed_positions(jnp.minimum(positions, self.config.max_position_embeddings - 1))
+            self.sow("sites", EMBED, x)  # the tokens' part: hook_embed
             if self.residual_dtype is not None:
                 return x.astype(self.residual_dtype) + table.astype(self.residual_dtype)
             return x + table

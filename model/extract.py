@@ -45,9 +45,11 @@ from model.decoder import Decoder, chunk_tokens_for, steered
 from model.interventions import STEER_TOKENS, steer_key, steered_token_mask
 from model.sharding import batch_sharding
 from model.statistics import STAT_FIELDS, KeyStatistics, StatisticsSpec, row_statistics, split_statistics
-from model.sites import (ATTN_SCORES, DEFAULT_SITES, MLP_HIDDEN, MLP_POST, PATTERNS, RESID_POST, RESID_PRE, ROUTING,
-                         SHARED_EXPERT, SITES, ArrayKey, array_key, array_keys, blocks_needed, check_sites,
-                         describe_key, parse_sites, site_width)
+from model.sites import (AFTER_BLOCKS, ATTN_SCORES, DEFAULT_SITES, EMBED, FINAL_NORM, FINAL_NORMALIZED, HEAD_OUTPUTS,
+                         MLP_HIDDEN, MLP_POST, PATTERNS, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES,
+                         LOSS, ArrayKey, array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites,
+                         site_layers, site_width, with_top_k)
+from model.token_scores import next_tokens, token_scores
 
 T = TypeVar("T")
 DTYPES = {name: getattr(jnp, name) for name in COMPUTE_DTYPES}
@@ -163,7 +165,7 @@ def make_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], mes
 def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...],
                        mesh: Mesh, out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
                        moe_dispatch: str = "auto", pool: str | None = None,
-                       statistics: StatisticsSpec | None = None):
+                       statistics: StatisticsSpec | None = None, logits_top_k: int | None = None):
     """jit(params, input_ids, lengths, ablation[, select[, row_roles]]) -> {site: [len(layers), B, S,
     width]} for each of ``sites`` (``model.sites``); otherwise as ``make_forward``. With ``select``
     (positions [B, K], counts [B]: each row's first ``counts`` positions are its selected tokens),
@@ -171,7 +173,7 @@ def make_sites_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...
     [len(layers), B, 1, width]. With ``statistics``: (those arrays, ``{key: row_statistics}`` of
     each), grouped by ``row_roles`` [B, S or K] (the stored rows' role codes) where it says so."""
     forward = site_forward(config, dtype, layers, sites, mesh, out_dtype, attention, residual_dtype, moe_dispatch,
-                           pool, statistics)
+                           pool, statistics, logits_top_k)
     return jax.jit(forward, out_shardings=NamedSharding(mesh, P(None, "data")))
 
 
@@ -188,7 +190,8 @@ def selected_rows(values: jax.Array, positions: jax.Array, counts: jax.Array, po
 
 def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sites: tuple[str, ...], mesh: Mesh,
                  out_dtype: Any = None, attention: str = "auto", residual_dtype: Any = None,
-                 moe_dispatch: str = "auto", pool: str | None = None, statistics: StatisticsSpec | None = None):
+                 moe_dispatch: str = "auto", pool: str | None = None, statistics: StatisticsSpec | None = None,
+                 logits_top_k: int | None = None):
     """The un-jitted forward of ``make_sites_forward``. Blocks past the last one a site needs are
     not computed; of the sites the blocks sow, only those asked for are returned (XLA drops the
     rest), so block outputs alone compile to the graph they always did. A selection picks its rows
@@ -200,21 +203,25 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                     residual_dtype, mlp_sites=tuple(site for site in (*MLP_HIDDEN, MLP_POST) if site in sites),
                     moe_dispatch=moe_dispatch, routing_sites=any(site in ROUTING + SHARED_EXPERT for site in sites),
                     pattern_layers=layers if any(site in PATTERNS for site in sites) else ())
-    num_layers = blocks_needed(sites, layers)
+    num_layers = blocks_needed(sites, layers, config.num_hidden_layers)
 
     def forward(params, input_ids, lengths, ablation, select=None, row_roles=None):
         seq = input_ids.shape[1]
         positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
         apply = functools.partial(model.apply, {"params": params}, input_ids, positions,
                                   causal_mask(lengths, seq), num_layers, ablation=ablation)
-        if sites == (RESID_POST,):
+        if sites == (RESID_POST,):  # the graph block outputs always had
             (outputs, _), state = apply(), {}
         else:
             (outputs, _), state = apply(mutable=["sites"])
         values, measured = {}, {}
+        model_level = model_site_values(model, params, state, outputs, input_ids, lengths, select, pool, sites,
+                                        logits_top_k)  # {site: [B, S or K or 1, width]}
         for site in sites:
-            for key, group in width_groups(config, site, layers).items():
-                if site == RESID_POST:
+            for key, group in width_groups(config, site, layers, logits_top_k).items():
+                if site in model_level:
+                    per_layer = [model_level[site]]
+                elif site == RESID_POST:
                     per_layer = [outputs[layer] for layer in group]
                 elif site == RESID_PRE:  # the block's input as the block sees it: after a steering there
                     steer = (ablation or {}).get(steer_key(RESID_PRE))  # [computed blocks, H]
@@ -224,7 +231,7 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 else:
                     per_layer = [sown_value(state["sites"][f"layers_{layer}"], site) for layer in group]
                 stacked = jnp.stack(per_layer)  # [len(group), B, S, width]
-                if select is not None:
+                if select is not None and site not in HEAD_OUTPUTS:  # the head's rows are selected already
                     stacked = selected_rows(stacked, *select, pool)  # [len(group), B, K or 1, width]
                 if out_dtype == jnp.dtype(FLOAT8) and not SITES[site].integer:
                     values[key] = quantize_rows(stacked)  # (float8 [len(group), B, rows, width], scale [.., rows])
@@ -232,12 +239,42 @@ def site_forward(config: DecoderConfig, dtype: Any, layers: tuple[int, ...], sit
                 else:
                     stored = values[key] = (stacked if out_dtype is None or SITES[site].integer
                                             else stacked.astype(out_dtype))
-                if statistics is not None and site not in PATTERNS:  # of the fixed-width sites only
+                if statistics is not None and SITES[site].measured:  # fixed widths, no NaN, no token ids
                     valid = stored_rows(lengths, select, pool, stacked.shape[2])  # [B, S or K]
                     measured[key] = row_statistics(stored, valid, row_roles, statistics, SITES[site].integer)
         return values if statistics is None else (values, measured)
 
     return forward
+
+
+def model_site_values(model: Decoder, params: dict, state: dict, outputs: list, input_ids: jax.Array,
+                      lengths: jax.Array, select, pool: str | None, sites: tuple[str, ...],
+                      top_k: int | None) -> dict[str, jax.Array]:
+    """The model-level sites among ``sites`` (``model.sites.MODEL_SITES``) -> {site: [B, S, width]}:
+    the embeddings, the final norm of the last block's output (``outputs[-1]``: every block was
+    computed), and the unembedding's (``model.token_scores``) of the selected rows only (``select``:
+    [B, K, width], or pooled [B, 1, width]), so that a selection never forms every token's logits."""
+    found = {}
+    if EMBED in sites:  # GPT-2's tokens without the positions; else the stream's start
+        found[EMBED] = state["sites"].get(EMBED, state["sites"]["embeddings"])[0]
+    if not any(site in AFTER_BLOCKS for site in sites):
+        return found
+    normed, norm_state = model.apply({"params": params}, outputs[-1], method=Decoder.final_norm, mutable=["sites"])
+    found[FINAL_NORMALIZED], found[FINAL_NORM] = norm_state["sites"]["norm"][FINAL_NORMALIZED][0], normed
+    head = tuple(site for site in HEAD_OUTPUTS if site in sites)
+    if head:
+        following, has_next = next_tokens(input_ids, lengths)  # [B, S] each
+        if select is not None:  # [B, K] rows of each
+            positions = select[0]
+            normed = jnp.take_along_axis(normed, positions[..., None], axis=1)  # [B, K, H]
+            following, has_next = (jnp.take_along_axis(y, positions, axis=1) for y in (following, has_next))
+        logits = model.apply({"params": params}, normed, method=Decoder.unembed)  # [B, S or K, V]
+        for site, value in token_scores(logits, following, has_next, head, top_k).items():
+            if pool is not None:  # the selected rows' mean, as selected_rows pools
+                rows = jnp.broadcast_to(jnp.arange(value.shape[1]), value.shape[:2])
+                value = selected_rows(value[None], rows, select[1], pool)[0]
+            found[site] = value
+    return {site: value for site, value in found.items() if site in sites}
 
 
 def stored_rows(lengths: jax.Array, select: tuple[jax.Array, jax.Array] | None, pool: str | None,
@@ -250,15 +287,17 @@ def stored_rows(lengths: jax.Array, select: tuple[jax.Array, jax.Array] | None, 
     return jnp.arange(rows)[None, :] < kept[:, None]
 
 
-def width_groups(config: DecoderConfig, site: str, layers: Sequence[int]) -> dict[str, tuple[int, ...]]:
+def width_groups(config: DecoderConfig, site: str, layers: Sequence[int],
+                 top_k: int | None = None) -> dict[str, tuple[int, ...]]:
     """The forward's output arrays for ``site`` over ``layers``: {key: the layers stacked in it}.
     One array keyed by the site where every block gives it the same width; else one per width,
-    keyed ``site@width`` (Gemma 4's heads and MLPs: no block's values padded to another's)."""
+    keyed ``site@width`` (Gemma 4's heads and MLPs: no block's values padded to another's). A
+    model-level site is one array at ``MODEL_LAYER``."""
     groups: dict[int, list[int]] = {}
-    for layer in layers:  # a pattern's width is the sample's; each block's is its heads' times it
-        groups.setdefault(site_width(site, config, layer, 1), []).append(layer)
+    for layer in site_layers(site, layers):  # a pattern's width is the sample's; each block's is its heads' times it
+        groups.setdefault(site_width(site, config, layer, 1, top_k), []).append(layer)
     if len(groups) == 1:
-        return {site: tuple(layers)}
+        return {site: tuple(*groups.values())}
     return {f"{site}@{width}": tuple(group) for width, group in groups.items()}
 
 
@@ -274,10 +313,12 @@ def sown_value(block_sites: dict, site: str) -> jax.Array:
 
 
 def check_pool(pool: str | None, sites: Sequence[str]) -> None:
-    """``UserError`` for pooling a site of integers (a mixture of experts' expert ids)."""
-    integer = [site for site in sites if SITES[site].integer]
+    """``UserError`` for pooling a site of integers (expert ids, token ids, ranks), or the loss
+    (NaN at a sample's last token)."""
+    integer = [site for site in sites if SITES[site].integer or site == LOSS]
     if pool is not None and integer:
-        raise UserError(f"--tokens {pool}: {integer[0]} holds expert ids, which have no mean; store it without "
+        what = "NaN at a sample's last token" if integer[0] == LOSS else "integers (ids or ranks)"
+        raise UserError(f"--tokens {pool}: {integer[0]} holds {what}, which have no mean; store it without "
                         "pooling, or leave it out of --sites")
 
 
@@ -362,6 +403,7 @@ class Extractor:
     pool: str | None = None       # with a selection: mean pools each sequence's selected rows
     steer_tokens: str | None = None  # the ablation's steerings add to these tokens only (extract's items say which)
     statistics: StatisticsSpec | None = None  # per-sample statistics measured on the device (model.statistics)
+    logits_top_k: int | None = None  # the top k of the logits stored (model.sites.TOP_K)
     host_memory: str = "auto"     # what activations are copied into: pinned | pageable | auto (host_memory_kind)
     observer: ForwardObserver = dataclasses.field(default_factory=ForwardObserver)
     _executables: dict[tuple[int, int, int | None], Any] = dataclasses.field(default_factory=dict, init=False,
@@ -376,15 +418,16 @@ class Extractor:
              residual_dtype: str = "float32",
              sites: Sequence[str] = DEFAULT_SITES, revision: str | None = None,
              moe_dispatch: str = "auto", pool: str | None = None, whole_model: bool = False,
-             statistics: StatisticsSpec | None = None) -> "Extractor":
+             statistics: StatisticsSpec | None = None, logits_top_k: int | None = None) -> "Extractor":
         """Loads only the blocks the requested sites and layers need (``whole_model``: every block
         and the head, for ``model.generate`` on the same weights), straight onto the mesh.
         ``ablation``: the intervention to extract under (``AblationSource``).
         ``residual_dtype``: float32 | compute (``resolve_residual_dtype``). ``sites``: names
         from ``model.sites`` (each stored at every layer). ``revision``: of a hub id. ``pool``:
         ``mean`` pools each selection (``extract``'s positions) into one row. ``statistics``: what
-        the forward measures of the stored rows (``extract_measured``)."""
-        sites = parse_sites(sites)
+        the forward measures of the stored rows (``extract_measured``). ``logits_top_k``: store the
+        logits' top k too (``model.sites.TOP_K``)."""
+        sites = with_top_k(parse_sites(sites), logits_top_k)
         check_pool(pool, sites)
         check_quantized(activation_dtype, sites)
         resolve_residual_dtype(residual_dtype)  # a bad name fails before the model loads
@@ -396,16 +439,16 @@ class Extractor:
         check_model_fits(config, sites, max_seq_length, layers)
         # Generating (whole_model), an intervention acts on every block; the extraction's forward
         # takes the blocks it computes.
-        computed = blocks_needed(sites, layers)
+        computed = blocks_needed(sites, layers, config.num_hidden_layers)
         arrays, steer_tokens = ablation(config, config.num_hidden_layers if whole_model else computed) if ablation \
             else (None, None)
         arrays = arrays and {name: array[:computed] for name, array in arrays.items()}
         loaded = load_model(model_dir, resolve_dtype(dtype), mesh_type, model_axis_size,
-                            num_layers=None if whole_model else blocks_needed(sites, layers), with_head=whole_model,
-                            devices=devices)
+                            num_layers=None if whole_model else computed,
+                            with_head=whole_model or any(site in AFTER_BLOCKS for site in sites), devices=devices)
         extractor = cls.from_loaded(loaded, layers, batch_size_per_device, max_seq_length, min_bucket,
                                     activation_dtype, attention, batches_in_flight, residual_dtype, sites,
-                                    moe_dispatch, pool, statistics)
+                                    moe_dispatch, pool, statistics, logits_top_k)
         extractor.ablation = arrays
         extractor.steer_tokens = steer_tokens
         return extractor
@@ -416,8 +459,10 @@ class Extractor:
                     activation_dtype: str | None = None, attention: str = "auto",
                     batches_in_flight: int = 2, residual_dtype: str = "float32",
                     sites: Sequence[str] = DEFAULT_SITES, moe_dispatch: str = "auto",
-                    pool: str | None = None, statistics: StatisticsSpec | None = None) -> "Extractor":
-        check_pool(pool, parse_sites(sites))
+                    pool: str | None = None, statistics: StatisticsSpec | None = None,
+                    logits_top_k: int | None = None) -> "Extractor":
+        sites = with_top_k(parse_sites(sites), logits_top_k)
+        check_pool(pool, sites)
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
@@ -431,7 +476,7 @@ class Extractor:
                    residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites),
                    moe_dispatch=moe_dispatch, pool=pool,
                    # A mixture's expert ids are counted per expert of this model.
-                   statistics=measured_statistics(statistics, loaded.config))
+                   statistics=measured_statistics(statistics, loaded.config), logits_top_k=logits_top_k)
 
     @property
     def keys(self) -> list[ArrayKey]:
@@ -458,7 +503,7 @@ class Extractor:
     def _forward(self):
         return make_sites_forward(self.config, self.dtype, self.layers, self.sites, self.mesh,
                                   self.activation_dtype, self.attention, self.residual_dtype, self.moe_dispatch,
-                                  self.pool, self.statistics)
+                                  self.pool, self.statistics, self.logits_top_k)
 
     def _extra_args(self, select: Any, row_roles: Any) -> tuple:
         """The forward's arguments after the ablation: a selection (None for none) where there is
@@ -580,7 +625,7 @@ class Extractor:
     def _output_groups(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The forward's output keys -> (their site, the layers stacked in them): ``width_groups``."""
         return {key: (site, group) for site in self.sites
-                for key, group in width_groups(self.config, site, self.layers).items()}
+                for key, group in width_groups(self.config, site, self.layers, self.logits_top_k).items()}
 
     def collect(self, batch: InFlight) -> list[tuple[dict[ArrayKey, np.ndarray], dict | None, dict | None] | None]:
         """Waits for a dispatched batch and copies this process's rows back to the host: per

@@ -14,10 +14,13 @@ Face's modules: ``model.params.hf_site``; the table with examples: docs/sites.md
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Iterable, Sequence
 
 from common.cli import UserError
+
+log = logging.getLogger(__name__)
 
 RESID_PRE, RESID_MID, RESID_POST = "hook_resid_pre", "hook_resid_mid", "hook_resid_post"
 ATTN_OUT, MLP_OUT = "hook_attn_out", "hook_mlp_out"
@@ -36,6 +39,14 @@ ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"
 ATTN_SCORES, ATTN_PATTERN = "attn.hook_attn_scores", "attn.hook_pattern"
 ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
 MLP_PRE, MLP_PRE_LINEAR, MLP_MODULE_OUT = "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_out"
+# Sites of the whole model, stored once per token (not per block): keyed by their name alone.
+EMBED, FINAL_NORMALIZED, FINAL_NORM = "hook_embed", "ln_final.hook_normalized", "ln_final.hook_out"
+LOGITS, TOP_K_IDS, TOP_K_LOGPROBS = "hook_logits", "logits.hook_top_k_ids", "logits.hook_top_k_logprobs"
+LOSS, ENTROPY, RANK = "hook_loss", "hook_entropy", "hook_rank"
+TOP_K = (TOP_K_IDS, TOP_K_LOGPROBS)  # stored with --logits_top_k K
+HEAD_OUTPUTS = (LOGITS, *TOP_K, LOSS, ENTROPY, RANK)  # what the unembedding gives
+AFTER_BLOCKS = (FINAL_NORMALIZED, FINAL_NORM, *HEAD_OUTPUTS)  # need every block and the final norm
+MODEL_LAYER = -1  # the layer a model-level site has in the index (and key_parts)
 QK_NORM = (Q_NORM_OUT, K_NORM_OUT)
 PATTERNS = (ATTN_SCORES, ATTN_PATTERN)  # a row per query token over the sample's keys: its width varies
 # Sites of attention heads: none in a Gated DeltaNet block; the keys' and values' none in a block
@@ -53,13 +64,19 @@ class Site:
     name: str
     width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | kv_heads
                       # (num_key_value_heads x head_dim) | scores (num_attention_heads x the sample's
-                      # tokens) | intermediate | experts (num_experts) | top_k (experts per token) | one
+                      # tokens) | intermediate | experts (num_experts) | top_k (experts per token) | one |
+                      # vocab (vocab_size) | logits_top_k (--logits_top_k)
     meaning: str
     integer: bool = False  # stored as int32 whatever the activation dtype (expert ids)
+    scope: str = "block"   # block: stored at each layer asked for | model: once per token, keyed by its name
+    measured: bool = True  # the forward measures its statistics (not: rows of varying width, NaN, token ids)
 
 
-# In block order (the order of a shard's keys within one layer).
+# In block order (the order of a shard's keys within one layer), the model's own at the ends.
 SITES: dict[str, Site] = {s.name: s for s in (
+    Site(EMBED, "hidden", "the token embeddings, as the embedding module returns them (scaled by sqrt(hidden) "
+                          "in Gemma; GPT-2's learned positions not added): hook_resid_pre of block 0 but for "
+                          "those positions", scope="model"),
     Site(RESID_PRE, "hidden", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
                               "plus the learned positions in GPT-2)"),
     Site(LN1_NORMALIZED, "hidden", "attention's input after its norm, before the norm's gain (and bias): x / rms(x), "
@@ -75,15 +92,17 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(Q_NORM_OUT, "heads", "the queries after the QK-norm, its gain applied, before rotary (per head, or over "
                               "the whole projection in OLMo 2)"),
     Site(K_NORM_OUT, "kv_heads", "the keys after the QK-norm, its gain applied, before rotary"),
-    Site(ROT_Q, "heads", "the queries the scores are taken from: after the QK-norm and rotary, before the 1/sqrt(d) scale"),
+    Site(ROT_Q, "heads", "the queries the scores are taken from: after the QK-norm and rotary, before the "
+                         "1/sqrt(d) scale"),
     Site(ROT_K, "kv_heads", "the keys the scores are taken from: after the QK-norm and rotary"),
     Site(ATTN_SCORES, "scores", "each query token's scores over the sample's keys, [heads, keys] flattened: "
                                 "q.k scaled, soft-capped where the family caps (Gemma 2), masked keys -inf "
                                 "(the future, and keys past a sliding window), before the softmax; recomputed "
-                                "from attn.hook_rot_q and attn.hook_rot_k"),
+                                "from attn.hook_rot_q and attn.hook_rot_k", measured=False),
     Site(ATTN_PATTERN, "scores", "each query token's attention probabilities over the sample's keys, [heads, "
                                  "keys] flattened: the softmax of attn.hook_attn_scores (with gpt-oss's sink "
-                                 "logit joined, its share dropped, so a row sums to 1 less the sink's)"),
+                                 "logit joined, its share dropped, so a row sums to 1 less the sink's)",
+         measured=False),
     Site(ATTN_GATE, "heads", "gated attention's output gate before its sigmoid: q_proj's gate half per head "
                              "(Qwen3.5, Qwen3-Next: each head's output is multiplied by sigmoid of it)"),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
@@ -120,7 +139,24 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
                             "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
+    Site(FINAL_NORMALIZED, "hidden", "the last block's output after the final norm, before its gain: x / rms(x), "
+                                     "or (x - mean) / std, in float32", scope="model"),
+    Site(FINAL_NORM, "hidden", "the final norm's output: what the unembedding reads (the logit lens's input)",
+         scope="model"),
+    Site(LOGITS, "vocab", "the next-token logits, float32 (soft-capped where the family caps: Gemma 2); "
+                          "stored with a token selection", scope="model"),
+    Site(TOP_K_IDS, "logits_top_k", "the --logits_top_k most probable next tokens, most probable first (int32)",
+         integer=True, scope="model", measured=False),
+    Site(TOP_K_LOGPROBS, "logits_top_k", "their log-probabilities (log_softmax of the logits, float32)",
+         scope="model"),
+    Site(LOSS, "one", "the loss at each token: -log p(the next token), float32; NaN at a sample's last token, "
+                      "which has no next", scope="model", measured=False),
+    Site(ENTROPY, "one", "the entropy of the next-token distribution, in nats", scope="model"),
+    Site(RANK, "one", "the next token's rank among the logits: how many tokens score higher (0: the argmax; "
+                      "int32); -1 at a sample's last token", integer=True, scope="model", measured=False),
 )}
+MODEL_SITES = tuple(name for name, site in SITES.items() if site.scope == "model")
+UNMEASURED = tuple(name for name, site in SITES.items() if not site.measured)
 DEFAULT_SITES = (RESID_POST,)
 HOOK_TEMPLATE = "blocks.{layer}.{site}"  # TransformerLens's hook names, SAELens's hook_name
 ArrayKey = int | str  # L for block L's output, else the full hook name
@@ -137,6 +173,7 @@ INTERP_ENGINE_POINTS = {
     "resid_mid": RESID_MID, "mlp_in": MLP_IN, "mlp_pre": MLP_PRE, "mlp_pre_linear": MLP_PRE_LINEAR,
     "mlp_act": MLP_POST, "router_logits": ROUTER_LOGITS, "expert_weights": ROUTING_WEIGHTS,
     "expert_indices": EXPERT_INDICES, "mlp_out": MLP_MODULE_OUT, "mlp_out_post": MLP_OUT, "resid_post": RESID_POST,
+    "embeddings": EMBED, "final_norm": FINAL_NORM, "lm_head": LOGITS,
 }
 
 
@@ -144,6 +181,9 @@ def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
     """``--sites`` (comma- or space-separated site names, ours or interp-engine's point names) ->
     the sites in block order; ``UserError`` names one that does not exist."""
     names = text.replace(",", " ").split() if isinstance(text, str) else list(text)
+    if mapped := interp_engine_names(names):  # said once, where the flag is read (a runner's start)
+        log.info("--sites: %s", ", ".join(f"{name} (interp-engine) is stored as {site}"
+                                          for name, site in mapped.items()))
     names = [INTERP_ENGINE_POINTS.get(n, n) for n in names]
     unknown = [n for n in names if n not in SITES]
     if unknown:
@@ -158,6 +198,19 @@ def interp_engine_names(text: str | Iterable[str]) -> dict[str, str]:
     """The interp-engine point names among ``--sites`` -> the sites they are stored as."""
     names = text.replace(",", " ").split() if isinstance(text, str) else list(text)
     return {n: INTERP_ENGINE_POINTS[n] for n in names if n in INTERP_ENGINE_POINTS}
+
+
+def with_top_k(sites: tuple[str, ...], logits_top_k: int | None) -> tuple[str, ...]:
+    """``sites`` with the logits' top k (``model.sites.TOP_K``) where ``logits_top_k`` asks for them;
+    ``UserError`` for either asked for by name without it, or for k below 1."""
+    if logits_top_k is None:
+        named = [site for site in sites if site in TOP_K]
+        if named:
+            raise UserError(f"--sites {named[0]}: its width is the top k's: pass --logits_top_k K")
+        return sites
+    if logits_top_k < 1:
+        raise UserError(f"--logits_top_k must be at least 1, got {logits_top_k}")
+    return parse_sites((*sites, *TOP_K))
 
 
 def missing_reason(site: str, config, layer: int | None = None) -> str | None:
@@ -241,20 +294,24 @@ def _spans(layers: Sequence[int]) -> str:
 
 
 def hook_name(site: str, layer: int) -> str:
-    """The TransformerLens hook name of ``site`` at block ``layer``: ``blocks.L.<site>``."""
-    return HOOK_TEMPLATE.format(layer=layer, site=site)
+    """The TransformerLens hook name of ``site`` at block ``layer``: ``blocks.L.<site>``; a
+    model-level site's (``MODEL_SITES``) is its name."""
+    return site if SITES[site].scope == "model" else HOOK_TEMPLATE.format(layer=layer, site=site)
 
 
 def array_key(site: str, layer: int) -> ArrayKey:
-    """How a stored array is keyed: ``layer`` for block outputs, else the full hook name."""
+    """How a stored array is keyed: ``layer`` for block outputs, else the full hook name (a
+    model-level site's name, whatever ``layer``)."""
     return layer if site == RESID_POST else hook_name(site, layer)
 
 
 def key_parts(key: ArrayKey) -> tuple[str, int]:
     """(site, layer) of an array key, a full hook name included (``blocks.6.hook_resid_post`` is
-    key 6); ``UserError`` for anything else."""
+    key 6; a model-level site's name is at ``MODEL_LAYER``); ``UserError`` for anything else."""
     if isinstance(key, (int,)) and not isinstance(key, bool):
         return RESID_POST, int(key)
+    if key in MODEL_SITES:
+        return str(key), MODEL_LAYER
     match = _HOOK.fullmatch(str(key))
     if match is None or match.group(2) not in SITES:
         raise UserError(f"{key!r} names no stored array: a layer number, or blocks.L.<site> with a site "
@@ -267,24 +324,43 @@ def normalized_key(key: ArrayKey) -> ArrayKey:
     return array_key(*key_parts(key))
 
 
+def site_layers(site: str, layers: Sequence[int]) -> tuple[int, ...]:
+    """The layers ``site`` is stored at: each of ``layers``, or a model-level site once."""
+    return (MODEL_LAYER,) if SITES[site].scope == "model" else tuple(layers)
+
+
 def array_keys(sites: Sequence[str], layers: Sequence[int]) -> list[ArrayKey]:
-    """The keys of ``sites`` x ``layers`` in storage order: by layer, then by site in block order."""
-    return [array_key(site, layer) for layer in layers for site in SITES if site in sites]
+    """The keys of ``sites`` x ``layers`` in storage order: by layer, then by site in block order;
+    the model-level sites last."""
+    by_layer = [array_key(site, layer) for layer in layers for site in SITES
+                if site in sites and site not in MODEL_SITES]
+    return by_layer + [site for site in MODEL_SITES if site in sites]
 
 
-def blocks_needed(sites: Sequence[str], layers: Sequence[int]) -> int:
+def blocks_needed(sites: Sequence[str], layers: Sequence[int], depth: int | None = None) -> int:
     """Decoder blocks to compute: through the last layer asked for, except that block L's input
     (``hook_resid_pre``) needs only the blocks before it (at least one block: a model without
-    blocks has no parameters to load)."""
-    return max(1, *(layer + (site != RESID_PRE) for layer in layers for site in sites))
+    blocks has no parameters to load); every block (``depth``) for the final norm and the logits."""
+    if any(site in AFTER_BLOCKS for site in sites):
+        if depth is None:
+            raise ValueError("the final norm's and the logits' sites need the model's depth")
+        return depth
+    return max(1, *(layer + (site != RESID_PRE) for layer in layers for site in sites if site not in MODEL_SITES))
 
 
-def site_width(site: str, config, layer: int | None = None, length: int | None = None) -> int:
+def site_width(site: str, config, layer: int | None = None, length: int | None = None,
+               top_k: int | None = None) -> int:
     """The last dimension of ``site``'s arrays for a ``DecoderConfig`` (at block ``layer``, where
     blocks differ: Gemma 4's full blocks' heads, its kv-sharing blocks' wider MLPs); a pattern's
     for a sample of ``length`` tokens (its keys)."""
     kind = SITES[site].width
-    config = config if layer is None else config.layer_config(layer)
+    config = config if layer is None or layer == MODEL_LAYER else config.layer_config(layer)
+    if kind == "vocab":
+        return config.vocab_size
+    if kind == "logits_top_k":
+        if top_k is None:
+            raise ValueError(f"{site}'s width is --logits_top_k's")
+        return top_k
     if kind == "scores":
         if length is None:
             raise ValueError(f"{site}'s width grows with the sample: give its length")
@@ -298,26 +374,48 @@ def site_width(site: str, config, layer: int | None = None, length: int | None =
 
 
 def bytes_per_token(sites: Sequence[str], layers: Sequence[int], config, itemsize: int,
-                    row_bytes: int = 0, length: int | None = None) -> dict[str, int]:
-    """What each site stores per token over ``layers`` (bytes), in block order; ``row_bytes``: what
-    each row of a layer adds besides its values (float8's scale: ``model.quantize.SCALE_BYTES``);
-    a pattern's in a sample of ``length`` tokens."""
-    return {site: sum(site_width(site, config, layer, length) for layer in layers)
-            * (4 if SITES[site].integer else itemsize)
-            + (0 if SITES[site].integer else row_bytes * len(layers)) for site in SITES if site in sites}
+                    row_bytes: int = 0, length: int | None = None, top_k: int | None = None) -> dict[str, int]:
+    """What each site stores per token over ``layers`` (bytes; a model-level site once), in block
+    order; ``row_bytes``: what each row of a layer adds besides its values (float8's scale:
+    ``model.quantize.SCALE_BYTES``); a pattern's in a sample of ``length`` tokens; the top-k
+    logits' at ``--logits_top_k`` ``top_k``."""
+    integer = lambda site: SITES[site].integer
+    return {site: sum(site_width(site, config, layer, length, top_k) * (4 if integer(site) else itemsize)
+                      + (0 if integer(site) else row_bytes) for layer in site_layers(site, layers))
+            for site in SITES if site in sites}
 
 
 def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int, row_bytes: int = 0,
-              length: int | None = None) -> str:
+              length: int | None = None, top_k: int | None = None) -> str:
     """One line saying what a run stores per token, site by site (printed before a run); a
     pattern's row grows with the sample: its figure is a sample of ``length`` tokens'."""
-    per_site = bytes_per_token(sites, layers, config, itemsize, row_bytes, length)
+    per_site = bytes_per_token(sites, layers, config, itemsize, row_bytes, length, top_k)
     resid = config.hidden_size * len(layers) * itemsize
     grows = lambda site: f" at {length} tokens: a sample's [S, heads, S]" if SITES[site].width == "scores" else ""
     parts = ", ".join(f"{site} {n / 1024:.1f} KiB ({n / resid:.2g}x resid{grows(site)})"
                       for site, n in per_site.items())
     return (f"storing {len(per_site)} site(s) at {len(layers)} layer(s): {sum(per_site.values()) / 1024:.1f} KiB "
             f"per token ({parts})")
+
+
+MAX_ROW_KIB = 64.0  # --max_row_kib: a pattern per token at 2048 tokens and 8 heads, in float32, is this wide
+
+
+def check_row_size(sites: Sequence[str], layers: Sequence[int], config, itemsize: int, length: int,
+                   limit_kib: float, selected: bool) -> None:
+    """``UserError`` in one line for patterns or scores (``PATTERNS``) or the logits that would
+    store more than ``limit_kib`` per token over ``layers`` at ``length`` tokens, unless a token
+    selection keeps few rows (``selected``)."""
+    wide = [site for site in sites if site in (*PATTERNS, LOGITS)]
+    if selected or not wide:
+        return
+    kib = sum(bytes_per_token(wide, layers, config, itemsize, length=length).values()) / 1024
+    if kib > limit_kib:
+        what = ("a row is [heads, keys] for every token" if LOGITS not in wide
+                else "the logits are a vocabulary-wide row per token: --logits_top_k K stores their top k")
+        raise UserError(f"--sites {','.join(wide)}: {kib:.0f} KiB per token at {length} tokens over {len(layers)} "
+                        f"layer(s), past --max_row_kib {limit_kib:g} ({what}); store a selection (--tokens last), "
+                        f"fewer layers, or raise --max_row_kib")
 
 
 def describe_key(key: ArrayKey) -> str:

@@ -32,7 +32,7 @@ from activations.layer_names import SAELENS_HOOK_TEMPLATE
 from activations.saelens_export import SaeLensFormat, SaeLensLayout, column_names, export_info
 from activations.selection import parse_selection, selection_flag
 from activations.token_loader import NORMALIZATIONS, TokenLoader
-from activations.token_plan import blocks
+from activations.token_plan import blocks, check_fixed_width
 from common.beam_pipeline import is_dry_run, is_local, make_pipeline, pipeline_options, worker_user_errors
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from common.files import delete_tree, join
@@ -122,6 +122,8 @@ class ExportConfig:
         if ids:
             raise UserError(f"--sites {ids[0]}: it holds expert ids (int32), not activations an SAE trains on "
                             "(read them with activations.token_loader or duckdb)")
+        for site in self.sites:  # a pattern's rows: no column of one width holds them
+            check_fixed_width(f"--sites {site}", site)
         if self.context_size < 1:
             raise UserError(f"--context_size must be at least 1, got {self.context_size}")
         if self.format == "saelens" and self.tokens is not None and parse_selection(self.tokens).pooled:

@@ -4,7 +4,9 @@
 
 The statistics table is written only where it is of every stored row (``activations.index.
 statistics_coverage``): a store some of whose machines ran with ``--statistics off`` gets its
-index all the same, a warning naming the machines of each setting, and no statistics file.
+index all the same, a warning naming the machines of each setting, and no statistics file. It is of
+the fixed-width sites: a pattern site (``model.sites.PATTERNS``) is never measured, and a store
+holding one gets the file for its other sites.
 """
 
 from __future__ import annotations

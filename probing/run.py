@@ -15,6 +15,7 @@ import pandas as pd
 
 from activations.index import store_model
 from activations.selection import selection_flag
+from activations.token_plan import check_fixed_width
 from common.cli import UserError, flag, int_list
 from common.extras import require
 from common.files import write_bytes
@@ -69,6 +70,8 @@ class ProbeConfig:
         ids = [site for site in self.sites if SITES[site].integer]
         if ids:
             raise UserError(f"--sites {ids[0]}: it holds expert ids, not activations to probe")
+        for site in self.sites:  # a pattern's rows: no probe of one width fits them
+            check_fixed_width(f"--sites {site}", site)
         if "://" in self.output_dir:
             raise UserError(f"--output_dir {self.output_dir!r}: a local folder (copy it to a bucket after)")
         if self.seed < 0:

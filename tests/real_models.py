@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import (agreeing_prefix, load_reference, max_relative_error, our_config,
                                    reference_activations, reference_sites, relative_error, site_places)
 from model.extract import Extractor
 from model.generate import Generator
 from model.loading import LoadedModel, load_model
 from model.report import first_token_ratio
-from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SITES, array_key, missing_reason
+from model.sites import ATTN_OUT, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, array_key
 from transforms.prepare import tokenized_source
 from transforms.tokenizers import load_tokenizer
 
@@ -63,7 +64,7 @@ def our_activations(model: str | LoadedModel, prompts, dtype: str = "float32", l
 def sites_of(config, site_layers) -> list[str]:
     """Every site (``model.sites``) the model (``DecoderConfig``) has at each of ``site_layers``:
     a dense model has no routing sites."""
-    return [site for site in SITES if all(missing_reason(site, config, layer) is None for layer in site_layers)]
+    return block_sites(config, site_layers)
 
 
 def worst(measure, ours, exact, layer) -> float:

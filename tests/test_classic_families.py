@@ -10,9 +10,10 @@ import json
 
 import pytest
 
+from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import relative_error
 from model.families import load_config
-from model.sites import LN2_NORMALIZED, RESID_MID, SITES, array_key, missing_reason
+from model.sites import LN2_NORMALIZED, RESID_MID, array_key
 from tests.conftest import run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_host_errors import one_line_error
@@ -43,7 +44,7 @@ def checkpoints(family_checkpoints, tmp_path_factory) -> dict[str, str]:
 
 def sites_of(model_dir: str) -> list[str]:
     config = load_config(model_dir)
-    return [site for site in SITES if missing_reason(site, config) is None]
+    return block_sites(config)
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from common.cli import UserError
+from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, random_sequences,
                                    reference_activations, reference_sites, relative_error)
 from model.families import config_from_dict, load_config
 from model.extract import Extractor
-from model.sites import (EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, SITES, hook_name, key_parts,
-                         missing_reason)
+from model.sites import (EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, hook_name, key_parts)
 from tests.conftest import decoder_logits, run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_multihost import stored
@@ -83,7 +83,7 @@ def test_every_site_through_the_runner_equals_transformers(checkpoints, tmp_path
     checkpoint = checkpoints[family]
     config = load_config(checkpoint)
     layers = [int(n) for n in flags[flags.index("--layers_to_extract") + 1].split(",")]
-    sites = [site for site in SITES if all(missing_reason(site, config, layer) is None for layer in layers)]
+    sites = block_sites(config, layers)
     records = write_stream(tmp_path / "stream.jsonl", checkpoint)
     how = flags[-1] if flags[-1].startswith("two") else None
     args = runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint, "--sites", ",".join(sites),

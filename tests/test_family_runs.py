@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from fixtures.hf_reference import load_reference, random_sequences, reference_sites, relative_error, site_places
+from fixtures.hf_reference import (INSIDE_SITES, load_reference, random_sequences, reference_sites, relative_error,
+                                   site_places)
 from model.families import load_config
 from model.extract import Extractor
 from model.sites import MLP_IN, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
@@ -22,7 +23,7 @@ from tests.test_multihost import start_slice, stored
 
 pytestmark = pytest.mark.slow
 MAX_SEQ = 64
-DENSE_SITES = tuple(site for site in SITES if site not in ROUTING + SHARED_EXPERT)  # every site of a dense block
+DENSE_SITES = tuple(site for site in SITES if site not in ROUTING + SHARED_EXPERT + INSIDE_SITES)  # of a dense block
 EVERY_SITE = ["--sites", ",".join(DENSE_SITES)]
 
 

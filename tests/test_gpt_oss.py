@@ -11,11 +11,12 @@ import jax
 import numpy as np
 import pytest
 
+from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import (bfloat16_error_ratios, assert_blocks_equal_transformers, load_reference,
                                    random_sequences, reference_activations, relative_error, tokens_routed_alike)
 from model.families import load_config
 from model.extract import Extractor
-from model.sites import EXPERT_INDICES, RESID_POST, SITES, missing_reason
+from model.sites import EXPERT_INDICES, RESID_POST
 from tests.conftest import run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_host_errors import one_line_error
@@ -60,7 +61,7 @@ def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path)
     choice and weights), at every block; on a 2d mesh its 5 experts over 8 devices (all-data
     meshes of mixtures: tests/test_moe.py)."""
     config = load_config(checkpoint)
-    sites = [site for site in SITES if missing_reason(site, config) is None]
+    sites = block_sites(config)
     assert len(sites) == 11
     records = write_stream(tmp_path / "stream.jsonl", checkpoint)
     result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint,

@@ -16,13 +16,14 @@ import pytest
 from activations.index import stats_path
 from activations.site_stats import table_moments
 from common.cli import UserError
+from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import (intervention_hooks, load_reference, reference_activations, reference_sites,
                                    relative_error, remove_hooks)
 from model.families import config_from_dict, load_config
 from model.extract import Extractor
 from interventions.resolve import ablation_source, parse_one
 from interventions.spec import parse_interventions
-from model.sites import EXPERT_INDICES, ROUTER_LOGITS, SITES, array_key, missing_reason
+from model.sites import EXPERT_INDICES, ROUTER_LOGITS, array_key, missing_reason
 from tests.conftest import run_cli, run_in_process
 from tests.test_family_runs import runner, write_stream
 from tests.test_host_errors import one_line_error
@@ -44,7 +45,7 @@ LAYERS = {"qwen2_moe": [0, 2]}
 
 def sites_of(model_dir: str, layers) -> list[str]:
     config = load_config(model_dir)
-    return [site for site in SITES if all(missing_reason(site, config, layer) is None for layer in layers)]
+    return block_sites(config, layers)
 
 
 @pytest.fixture(scope="module")

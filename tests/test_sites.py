@@ -8,14 +8,15 @@ import pytest
 from activations.site_stats import Moments, merged_moments, stats_table, table_moments
 from common.cli import UserError
 from model.families import load_config
-from model.sites import (ATTN_Z, MLP_OUT, MLP_POST, RESID_POST, RESID_PRE, array_keys, blocks_needed,
-                         cost_line, key_parts, normalized_key, parse_sites)
+from model.sites import (ATTN_PATTERN, ATTN_Z, MLP_OUT, MLP_POST, RESID_POST, RESID_PRE, array_keys, blocks_needed,
+                         check_row_size, check_sites, cost_line, interp_engine_names, key_parts, normalized_key,
+                         parse_sites)
 
 
 def test_sites_parse_into_block_order_and_a_wrong_name_is_one_line():
     assert parse_sites("hook_resid_post,attn.hook_z hook_resid_pre") == (RESID_PRE, ATTN_Z, RESID_POST)
-    with pytest.raises(UserError, match="unknown site 'mlp_out' .*hook_mlp_out"):
-        parse_sites("hook_resid_post,mlp_out")
+    with pytest.raises(UserError, match="unknown site 'mlp_output' .*hook_mlp_out.*interp-engine's point names"):
+        parse_sites("hook_resid_post,mlp_output")
 
 
 def test_block_outputs_keep_their_layer_key_and_other_sites_their_hook_name():
@@ -81,3 +82,44 @@ def test_output_stored_before_sites_existed_resumes_with_block_outputs_only():
     assert changed_settings(old, {"layers_to_extract": [0, 1], "sites": [RESID_POST]}) == []
     assert changed_settings(old, {"sites": [RESID_POST, MLP_OUT]}) == \
         ["--sites ['hook_resid_post'] -> ['hook_resid_post', 'hook_mlp_out']"]
+
+
+def family_config(family: str, **overrides):
+    """Our ``DecoderConfig`` of a family's tiny transformers config (no weights written)."""
+    from fixtures.tiny_models import tiny_config
+    from model.families import config_from_dict
+    return config_from_dict(tiny_config(family, **overrides).to_dict())
+
+
+def test_interp_engine_point_names_store_as_transformer_lens_sites():
+    assert parse_sites("attn_probs,resid_post mlp_pre q_norm_out") == (
+        "attn.q_norm.hook_out", "attn.hook_pattern", "mlp.hook_pre", RESID_POST)
+    assert interp_engine_names("attn_probs,hook_mlp_out,mlp_act") == {"attn_probs": "attn.hook_pattern",
+                                                                     "mlp_act": MLP_POST}
+
+
+def test_a_site_a_family_lacks_is_one_line_naming_the_families_that_have_it():
+    with pytest.raises(UserError, match=r"--sites attn.q_norm.hook_out: qwen2 has no QK-norm \(the families with "
+                                        r"one: Qwen3, .*OLMo 2"):
+        check_sites(parse_sites("q_norm_out"), family_config("qwen2"))
+    with pytest.raises(UserError, match=r"llama's attention has no output gate \(gated attention: Qwen3.5"):
+        check_sites(parse_sites("attn_gate"), family_config("llama"))
+    with pytest.raises(UserError, match="no rotary"):
+        check_sites(parse_sites("attn.hook_rot_q"), family_config("gpt2"))
+    with pytest.raises(UserError, match="block 0 mixes with Gated DeltaNet: no attention heads; its attention "
+                                        "blocks are 2"):
+        check_sites(parse_sites("attn_probs"), family_config("qwen3_5"), [0, 2])
+    with pytest.raises(UserError, match="is not gated: it has one input projection"):
+        check_sites(parse_sites("mlp_pre_linear"), family_config("gpt2"))
+    check_sites(parse_sites("attn_gate,attn_probs,q_norm_in,k_norm_out"), family_config("qwen3_5"), [2])
+
+
+def test_a_pattern_costs_its_heads_times_the_sequence_and_past_the_limit_is_refused_without_a_selection():
+    config = family_config("qwen2")  # 4 heads, hidden 64
+    line = cost_line((ATTN_PATTERN, RESID_POST), (0, 1), config, 4, length=512)
+    assert "attn.hook_pattern 16.0 KiB (32x resid at 512 tokens: a sample's [S, heads, S])" in line
+    with pytest.raises(UserError, match=r"--sites attn.hook_pattern: 16 KiB per token at 512 tokens over 2 layer\(s\), "
+                                        r"past --max_row_kib 8 .* \(--tokens last\)"):
+        check_row_size((ATTN_PATTERN,), (0, 1), config, 4, 512, 8, selected=False)
+    check_row_size((ATTN_PATTERN,), (0, 1), config, 4, 512, 8, selected=True)
+    check_row_size((ATTN_PATTERN,), (0, 1), config, 4, 512, 16, selected=False)

@@ -59,6 +59,7 @@ class ExtractConfig(ModelRunSettings, SiteSettings, GenerationSettings):
     ablation: str | None = None            # an intervention to extract under (interventions.spec)
     ablation_means: str | None = None      # its means file, for mode=mean
     tokens: str | None = None              # store only these tokens (activations.selection); None: all
+    logits_top_k: int | None = None        # store the logits' top k too (model.sites.TOP_K)
     statistics: StatisticsSpec | None = None  # measured per sample on the devices (model.statistics); None: none
 
 
@@ -143,7 +144,8 @@ class OrderedExtraction:
                                         residual_dtype=c.residual_dtype, sites=c.sites,
                                         revision=c.model_revision,
                                         pool=self.selection.pool if self.selection else None,
-                                        whole_model=bool(c.generate), statistics=c.statistics)
+                                        whole_model=bool(c.generate), statistics=c.statistics,
+                                        logits_top_k=c.logits_top_k)
         if c.generate:
             self.continuing = continuing_for(self.extractor, c)
 
