@@ -13,7 +13,8 @@ tokens its one row averages) and, pooled, ``"pooled": "mean"``.
 
 A key is a layer number ``L`` for block L's output (the residual stream, ``width`` = hidden size),
 or, for another activation site, its full TransformerLens hook name, e.g. ``"blocks.12.hook_mlp_out"``
-or ``"blocks.12.attn.hook_z"`` (``model.sites``). Every key's list holds the same samples in the
+or ``"blocks.12.attn.hook_z"`` (``model.sites``), or a model-level site's name alone, e.g.
+``"hook_loss"`` or ``"ln_final.hook_out"``. Every key's list holds the same samples in the
 same order (a sample's ``position``), with no padding rows.
 
 Random access by construction: the document is pickled with protocol 3, which has no framing, so

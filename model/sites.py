@@ -410,12 +410,15 @@ def check_row_size(sites: Sequence[str], layers: Sequence[int], config, itemsize
     if selected or not wide:
         return
     kib = sum(bytes_per_token(wide, layers, config, itemsize, length=length).values()) / 1024
-    if kib > limit_kib:
-        what = ("a row is [heads, keys] for every token" if LOGITS not in wide
-                else "the logits are a vocabulary-wide row per token: --logits_top_k K stores their top k")
-        raise UserError(f"--sites {','.join(wide)}: {kib:.0f} KiB per token at {length} tokens over {len(layers)} "
-                        f"layer(s), past --max_row_kib {limit_kib:g} ({what}); store a selection (--tokens last), "
-                        f"fewer layers, or raise --max_row_kib")
+    if kib <= limit_kib:
+        return
+    if LOGITS in wide:
+        raise UserError(f"--sites {','.join(wide)}: {kib:.0f} KiB per token, past --max_row_kib {limit_kib:g} (the "
+                        f"logits are a vocabulary-wide row per token); store a selection (--tokens last), their top "
+                        f"k (--logits_top_k K), or raise --max_row_kib")
+    raise UserError(f"--sites {','.join(wide)}: {kib:.0f} KiB per token at {length} tokens over {len(layers)} "
+                    f"layer(s), past --max_row_kib {limit_kib:g} (a row is [heads, keys] for every token); store a "
+                    f"selection (--tokens last), fewer layers, or raise --max_row_kib")
 
 
 def describe_key(key: ArrayKey) -> str:

@@ -27,19 +27,23 @@ def token_scores(logits: jax.Array, following: jax.Array, has_next: jax.Array, s
     """The ``sites`` (of ``HEAD_OUTPUTS``) of ``logits`` [B, R, V] at rows whose next tokens are
     ``following`` [B, R] (where ``has_next`` [B, R]) -> {site: [B, R, width]}."""
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, R, V]
+    # One pass of exp over the vocabulary serves every site (the log-softmax is never formed):
+    # log p = logits - lse, and the entropy is lse - E_p[logits].
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, R, 1]
+    weights = jnp.exp(logits - peak)  # [B, R, V]
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    lse = peak + jnp.log(total)  # [B, R, 1]
     out = {}
     if LOGITS in sites:
         out[LOGITS] = logits
     if TOP_K_IDS in sites or TOP_K_LOGPROBS in sites:
-        best, ids = jax.lax.top_k(logprobs, top_k)  # [B, R, K] each, most probable first
-        out[TOP_K_IDS], out[TOP_K_LOGPROBS] = ids.astype(jnp.int32), best
+        best, ids = jax.lax.top_k(logits, top_k)  # [B, R, K] each, most probable first
+        out[TOP_K_IDS], out[TOP_K_LOGPROBS] = ids.astype(jnp.int32), best - lse
     target = jnp.take_along_axis(logits, following[..., None], axis=-1)  # [B, R, 1]
     if LOSS in sites:
-        loss = -jnp.take_along_axis(logprobs, following[..., None], axis=-1)
-        out[LOSS] = jnp.where(has_next[..., None], loss, jnp.nan)
+        out[LOSS] = jnp.where(has_next[..., None], lse - target, jnp.nan)
     if ENTROPY in sites:
-        out[ENTROPY] = -jnp.sum(jnp.exp(logprobs) * logprobs, axis=-1, keepdims=True)
+        out[ENTROPY] = lse - jnp.sum(weights * logits, axis=-1, keepdims=True) / total
     if RANK in sites:
         rank = jnp.sum(logits > target, axis=-1, keepdims=True, dtype=jnp.int32)
         out[RANK] = jnp.where(has_next[..., None], rank, -1)

@@ -14,7 +14,7 @@ from fixtures.tiny_models import write_checkpoint
 from model.extract import Extractor
 from model.families import load_config
 from model.params import layout_of
-from model.sites import (ATTN_SCORES, EMBED, ENTROPY, FINAL_NORM, FINAL_NORMALIZED, INTERP_ENGINE_POINTS, LOGITS, LOSS,
+from model.sites import (ATTN_PATTERN, ATTN_SCORES, EMBED, ENTROPY, FINAL_NORM, FINAL_NORMALIZED, INTERP_ENGINE_POINTS, LOGITS, LOSS,
                          MODEL_SITES, RANK, SITES, TOP_K_IDS, TOP_K_LOGPROBS, array_key, missing_reason)
 
 pytestmark = pytest.mark.slow
@@ -58,8 +58,13 @@ def test_every_site_equals_transformers_and_interp_engine(tmp_path, family, laye
         for name, site in points.items():
             for layer in layers:
                 assert close(ours[i][array_key(site, layer)], engine[i][name, layer]) <= 1e-5, (name, layer)
-    if ATTN_SCORES in sites:  # the sliding window and the sinks as the model applies them
-        assert np.isinf(ours[1][array_key(ATTN_SCORES, layers[0])]).any()
+    windowed = [layer for layer in layers if config.window(layer) is not None and ATTN_SCORES in sites]
+    for layer in windowed:  # the last query (39) sees no key past the window (16), as the model applies it
+        last = ours[1][array_key(ATTN_SCORES, layer)][-1].reshape(config.num_attention_heads, -1)
+        assert np.isinf(last[:, :LENGTHS[1] - config.window(layer)]).all() and np.isfinite(last[:, -1]).all()
+    if config.attention_sinks:  # each head's sink takes its share: no row sums to 1
+        rows = ours[1][array_key(ATTN_PATTERN, layers[0])].reshape(LENGTHS[1], config.num_attention_heads, -1)
+        assert (rows.sum(-1) < 1 - 1e-3).all()
 
 
 MODEL_CASES = ["qwen2", "gemma2", "gpt2", "qwen3_5"]  # tied; soft-capped, scaled embeddings; learned positions

@@ -122,4 +122,7 @@ def test_a_pattern_costs_its_heads_times_the_sequence_and_past_the_limit_is_refu
                                         r"past --max_row_kib 8 .* \(--tokens last\)"):
         check_row_size((ATTN_PATTERN,), (0, 1), config, 4, 512, 8, selected=False)
     check_row_size((ATTN_PATTERN,), (0, 1), config, 4, 512, 8, selected=True)
+    with pytest.raises(UserError, match=r"--sites hook_logits: 594 KiB per token, past --max_row_kib 64 \(the logits "
+                                        r"are .*\(--tokens last\), their top k \(--logits_top_k K\)"):
+        check_row_size(("hook_logits",), (0,), config, 4, 512, 64, selected=False)  # Qwen2.5's 151,936 tokens
     check_row_size((ATTN_PATTERN,), (0, 1), config, 4, 512, 16, selected=False)
