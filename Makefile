@@ -104,6 +104,7 @@ bench: install
 	$(PY) benchmarks/token_selection.py
 	$(PY) benchmarks/generation_throughput.py
 	$(PY) benchmarks/intervention_forward.py
+	$(PY) benchmarks/inside_sites.py
 	$(PY) benchmarks/accelerator.py --tiny  # on a GPU or TPU host: without --tiny
 
 clean:

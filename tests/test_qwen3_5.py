@@ -7,11 +7,12 @@ import jax
 import numpy as np
 import pytest
 
+from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import (bfloat16_error_ratios, assert_blocks_equal_transformers, load_reference,
                                    max_relative_error, random_sequences, reference_activations, relative_error)
 from model.families import load_config
 from model.extract import Extractor
-from model.sites import ATTN_Z, SITES, missing_reason
+from model.sites import ATTN_Z
 from tests.conftest import run_in_process
 from tests.test_family_runs import assert_equals_transformers, runner, write_stream
 from tests.test_host_errors import one_line_error
@@ -58,8 +59,8 @@ def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path)
     devices of data, the mixtures on a 2d mesh (DeltaNet heads and experts over its model axis)."""
     config = load_config(checkpoint)
     flags = ["--mesh_type", "2d"] if config.moe else []
-    sites = [site for site in SITES if site != ATTN_Z  # every site every block has (Qwen3-Next's block 3: no routing)
-             and all(missing_reason(site, config, layer) is None for layer in range(config.num_hidden_layers))]
+    # every site every block has (Qwen3-Next's block 3: no routing; the inside sites: tests/test_inside_sites.py)
+    sites = [site for site in block_sites(config, range(config.num_hidden_layers)) if site != ATTN_Z]
     records = write_stream(tmp_path / "stream.jsonl", checkpoint)
     result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint,
                                                         "--sites", ",".join(sites), *flags))
