@@ -179,6 +179,7 @@ class Layout:
     expert_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]] | None = None  # a family's own
                                         # mixture-of-experts tensors (config, "<prefix><blocks>.L"): gpt-oss's
     shared_expert: str = "shared_expert"  # the shared expert's module below <mlp> (DeepSeek's: shared_experts)
+    selection_bias: str = "gate.e_score_correction_bias"  # the router's choice bias, below <moe_tensors>
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -209,7 +210,7 @@ def _moe(config: DecoderConfig, hf: str):
     layout = layout_of(config)
     yield ("mlp", "router", "kernel"), Source(f"{hf}.gate.weight", True)
     if moe.selection_bias:
-        yield ("mlp", "selection_bias"), Source(f"{hf}.gate.e_score_correction_bias")
+        yield ("mlp", "selection_bias"), Source(f"{hf}.{layout.selection_bias}")
     for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), layout.experts):
         yield ("mlp", "experts", ours), Source(f"{hf}.experts.{{e}}.{theirs}.weight", True, experts=moe.num_experts)
     if moe.shared_expert_size:
@@ -419,11 +420,13 @@ GPT_NEOX = Layout(("gpt_neox.", ""), "embed_in", "layers", "final_layer_norm", _
 # Mixtral's checkpoints keep its mixture of experts' tensors under ``block_sparse_moe`` (transformers 5's
 # module is ``mlp``), its experts' projections named w1 (gate), w3 (up), w2 (down).
 MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w1", "w3", "w2"))
+# MiniMax-M2's checkpoints: Mixtral's, with the router's choice bias beside the gate.
+MINIMAX_M2 = dataclasses.replace(MIXTRAL, selection_bias="e_score_correction_bias")
 QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
 DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
-LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,  # every other family: LLAMA
+LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS, "deepseek_v2": DEEPSEEK,
            "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK}
 

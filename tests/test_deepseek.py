@@ -25,7 +25,7 @@ from tests.test_family_runs import assert_equals_transformers, runner, write_str
 from tests.test_multihost import stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
-FAMILIES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite")
+FAMILIES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "minimax_m2")  # DeepSeek's router
 LENGTHS = [100, 37, 70]  # past YaRN's original 32 positions, padding in every row
 
 
@@ -61,7 +61,8 @@ SITE_RUNS = [("deepseek_v3", ["--layers_to_extract", "1,2,3"]),
              ("deepseek_v3", ["--mesh_type", "2d", "--layers_to_extract", "1,3"]),
              ("deepseek_v2", ["--mesh_type", "2d", "--moe_dispatch", "dense", "--layers_to_extract", "1,2"]),
              ("glm4_moe", ["--mesh_type", "2d", "--layers_to_extract", "1,2"]),
-             ("glm4_moe_lite", ["--layers_to_extract", "0,2"])]
+             ("glm4_moe_lite", ["--layers_to_extract", "0,2"]),
+             ("minimax_m2", ["--mesh_type", "2d", "--layers_to_extract", "0,2"])]
 
 
 # In processes of their own: a 2d mesh of 2 devices (9 experts in 10 slots, 4 heads, both split over its
@@ -133,8 +134,8 @@ def assert_choices_equal_transformers(checkpoint: str, records, got, layers) -> 
     places = [(site, layer) for layer in layers for site in (ROUTER_LOGITS, EXPERT_INDICES, ROUTING_WEIGHTS)]
     references = reference_sites(reference, [r["input_ids"] for r in records], places)
     for layer in layers:
-        gate = reference.model.layers[layer].mlp.gate
-        bias = getattr(gate, "e_score_correction_bias", None)
+        mlp = reference.model.layers[layer].mlp  # the choice bias: the router's (DeepSeek) or its block's (MiniMax)
+        bias = getattr(mlp.gate, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
         bias = None if bias is None else bias.detach().double().numpy()
         decided = tokens = 0
         for record, expected in zip(records, references):
@@ -155,7 +156,8 @@ def varied(tmp_path_factory):
     """Wider weights, whose greedy continuations vary (the narrow ones' settle on a token or two)."""
     from fixtures.tiny_models import write_checkpoint
     return {family: write_checkpoint(tmp_path_factory.mktemp(f"{family}_varied"), family, seed=4,
-                                     initializer_range=0.2) for family in ("deepseek_v3", "deepseek_v2")}
+                                     initializer_range=0.5 if family == "minimax_m2" else 0.2)
+            for family in ("deepseek_v3", "deepseek_v2", "minimax_m2")}
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
@@ -172,6 +174,18 @@ def test_greedy_generation_from_the_latent_cache_equals_transformers(varied, fam
     assert generator.cache_bytes(1) == loaded.config.num_hidden_layers * 128 * per_position * 4
     prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
     assert_greedy_equals_transformers(generator, varied[family], prompts)
+
+
+def test_minimax_m2_greedy_generation_equals_transformers(varied):
+    """32 tokens after prompts of 40, 23 and 9 tokens in one batch: the q/k norms over the whole
+    projection, a quarter of each head rotated, the biased sigmoid router at every step."""
+    from fixtures.hf_reference import assert_greedy_equals_transformers
+    from model.generate import Generator
+    from model.loading import load_model
+    loaded = load_model(varied["minimax_m2"], "float32", with_head=True, devices=jax.devices()[:1])
+    generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
+    prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
+    assert_greedy_equals_transformers(generator, varied["minimax_m2"], prompts)
 
 
 @pytest.mark.parametrize("family, spec", [("deepseek_v3", "expert:1.2+expert:2.7"), ("deepseek_v3", "route:3.4"),
@@ -287,6 +301,11 @@ def test_newer_deepseek_types_and_bad_options_are_refused_in_one_line(checkpoint
     v2 = json.loads(pathlib.Path(checkpoints["deepseek_v2"], "config.json").read_text())
     with pytest.raises(UserError, match="topk_method = 'noaux_tc' is not supported"):
         config_from_dict({**v2, "topk_method": "noaux_tc"})
+    minimax = json.loads(pathlib.Path(checkpoints["minimax_m2"], "config.json").read_text())
+    with pytest.raises(UserError, match="scoring_func = 'softmax' is not supported.*sigmoid"):
+        config_from_dict({**minimax, "scoring_func": "softmax"})
+    hub = {k: v for k, v in minimax.items() if k != "rope_parameters"}  # the hub's keys: rotary_dim, rope_theta
+    assert config_from_dict({**hub, "rotary_dim": 8, "rope_theta": 10_000.0}).rotary_dim == 8
 
 
 @pytest.mark.parametrize("flags, message", [

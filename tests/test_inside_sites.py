@@ -14,8 +14,8 @@ from fixtures.tiny_models import write_checkpoint
 from model.extract import Extractor
 from model.families import load_config
 from model.params import layout_of
-from model.sites import (ATTN_PATTERN, ATTN_SCORES, EMBED, ENTROPY, FINAL_NORM, FINAL_NORMALIZED, INTERP_ENGINE_POINTS, LOGITS, LOSS,
-                         MODEL_SITES, RANK, SITES, TOP_K_IDS, TOP_K_LOGPROBS, array_key, missing_reason)
+from model.sites import (ATTN_PATTERN, ATTN_SCORES, EMBED, ENTROPY, FINAL_NORM, FINAL_NORMALIZED, INTERP_ENGINE_POINTS,
+                         LOGITS, LOSS, MODEL_SITES, RANK, SITES, TOP_K_IDS, TOP_K_LOGPROBS, array_key, missing_reason)
 
 pytestmark = pytest.mark.slow
 LENGTHS = (19, 40)  # the second past gpt-oss's sliding window (16)
