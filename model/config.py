@@ -191,6 +191,8 @@ class DecoderConfig:
     qk_norm_scope: str = "head"          # head: over each head's head_dim | projection: over all heads at once,
                                          # before the split into heads (OLMo 2)
     query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt (Gemma); None: head_dim's
+    query_temperature: tuple[float, int] | None = None  # (beta, positions P): a query at position p times
+                                         # 1 + beta * log(1 + floor(p / P)) (Mistral 4's llama_4_scaling_beta)
     attn_logit_softcap: float | None = None     # scores -> tanh(scores / c) * c before the mask (Gemma 2)
     final_logit_softcap: float | None = None    # the same on the LM head's logits (Gemma 2)
     sliding_window: int | None = None    # keys a sliding layer's query sees, itself included

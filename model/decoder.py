@@ -228,6 +228,12 @@ def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
     return out
 
 
+def query_temperature(positions: jax.Array, beta: float, span: int) -> jax.Array:
+    """Each position's query scale [B, S], float32: 1 + beta * log(1 + floor(p / span)) (1 in the
+    first ``span`` positions)."""
+    return 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / span))
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (``DecoderConfig.mla``: DeepSeek-V2/V3), as transformers'
     ``DeepseekV3Attention`` computes it. Its cache for decoding holds, per position, the normed
@@ -264,6 +270,8 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = rotate(q[..., dn:]), rotate(compressed[..., None, m.kv_lora_rank:])  # [B, S, N|1, Dr]
         prescaled = accumulate is not None
         q = jnp.concatenate([q[..., :dn], q_rot], axis=-1)
+        if c.query_temperature is not None:  # Mistral 4's: queries past P positions scaled up
+            q = q * query_temperature(positions, *c.query_temperature).astype(q.dtype)[:, :, None, None]
         divisor = c.query_scale_divisor
         if prescaled:  # scaled in float32, rounded once to matmul operands
             q, k_rot = (q / divisor).astype(self.dtype), k_rot.astype(self.dtype)

@@ -257,6 +257,19 @@ def _gemma4_moe(config: DecoderConfig, hf: str):
         yield from _norm(f"{hf}.{theirs}", (ours,), config)
 
 
+def _stacked_moe(config: DecoderConfig, hf: str):
+    """A mixture of experts below ``mlp`` as transformers 5 holds it (Mistral 4's): the router
+    ``gate`` [E, H], the experts' stacked ``gate_up_proj`` [E, 2F, H] (gate rows, then up) and
+    ``down_proj`` [E, H, F], and DeepSeek's ungated ``shared_experts``."""
+    f = config.moe.expert_size
+    yield ("mlp", "router", "kernel"), Source(f"{hf}.mlp.gate.weight", True)
+    for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
+        yield ("mlp", "experts", proj), Source(f"{hf}.mlp.experts.gate_up_proj", True, part, stacked=True)
+    yield ("mlp", "experts", "down_proj"), Source(f"{hf}.mlp.experts.down_proj", True, stacked=True)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        yield from _linear(f"{hf}.mlp.shared_experts.{proj}", ("mlp", "shared_expert", proj), False)
+
+
 def _gpt_oss_moe(config: DecoderConfig, hf: str):
     """gpt-oss's mixture of experts below ``mlp``: the router with its bias, and the experts'
     stacked tensors as transformers holds them, [E, in, out]: ``gate_up_proj`` [E, H, 2F] whose
@@ -426,9 +439,10 @@ QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
 DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
+MISTRAL4 = dataclasses.replace(DEEPSEEK, expert_tensors=_stacked_moe)
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS, "deepseek_v2": DEEPSEEK,
-           "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK}
+           "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK, "mistral4": MISTRAL4}
 
 
 def layout_of(config: DecoderConfig) -> Layout:

@@ -25,7 +25,7 @@ from tests.test_family_runs import assert_equals_transformers, runner, write_str
 from tests.test_multihost import stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
-FAMILIES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "minimax_m2")  # DeepSeek's router
+FAMILIES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "minimax_m2", "mistral4")  # DeepSeek's router
 LENGTHS = [100, 37, 70]  # past YaRN's original 32 positions, padding in every row
 
 
@@ -62,7 +62,8 @@ SITE_RUNS = [("deepseek_v3", ["--layers_to_extract", "1,2,3"]),
              ("deepseek_v2", ["--mesh_type", "2d", "--moe_dispatch", "dense", "--layers_to_extract", "1,2"]),
              ("glm4_moe", ["--mesh_type", "2d", "--layers_to_extract", "1,2"]),
              ("glm4_moe_lite", ["--layers_to_extract", "0,2"]),
-             ("minimax_m2", ["--mesh_type", "2d", "--layers_to_extract", "0,2"])]
+             ("minimax_m2", ["--mesh_type", "2d", "--layers_to_extract", "0,2"]),
+             ("mistral4", ["--mesh_type", "2d", "--layers_to_extract", "0,2"])]
 
 
 # In processes of their own: a 2d mesh of 2 devices (9 experts in 10 slots, 4 heads, both split over its
@@ -157,13 +158,14 @@ def varied(tmp_path_factory):
     from fixtures.tiny_models import write_checkpoint
     return {family: write_checkpoint(tmp_path_factory.mktemp(f"{family}_varied"), family, seed=4,
                                      initializer_range=0.5 if family == "minimax_m2" else 0.2)
-            for family in ("deepseek_v3", "deepseek_v2", "minimax_m2")}
+            for family in ("deepseek_v3", "deepseek_v2", "minimax_m2", "mistral4")}
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "mistral4"])
 def test_greedy_generation_from_the_latent_cache_equals_transformers(varied, family):
     """32 tokens after prompts of 40, 23 and 9 tokens in one batch, each step expanding the cached
-    latents; YaRN past the prompts. The cache holds kv_lora_rank + rope dims a position."""
+    latents; YaRN past the prompts (Mistral 4: its query temperature at each step's position). The
+    cache holds kv_lora_rank + rope dims a position."""
     from fixtures.hf_reference import assert_greedy_equals_transformers
     from model.generate import Generator
     from model.loading import load_model
@@ -304,6 +306,11 @@ def test_newer_deepseek_types_and_bad_options_are_refused_in_one_line(checkpoint
     minimax = json.loads(pathlib.Path(checkpoints["minimax_m2"], "config.json").read_text())
     with pytest.raises(UserError, match="scoring_func = 'softmax' is not supported.*sigmoid"):
         config_from_dict({**minimax, "scoring_func": "softmax"})
+    mistral4 = json.loads(pathlib.Path(checkpoints["mistral4"], "config.json").read_text())
+    rope = mistral4["rope_parameters"]
+    with pytest.raises(UserError, match="original_max_position_embeddings = None is not supported: the query "):
+        config_from_dict({**mistral4, "rope_parameters": {**rope, "original_max_position_embeddings": None}})
+    assert config_from_dict(mistral4).query_temperature == (0.1, 16)
     hub = {k: v for k, v in minimax.items() if k != "rope_parameters"}  # the hub's keys: rotary_dim, rope_theta
     assert config_from_dict({**hub, "rotary_dim": 8, "rope_theta": 10_000.0}).rotary_dim == 8
 

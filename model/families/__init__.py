@@ -11,8 +11,8 @@ from types import ModuleType
 from common.cli import UserError
 from model.config import DecoderConfig
 from model.families import (deepseek_v2, deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox, gpt_oss, llama,
-                            minimax_m2, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5,
-                            qwen3_moe, qwen3_next, smollm3)
+                            minimax_m2, mistral, mistral4, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3,
+                            qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -47,6 +47,7 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "glm4_moe_lite": (deepseek_v3, deepseek_v3.LITE_ARCHITECTURES),
     "glm4_moe": (glm4_moe, glm4_moe.ARCHITECTURES),
     "minimax_m2": (minimax_m2, minimax_m2.ARCHITECTURES),
+    "mistral4": (mistral4, mistral4.ARCHITECTURES),
 }
 # Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
 REFUSED = {

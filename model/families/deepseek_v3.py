@@ -61,8 +61,10 @@ def decoder_config(raw: dict) -> DecoderConfig:
     return latent_decoder(f, moe, interleave=bool(f.optional("rope_interleave")), rope_in_float32=False)
 
 
-def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool, **switches: Any) -> DecoderConfig:
-    """A DeepSeek decoder of latent attention (the reading V2 shares) with ``moe``."""
+def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool, partial_rope: bool = False,
+                   **switches: Any) -> DecoderConfig:
+    """A DeepSeek decoder of latent attention (the reading V2 shares) with ``moe``; ``partial_rope``:
+    the RoPE parameters may state the rotated share (Mistral 4's, qk_rope_head_dim over the head)."""
     config = shapes(f)
     heads = config["num_attention_heads"]
     if config["num_key_value_heads"] != heads:
@@ -74,7 +76,7 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
     if mla.qk_rope_head_dim % 2 or mla.qk_rope_head_dim < 2:
         raise f.refuse("qk_rope_head_dim", mla.qk_rope_head_dim, "RoPE rotates pairs of dims")
     params, where = rope_parameters(f)
-    rotary = rope(f, params, where, f.number("rope_theta", float))
+    rotary = rope(f, params, where, f.number("rope_theta", float), partial=partial_rope)
     scalar = None  # transformers' yarn_apply_mscale: the softmax scale times mscale(factor, mscale_all_dim)^2
     if rotary.kind != "default" and params.get("mscale_all_dim"):
         mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(rotary.factor) + 1.0 if rotary.factor > 1 else 1.0
@@ -88,7 +90,8 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
 
 def grouped_moe(f: Fields, dense_layers, **switches: Any) -> MoE:
     """The mixture of experts of DeepSeek's lineage: its router's groups (``n_group``, ``topk_group``),
-    ``routed_scaling_factor``, ``n_shared_experts`` ungated, float32 router; ``switches``: the rest."""
+    ``routed_scaling_factor``, ``n_shared_experts`` ungated, a float32 router (unless ``switches``
+    say otherwise); ``switches``: the rest."""
     experts, k = f.number("n_routed_experts"), f.number("num_experts_per_tok")
     groups, top_groups = int(f.get("n_group") or 1), int(f.get("topk_group") or 1)
     if groups < 1 or experts % groups:
@@ -101,9 +104,10 @@ def grouped_moe(f: Fields, dense_layers, **switches: Any) -> MoE:
         raise f.refuse("num_experts_per_tok", k, f"a token's experts are 1 to the {top_groups} chosen groups' "
                        f"{top_groups * experts // groups}")
     shared = f.number("n_shared_experts")
+    switches = {"router_in_float32": True, **switches}
     return MoE(experts, k, f.number("moe_intermediate_size"), weights_in_float32=True,
                shared_expert_size=shared * f.number("moe_intermediate_size") if shared else None,
-               shared_expert_gate=False, dense_layers=tuple(dense_layers), router_in_float32=True, groups=groups,
+               shared_expert_gate=False, dense_layers=tuple(dense_layers), groups=groups,
                top_groups=top_groups, routed_scaling=f.number("routed_scaling_factor", float), **switches)
 
 
