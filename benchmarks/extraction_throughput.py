@@ -62,7 +62,8 @@ from transforms.tokenizers import load_tokenizer
 FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m",
                  "gpt2": "gpt2-small", "gpt_neox": "pythia-410m", "qwen3_moe": "qwen3-30b-a3b-reduced",
                  "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced", "gpt_oss": "gpt-oss-20b-reduced",
-                 "deepseek_v3": "deepseek-v3-reduced"}
+                 "deepseek_v3": "deepseek-v3-reduced", "minimax_m2": "minimax-m2-reduced",
+                 "mistral4": "mistral4-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
