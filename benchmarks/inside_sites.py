@@ -28,34 +28,18 @@ Each run is timed from the model loaded to its last checkpoint (``status.json``'
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
 
-import numpy as np
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.output_heavy import run  # noqa: E402  (one runner process, its status.json)
+from benchmarks.output_heavy import run, write_stream  # noqa: E402  (a runner process; a random stream)
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 LAYERS = "6,12,18,23"
-
-
-def write_stream(work: str, num_samples: int, seq_len: int, vocab: int) -> str:
-    """A streams directory of random token ids; returns it."""
-    streams = os.path.join(work, "streams")
-    os.makedirs(streams)
-    rng = np.random.default_rng(0)
-    with open(os.path.join(streams, "stream_000.jsonl"), "w") as f:
-        for i in range(num_samples):
-            ids = rng.integers(0, vocab, seq_len).tolist()
-            f.write(json.dumps({"sample_id": i, "input_ids": ids, "num_tokens": seq_len, "source": "random",
-                                "text_preview": ""}) + "\n")
-    return streams
 
 
 def main() -> None:

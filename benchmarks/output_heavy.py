@@ -34,15 +34,20 @@ def write_inputs(work: str, num_samples: int, seq_len: int) -> tuple[str, str]:
     from fixtures.tiny_models import SMALL_VOCAB, write_checkpoint
     model = write_checkpoint(os.path.join(work, "model"), "qwen2", seed=0, vocab_size=SMALL_VOCAB,
                              hidden_size=512, intermediate_size=64, num_hidden_layers=BLOCKS)
+    return model, write_stream(work, num_samples, seq_len, SMALL_VOCAB)
+
+
+def write_stream(work: str, num_samples: int, seq_len: int, vocab: int) -> str:
+    """A streams directory of ``num_samples`` random sequences of ``seq_len`` ids below ``vocab``; returns it."""
     streams = os.path.join(work, "streams")
     os.makedirs(streams)
     rng = np.random.default_rng(0)
     with open(os.path.join(streams, "stream_000.jsonl"), "w") as f:
         for i in range(num_samples):
-            ids = rng.integers(0, SMALL_VOCAB, seq_len).tolist()
+            ids = rng.integers(0, vocab, seq_len).tolist()
             f.write(json.dumps({"sample_id": i, "input_ids": ids, "num_tokens": seq_len, "source": "random",
                                 "text_preview": ""}) + "\n")
-    return model, streams
+    return streams
 
 
 def run(work: str, name: str, model: str, streams: str, seq_len: int, layers: str, *flags: str) -> dict:
