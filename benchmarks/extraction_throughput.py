@@ -178,8 +178,8 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: t
     """Seconds of transformers' forward over ``prompts``; ``mixer_seconds`` (a list): the time its
     Gated DeltaNet modules took is appended to it."""
     import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from fixtures.hf_reference import causal_lm_class
+    model = causal_lm_class(model_dir).from_pretrained(model_dir, dtype=torch.float32).eval()
     mixers = [module for name, module in model.named_modules() if name.endswith("linear_attn")]
     clock = {"start": 0.0, "total": 0.0}
     for module in mixers:
