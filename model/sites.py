@@ -4,7 +4,10 @@ rows, statistics, exports).
 
 A stored array is keyed by its site and block: block L's output (``hook_resid_post``, the one
 site runs stored before sites existed) keeps its key ``L`` (an int), every other site its full
-hook name (``blocks.L.hook_mlp_out``). A shard document, an extraction result and a token batch
+hook name (``blocks.L.hook_mlp_out``), and a site of the whole model (``MODEL_SITES``: the
+embeddings, the final norm, the logits and per-token losses) its name alone (``hook_loss``), at
+layer ``MODEL_LAYER`` in the index. ``--sites`` also takes interp-engine's point names
+(``INTERP_ENGINE_POINTS``). A shard document, an extraction result and a token batch
 are dicts over these keys, so a run that stores only block outputs is what it always was.
 
 This module imports no JAX: flag parsers and readers use it. What each site equals in Hugging
