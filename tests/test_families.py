@@ -278,3 +278,14 @@ def test_the_fixture_command_writes_any_family_in_either_layout(tmp_path):
     assert written["layer_types"][:2] == ["sliding_attention", "full_attention"] and "rope_parameters" in written
     assert load_config(tmp_path / "hub") == load_config(tmp_path / "t5")
     assert load_config(tmp_path / "hub").model_type == "gemma2"
+
+
+@pytest.mark.parametrize("model_type, mechanism", [
+    ("llama4_text", "chunked local attention"), ("nemotron_h", "Mamba-2"), ("granitemoehybrid", "Mamba-2"),
+    ("falcon_h1", "in parallel"), ("kimi_linear", "Kimi Delta Attention"), ("olmo_hybrid", "negative eigenvalues"),
+    ("glm5_next", "hyper-connections"), ("qwen4_exp", "QSA indexer")])
+def test_the_newest_families_not_yet_read_are_refused_naming_what_they_need(model_type, mechanism):
+    from model.families import config_from_dict
+    with pytest.raises(UserError, match=f"model_type {model_type!r}: .*{mechanism}.* not implemented") as caught:
+        config_from_dict({"model_type": model_type, "architectures": ["AnyForCausalLM"]})
+    assert "\n" not in str(caught.value)

@@ -57,6 +57,17 @@ REFUSED = {
                    "implemented",
     "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
                    "keys, hyper-connections) are not implemented",
+    **dict.fromkeys(("llama4", "llama4_text"), "Llama 4's chunked local attention, its NoPE layers' temperature "
+                                                "tuning and its input-scaled sigmoid experts are not implemented"),
+    **dict.fromkeys(("nemotron_h", "granitemoehybrid"), "Mamba-2 mixers (an SSM with a state per head) are not "
+                                                        "implemented"),
+    "falcon_h1": "Falcon-H1's blocks of attention and a Mamba-2 mixer in parallel are not implemented",
+    "kimi_linear": "Kimi Delta Attention (a delta rule with a per-channel forget gate) is not implemented",
+    "olmo_hybrid": "OLMo hybrid's Gated DeltaNet (negative eigenvalues, one fused convolution) is not implemented",
+    **dict.fromkeys(("glm5_next", "glm5_next_text"), "GLM-5-next's hyper-connections and forget-gated linear "
+                                                      "attention are not implemented"),
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "Qwen4-exp's QSA indexer over compressed keys, "
+                                                      "hyper-connections and n-gram embeddings are not implemented"),
 }
 SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
                                 if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))
