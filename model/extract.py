@@ -48,7 +48,7 @@ from model.statistics import STAT_FIELDS, KeyStatistics, StatisticsSpec, row_sta
 from model.sites import (AFTER_BLOCKS, ATTN_SCORES, DEFAULT_SITES, EMBED, FINAL_NORM, FINAL_NORMALIZED, HEAD_OUTPUTS,
                          MLP_HIDDEN, MLP_POST, PATTERNS, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES,
                          LOSS, ArrayKey, array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites,
-                         site_layers, site_width, with_top_k)
+                         integers_held, site_layers, site_width, with_top_k)
 from model.token_scores import next_tokens, token_scores
 
 T = TypeVar("T")
@@ -327,8 +327,9 @@ def check_quantized(activation_dtype: str | None, sites: Sequence[str]) -> None:
     ids are not scaled and rounded; nor are scores, whose masked keys are -inf."""
     integer = [site for site in sites if SITES[site].integer]
     if activation_dtype in QUANTIZED_DTYPES and integer:
-        raise UserError(f"--activation_dtype {activation_dtype}: {integer[0]} holds expert ids, which are "
-                        "never quantized; store them with another --activation_dtype, or leave them out of --sites")
+        raise UserError(f"--activation_dtype {activation_dtype}: {integer[0]} holds {integers_held(integer[0])}, "
+                        "which are never quantized; store them with another --activation_dtype, or leave them out of "
+                        "--sites")
     if activation_dtype in QUANTIZED_DTYPES and ATTN_SCORES in sites:
         raise UserError(f"--activation_dtype {activation_dtype}: {ATTN_SCORES} holds -inf at masked keys, which "
                         f"has no float8 scale; store attn.hook_pattern, or the scores with another --activation_dtype")

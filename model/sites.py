@@ -424,6 +424,11 @@ def check_row_size(sites: Sequence[str], layers: Sequence[int], config, itemsize
                     f"selection (--tokens last), fewer layers, or raise --max_row_kib")
 
 
+def integers_held(site: str) -> str:
+    """What an integer site (``Site.integer``) holds, for messages: expert ids, token ids or ranks."""
+    return {TOP_K_IDS: "token ids", RANK: "ranks"}.get(site, "expert ids")
+
+
 def describe_key(key: ArrayKey) -> str:
     """``layer 6`` for a block output, else the hook name (for messages)."""
     return f"layer {key}" if isinstance(key, int) else str(key)

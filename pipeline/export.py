@@ -37,7 +37,7 @@ from common.beam_pipeline import is_dry_run, is_local, make_pipeline, pipeline_o
 from common.cli import UserError, add_config_flags, config_from_namespace, flag, int_list, make_parser, run_main
 from common.files import delete_tree, join
 from model.config import STORED_DTYPES
-from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, parse_sites
+from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, integers_held, parse_sites
 from transforms.export import ExportShards, ShardFormat
 
 log = logging.getLogger("pipeline.export")
@@ -120,8 +120,8 @@ class ExportConfig:
             raise UserError(f"--sites names a site twice: {' '.join(self.sites)}")
         ids = [site for site in self.sites if SITES[site].integer]
         if ids:
-            raise UserError(f"--sites {ids[0]}: it holds expert ids (int32), not activations an SAE trains on "
-                            "(read them with activations.token_loader or duckdb)")
+            raise UserError(f"--sites {ids[0]}: it holds {integers_held(ids[0])} (int32), not activations an SAE "
+                            "trains on (read them with activations.token_loader or duckdb)")
         for site in self.sites:  # a pattern's rows: no column of one width holds them
             check_fixed_width(f"--sites {site}", site)
         if self.context_size < 1:

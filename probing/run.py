@@ -19,7 +19,7 @@ from activations.token_plan import check_fixed_width
 from common.cli import UserError, flag, int_list
 from common.extras import require
 from common.files import write_bytes
-from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, hook_name, key_parts, parse_sites
+from model.sites import DEFAULT_SITES, SITES, ArrayKey, array_keys, hook_name, integers_held, key_parts, parse_sites
 from activations.directions import write_directions
 from probing.directions import label_means
 from probing.fit import (TASKS, fit_probe, held_out, majority_accuracy, nearest_mean_accuracy, task_of,
@@ -69,7 +69,7 @@ class ProbeConfig:
             raise UserError(f"--max_rows must be at least 2, got {self.max_rows}")
         ids = [site for site in self.sites if SITES[site].integer]
         if ids:
-            raise UserError(f"--sites {ids[0]}: it holds expert ids, not activations to probe")
+            raise UserError(f"--sites {ids[0]}: it holds {integers_held(ids[0])}, not activations to probe")
         for site in self.sites:  # a pattern's rows: no probe of one width fits them
             check_fixed_width(f"--sites {site}", site)
         if "://" in self.output_dir:
