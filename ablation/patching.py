@@ -37,7 +37,7 @@ from interventions.spec import Atom, Intervention
 from model.config import DecoderConfig
 from model.decoder import Decoder
 from model.extract import sown_value
-from model.interventions import add_head_patch, add_patch, delta_key, kept_arrays, padded_heads, \
+from model.interventions import PATCH_SITES, add_head_patch, add_patch, delta_key, kept_arrays, padded_heads, \
     reserve_patch_slots
 from model.loading import LoadedModel
 from model.scoring import causal_mask
@@ -156,9 +156,17 @@ def _forward(config: DecoderConfig, patched: bool):
         (outputs, _), state = decoder.apply({"params": params}, ids, positions, mask, layers,
                                             ablation=arrays if patched else None, mutable=["sites"])
         logits = decoder.apply({"params": params}, outputs[-1][:, -1], method=Decoder.logits)  # [B, V]
-        return logits, outputs, state["sites"]
+        sown = state["sites"]  # only what a grid reads leaves the program, not every site the blocks sow
+        blocks = {name: _patch_sites(block) for name, block in sown.items() if name.startswith("layers_")}
+        return logits, outputs, {"embeddings": sown["embeddings"], **blocks}
 
     return jax.jit(run)
+
+
+def _patch_sites(block: dict) -> dict:
+    """A block's sown sites (a module's own nested under its name) trimmed to ``PATCH_SITES``."""
+    return {name: {site: v for site, v in value.items() if site in PATCH_SITES} if isinstance(value, dict) else value
+            for name, value in block.items() if isinstance(value, dict) or name in PATCH_SITES}
 
 
 def site_values(config: DecoderConfig, outputs: list, sites: dict, site: str) -> np.ndarray:

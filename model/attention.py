@@ -76,15 +76,11 @@ def score_rows(q: jax.Array, k: jax.Array, mask: jax.Array, positions: jax.Array
     scores = jnp.einsum("bskgd,btkd->bskgt", grouped, k.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)  # [B, S, K, G, T]
     scores = soft_capped(scores, softcap)
-    allowed = windowed(mask, positions, window)[:, :, None, None, :]  # [B, S, 1, 1, T]
-    logits = jnp.where(allowed, scores, MASKED)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, :, None], logits.shape[:-1] + (1,))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    else:
-        probs = jax.nn.softmax(logits, axis=-1)
+    allowed = windowed(mask, positions, window)  # [B, S, T]
+    probs = masked_softmax(scores.transpose(0, 2, 3, 1, 4), allowed, jnp.float32, sinks=sinks)  # [B, K, G, S, T]
     flat = lambda y: y.reshape(b, s, -1)  # [B, S, N*T]: query head n = kv head * G + its group
-    return flat(jnp.where(allowed, scores, -jnp.inf)), flat(probs)
+    return (flat(jnp.where(allowed[:, :, None, None, :], scores, -jnp.inf)),
+            flat(probs.transpose(0, 3, 1, 2, 4)))
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,

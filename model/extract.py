@@ -46,9 +46,9 @@ from model.interventions import STEER_TOKENS, steer_key, steered_token_mask
 from model.sharding import batch_sharding
 from model.statistics import STAT_FIELDS, KeyStatistics, StatisticsSpec, row_statistics, split_statistics
 from model.sites import (AFTER_BLOCKS, ATTN_SCORES, DEFAULT_SITES, EMBED, FINAL_NORM, FINAL_NORMALIZED, HEAD_OUTPUTS,
-                         MLP_HIDDEN, MLP_POST, PATTERNS, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES,
-                         LOSS, ArrayKey, array_key, array_keys, blocks_needed, check_sites, describe_key, parse_sites,
-                         integers_held, site_layers, site_width, with_top_k)
+                         LOSS, MLP_HIDDEN, MLP_POST, PATTERNS, RESID_POST, RESID_PRE, ROUTING, SHARED_EXPERT, SITES,
+                         ArrayKey, array_key, array_keys, blocks_needed, check_sites, describe_key, integers_held,
+                         key_parts, parse_sites, site_layers, site_width, with_top_k)
 from model.token_scores import next_tokens, token_scores
 
 T = TypeVar("T")
@@ -340,7 +340,7 @@ def check_float16_range(activations: dict[ArrayKey, np.ndarray]) -> None:
     value past float16's range (+-65504) that the cast turned into inf. Gemma's residual stream
     reaches such values (benchmarks/shard_compression.py); nothing of it may be stored."""
     overflowed = [key for key, values in activations.items()  # the scores' -inf is a masked key's
-                  if np.isinf(values).any() and not (isinstance(key, str) and key.endswith(ATTN_SCORES))]
+                  if key_parts(key)[0] != ATTN_SCORES and np.isinf(values).any()]
     if overflowed:
         raise UserError(f"--activation_dtype float16: {describe_key(overflowed[0])} holds values past float16's range "
                         f"(+-65504), which would be stored as inf; store this model's activations as bfloat16 "
@@ -468,14 +468,14 @@ class Extractor:
         if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
             raise UserError(f"unknown activation dtype {activation_dtype!r} "
                             f"(choose from {', '.join(ACTIVATION_DTYPES)})")
-        check_quantized(activation_dtype, parse_sites(sites))
+        check_quantized(activation_dtype, sites)
         attention_for(loaded.mesh, attention, loaded.config, loaded.dtype)
-        check_model_fits(loaded.config, parse_sites(sites), max_seq_length, layers)
+        check_model_fits(loaded.config, sites, max_seq_length, layers)
         return cls(loaded.config, loaded.params, loaded.mesh, validate_layers(layers, loaded.config),
                    loaded.dtype, batch_size_per_device * loaded.mesh.shape["data"],
                    bucket_lengths(max_seq_length, min(min_bucket, max_seq_length)),
                    ACTIVATION_DTYPES.get(activation_dtype), attention, batches_in_flight,
-                   residual_dtype=resolve_residual_dtype(residual_dtype), sites=parse_sites(sites),
+                   residual_dtype=resolve_residual_dtype(residual_dtype), sites=sites,
                    moe_dispatch=moe_dispatch, pool=pool,
                    # A mixture's expert ids are counted per expert of this model.
                    statistics=measured_statistics(statistics, loaded.config), logits_top_k=logits_top_k)

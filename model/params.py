@@ -478,7 +478,7 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         return "linear_attn", "output"
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
-    if site in _INSIDE_SITES:
+    if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
     router = layout.router or f"{layout.mlp}.gate"  # returns (logits or probabilities, top-k weights, top-k
     return {                                            # indices), over [B*S] tokens
@@ -499,12 +499,6 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
     }[site]
 
 
-_INSIDE_SITES = ("ln1.hook_normalized", "attn.hook_in", "attn.hook_q", "attn.hook_k", "attn.hook_v",
-                 "attn.q_norm.hook_out", "attn.k_norm.hook_out", "attn.hook_rot_q", "attn.hook_rot_k",
-                 "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_gate", "attn.hook_out", "mlp.hook_pre",
-                 "mlp.hook_pre_linear", "mlp.hook_out")
-
-
 def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dict[str, str],
                     layer: int | None) -> tuple[str, str]:
     """``hf_site`` of the sites inside attention and the MLP (besides the rotated queries and keys,
@@ -513,29 +507,30 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
     ``pattern`` is that attention's probabilities, [B, N, S, T], its second output). Only for
     separate q, k, v, gate and up projections: ``ValueError`` for a fused one (GPT-2, GPT-NeoX,
     Phi-3)."""
+    from model import sites
     attn, mlp = layout.attention, layout.mlp
     deltanet = layer is not None and config.is_deltanet(layer)
     module_out = ("linear_attn" if deltanet else attn, "output")
     fused = layout.o_proj != f"{attn}.o_proj" or config.model_type == "phi3"  # qkv_proj, gate_up_proj
-    if fused and site not in ("attn.hook_out", "mlp.hook_out", "ln1.hook_normalized", "attn.hook_in"):
+    if fused and site not in (sites.ATTN_MODULE_OUT, sites.MLP_MODULE_OUT, sites.LN1_NORMALIZED, sites.ATTN_IN):
         raise ValueError(f"{site}: {config.model_type}'s projections are fused in transformers")
     return {
-        "ln1.hook_normalized": (norms.get("pre_attention_norm"), "normalized input"),
-        "attn.hook_in": (attn, "input") if not deltanet else ("linear_attn", "input"),
-        "attn.hook_q": (f"{attn}.q_proj", "output query half" if config.attn_output_gate else "output"),
-        "attn.hook_gate": (f"{attn}.q_proj", "output gate half"),
-        "attn.hook_k": (f"{attn}.k_proj", "output"),
-        "attn.hook_v": (f"{attn}.v_proj", "output"),
-        "attn.q_norm.hook_out": (f"{attn}.q_norm", "output"),
-        "attn.k_norm.hook_out": (f"{attn}.k_norm", "output"),
-        "attn.hook_rot_q": (attn, "rotated query"),
-        "attn.hook_rot_k": (attn, "rotated key"),
-        "attn.hook_attn_scores": (attn, "scores"),
-        "attn.hook_pattern": (attn, "pattern"),
-        "attn.hook_out": module_out,
-        "mlp.hook_pre": (f"{mlp}.gate_proj", "output"),
-        "mlp.hook_pre_linear": (f"{mlp}.up_proj", "output"),
-        "mlp.hook_out": (norms["post_mlp_norm"], "input") if config.sandwich_norms else (mlp, "output"),
+        sites.LN1_NORMALIZED: (norms.get("pre_attention_norm"), "normalized input"),
+        sites.ATTN_IN: (attn, "input") if not deltanet else ("linear_attn", "input"),
+        sites.ATTN_Q: (f"{attn}.q_proj", "output query half" if config.attn_output_gate else "output"),
+        sites.ATTN_GATE: (f"{attn}.q_proj", "output gate half"),
+        sites.ATTN_K: (f"{attn}.k_proj", "output"),
+        sites.ATTN_V: (f"{attn}.v_proj", "output"),
+        sites.Q_NORM_OUT: (f"{attn}.q_norm", "output"),
+        sites.K_NORM_OUT: (f"{attn}.k_norm", "output"),
+        sites.ROT_Q: (attn, "rotated query"),
+        sites.ROT_K: (attn, "rotated key"),
+        sites.ATTN_SCORES: (attn, "scores"),
+        sites.ATTN_PATTERN: (attn, "pattern"),
+        sites.ATTN_MODULE_OUT: module_out,
+        sites.MLP_PRE: (f"{mlp}.gate_proj", "output"),
+        sites.MLP_PRE_LINEAR: (f"{mlp}.up_proj", "output"),
+        sites.MLP_MODULE_OUT: (norms["post_mlp_norm"], "input") if config.sandwich_norms else (mlp, "output"),
     }[site]
 
 

@@ -57,8 +57,9 @@ PATTERNS = (ATTN_SCORES, ATTN_PATTERN)  # a row per query token over the sample'
 HEAD_SITES = (ATTN_Q, ATTN_K, ATTN_V, *QK_NORM, ROT_Q, ROT_K, *PATTERNS, ATTN_GATE)
 OWN_KV = (ATTN_K, ATTN_V, K_NORM_OUT, ROT_K)
 MLP_HIDDEN = (MLP_PRE, MLP_PRE_LINEAR)  # beside mlp.hook_post: returned by the MLP, never by an expert
+INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_MODULE_OUT, *MLP_HIDDEN, MLP_MODULE_OUT)  # inside the sublayers
 # The families whose configs have each switch (for the refusal naming them).
-QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5"
+QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
 
 

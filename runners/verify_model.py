@@ -16,7 +16,7 @@ from common.cli import UserError, add_config_flags, config_from_namespace, flag,
 from interventions.resolve import ablation_for, steered_positions, steers_written_tokens
 from model.families import load_config
 from model.extract import Extractor, check_model_fits, resolve_dtype, validate_layers
-from model.sites import blocks_needed, parse_sites
+from model.sites import blocks_needed
 from model.generate import STOP_TOKEN, Generator, stop_token_ids
 from model.loading import load_model
 from model.report import PromptResult, report_text
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     extractor = Extractor.from_loaded(loaded, layers, max_seq_length=config.max_seq_length,
                                       residual_dtype=config.residual_dtype, sites=config.sites)
     if ablation is not None:  # the statistics under it too (its arrays over the blocks the extractor runs)
-        computed = blocks_needed(parse_sites(config.sites), layers)
+        computed = blocks_needed(extractor.sites, layers, loaded.config.num_hidden_layers)
         extractor.ablation = {name: array[:computed] for name, array in ablation.items()}
         extractor.steer_tokens = steer
     generator = Generator(loaded.config, loaded.params, dtype, cache_length=config.max_seq_length,
