@@ -5,7 +5,9 @@
 experts reduced in proportion (``fixtures.tiny_models``): qwen3_moe (Qwen3-30B-A3B: 128 experts,
 k 8), mixtral (Mixtral 8x7B: 8 experts, k 2), gpt_oss (gpt-oss-20b: 32 experts, k 4, sinks) or
 deepseek_v3 (DeepSeek-V3: latent attention, 256 experts in 8 groups, k 8, a shared expert), or qwen3_5
-(Qwen3.5-27B reduced in proportion: 6 Gated DeltaNet blocks, 2 of gated attention). ``--weights
+(Qwen3.5-27B reduced in proportion: 6 Gated DeltaNet blocks, 2 of gated attention), olmo_hybrid
+(Olmo-Hybrid-7B reduced: 6 DeltaNet blocks, 2 of attention), llama4 (Llama-4-Scout reduced: chunks
+of 256, 16 input-scaled experts, k 1), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -53,6 +55,7 @@ import jax.numpy as jnp
 
 from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from fixtures.tiny_models import SHAPES, write_checkpoint
+from model.config import Chunked
 from model.extract import Extractor, padded_rows
 from model.loading import load_model
 from transforms.prepare import tokenized_source
@@ -63,7 +66,8 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "gpt2": "gpt2-small", "gpt_neox": "pythia-410m", "qwen3_moe": "qwen3-30b-a3b-reduced",
                  "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced", "gpt_oss": "gpt-oss-20b-reduced",
                  "deepseek_v3": "deepseek-v3-reduced", "minimax_m2": "minimax-m2-reduced",
-                 "mistral4": "mistral4-reduced"}
+                 "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
+                 "llama4": "llama-4-scout-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -117,7 +121,7 @@ def matmul_flops_per_second(size: int = 2048, repeats: int = 5, rounds: int = 5)
 
 def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     """2 x parameters x tokens for the blocks, plus causal attention (within a sliding layer's
-    window: what the tiled kernel computes)."""
+    window or a chunked layer's chunk: what the tiled kernel computes)."""
     c, h, n = config, config.hidden_size, config.num_attention_heads
     queries = n * (2 if c.attn_output_gate else 1)  # a gated q_proj writes queries and gates
     attention_params = (h * (queries + 2 * c.num_key_value_heads) * c.head_dim
@@ -144,7 +148,10 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     dense = 2 * sum(mixer_params(layer) + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
     deltanet = sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
 
-    def attended(n: int, window: int | None) -> int:  # (query, key) pairs of one sequence
+    def attended(n: int, window) -> int:  # (query, key) pairs of one sequence
+        if isinstance(window, Chunked):  # a triangle per chunk
+            full, rest = divmod(n, window.size)
+            return full * window.size * (window.size + 1) // 2 + rest * (rest + 1) // 2
         w = min(window or n, n)
         return w * (w + 1) // 2 + (n - w) * w
 

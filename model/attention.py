@@ -10,7 +10,9 @@ tiled kernels also values of another head size, a latent attention's: [B, T, K, 
 A kernel's ``divisor`` is what q . k is divided by (sqrt(head_dim), or Gemma's
 sqrt(query_pre_attn_scalar)); None when q comes scaled already. ``softcap`` c turns a score s
 into tanh(s / c) * c before the mask, in float32. ``window`` w lets query q see keys q - w + 1 to
-q only (a sliding layer); None: every earlier key. Softmax statistics are float32 everywhere.
+q only (a sliding layer); a ``Chunked`` one the earlier keys of q's own chunk only (Llama 4's
+chunked layers: the fused kernels attend within each chunk as a sequence of its own); None: every
+earlier key. Softmax statistics are float32 everywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from common.cli import UserError
-from model.config import ATTENTION_KINDS, DecoderConfig
+from model.config import ATTENTION_KINDS, Chunked, DecoderConfig
+
+Window = int | Chunked | None  # a layer's locality (model.config.DecoderConfig.window)
 
 MASKED = -1e30  # finite, so a fully masked row (a padding row) gives no NaN
 ATTENTION_BLOCK = 128  # queries and keys per tile: a tile's [K, G*128, 128] scores fit in L2
@@ -34,13 +38,31 @@ def causal_mask(lengths: jax.Array, seq_len: int) -> jax.Array:
     return causal[None, :, :] & valid[:, None, :]
 
 
-def windowed(mask: jax.Array, positions: jax.Array, window: int | None) -> jax.Array:
+def visible(query_pos: jax.Array, key_pos: jax.Array, window: Window) -> jax.Array | bool:
+    """Whether a query at ``query_pos`` may see a key at ``key_pos`` (broadcast), causality and
+    padding aside: within its sliding ``window``, in its chunk, or (None) always."""
+    if window is None:
+        return True
+    if isinstance(window, Chunked):
+        return query_pos // window.size == key_pos // window.size
+    return query_pos - key_pos < window
+
+
+def first_visible(query_pos, window: Window):
+    """The first key position a query at ``query_pos`` may see."""
+    if window is None:
+        return 0
+    if isinstance(window, Chunked):
+        return query_pos // window.size * window.size
+    return jnp.maximum(0, query_pos - window + 1)
+
+
+def windowed(mask: jax.Array, positions: jax.Array, window: Window) -> jax.Array:
     """``mask`` [B, S, T] (keys at cache slots 0..T-1, slot = position) narrowed to the keys
-    within ``window`` of each query at ``positions`` [B, S]."""
+    each query at ``positions`` [B, S] may see (``visible``)."""
     if window is None:
         return mask
-    near = positions[:, :, None] - jnp.arange(mask.shape[-1])[None, None, :] < window  # [B, S, T]
-    return mask & near
+    return mask & visible(positions[:, :, None], jnp.arange(mask.shape[-1])[None, None, :], window)  # [B, S, T]
 
 
 def soft_capped(scores: jax.Array, softcap: float | None) -> jax.Array:
@@ -62,7 +84,7 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, dtype, softcap: float | N
     return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(dtype)
 
 
-def score_rows(q: jax.Array, k: jax.Array, mask: jax.Array, positions: jax.Array, window: int | None,
+def score_rows(q: jax.Array, k: jax.Array, mask: jax.Array, positions: jax.Array, window: Window,
                divisor: float, softcap: float | None = None, sinks: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """Attention's scores and probabilities as per-query rows, for the sites that store them
@@ -99,7 +121,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                          precision: jax.lax.Precision, accumulate=None, divisor: float | None = None,
-                         softcap: float | None = None, window: int | None = None,
+                         softcap: float | None = None, window: Window = None,
                          sinks: jax.Array | None = None) -> jax.Array:
     """Causal self-attention of one sequence in tiles (flash-style online softmax):
     q [S, K, G, D], k, v [S, K, D], mask [S, S] (which must allow no future key) -> [S, K, G, D].
@@ -136,7 +158,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
             allowed = jax.lax.dynamic_slice(mask, (i * block, j * block), (block, block))  # [bq, bk]
             if window is not None:
                 query_pos = i * block + jnp.arange(block)[:, None]
-                allowed = allowed & (query_pos - (j * block + jnp.arange(block)[None, :]) < window)
+                allowed = allowed & visible(query_pos, j * block + jnp.arange(block)[None, :], window)
             scores = jnp.einsum("kmd,ktd->kmt", q_block, k_block, precision=precision,
                                 preferred_element_type=accumulate)
             scores = soft_capped(scores.reshape(kv_heads, groups, block, block).astype(jnp.float32), softcap)
@@ -158,7 +180,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
         state = (acc[..., 0] + MASKED, acc[..., 0], acc + jnp.zeros((dv,), jnp.float32))
         last = jnp.minimum(i + 1, key_blocks)
         # The first key block the window reaches (a padding block past the real keys: the last).
-        first = 0 if window is None else jnp.minimum(jnp.maximum(0, i * block - window + 1) // block, last - 1)
+        first = 0 if window is None else jnp.minimum(first_visible(i * block, window) // block, last - 1)
         running_max, total, acc = jax.lax.fori_loop(first, last, add_key_block, state)
         if sinks is not None:  # one more logit in the denominator, none in the values
             sink = sinks.astype(jnp.float32)[..., None]  # [K, G, 1]
@@ -174,7 +196,7 @@ def row_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                      precision: jax.lax.Precision, mesh: Mesh | None = None, accumulate=None,
                      divisor: float | None = None, softcap: float | None = None,
-                     window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
+                     window: Window = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal self-attention: q [B, S, K, G, D], k, v [B, S, K, D], mask [B, S, S] (which must
     allow no future key) -> [B, S, K, G, D].
 
@@ -202,7 +224,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                     precision: jax.lax.Precision, scale: float | None = None,
-                    window: int | None = None, implementation: str | None = None) -> jax.Array:
+                    window: Window = None, implementation: str | None = None) -> jax.Array:
     """Causal self-attention through ``jax.nn.dot_product_attention``: mask [B, S, S] (causal,
     padding keys masked) -> [B, S, K, G, D]. ``implementation``: None for XLA's fusion (every
     backend), ``cudnn`` for cuDNN's flash attention (GPU, bfloat16 or float16 operands).
@@ -214,6 +236,9 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     so even a NaN from a kernel that returns one there never reaches a sum). ``scale``: what
     q . k is multiplied by (None: 1/sqrt(D)); it has no soft-capping.
     """
+    if isinstance(window, Chunked):  # each chunk a causal sequence of its own
+        return chunkwise(lambda *chunk: fused_attention(*chunk, precision, scale, None, implementation),
+                         q, k, v, mask, window.size)
     b, s, kv_heads, groups, d = q.shape
     lengths = jnp.maximum(mask.any(axis=1).sum(axis=-1), 1).astype(jnp.int32)  # [B]
     with jax.default_matmul_precision("highest" if precision == jax.lax.Precision.HIGHEST else None):
@@ -222,6 +247,21 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                                            local_window_size=None if window is None else (window - 1, 0),
                                            implementation=implementation)
     return out.reshape(b, s, kv_heads, groups, d)  # [B, S, N, D] -> [B, S, K, G, D]
+
+
+def chunkwise(attend, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, size: int) -> jax.Array:
+    """Chunked causal attention as ``attend`` (a causal kernel: q [B', C, K, G, D], k, v [B', C, K, D],
+    mask [B', C, C]) of every chunk of ``size`` positions as a batch row of its own: the sequence
+    zero-padded to whole chunks, each chunk's mask its diagonal block of ``mask`` [B, S, S]
+    -> [B, S, K, G, D]."""
+    b, s = q.shape[:2]
+    n = -(-s // size)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, n * size - s)) + ((0, 0),) * (x.ndim - 2))
+    fold = lambda x: pad(x).reshape(b * n, size, *x.shape[2:])  # [B * n, C, ...]: row-major, so a batch shard
+    blocks = jnp.pad(mask, ((0, 0), (0, n * size - s), (0, n * size - s))).reshape(b, n, size, n, size)
+    blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=1, axis2=3), -1, 1)  # [B, n, C, C]: chunk i's keys, its queries
+    out = attend(fold(q), fold(k), fold(v), blocks.reshape(b * n, size, size))  # [B * n, C, K, G, D]
+    return out.reshape(b, n * size, *out.shape[2:])[:, :s]
 
 
 # cuDNN's flash attention: the operand dtypes it takes, and its largest head size, a multiple of 8:

@@ -30,6 +30,7 @@ FLOAT8 = "float8_e4m3fn"  # stored only, each row with its own scale (model.quan
 QUANTIZED_DTYPES = (FLOAT8,)
 RESIDUAL_DTYPES = ("float32", "compute")  # the residual stream's: see model.extract.resolve_residual_dtype
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, named as transformers names them
+CHUNKED = "chunked_attention"  # a layer attending within chunks of positions (Llama 4)
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # and Gemma 4's "proportional" (model.families.gemma4)
 # The MLP activations, by transformers' names: gelu_pytorch_tanh and gelu_new are the same tanh
 # approximation (Gemma's name, GPT-2's); gelu is the exact (erf) one (GPT-NeoX).
@@ -57,6 +58,25 @@ class RoPE:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chunked:
+    """A chunked layer's locality (``DecoderConfig.window`` of a ``chunked_attention`` block: Llama
+    4's): a query sees the earlier keys of its own chunk of ``size`` positions (positions
+    [c * size, (c + 1) * size)), none before it."""
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryTemperature:
+    """Queries scaled up by position before the scores: a query at position p times
+    1 + beta * log(1 + floor((p + offset) / span)) (Llama 4's attention temperature tuning: offset 1,
+    on the blocks without RoPE only; Mistral 4's ``llama_4_scaling_beta``: offset 0, every block)."""
+    beta: float
+    span: int
+    offset: int = 0
+    nope_only: bool = False   # only on the blocks that do not rotate (``DecoderConfig.nope_layers``)
+
+
+@dataclasses.dataclass(frozen=True)
 class MoE:
     """A mixture-of-experts MLP (``DecoderConfig.moe``), as transformers' Mixtral, OLMoE,
     Qwen2-MoE and Qwen3-MoE compute it: a linear router without bias gives ``num_experts`` logits
@@ -80,7 +100,10 @@ class MoE:
     per_expert_scale: bool = False      # each chosen expert's weight, after the renormalisation, times that
                                         # expert's learned scale (Gemma 4)
     router_bias: bool = False           # the router's linear layer has a bias (gpt-oss)
-    top_k_before_softmax: bool = False  # the k largest logits chosen first, their softmax the weights (gpt-oss)
+    top_k_before_softmax: bool = False  # the k largest logits chosen first, their softmax the weights (gpt-oss;
+                                        # with scoring "sigmoid": each one's sigmoid, Llama 4)
+    input_scaled: bool = False          # each chosen expert reads x times its weight and the outputs are summed
+                                        # as they are (Llama 4); off: the outputs are scaled by the weights
     expert_bias: bool = False           # the experts' projections have biases (gpt-oss)
     swiglu_limit: float | None = None   # the clamped SwiGLU: gate <= limit, |up| <= limit,
     swiglu_alpha: float = 1.702         # (up + 1) * gate * sigmoid(alpha * gate) (gpt-oss)
@@ -141,6 +164,11 @@ class DeltaNet:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    beta_scale: float = 1.0  # beta = scale x sigmoid(b): 2 lets the delta rule's eigenvalues go negative
+                             # (OLMo hybrid's linear_allow_neg_eigval)
+    norm_eps: float | None = None  # the gated output norm's epsilon (None: the model's norm_eps)
+    pre_norm_blocks: bool = False  # its blocks norm the sublayers' inputs and not their outputs, whatever the
+                                   # attention blocks do (OLMo hybrid: OLMo 2's attention blocks)
 
     @property
     def key_dim(self) -> int:
@@ -191,14 +219,18 @@ class DecoderConfig:
     qk_norm_scope: str = "head"          # head: over each head's head_dim | projection: over all heads at once,
                                          # before the split into heads (OLMo 2)
     query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt (Gemma); None: head_dim's
-    query_temperature: tuple[float, int] | None = None  # (beta, positions P): a query at position p times
-                                         # 1 + beta * log(1 + floor(p / P)) (Mistral 4's llama_4_scaling_beta)
+    query_temperature: QueryTemperature | None = None  # queries scaled up by position (Mistral 4, Llama 4)
     attn_logit_softcap: float | None = None     # scores -> tanh(scores / c) * c before the mask (Gemma 2)
     final_logit_softcap: float | None = None    # the same on the LM head's logits (Gemma 2)
     sliding_window: int | None = None    # keys a sliding layer's query sees, itself included
-    layer_types: tuple[str, ...] = ()    # per block, FULL or SLIDING; () is every block FULL
+    attention_chunk_size: int | None = None  # a chunked layer's chunk of positions (Llama 4: ``Chunked``)
+    layer_types: tuple[str, ...] = ()    # per block, FULL, SLIDING or CHUNKED; () is every block FULL
     sliding_rope: RoPE | None = None     # RoPE of sliding layers when it differs (Gemma 3's local base)
     nope_layers: tuple[int, ...] = ()    # blocks that do not rotate q and k at all (SmolLM3's no_rope_layers)
+    rope_interleaved: bool = False       # RoPE rotates dims (2i, 2i + 1) together (Llama 4's complex product);
+                                         # off: (i, i + D/2), Hugging Face's rotate_half
+    qk_l2_norm: bool = False             # q and k divided by their rms per head, no weight, after rotary, on the
+                                         # blocks that rotate (Llama 4's use_qk_norm; epsilon norm_eps)
     norm_unit_offset: bool = False       # RMSNorm scales by (1 + w), in float32 (Gemma)
     norm_weight_in_float32: bool = False  # RMSNorm's w multiplies the float32 normalised x, one rounding after
                                          # (OLMo 2); off: x is rounded to the dtype first, then scaled (Llama)
@@ -233,8 +265,11 @@ class DecoderConfig:
 
     def layer_config(self, layer: int) -> "DecoderConfig":
         """The config as block ``layer`` sees it: its head size, kv heads and MLP width where
-        blocks differ (Gemma 4's full-attention and kv-sharing blocks); this config elsewhere."""
+        blocks differ (Gemma 4's full-attention and kv-sharing blocks), its norms' placement
+        (OLMo hybrid's DeltaNet blocks); this config elsewhere."""
         changes = {}
+        if self.is_deltanet(layer) and self.deltanet.pre_norm_blocks:
+            changes.update(pre_norms=True, sandwich_norms=False)
         if self.window(layer) is None:  # a full-attention block
             if self.global_head_dim:
                 changes["head_dim"] = self.global_head_dim
@@ -313,9 +348,13 @@ class DecoderConfig:
         """Whether block ``layer``'s mixer is Gated DeltaNet (else attention)."""
         return self.deltanet is not None and layer in self.deltanet.layers
 
-    def window(self, layer: int) -> int | None:
-        """Block ``layer``'s sliding window (None: it attends to every earlier key)."""
-        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+    def window(self, layer: int) -> int | Chunked | None:
+        """Block ``layer``'s locality: its sliding window (keys), its chunk (``Chunked``), or None:
+        it attends to every earlier key."""
+        kind = self.layer_types[layer] if self.layer_types else FULL
+        if kind == CHUNKED:
+            return Chunked(self.attention_chunk_size)
+        return self.sliding_window if kind == SLIDING else None
 
     def rope_of(self, layer: int) -> RoPE | None:
         """Block ``layer``'s rotary embedding (None: the block does not rotate)."""

@@ -58,15 +58,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model import deltanet
-from model.attention import causal_attention, dense_attention, fused_attention, score_rows, windowed
-from model.config import DecoderConfig
+from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
+from model.config import DecoderConfig, QueryTemperature
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
 from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key, steer_key
 from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
 from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
-                         ATTN_V, ATTN_Z, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT, MLP_OUT,
-                         Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q, EMBED, FINAL_NORMALIZED)
+                         ATTN_V, ATTN_Z, DELTA_OUT, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT,
+                         MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q, EMBED, FINAL_NORMALIZED)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -87,7 +87,7 @@ class Attention(nn.Module):
     mesh: Mesh | None = None  # where the batch lives; causal attention then runs per device
     attention: str = "tiled"  # without a cache: tiled (causal_attention) | fused | cudnn (fused_attention) | dense
     residual_dtype: Any = None  # wider than dtype: matmuls accumulate in it, o_proj returns it
-    window: int | None = None   # this layer's sliding window (None: every earlier key)
+    window: Window = None       # this layer's sliding window or chunk (None: every earlier key)
     patterns: bool = False      # sow the scores and pattern too, recomputed from q and k (extraction only)
 
     @nn.compact
@@ -141,10 +141,16 @@ class Attention(nn.Module):
         if c.value_norm and not shared:  # v / rms(v) per head, without a weight (Gemma 4)
             v = rms_normalized(v, c.norm_eps).astype(v.dtype)
         if cos is not None:  # RoPE (learned positions were added to the embeddings instead)
-            q, k = apply_rope(q, cos, sin), k if shared else apply_rope(k, cos, sin)
+            rotate = lambda y: apply_rope(y, cos, sin, c.rope_interleaved)
+            q, k = rotate(q), k if shared else rotate(k)
             self.sow("sites", ROT_Q, q.reshape(b, s, -1))
             if not shared:
                 self.sow("sites", ROT_K, k.reshape(b, s, -1))
+            if c.qk_l2_norm:  # Llama 4's: after rotary, no weight
+                q, k = (y if y is None else rms_normalized(y, c.norm_eps).astype(y.dtype) for y in (q, k))
+        temperature = c.query_temperature
+        if temperature is not None and (cos is None or not temperature.nope_only):  # Llama 4's NoPE blocks'
+            q = (q * query_temperature(positions, temperature)[:, :, None, None]).astype(q.dtype)
         divisor = c.query_scale_divisor
         scored_q = q  # [B, S, N, D]: rotated, not yet scaled
         prescaled = accumulate is not None
@@ -178,7 +184,7 @@ class Attention(nn.Module):
         return project(c.hidden_size, c.o_bias, "o_proj")(out), None if shared else (k, v)
 
 
-def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh: Mesh | None, window: int | None,
+def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh: Mesh | None, window: Window,
              precision, accumulate, divisor: float | None, cached: bool, sinks=None) -> jax.Array:
     """Attention of q [B, S, K, G, D] over k [B, T, K, D] and v [B, T, K, Dv] (``cached``: keys at
     cache slots, one-shot; else causal, by ``kernel``; ``dense``: one-shot over the causal mask,
@@ -228,10 +234,11 @@ def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
     return out
 
 
-def query_temperature(positions: jax.Array, beta: float, span: int) -> jax.Array:
-    """Each position's query scale [B, S], float32: 1 + beta * log(1 + floor(p / span)) (1 in the
-    first ``span`` positions)."""
-    return 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / span))
+def query_temperature(positions: jax.Array, temperature: QueryTemperature) -> jax.Array:
+    """Each position's query scale [B, S], float32: 1 + beta * log(1 + floor((p + offset) / span))
+    (1 in the first positions)."""
+    shifted = positions.astype(jnp.float32) + temperature.offset
+    return 1 + temperature.beta * jnp.log1p(jnp.floor(shifted / temperature.span))
 
 
 class LatentAttention(nn.Module):
@@ -271,7 +278,7 @@ class LatentAttention(nn.Module):
         prescaled = accumulate is not None
         q = jnp.concatenate([q[..., :dn], q_rot], axis=-1)
         if c.query_temperature is not None:  # Mistral 4's: queries past P positions scaled up
-            q = q * query_temperature(positions, *c.query_temperature).astype(q.dtype)[:, :, None, None]
+            q = q * query_temperature(positions, c.query_temperature).astype(q.dtype)[:, :, None, None]
         divisor = c.query_scale_divisor
         if prescaled:  # scaled in float32, rounded once to matmul operands
             q, k_rot = (q / divisor).astype(self.dtype), k_rot.astype(self.dtype)
@@ -330,6 +337,8 @@ class GatedDeltaNet(nn.Module):
         k = convolved[1].reshape(b, s, d.num_key_heads, d.key_head_dim)
         v = convolved[2].reshape(b, s, d.num_value_heads, d.value_head_dim)
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
+        if d.beta_scale != 1.0:  # (transformers multiplies in the compute dtype: exact for 2)
+            beta = beta * d.beta_scale
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         if stepping:
             out, state = deltanet.recurrent(q, k, v, g, beta, cache[1])                # [B, 1, Hv, Dv] float32
@@ -337,8 +346,9 @@ class GatedDeltaNet(nn.Module):
             g, beta = deltanet.masked_gates(g, beta, lengths)  # padding neither decays nor writes the state
             out, state = deltanet.chunked(q, k, v, g, beta, chunk_size=self.chunk_size)  # [B, S, Hv, Dv] float32
         out = out.astype(self.dtype)
+        self.sow("sites", DELTA_OUT, out.reshape(b, s, d.value_dim))                      # [B, S, Hv*Dv]
         norm_weight = self.param("norm", nn.initializers.ones, (d.value_head_dim,), self.dtype)
-        normed = rms_normalized(out, c.norm_eps).astype(self.dtype)
+        normed = rms_normalized(out, c.norm_eps if d.norm_eps is None else d.norm_eps).astype(self.dtype)
         gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
         return project(c.hidden_size, "out_proj")(out), None if cache is None else (tuple(conv_states), state)
@@ -451,7 +461,7 @@ class DecoderLayer(nn.Module):
     chunk_tokens: int | None = None
     attention: str = "tiled"
     residual_dtype: Any = None  # the dtype of x and of the sums (None: dtype)
-    window: int | None = None   # this layer's sliding window
+    window: Window = None       # this layer's sliding window or chunk
     mlp_sites: tuple[str, ...] = ()  # sow these of the MLP's hidden sites (wider outputs of its chunked loop)
     sparse: bool = False        # the MLP is the config's mixture of experts (model.moe)
     moe_dispatch: str = "auto"  # model.config.MOE_DISPATCHES

@@ -16,7 +16,8 @@ with q and k L2-normalised where asked and q scaled by Dk^-1/2, as transformers'
   [C, D] x [D, D] matmuls.
 * ``recurrent``: one position at a time (a ``lax.scan`` over positions), for decoding.
 
-Everything is computed in float32. Right padding is kept out of the state by ``masked_gates``:
+Everything is computed in float32 (in float64 where given it: the tests compare the forms so). Right
+padding is kept out of the state by ``masked_gates``:
 a padded position neither decays the state (g = 0) nor writes to it (beta = 0), so the final
 state of a row is its state after its last real token, and its real positions' outputs do not
 depend on the padding (which, being later, they never read anyway).
@@ -42,12 +43,13 @@ def masked_gates(g: jax.Array, beta: jax.Array, lengths: jax.Array) -> tuple[jax
 
 
 def _prepared(q, k, v, g, beta, l2_normalize: bool):
-    """float32, heads first ([B, H, S, D] and [B, H, S]); q and k repeated to the value heads
-    (each serving H_v / H_k consecutive ones), L2-normalised where asked, q scaled."""
+    """float32 (or float64), heads first ([B, H, S, D] and [B, H, S]); q and k repeated to the
+    value heads (each serving H_v / H_k consecutive ones), L2-normalised where asked, q scaled."""
     groups = v.shape[2] // k.shape[2]
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
     q, k = (jnp.repeat(x, groups, axis=2) if groups > 1 else x for x in (q, k))
-    q, k, v = (jnp.swapaxes(x.astype(jnp.float32), 1, 2) for x in (q, k, v))
-    g, beta = (jnp.swapaxes(x.astype(jnp.float32), 1, 2) for x in (g, beta))
+    q, k, v = (jnp.swapaxes(x.astype(dtype), 1, 2) for x in (q, k, v))
+    g, beta = (jnp.swapaxes(x.astype(dtype), 1, 2) for x in (g, beta))
     if l2_normalize:
         q, k = l2norm(q), l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
@@ -59,7 +61,7 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     [B, Hv, Dk, Dv] (None: zeros) -> (outputs [B, S, Hv, Dv] in float32, the final state)."""
     q, k, v, g, beta = _prepared(q, k, v, g, beta, l2_normalize)
     batch, heads, _, dk = k.shape
-    state = jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
+    state = jnp.zeros((batch, heads, dk, v.shape[-1]), q.dtype) if state is None else state.astype(q.dtype)
 
     def step(s, inputs):
         q_t, k_t, v_t, g_t, beta_t = inputs                          # [B, H, D] / [B, H]
@@ -94,7 +96,7 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # The UT transform: (I + strictly-lower(k_beta k^T decay)) solves every in-chunk correction at once.
     system = jnp.where(later | jnp.eye(c, dtype=bool), 0.0, (k_beta @ jnp.swapaxes(k, -1, -2)) * pairwise)
-    unit = system + jnp.eye(c, dtype=jnp.float32)
+    unit = system + jnp.eye(c, dtype=q.dtype)
 
     def solve(b):
         return jax.lax.linalg.triangular_solve(unit, b, left_side=True, lower=True, unit_diagonal=True)
@@ -112,7 +114,7 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
         out = q_dec @ s + inside @ corrected
         return s * d + jnp.swapaxes(k_end, -1, -2) @ corrected, out
 
-    state = jnp.zeros((batch, heads, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    state = jnp.zeros((batch, heads, dk, dv), q.dtype) if state is None else state.astype(q.dtype)
     chunks = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_decayed, q_decayed, within, k_to_end, chunk_decay))
     state, out = jax.lax.scan(step, state, chunks)                    # out [N, B, H, C, Dv]
     out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, n * c, dv)[:, :, :length]

@@ -6,6 +6,7 @@ A block whose config has ``moe`` (``model.config.MoE``) replaces its MLP by
     probs   = softmax(float32(logits))          # over all experts (a removed expert's logit: -inf)
     w, idx  = top_k(probs, k)                   # [T, k]; w / sum(w) where normalize_top_k
     out     = sum_j w_j * expert_{idx_j}(x)     # each expert a gated MLP of expert_size
+                                                # (Llama 4's: sum_j expert_{idx_j}(w_j * x))
             + sigmoid(x @ shared_gate) * shared_expert(x)   # Qwen2-MoE only
 
 as transformers computes it for Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE (gpt-oss's router has a
@@ -88,12 +89,13 @@ def route(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | Non
 
 def route_top_k_first(logits: jax.Array, config: DecoderConfig, dtype, keep: jax.Array | None = None):
     """gpt-oss's router: the k largest logits [..., E] chosen first, their softmax the weights
-    (indices [..., k] int32, weights [..., k] rounded to ``dtype``); ``keep`` as ``route``'s."""
+    (Llama 4's: each one's sigmoid) (indices [..., k] int32, weights [..., k] rounded to ``dtype``);
+    ``keep`` as ``route``'s."""
     logits = logits.astype(jnp.float32)
     if keep is not None:
         logits = jnp.where(keep, logits, -jnp.inf)
     top, indices = jax.lax.top_k(logits, config.moe.top_k)  # [..., k]
-    weights = jax.nn.softmax(top, axis=-1)
+    weights = jax.nn.sigmoid(top) if config.moe.scoring == "sigmoid" else jax.nn.softmax(top, axis=-1)
     return indices.astype(jnp.int32), weights if config.moe.weights_in_float32 else weights.astype(dtype)
 
 
@@ -160,14 +162,20 @@ def expert_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, gl
     return out + biases[2] if biases else out
 
 
-def dense_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate) -> jax.Array:
+def dense_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate,
+                   input_scaled: bool = False) -> jax.Array:
     """Every local expert (``experts``: gate, up [E', H, F], down [E', F, H], and where they have
     them their biases [E', F], [E', F], [E', H]; global ids from ``first``) on every token x
-    [T, H], combined by the routing weights -> [T, H]."""
+    [T, H], combined by the routing weights -> [T, H]; ``input_scaled``: each expert on x times
+    its weight (zero where it was not chosen), the outputs summed (Llama 4's)."""
     gate, up, down, *biases = experts
     local = jnp.arange(gate.shape[0]) + first  # [E']
     combine = jnp.sum(jnp.where(indices[..., None] == local, weights[..., None], 0), axis=1)  # [T, E']
     dot = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=accumulate)
+    if input_scaled:
+        scaled = (x[:, None, :] * combine[..., None]).astype(x.dtype)  # [T, E', H]
+        g, u = dot("teh,ehf->tef", scaled, gate), dot("teh,ehf->tef", scaled, up)  # [T, E', F]
+        return dot("tef,efh->teh", glu(g, u).astype(x.dtype), down).sum(axis=1).astype(x.dtype)
     g, u = dot("th,ehf->tef", x, gate), dot("th,ehf->tef", x, up)  # [T, E', F]
     if biases:
         g, u = g + biases[0][None], u + biases[1][None]
@@ -179,9 +187,10 @@ def dense_dispatch(x, indices, weights, experts, first: int, glu, precision, acc
 
 
 def grouped_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate,
-                     ragged: bool) -> jax.Array:
+                     ragged: bool, input_scaled: bool = False) -> jax.Array:
     """The (token, expert) pairs of x [T, H] routed to the local experts (global ids from
-    ``first``), sorted by expert and computed by a grouped matmul -> [T, H]."""
+    ``first``), sorted by expert and computed by a grouped matmul -> [T, H]; ``input_scaled``:
+    each pair's row times its weight before the expert, not its output after."""
     gate, up, down, *biases = experts
     count, (t, k) = gate.shape[0], indices.shape
     expert = indices.reshape(-1) - first  # [T*k]
@@ -191,6 +200,8 @@ def grouped_dispatch(x, indices, weights, experts, first: int, glu, precision, a
     sizes = jnp.bincount(expert, length=count + 1)[:count]  # [E'] rows per local expert
     rows = x[token]  # [T*k, H] sorted by expert
     local = (expert[order] < count)[:, None]  # [T*k, 1]: rows of the local experts
+    if input_scaled:
+        rows = (rows * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     if ragged:
         dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision=precision, preferred_element_type=accumulate)
         g, u = dot(rows, gate), dot(rows, up)  # [T*k, F]
@@ -205,7 +216,7 @@ def grouped_dispatch(x, indices, weights, experts, first: int, glu, precision, a
     else:
         out = tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate)
     wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
-    scale = jnp.where(local[:, 0], weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
+    scale = jnp.where(local[:, 0], 1 if input_scaled else weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
     return jnp.zeros((t, out.shape[-1]), wide).at[token].add(out.astype(wide) * scale[:, None]).astype(out.dtype)
 
 
@@ -257,10 +268,11 @@ def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch
     def local(x, indices, weights, *experts, first=0):
         b, s, h = x.shape
         flat = x.reshape(b * s, h), indices.reshape(b * s, -1), weights.reshape(b * s, -1)
+        scaled = config.moe.input_scaled
         if kind == "dense":
-            out = dense_dispatch(*flat, experts, first, glu, precision, accumulate)
+            out = dense_dispatch(*flat, experts, first, glu, precision, accumulate, scaled)
         else:
-            out = grouped_dispatch(*flat, experts, first, glu, precision, accumulate, ragged)
+            out = grouped_dispatch(*flat, experts, first, glu, precision, accumulate, ragged, scaled)
         return out.reshape(b, s, -1)
 
     if mesh is None or x.shape[0] % mesh.shape["data"]:

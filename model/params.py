@@ -60,6 +60,9 @@ class Source:
     # One tensor of every expert's weights [E, ...] (Gemma 4, gpt-oss): ``part`` along one of its
     # axes; with ``transpose``, torch's [E, out, in] turned into [E, in, out].
     stacked: bool = False
+    # Where ``name`` is absent: the names it may be saved under instead, each a tuple of tensors
+    # concatenated along axis 0 (what transformers' conversions undo on load: OLMo hybrid's).
+    alternatives: tuple[tuple[str, ...], ...] = ()
 
 
 class ExpertStack:
@@ -173,13 +176,19 @@ class Layout:
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's, below <moe_tensors>.experts.E
     norms: dict[str, str] | None = None  # our block norm -> theirs (None: by the config's placement)
     deltanet_fused: bool = False        # DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba: Qwen3-Next)
+    deltanet_names: dict[str, str] | None = None  # our DeltaNet tensor -> theirs where q, k and v are projected
+                                        # apart (OLMo hybrid); None: Qwen3.5's in_proj_qkv, in_proj_z, ...
     router: str | None = None           # the router module, returning (logits or probabilities, weights,
                                         # indices); None: <mlp>.gate
     router_logits: str | None = None    # where its logits are when it returns probabilities (Gemma 4's)
+    router_outputs: dict[str, str] | None = None  # the routing sites' sides of its output where they are not
+                                        # (logits or probabilities, weights, indices): Llama 4's (scores, logits)
     expert_tensors: Callable[..., Iterator[tuple[tuple[str, ...], Source]]] | None = None  # a family's own
                                         # mixture-of-experts tensors (config, "<prefix><blocks>.L"): gpt-oss's
     shared_expert: str = "shared_expert"  # the shared expert's module below <mlp> (DeepSeek's: shared_experts)
     selection_bias: str = "gate.e_score_correction_bias"  # the router's choice bias, below <moe_tensors>
+    renamed: dict[str, str] | None = None  # a part of a tensor name as transformers loads it -> as the
+                                        # checkpoint may have it (its conversion_mapping's renamings)
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -270,6 +279,19 @@ def _stacked_moe(config: DecoderConfig, hf: str):
         yield from _linear(f"{hf}.mlp.shared_experts.{proj}", ("mlp", "shared_expert", proj), False)
 
 
+def _llama4_moe(config: DecoderConfig, hf: str):
+    """Llama 4's mixture of experts below ``feed_forward``: the router [E, H], the experts' stacked
+    tensors as transformers holds them, [E, in, out] (``gate_up_proj`` [E, H, 2F]: gate columns,
+    then up; ``down_proj`` [E, F, H]), and the ungated ``shared_expert``."""
+    f = config.moe.expert_size
+    yield ("mlp", "router", "kernel"), Source(f"{hf}.feed_forward.router.weight", True)
+    for proj, part in zip(("gate_proj", "up_proj"), _split(2, [f, f])):
+        yield ("mlp", "experts", proj), Source(f"{hf}.feed_forward.experts.gate_up_proj", part=part, stacked=True)
+    yield ("mlp", "experts", "down_proj"), Source(f"{hf}.feed_forward.experts.down_proj", stacked=True)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        yield from _linear(f"{hf}.feed_forward.shared_expert.{proj}", ("mlp", "shared_expert", proj), False)
+
+
 def _gpt_oss_moe(config: DecoderConfig, hf: str):
     """gpt-oss's mixture of experts below ``mlp``: the router with its bias, and the experts'
     stacked tensors as transformers holds them, [E, in, out]: ``gate_up_proj`` [E, H, 2F] whose
@@ -295,7 +317,7 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     own = ("q_proj",) if c.kv_source(layer) is not None else ("q_proj", "k_proj") if (
         c.attention_k_eq_v and c.window(layer) is None) else ("q_proj", "k_proj", "v_proj")
     if c.is_deltanet(layer):
-        yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c).deltanet_fused)
+        yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c))
     elif c.mla is not None:
         yield from _latent_attention(c, hf)
     elif fused:
@@ -324,8 +346,8 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
                 yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
         else:
             for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
-                yield from _linear(f"{hf}.mlp.{proj}", ("mlp", proj), c.mlp_bias)
-        yield from _linear(f"{hf}.mlp.down_proj", ("mlp", "down_proj"), c.mlp_bias)
+                yield from _linear(f"{hf}.{layout_of(c).mlp}.{proj}", ("mlp", proj), c.mlp_bias)
+        yield from _linear(f"{hf}.{layout_of(c).down_proj}", ("mlp", "down_proj"), c.mlp_bias)
     for ours, theirs in block_norm_names(c).items():
         yield from _norm(f"{hf}.{theirs}", (ours,), c)
     if c.per_layer_input_size:  # Gemma 4's per-layer embedding's addition
@@ -350,29 +372,36 @@ def _per_layer_inputs(config: DecoderConfig, prefix: str, num_layers: int):
     yield from _norm(f"{prefix}per_layer_projection_norm", ("per_layer_inputs", "per_layer_projection_norm"), config)
 
 
-def _deltanet(config: DecoderConfig, hf: str, fused: bool = False):
+def _deltanet(config: DecoderConfig, hf: str, layout: Layout):
     """A Gated DeltaNet mixer's tensors (``model.decoder.GatedDeltaNet``), as transformers names
     them: ``in_proj_qkv`` and the convolution's weight [channels, 1, taps] taken apart into q, k
-    and v (so that each splits by heads over a mesh). ``fused``: Qwen3-Next's ``in_proj_qkvz``
-    (per key head: its q, its k, its value heads' v, their z) and ``in_proj_ba`` (per key head:
-    its value heads' b, their a), taken apart into ours."""
+    and v (so that each splits by heads over a mesh). ``layout.deltanet_fused``: Qwen3-Next's
+    ``in_proj_qkvz`` (per key head: its q, its k, its value heads' v, their z) and ``in_proj_ba``
+    (per key head: its value heads' b, their a), taken apart into ours; ``layout.deltanet_names``:
+    separate projections under those names (OLMo hybrid's)."""
     d = config.deltanet
+    names = layout.deltanet_names or {}
     parts = dict(zip("qkv", _split(0, [d.key_dim, d.key_dim, d.value_dim])))  # of q | k | v
-    if fused:
+    if layout.deltanet_fused:
         for proj, part in _fused_deltanet_parts(d):
             yield from _linear(f"{hf}.{'in_proj_ba' if proj in ('in_proj_b', 'in_proj_a') else 'in_proj_qkvz'}",
                                ("linear_attn", proj), False, part)
+    elif names:
+        for proj in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"):
+            yield from _linear(f"{hf}.{names[proj]}", ("linear_attn", proj), False)
     else:
         for name, part in parts.items():
             yield from _linear(f"{hf}.in_proj_qkv", ("linear_attn", f"in_proj_{name}"), False, part)
         for proj in ("in_proj_z", "in_proj_b", "in_proj_a"):
             yield from _linear(f"{hf}.{proj}", ("linear_attn", proj), False)
-    yield from _linear(f"{hf}.out_proj", ("linear_attn", "out_proj"), False)
+    yield from _linear(f"{hf}.{names.get('out_proj', 'out_proj')}", ("linear_attn", "out_proj"), False)
+    # OLMo hybrid's checkpoints hold q's, k's and v's convolutions apart, which transformers concatenates.
+    apart = ((f"{hf}.q_conv1d.weight", f"{hf}.k_conv1d.weight", f"{hf}.v_conv1d.weight"),) if names else ()
     for name, part in parts.items():
-        yield ("linear_attn", f"conv_{name}"), Source(f"{hf}.conv1d.weight", part=part)
+        yield ("linear_attn", f"conv_{name}"), Source(f"{hf}.conv1d.weight", part=part, alternatives=apart)
     for name in ("dt_bias", "A_log"):
         yield ("linear_attn", name), Source(f"{hf}.{name}")
-    yield ("linear_attn", "norm"), Source(f"{hf}.norm.weight")
+    yield ("linear_attn", "norm"), Source(f"{hf}.{names.get('norm', 'norm')}.weight")
 
 
 def _fused_deltanet_parts(d) -> list[tuple[str, tuple[int, np.ndarray, int]]]:
@@ -436,13 +465,25 @@ MIXTRAL = dataclasses.replace(LLAMA, moe_tensors="block_sparse_moe", experts=("w
 # MiniMax-M2's checkpoints: Mixtral's, with the router's choice bias beside the gate.
 MINIMAX_M2 = dataclasses.replace(MIXTRAL, selection_bias="e_score_correction_bias")
 QWEN3_NEXT = dataclasses.replace(LLAMA, deltanet_fused=True)
+# OLMo hybrid's DeltaNet: q, k, v, the gate (our z), a and b projected apart, out_proj named o_proj.
+OLMO_HYBRID = dataclasses.replace(LLAMA, deltanet_names={
+    "in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj", "in_proj_b": "b_proj",
+    "in_proj_a": "a_proj", "out_proj": "o_proj", "norm": "o_norm"},
+    renamed={"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"})
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
 DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
 MISTRAL4 = dataclasses.replace(DEEPSEEK, expert_tensors=_stacked_moe)
+# Llama 4's: the MLP and the mixture of experts are ``feed_forward``, whose router returns (its scores:
+# the chosen experts' sigmoids, zero elsewhere [T, E]; its logits [T, E]).
+LLAMA4 = dataclasses.replace(LLAMA, mlp="feed_forward", down_proj="feed_forward.down_proj", moe_tensors="feed_forward",
+                             router="feed_forward.router", expert_tensors=_llama4_moe, router_outputs={
+                                 "logits": "output 1", "weights": "top k values of output 0",
+                                 "indices": "top k ids of output 1"})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
-           "qwen3_next": QWEN3_NEXT, "gemma4": GEMMA4, "gpt_oss": GPT_OSS, "deepseek_v2": DEEPSEEK,
-           "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK, "mistral4": MISTRAL4}
+           "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
+           "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
+           "mistral4": MISTRAL4, "llama4": LLAMA4}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -474,6 +515,8 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
     from model import sites
     if reason := sites.missing_reason(site, config, layer):
         raise ValueError(f"{site}: {reason}")
+    if layer is not None and layer >= 0:  # its norms' placement (OLMo hybrid's blocks differ)
+        config = config.layer_config(layer)
     if site == sites.ATTN_OUT and layer is not None and config.is_deltanet(layer) and not config.sandwich_norms:
         return "linear_attn", "output"
     layout, norms = layout_of(config), block_norm_names(config)
@@ -481,10 +524,11 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
     router = layout.router or f"{layout.mlp}.gate"  # returns (logits or probabilities, top-k weights, top-k
-    return {                                            # indices), over [B*S] tokens
-        sites.ROUTER_LOGITS: (layout.router_logits or router, "output"),
-        sites.ROUTING_WEIGHTS: (router, "output 1"),
-        sites.EXPERT_INDICES: (router, "output 2"),
+    sides = layout.router_outputs or {}                 # indices), over [B*S] tokens
+    return {
+        sites.ROUTER_LOGITS: (layout.router_logits or router, sides.get("logits", "output")),
+        sites.ROUTING_WEIGHTS: (router, sides.get("weights", "output 1")),
+        sites.EXPERT_INDICES: (router, sides.get("indices", "output 2")),
         sites.SHARED_EXPERT_GATE: (f"{layout.mlp}.shared_expert_gate", "sigmoid output"),
         sites.SHARED_EXPERT_OUT: (f"{layout.mlp}.{layout.shared_expert}", "output"),
         sites.RESID_PRE: ("", "input"),
@@ -528,6 +572,8 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.ATTN_SCORES: (attn, "scores"),
         sites.ATTN_PATTERN: (attn, "pattern"),
         sites.ATTN_MODULE_OUT: module_out,
+        # the gated norm's input: [B*S*Hv, Dv], every value head's row
+        sites.DELTA_OUT: (f"linear_attn.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
         sites.MLP_PRE: (f"{mlp}.gate_proj", "output"),
         sites.MLP_PRE_LINEAR: (f"{mlp}.up_proj", "output"),
         sites.MLP_MODULE_OUT: (norms["post_mlp_norm"], "input") if config.sandwich_norms else (mlp, "output"),
@@ -634,7 +680,7 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
         return ExpertStack(checkpoint, names, source.transpose, fp8_block=fp8_block)
     if source.stacked:
         return StackedTensor(checkpoint, source, shared=shared)
-    tensor = fp8.read(checkpoint, source.name, fp8_block)
+    tensor = _saved_tensor(checkpoint, source, fp8_block)
     if source.part is not None:
         axis, indices, size = source.part
         if tensor.ndim <= axis or tensor.shape[axis] != size:
@@ -642,6 +688,23 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
                             f"sizes do not give (its fused parts make {size} along axis {axis})")
         tensor = np.take(tensor, indices, axis=axis)
     return tensor
+
+
+def _saved_tensor(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None) -> np.ndarray:
+    """Tensor ``source.name``, or where it is absent the first of its alternatives the checkpoint
+    holds, concatenated; ``UserError`` naming ``source.name`` where none is there."""
+    if source.name not in checkpoint:
+        for names in source.alternatives:
+            if all(name in checkpoint for name in names):
+                return np.concatenate([fp8.read(checkpoint, name, fp8_block) for name in names], axis=0)
+    return fp8.read(checkpoint, source.name, fp8_block)
+
+
+def with_renamings(source: Source, layout: Layout) -> Source:
+    """``source`` with the names the layout's renamings give it as alternatives."""
+    renamed = [source.name.replace(ours, theirs) for ours, theirs in (layout.renamed or {}).items()
+               if ours in source.name]
+    return dataclasses.replace(source, alternatives=source.alternatives + tuple((name,) for name in renamed))
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -676,6 +739,7 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
     prefix = text_prefix(checkpoint, layout_of(config))
     shared: tuple[str, dict] = ("", {})  # a stacked tensor's ranges read, while its parts are loaded
     for path, source in param_names(config, num_layers, with_head, prefix):
+        source = with_renamings(source, layout_of(config))
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})

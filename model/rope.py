@@ -62,13 +62,20 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, rope: RoPE) -> tuple[jax.A
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:
     """Rotates ``x`` [B, S, heads, D] by the tables [B, S, R] (Hugging Face's rotate_half form):
     its first R dims, the rest passed through where R < D (partial rotary, as GPT-NeoX and Phi-3
-    compute it: rotate_half within the first R)."""
+    compute it: rotate_half within the first R). ``interleaved``: dims (2i, 2i + 1) rotate together
+    by pair i's angle (Llama 4's complex product, in float32 and rounded once, as it computes it)."""
     if cos.shape[-1] < x.shape[-1]:
         rotary = cos.shape[-1]
-        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin, interleaved), x[..., rotary:]], axis=-1)
+    if interleaved:
+        half = x.shape[-1] // 2
+        cos, sin = cos[:, :, None, :half], sin[:, :, None, :half]  # [B, S, 1, D/2]: one angle per pair
+        even, odd = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)  # [B, S, heads, D/2]
+        pairs = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+        return pairs.reshape(x.shape).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)

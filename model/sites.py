@@ -41,6 +41,7 @@ Q_NORM_OUT, K_NORM_OUT = "attn.q_norm.hook_out", "attn.k_norm.hook_out"
 ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"
 ATTN_SCORES, ATTN_PATTERN = "attn.hook_attn_scores", "attn.hook_pattern"
 ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
+DELTA_OUT = "attn.hook_delta_out"  # a Gated DeltaNet mixer's delta-rule output (model.decoder.GatedDeltaNet)
 MLP_PRE, MLP_PRE_LINEAR, MLP_MODULE_OUT = "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_out"
 # Sites of the whole model, stored once per token (not per block): keyed by their name alone.
 EMBED, FINAL_NORMALIZED, FINAL_NORM = "hook_embed", "ln_final.hook_normalized", "ln_final.hook_out"
@@ -57,10 +58,12 @@ PATTERNS = (ATTN_SCORES, ATTN_PATTERN)  # a row per query token over the sample'
 HEAD_SITES = (ATTN_Q, ATTN_K, ATTN_V, *QK_NORM, ROT_Q, ROT_K, *PATTERNS, ATTN_GATE)
 OWN_KV = (ATTN_K, ATTN_V, K_NORM_OUT, ROT_K)
 MLP_HIDDEN = (MLP_PRE, MLP_PRE_LINEAR)  # beside mlp.hook_post: returned by the MLP, never by an expert
-INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_MODULE_OUT, *MLP_HIDDEN, MLP_MODULE_OUT)  # inside the sublayers
+INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, ATTN_MODULE_OUT, *MLP_HIDDEN,  # inside the sublayers
+          MLP_MODULE_OUT)
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
+DELTANET_FAMILIES = "Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,8 @@ class Site:
     width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | kv_heads
                       # (num_key_value_heads x head_dim) | scores (num_attention_heads x the sample's
                       # tokens) | intermediate | experts (num_experts) | top_k (experts per token) | one |
-                      # vocab (vocab_size) | logits_top_k (--logits_top_k)
+                      # vocab (vocab_size) | logits_top_k (--logits_top_k) | delta_values (a Gated
+                      # DeltaNet's value heads x value_head_dim)
     meaning: str
     integer: bool = False  # stored as int32 whatever the activation dtype (expert ids)
     scope: str = "block"   # block: stored at each layer asked for | model: once per token, keyed by its name
@@ -109,6 +113,10 @@ SITES: dict[str, Site] = {s.name: s for s in (
          measured=False),
     Site(ATTN_GATE, "heads", "gated attention's output gate before its sigmoid: q_proj's gate half per head "
                              "(Qwen3.5, Qwen3-Next: each head's output is multiplied by sigmoid of it)"),
+    Site(DELTA_OUT, "delta_values", "a Gated DeltaNet block's delta-rule output per value head (what its "
+                                    "recurrent state gives the query), before the gated output norm, flattened to "
+                                    "value heads x value_head_dim (head-major); the state itself, [Dk, Dv] per head "
+                                    "and token, is not a site"),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
                           "n_heads * head_dim (head-major)"),
     Site(ATTN_MODULE_OUT, "hidden", "the attention module's output (o_proj's), before a post-attention norm: "
@@ -129,7 +137,8 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                    "renormalised over the k where the family does (Mixtral; norm_topk_prob; "
                                    "gpt-oss: the softmax of the k logits; Gemma 4: times per_expert_scale; "
                                    "DeepSeek: the chosen scores, renormalised where norm_topk_prob, times "
-                                   "routed_scaling_factor)"),
+                                   "routed_scaling_factor; Llama 4: each chosen logit's sigmoid, scaling the "
+                                   "expert's input)"),
     Site(SHARED_EXPERT_GATE, "one", "Qwen2-MoE's shared expert gate: sigmoid(shared_expert_gate(x))"),
     Site(SHARED_EXPERT_OUT, "hidden", "the shared expert's output (Qwen2-MoE's, before its gate scales it; "
                                       "DeepSeek's shared_experts, added as it is)"),
@@ -241,16 +250,22 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
         where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
         return (f"{where} mixes with Gated DeltaNet: no attention heads (hook_attn_out is what the mixer adds); "
                 f"its attention blocks are {_spans(config.attention_layers) or 'none'}")
-    if site == LN2_NORMALIZED and not config.has_mlp_norm:
-        return f"{config.model_type}'s MLP reads the stream without a norm before it (mlp.hook_in is its input)"
+    if site == DELTA_OUT and (config.deltanet is None or layer is not None and not config.is_deltanet(layer)):
+        if config.deltanet is None:
+            return f"{config.model_type} has no Gated DeltaNet blocks (the families with them: {DELTANET_FAMILIES})"
+        return (f"block {layer} is an attention block: the Gated DeltaNet blocks are "
+                f"{_spans(config.deltanet.layers)}")
+    if site == LN2_NORMALIZED and not _normed_input(config, layer):
+        return f"{_blocks(config, layer)} MLP reads the stream without a norm before it (mlp.hook_in is its input)"
     return _attention_reason(site, config, layer) or _mlp_reason(site, config, layer)
 
 
 def _attention_reason(site: str, config, layer: int | None) -> str | None:
     """Why a model has no attention-inside site (``HEAD_SITES``, ``ln1.hook_normalized``) at
     ``layer`` (None: at any), or None."""
-    if site == LN1_NORMALIZED and not config.pre_norms:
-        return f"{config.model_type}'s attention reads the stream without a norm before it (attn.hook_in is its input)"
+    if site == LN1_NORMALIZED and not _normed_input(config, layer):
+        return (f"{_blocks(config, layer)} attention reads the stream without a norm before it (attn.hook_in is its "
+                "input)")
     if site not in HEAD_SITES:
         return None
     if config.deltanet is not None and (layer is None and not config.attention_layers
@@ -261,10 +276,18 @@ def _attention_reason(site: str, config, layer: int | None) -> str | None:
     if config.mla is not None:
         return (f"{config.model_type}'s latent attention expands its keys and values from a shared latent: "
                 "its queries, keys, values and patterns are not sites yet (attn.hook_z is)")
+    if site in QK_NORM and config.qk_l2_norm:
+        return (f"{config.model_type}'s QK-norm has no weight and follows rotary (attn.hook_rot_q and "
+                "attn.hook_rot_k are its inputs; the scores are taken after it)")
     if site in QK_NORM and not config.qk_norm:
         return f"{config.model_type} has no QK-norm (the families with one: {QK_NORM_FAMILIES})"
     if site == ATTN_GATE and not config.attn_output_gate:
         return f"{config.model_type}'s attention has no output gate (gated attention: {GATE_FAMILIES})"
+    if site in (ROT_Q, ROT_K) and config.positions != "learned" and (
+            not any(config.rope_of(i) for i in range(config.num_hidden_layers)) if layer is None
+            else layer >= 0 and config.rope_of(layer) is None):
+        return (f"block {layer if layer is not None else 'none'} does not rotate (NoPE): "
+                f"{'attn.hook_q' if site == ROT_Q else 'attn.hook_k'} is what is scored")
     if site in (ROT_Q, ROT_K) and config.positions == "learned":
         return (f"{config.model_type} adds learned positions to the embeddings: no rotary "
                 f"({'attn.hook_q' if site == ROT_Q else 'attn.hook_k'} is what is scored)")
@@ -272,6 +295,19 @@ def _attention_reason(site: str, config, layer: int | None) -> str | None:
         return (f"block {layer} attends to block {config.kv_source(layer)}'s keys and values (kv sharing): it has "
                 "none of its own")
     return None
+
+
+def _normed_input(config, layer: int | None) -> bool:
+    """Whether block ``layer``'s sublayers read a normed stream (None: any block's do)."""
+    if layer is None:
+        return any(config.layer_config(i).pre_norms for i in range(config.num_hidden_layers))
+    return config.layer_config(layer).pre_norms
+
+
+def _blocks(config, layer: int | None) -> str:
+    """Whose sublayer a refusal names: ``block 3's`` where blocks differ, else the family's."""
+    differ = config.deltanet is not None and config.deltanet.pre_norm_blocks
+    return f"block {layer}'s" if layer is not None and differ else f"{config.model_type}'s"
 
 
 def _mlp_reason(site: str, config, layer: int | None) -> str | None:
@@ -372,6 +408,8 @@ def site_width(site: str, config, layer: int | None = None, length: int | None =
     if kind in ("heads", "kv_heads"):
         heads = config.num_attention_heads if kind == "heads" else config.num_key_value_heads
         return heads * config.head_dim
+    if kind == "delta_values":
+        return config.deltanet.value_dim
     if kind in ("experts", "top_k"):
         return config.moe.num_experts if kind == "experts" else config.moe.top_k
     return {"intermediate": config.intermediate_size, "one": 1}.get(kind, config.hidden_size)

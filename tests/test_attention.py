@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 from model.attention import ATTENTION_BLOCK, causal_attention, causal_mask, dense_attention
+from model.config import Chunked
 from model.decoder import chunk_tokens_for, token_chunks
 from fixtures.hf_reference import relative_error
 
@@ -157,10 +158,12 @@ def test_attention_choice_is_gated_by_backend():
         attention_for(cpu, "flash")
 
 
-@pytest.mark.parametrize("window", [1, 16, 130, 1000])
+@pytest.mark.parametrize("window", [1, 16, 130, 1000, Chunked(100)],  # chunks that cross tile edges
+                         ids=lambda w: f"chunk{w.size}" if isinstance(w, Chunked) else str(w))
 def test_a_sliding_window_holds_in_the_tiled_and_fused_kernels(window):
-    """Query q sees keys q - window + 1 .. q only, whichever kernel: the same as the one-shot
-    softmax over the windowed mask, across tile edges and with padding; soft-capping too."""
+    """Query q sees keys q - window + 1 .. q only (a chunk: the earlier keys of its own chunk only),
+    whichever kernel: the same as the one-shot softmax over the windowed mask, across tile edges
+    and with padding; soft-capping too."""
     from model.attention import fused_attention, windowed
     lengths = [300, 129, 1, 0]
     q, k, v, mask = padded_inputs(300, lengths)
@@ -176,7 +179,15 @@ def test_a_sliding_window_holds_in_the_tiled_and_fused_kernels(window):
     # Padding positions hold garbage, but finite: past a row's end by more than the window, a
     # query block has no key left to see, and still visits one.
     assert np.isfinite(tiled).all() and np.isfinite(fused).all()
-    if window < 300:  # a key just past the last query's window changes nothing there, only where it is seen
+    if isinstance(window, Chunked):  # the key before the last chunk changes nothing in it, only where it is seen
+        attend = jax.jit(lambda *a: causal_attention(*a, HIGHEST, window=window))
+        start = 299 // window.size * window.size
+        v_changed = np.array(v)
+        v_changed[0, start - 1] = 1e6
+        changed, base = np.asarray(attend(q, k, v_changed, mask)), np.asarray(attend(q, k, v, mask))
+        np.testing.assert_array_equal(changed[0, start:], base[0, start:])
+        assert not np.array_equal(changed[0, start - 1], base[0, start - 1])
+    elif window < 300:  # a key just past the last query's window changes nothing there, only where it is seen
         attend = jax.jit(lambda *a: causal_attention(*a, HIGHEST, window=window))
         v_changed = np.array(v)
         v_changed[0, 299 - window] = 1e6

@@ -17,6 +17,7 @@ from common.cli import UserError
 from fixtures.hf_reference import block_sites
 from fixtures.hf_reference import (assert_blocks_equal_transformers, load_reference, random_sequences,
                                    reference_activations, reference_sites, relative_error)
+from model.config import QueryTemperature
 from model.families import config_from_dict, load_config
 from model.extract import Extractor
 from model.sites import (EXPERT_INDICES, ROUTER_LOGITS, ROUTING_WEIGHTS, hook_name, key_parts)
@@ -310,7 +311,7 @@ def test_newer_deepseek_types_and_bad_options_are_refused_in_one_line(checkpoint
     rope = mistral4["rope_parameters"]
     with pytest.raises(UserError, match="original_max_position_embeddings = None is not supported: the query "):
         config_from_dict({**mistral4, "rope_parameters": {**rope, "original_max_position_embeddings": None}})
-    assert config_from_dict(mistral4).query_temperature == (0.1, 16)
+    assert config_from_dict(mistral4).query_temperature == QueryTemperature(0.1, 16)
     hub = {k: v for k, v in minimax.items() if k != "rope_parameters"}  # the hub's keys: rotary_dim, rope_theta
     assert config_from_dict({**hub, "rotary_dim": 8, "rope_theta": 10_000.0}).rotary_dim == 8
 

@@ -85,3 +85,17 @@ def test_the_chunked_rule_over_512_positions_finishes_in_a_process_that_imports_
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             env={**os.environ, "XLA_FLAGS": flags})
     assert result.returncode == 0 and result.stdout.strip() == "finished", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 64])
+def test_each_chunk_size_equals_the_token_by_token_rule_in_float64(inputs, chunk_size):
+    """Beta up to 2 (OLMo hybrid's negative eigenvalues): the chunked form's outputs and final
+    state equal the recurrence position by position within 1e-6, in float64."""
+    q, k, v, g, beta, state = (x.astype(np.float64) for x in inputs)
+    beta = 2 * beta
+    with jax.enable_x64(True):
+        out, final = jax.device_get(jax.jit(lambda *a: deltanet.chunked(*a, chunk_size=chunk_size))(
+            q, k, v, g, beta, state))
+        expected, expected_final = jax.device_get(jax.jit(deltanet.recurrent)(q, k, v, g, beta, state))
+    assert out.dtype == np.float64
+    assert relative_error(out, expected) <= 1e-6 and relative_error(final, expected_final) <= 1e-6

@@ -45,6 +45,19 @@ def runner(stream, out, model_dir: str, *extra: str) -> list[str]:
             "--dtype", "float32", *extra]
 
 
+def assert_runs_or_refused(model_dir: str, tmp_path, flags: list[str], message: str | None) -> None:
+    """The runner with ``flags`` on a short stream: it succeeds (``message`` None), or refuses in one
+    line holding ``message`` before it writes anything."""
+    write_stream(tmp_path / "stream.jsonl", model_dir, count=2)
+    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", model_dir,
+                                                        *flags))
+    if message is None:
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    one_line_error(result, message)
+    assert not (tmp_path / "out").exists()
+
+
 def run_ok(*args: str) -> None:
     result = run_in_process("runners.tpu_host", *args)
     assert result.returncode == 0, result.stderr[-3000:]

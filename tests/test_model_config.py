@@ -207,12 +207,28 @@ def test_the_text_model_of_a_multimodal_gemma_3_takes_gemma3_text_defaults():
     assert [i for i, t in enumerate(config.layer_types) if t == FULL] == [5, 11, 17, 23, 29]
 
 
+def test_olmo_hybrid_7bs_shape_places_its_norms_by_block_kind():
+    """Olmo-Hybrid-7B's defaults: DeltaNet on three blocks of four, keys of 0.75 x 3840 / 30 = 96,
+    values twice that, beta x 2; its DeltaNet blocks pre-norm, its attention blocks OLMo 2's."""
+    config = config_from_dict({"architectures": ["OlmoHybridForCausalLM"], "model_type": "olmo_hybrid"})
+    assert config.attention_layers == tuple(range(3, 32, 4)) and len(config.deltanet.layers) == 24
+    d = config.deltanet
+    assert (d.num_key_heads, d.key_head_dim, d.value_head_dim, d.beta_scale, d.norm_eps) == (30, 96, 192, 2.0, 1e-5)
+    assert (config.pre_norms, config.sandwich_norms, config.qk_norm_scope) == (False, True, "projection")
+    assert (config.layer_config(0).pre_norms, config.layer_config(0).sandwich_norms) == (True, False)
+    assert config.layer_config(3) == config  # an attention block: the model's placement
+    kept = config_from_dict({"architectures": ["OlmoHybridForCausalLM"], "model_type": "olmo_hybrid",
+                             "linear_allow_neg_eigval": False, "num_hidden_layers": 3})
+    assert kept.deltanet.beta_scale == 1.0 and kept.attention_layers == (2,)  # no fourth block: the last
+
+
 @pytest.mark.parametrize("model_type, architecture", [
     ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
     ("gemma3", "Gemma3ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel"), ("gpt_neox", "GPTNeoXForCausalLM"),
     ("olmo2", "Olmo2ForCausalLM"), ("phi3", "Phi3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
-    ("smollm3", "SmolLM3ForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("gemma4_text", "Gemma4ForCausalLM")])
+    ("smollm3", "SmolLM3ForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("gemma4_text", "Gemma4ForCausalLM"),
+    ("olmo_hybrid", "OlmoHybridForCausalLM")])
 def test_left_out_keys_read_as_transformers_defaults(model_type, architecture):
     """A config.json that gives almost nothing: every default is transformers' own."""
     minimal = {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 2}

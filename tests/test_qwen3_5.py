@@ -14,8 +14,7 @@ from model.families import load_config
 from model.extract import Extractor
 from model.sites import ATTN_Z
 from tests.conftest import run_in_process
-from tests.test_family_runs import assert_equals_transformers, runner, write_stream
-from tests.test_host_errors import one_line_error
+from tests.test_family_runs import assert_equals_transformers, assert_runs_or_refused, runner, write_stream
 from tests.test_multihost import stored
 
 pytestmark = pytest.mark.slow
@@ -91,14 +90,7 @@ def test_a_2d_mesh_splits_the_deltanet_weights_by_heads(checkpoint):
     (["--ablate", "head:1.0"], "block 1 mixes with Gated DeltaNet: it has no attention heads (attn:1 removes"),
 ])
 def test_what_a_deltanet_block_lacks_is_refused_before_the_model_loads(checkpoint, tmp_path, flags, message):
-    write_stream(tmp_path / "stream.jsonl", checkpoint, count=2)
-    result = run_in_process("runners.tpu_host", *runner(tmp_path / "stream.jsonl", tmp_path / "out", checkpoint,
-                                                        *flags))
-    if message is None:
-        assert result.returncode == 0, result.stderr[-3000:]
-        return
-    one_line_error(result, message)
-    assert not (tmp_path / "out").exists()
+    assert_runs_or_refused(checkpoint, tmp_path, flags, message)
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,14 @@ from types import ModuleType
 from common.cli import UserError
 from model.config import DecoderConfig
 from model.families import (deepseek_v2, deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox, gpt_oss, llama,
-                            minimax_m2, mistral, mistral4, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3,
-                            qwen3_5, qwen3_moe, qwen3_next, smollm3)
+                            llama4, minimax_m2, mistral, mistral4, mixtral, olmo2, olmo3, olmo_hybrid, olmoe, phi3,
+                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "llama": (llama, llama.ARCHITECTURES),
+    "llama4_text": (llama4, llama4.ARCHITECTURES),
+    "llama4": (llama4, llama4.WRAPPER_ARCHITECTURES),
     "mistral": (mistral, mistral.ARCHITECTURES),
     "qwen2": (qwen2, qwen2.ARCHITECTURES),
     "qwen3": (qwen3, qwen3.ARCHITECTURES),
@@ -29,6 +31,7 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "gpt_neox": (gpt_neox, gpt_neox.ARCHITECTURES),
     "olmo2": (olmo2, olmo2.ARCHITECTURES),
     "olmo3": (olmo3, olmo3.ARCHITECTURES),
+    "olmo_hybrid": (olmo_hybrid, olmo_hybrid.ARCHITECTURES),
     "smollm3": (smollm3, smollm3.ARCHITECTURES),
     "qwen3_5_text": (qwen3_5, qwen3_5.ARCHITECTURES),
     "qwen3_5": (qwen3_5, qwen3_5.WRAPPER_ARCHITECTURES),
@@ -57,13 +60,10 @@ REFUSED = {
                    "implemented",
     "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
                    "keys, hyper-connections) are not implemented",
-    **dict.fromkeys(("llama4", "llama4_text"), "Llama 4's chunked local attention, its NoPE layers' temperature "
-                                                "tuning and its input-scaled sigmoid experts are not implemented"),
     **dict.fromkeys(("nemotron_h", "granitemoehybrid"), "Mamba-2 mixers (an SSM with a state per head) are not "
                                                         "implemented"),
     "falcon_h1": "Falcon-H1's blocks of attention and a Mamba-2 mixer in parallel are not implemented",
     "kimi_linear": "Kimi Delta Attention (a delta rule with a per-channel forget gate) is not implemented",
-    "olmo_hybrid": "OLMo hybrid's Gated DeltaNet (negative eigenvalues, one fused convolution) is not implemented",
     **dict.fromkeys(("glm5_next", "glm5_next_text"), "GLM-5-next's hyper-connections and forget-gated linear "
                                                       "attention are not implemented"),
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "Qwen4-exp's QSA indexer over compressed keys, "

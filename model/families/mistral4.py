@@ -11,7 +11,7 @@ score: the sum of its two best), renormalised (+ 1e-20) and times ``routed_scali
 
 from __future__ import annotations
 
-from model.config import DecoderConfig
+from model.config import DecoderConfig, QueryTemperature
 from model.families.common import Fields, rope_parameters
 from model.families.deepseek_v3 import grouped_moe, latent_decoder
 
@@ -41,6 +41,6 @@ def decoder_config(raw: dict) -> DecoderConfig:
         if not isinstance(span, int) or span < 1:
             raise f.refuse(f"{where}.original_max_position_embeddings", span, "the query temperature's span of "
                            "positions must be a positive integer")
-        temperature = (float(beta), span)
+        temperature = QueryTemperature(float(beta), span)
     return latent_decoder(f, moe, interleave=bool(f.optional("rope_interleave")), rope_in_float32=False,
                           partial_rope=True, query_temperature=temperature)
