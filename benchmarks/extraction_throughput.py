@@ -7,7 +7,8 @@ k 8), mixtral (Mixtral 8x7B: 8 experts, k 2), gpt_oss (gpt-oss-20b: 32 experts, 
 deepseek_v3 (DeepSeek-V3: latent attention, 256 experts in 8 groups, k 8, a shared expert), or qwen3_5
 (Qwen3.5-27B reduced in proportion: 6 Gated DeltaNet blocks, 2 of gated attention), olmo_hybrid
 (Olmo-Hybrid-7B reduced: 6 DeltaNet blocks, 2 of attention), llama4 (Llama-4-Scout reduced: chunks
-of 256, 16 input-scaled experts, k 1), minimax_m2 or mistral4. ``--weights
+of 256, 16 input-scaled experts, k 1), deepseek_v32 (DeepSeek-V3.2 reduced as V3, each query's 256
+best keys), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -67,7 +68,7 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced", "gpt_oss": "gpt-oss-20b-reduced",
                  "deepseek_v3": "deepseek-v3-reduced", "minimax_m2": "minimax-m2-reduced",
                  "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
-                 "llama4": "llama-4-scout-reduced"}
+                 "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -121,7 +122,8 @@ def matmul_flops_per_second(size: int = 2048, repeats: int = 5, rounds: int = 5)
 
 def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     """2 x parameters x tokens for the blocks, plus causal attention (within a sliding layer's
-    window or a chunked layer's chunk: what the tiled kernel computes)."""
+    window or a chunked layer's chunk: what the tiled kernel computes; an indexer's scores of every
+    causal pair, and attention over the keys it chose)."""
     c, h, n = config, config.hidden_size, config.num_attention_heads
     queries = n * (2 if c.attn_output_gate else 1)  # a gated q_proj writes queries and gates
     attention_params = (h * (queries + 2 * c.num_key_value_heads) * c.head_dim
@@ -131,6 +133,10 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         q = h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim if m.q_lora_rank else h * n * m.qk_head_dim
         attention_params = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
                             + m.kv_lora_rank * n * (m.qk_nope_head_dim + c.head_dim) + n * c.head_dim * h)
+    indexer = c.mla.indexer if c.mla is not None else None
+    if indexer is not None:  # its query, key and head weights
+        attention_params += (c.mla.q_lora_rank * indexer.num_heads * indexer.head_dim
+                             + h * (indexer.head_dim + indexer.num_heads))
     d = c.deltanet
     if d is not None:  # q, k, v, z, b, a in; out
         deltanet_params = c.hidden_size * (2 * d.key_dim + 2 * d.value_dim + 2 * d.num_value_heads + d.value_dim)
@@ -149,6 +155,8 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     deltanet = sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
 
     def attended(n: int, window) -> int:  # (query, key) pairs of one sequence
+        if indexer is not None:  # each query's chosen keys
+            return sum(min(p + 1, indexer.topk) for p in range(n))
         if isinstance(window, Chunked):  # a triangle per chunk
             full, rest = divmod(n, window.size)
             return full * window.size * (window.size + 1) // 2 + rest * (rest + 1) // 2
@@ -159,6 +167,8 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     pair_flops = 2 * c.num_attention_heads * (c.attention_head_dim + c.head_dim)
     attention = sum(pair_flops * attended(n, c.window(layer))
                     for layer in range(num_layers) if not c.is_deltanet(layer) for n in lengths)
+    if indexer is not None:  # the index scores of every causal pair
+        attention += num_layers * sum(2 * indexer.num_heads * indexer.head_dim * n * (n + 1) // 2 for n in lengths)
     return dense + attention + deltanet
 
 

@@ -312,8 +312,9 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
 
     ``auto``: the per-tile loop on CPU (``causal_attention``: it keeps scores in cache); on GPU,
     cuDNN's flash attention where it applies (bfloat16, no soft-capping), else XLA's fused kernel;
-    on TPU XLA's fused kernel; the tiled loop for a model with soft-capped attention logits or
-    attention sinks, which neither fused kernel can do (docs/benchmarks.md#the-accelerator-path measured them)."""
+    on TPU XLA's fused kernel; the tiled loop for a model with soft-capped attention logits,
+    attention sinks or an indexer's choice of keys (DeepSeek-V3.2), which neither fused kernel can
+    do (docs/benchmarks.md#the-accelerator-path measured them)."""
     if choice not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {choice!r} (choose from {', '.join(ATTENTION_KINDS)})")
     capped = config is not None and config.attn_logit_softcap is not None
@@ -325,6 +326,10 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
     if choice == "fused" and sinks:
         raise UserError(f"--attention fused: jax.nn.dot_product_attention has no attention sinks, which "
                         f"{config.model_type} has; use --attention tiled or auto")
+    indexed = config is not None and config.mla is not None and config.mla.indexer is not None
+    if choice in ("fused", "cudnn") and indexed:
+        raise UserError(f"--attention {choice}: the fused kernels attend to every earlier key, and "
+                        f"{config.model_type}'s indexer chooses each query's keys; use --attention tiled or auto")
     platform = None if mesh is None else mesh.devices.flat[0].platform
     limit = cudnn_max_head_dim(mesh)
     if choice == "cudnn":
@@ -333,7 +338,7 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
             raise UserError(f"--attention cudnn: {problem}; use --attention auto")
     if choice != "auto":
         return choice
-    if platform in (None, "cpu") or capped or sinks:
+    if platform in (None, "cpu") or capped or sinks or indexed:
         return "tiled"
     if platform == "gpu" and dtype is not None and cudnn_problem(platform, config, dtype, limit) is None:
         return "cudnn"

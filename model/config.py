@@ -124,6 +124,21 @@ class MoE:
 
 
 @dataclasses.dataclass(frozen=True)
+class Indexer:
+    """DeepSeek sparse attention's lightning indexer (``LatentAttention.indexer``: DeepSeek-V3.2), as
+    transformers' ``DeepseekV32Indexer`` computes it (``model.indexer``): ``num_heads`` index queries
+    of ``head_dim`` from the normed low-rank query (``wq_b``), one index key per position from x
+    (``wk``, then a LayerNorm), the first ``qk_rope_head_dim`` dims of each rotated (rotate-half);
+    a key's score for a query is sum_h w_h relu(q_h . k / sqrt(head_dim)), w = weights_proj(x) /
+    sqrt(num_heads), and the query attends to its ``topk`` best earlier keys only (all of them
+    while it has no more)."""
+    num_heads: int
+    head_dim: int
+    topk: int
+    rope_interleave: bool = False  # its rotated dims pair as (0, 1), (2, 3), ... (GLM-5's): reordered at load time
+
+
+@dataclasses.dataclass(frozen=True)
 class LatentAttention:
     """Multi-head latent attention (``DecoderConfig.mla``; DeepSeek-V2/V3, Kimi, GLM-4.7-Flash), as
     transformers' ``DeepseekV3Attention`` computes it: the query from x (``q_proj``) or through a
@@ -143,6 +158,7 @@ class LatentAttention:
                                          # the compute dtype (V3)
     norm_eps: float = 1e-6               # the q and latent RMSNorms' (transformers builds them with its default,
                                          # whatever rms_norm_eps)
+    indexer: Indexer | None = None       # DeepSeek sparse attention: each query's keys chosen by an indexer
 
     @property
     def qk_head_dim(self) -> int:

@@ -60,13 +60,15 @@ from jax.sharding import Mesh
 from model import deltanet
 from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
 from model.config import DecoderConfig, QueryTemperature
+from model.indexer import LightningIndexer
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
 from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key, steer_key
 from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
 from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
-                         ATTN_V, ATTN_Z, DELTA_OUT, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT,
-                         MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q, EMBED, FINAL_NORMALIZED)
+                         ATTN_V, ATTN_Z, DELTA_OUT, INDEXED_KEYS, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN,
+                         MLP_MODULE_OUT, MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q, EMBED,
+                         FINAL_NORMALIZED)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -265,8 +267,8 @@ class LatentAttention(nn.Module):
         project = lambda width, bias, name: dense(width, bias, name, self.dtype, accumulate)
         norm = lambda name, y: RMSNorm(m.norm_eps, self.dtype, self.residual_dtype, name=name)(y, norms)
         if m.q_lora_rank:
-            q = project(n * m.qk_head_dim, False, "q_b_proj")(norm("q_a_layernorm", project(
-                m.q_lora_rank, c.qkv_bias, "q_a_proj")(x)))
+            q_resid = norm("q_a_layernorm", project(m.q_lora_rank, c.qkv_bias, "q_a_proj")(x))  # [B, S, Rq]
+            q = project(n * m.qk_head_dim, False, "q_b_proj")(q_resid)
         else:
             q = project(n * m.qk_head_dim, False, "q_proj")(x)
         q = q.reshape(b, s, n, m.qk_head_dim)                                           # [B, S, N, Dn + Dr]
@@ -284,6 +286,14 @@ class LatentAttention(nn.Module):
             q, k_rot = (q / divisor).astype(self.dtype), k_rot.astype(self.dtype)
         if cache is not None:  # the compressed keys and values are what a cache holds
             latent, k_rot = cache_written(cache[0], latent, cache_index), cache_written(cache[1], k_rot, cache_index)
+        index_keys = ()
+        if m.indexer is not None:  # DeepSeek sparse attention: each query's keys chosen by the indexer
+            cached = None if cache is None else lambda keys: cache_written(cache[2], keys.astype(cache[2].dtype),
+                                                                          cache_index)
+            mask, chosen, keys = LightningIndexer(c, self.dtype, self.residual_dtype, name="indexer")(
+                x, q_resid, cos, sin, mask, cached)
+            self.sow("sites", INDEXED_KEYS, chosen)                                     # [B, S, topk] int32
+            index_keys = (keys,)
         t = latent.shape[1]
         kv = project(n * (dn + dv), False, "kv_b_proj")(latent[:, :, 0]).reshape(b, t, n, dn + dv)
         if prescaled:
@@ -293,7 +303,7 @@ class LatentAttention(nn.Module):
                        precision_for(self.dtype), accumulate, None if prescaled else divisor,
                        cache is not None)                                                # [B, S, N, 1, Dv]
         out = heads_output(self, out.reshape(b, s, n, dv).astype(self.dtype), heads)    # [B, S, N*Dv]
-        return project(c.hidden_size, c.o_bias, "o_proj")(out), (latent, k_rot)
+        return project(c.hidden_size, c.o_bias, "o_proj")(out), (latent, k_rot, *index_keys)
 
 
 class GatedDeltaNet(nn.Module):

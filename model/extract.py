@@ -317,7 +317,7 @@ def check_pool(pool: str | None, sites: Sequence[str]) -> None:
     (NaN at a sample's last token)."""
     integer = [site for site in sites if SITES[site].integer or site == LOSS]
     if pool is not None and integer:
-        what = "NaN at a sample's last token" if integer[0] == LOSS else "integers (ids or ranks)"
+        what = "NaN at a sample's last token" if integer[0] == LOSS else integers_held(integer[0])
         raise UserError(f"--tokens {pool}: {integer[0]} holds {what}, which have no mean; store it without "
                         "pooling, or leave it out of --sites")
 

@@ -161,8 +161,10 @@ class Generator:
             if c.kv_source(layer) is not None:
                 out.append(None)
             elif c.mla is not None:  # the normed latent and the rotated key part (model.decoder.LatentAttention)
+                index = c.mla.indexer  # and DeepSeek sparse attention's index keys
                 out.append((zeros((rows, self.cache_length, 1, c.mla.kv_lora_rank)),             # [B, T, 1, R]
-                            zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim))))        # [B, T, 1, Dr]
+                            zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim)),         # [B, T, 1, Dr]
+                            *([zeros((rows, self.cache_length, 1, index.head_dim))] if index else [])))  # [B, T, 1, Di]
             elif c.is_deltanet(layer):
                 d = c.deltanet
                 out.append((tuple(zeros((rows, d.conv_kernel - 1, width))                        # [B, K-1, C]

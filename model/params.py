@@ -249,6 +249,18 @@ def _latent_attention(config: DecoderConfig, hf: str):
     yield from _linear(f"{attn}.kv_a_proj_with_mqa", ("self_attn", "kv_a_proj_with_mqa"), c.qkv_bias, kv_rows)
     yield from _norm(f"{attn}.kv_a_layernorm", ("self_attn", "kv_a_layernorm"), c)
     yield from _linear(f"{attn}.kv_b_proj", ("self_attn", "kv_b_proj"), False)
+    if m.indexer is not None:  # DeepSeek sparse attention's indexer, its rotated dims as rotate-half pairs them
+        ix = m.indexer
+        pairs = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)]) if ix.rope_interleave else np.arange(dr)
+        rows = np.concatenate([pairs, np.arange(dr, ix.head_dim)])  # one index head's: rotated, then not
+        head = (0, rows, ix.head_dim)  # the index key's rows, and its LayerNorm's
+        yield from _linear(f"{attn}.indexer.wq_b", ("self_attn", "indexer", "wq_b"), False,
+                           (0, (np.arange(ix.num_heads)[:, None] * ix.head_dim + rows).reshape(-1),
+                            ix.num_heads * ix.head_dim))
+        yield from _linear(f"{attn}.indexer.wk", ("self_attn", "indexer", "wk"), False, head)
+        yield from _linear(f"{attn}.indexer.weights_proj", ("self_attn", "indexer", "weights_proj"), False)
+        for leaf in ("weight", "bias"):
+            yield ("self_attn", "indexer", "k_norm", leaf), Source(f"{attn}.indexer.k_norm.{leaf}", part=head)
 
 
 def _gemma4_moe(config: DecoderConfig, hf: str):
@@ -482,7 +494,8 @@ LLAMA4 = dataclasses.replace(LLAMA, mlp="feed_forward", down_proj="feed_forward.
                                  "indices": "top k ids of output 1"})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
-           "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
+           "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
+           "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
            "mistral4": MISTRAL4, "llama4": LLAMA4}
 
 
@@ -572,6 +585,7 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.ATTN_SCORES: (attn, "scores"),
         sites.ATTN_PATTERN: (attn, "pattern"),
         sites.ATTN_MODULE_OUT: module_out,
+        sites.INDEXED_KEYS: (f"{attn}.indexer", "indexed keys"),
         # the gated norm's input: [B*S*Hv, Dv], every value head's row
         sites.DELTA_OUT: (f"linear_attn.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
         sites.MLP_PRE: (f"{mlp}.gate_proj", "output"),
@@ -646,6 +660,10 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                        kv_b_proj=(m.kv_lora_rank, n * (m.qk_nope_head_dim + d)))
         if module in ("q_a_layernorm", "kv_a_layernorm"):
             return (m.q_lora_rank if module == "q_a_layernorm" else m.kv_lora_rank,)
+        if "indexer" in path and m.indexer is not None:  # DeepSeek sparse attention's
+            ix = m.indexer
+            return {"wq_b": (m.q_lora_rank or 0, ix.num_heads * ix.head_dim), "wk": (h, ix.head_dim),
+                    "weights_proj": (h, ix.num_heads)}.get(module, (ix.head_dim,))
     if path[0] == "per_layer_inputs" or module.startswith("per_layer"):  # Gemma 4's per-layer embeddings
         width = (c.num_hidden_layers if num_layers is None else num_layers) * c.per_layer_input_size
         return {"embed_tokens_per_layer": (c.per_layer_vocab_size, width), "per_layer_model_projection": (h, width),

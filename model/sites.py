@@ -42,6 +42,7 @@ ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"
 ATTN_SCORES, ATTN_PATTERN = "attn.hook_attn_scores", "attn.hook_pattern"
 ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
 DELTA_OUT = "attn.hook_delta_out"  # a Gated DeltaNet mixer's delta-rule output (model.decoder.GatedDeltaNet)
+INDEXED_KEYS = "attn.hook_indexed_keys"  # the keys DeepSeek sparse attention's indexer chose (model.indexer)
 MLP_PRE, MLP_PRE_LINEAR, MLP_MODULE_OUT = "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_out"
 # Sites of the whole model, stored once per token (not per block): keyed by their name alone.
 EMBED, FINAL_NORMALIZED, FINAL_NORM = "hook_embed", "ln_final.hook_normalized", "ln_final.hook_out"
@@ -58,8 +59,8 @@ PATTERNS = (ATTN_SCORES, ATTN_PATTERN)  # a row per query token over the sample'
 HEAD_SITES = (ATTN_Q, ATTN_K, ATTN_V, *QK_NORM, ROT_Q, ROT_K, *PATTERNS, ATTN_GATE)
 OWN_KV = (ATTN_K, ATTN_V, K_NORM_OUT, ROT_K)
 MLP_HIDDEN = (MLP_PRE, MLP_PRE_LINEAR)  # beside mlp.hook_post: returned by the MLP, never by an expert
-INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, ATTN_MODULE_OUT, *MLP_HIDDEN,  # inside the sublayers
-          MLP_MODULE_OUT)
+INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT,  # inside the sublayers
+          *MLP_HIDDEN, MLP_MODULE_OUT)
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
@@ -73,7 +74,7 @@ class Site:
                       # (num_key_value_heads x head_dim) | scores (num_attention_heads x the sample's
                       # tokens) | intermediate | experts (num_experts) | top_k (experts per token) | one |
                       # vocab (vocab_size) | logits_top_k (--logits_top_k) | delta_values (a Gated
-                      # DeltaNet's value heads x value_head_dim)
+                      # DeltaNet's value heads x value_head_dim) | index_topk (an indexer's keys a query)
     meaning: str
     integer: bool = False  # stored as int32 whatever the activation dtype (expert ids)
     scope: str = "block"   # block: stored at each layer asked for | model: once per token, keyed by its name
@@ -117,6 +118,9 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                     "recurrent state gives the query), before the gated output norm, flattened to "
                                     "value heads x value_head_dim (head-major); the state itself, [Dk, Dv] per head "
                                     "and token, is not a site"),
+    Site(INDEXED_KEYS, "index_topk", "the keys DeepSeek sparse attention's indexer chose for each query: "
+                                     "their positions, highest index score first, -1 past the keys the query "
+                                     "sees (int32)", integer=True, measured=False),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
                           "n_heads * head_dim (head-major)"),
     Site(ATTN_MODULE_OUT, "hidden", "the attention module's output (o_proj's), before a post-attention norm: "
@@ -250,6 +254,8 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
         where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
         return (f"{where} mixes with Gated DeltaNet: no attention heads (hook_attn_out is what the mixer adds); "
                 f"its attention blocks are {_spans(config.attention_layers) or 'none'}")
+    if site == INDEXED_KEYS and (config.mla is None or config.mla.indexer is None):
+        return f"{config.model_type} has no sparse attention indexer (DeepSeek-V3.2's)"
     if site == DELTA_OUT and (config.deltanet is None or layer is not None and not config.is_deltanet(layer)):
         if config.deltanet is None:
             return f"{config.model_type} has no Gated DeltaNet blocks (the families with them: {DELTANET_FAMILIES})"
@@ -410,6 +416,8 @@ def site_width(site: str, config, layer: int | None = None, length: int | None =
         return heads * config.head_dim
     if kind == "delta_values":
         return config.deltanet.value_dim
+    if kind == "index_topk":
+        return config.mla.indexer.topk
     if kind in ("experts", "top_k"):
         return config.moe.num_experts if kind == "experts" else config.moe.top_k
     return {"intermediate": config.intermediate_size, "one": 1}.get(kind, config.hidden_size)
@@ -464,8 +472,9 @@ def check_row_size(sites: Sequence[str], layers: Sequence[int], config, itemsize
 
 
 def integers_held(site: str) -> str:
-    """What an integer site (``Site.integer``) holds, for messages: expert ids, token ids or ranks."""
-    return {TOP_K_IDS: "token ids", RANK: "ranks"}.get(site, "expert ids")
+    """What an integer site (``Site.integer``) holds, for messages: expert ids, token ids, ranks or
+    key positions."""
+    return {TOP_K_IDS: "token ids", RANK: "ranks", INDEXED_KEYS: "key positions"}.get(site, "expert ids")
 
 
 def describe_key(key: ArrayKey) -> str:

@@ -10,9 +10,9 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import (deepseek_v2, deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox, gpt_oss, llama,
-                            llama4, minimax_m2, mistral, mistral4, mixtral, olmo2, olmo3, olmo_hybrid, olmoe, phi3,
-                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
+from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox,
+                            gpt_oss, llama, llama4, minimax_m2, mistral, mistral4, mixtral, olmo2, olmo3, olmo_hybrid,
+                            olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -46,6 +46,8 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "gpt_oss": (gpt_oss, gpt_oss.ARCHITECTURES),
     "deepseek_v2": (deepseek_v2, deepseek_v2.ARCHITECTURES),
     "deepseek_v3": (deepseek_v3, deepseek_v3.ARCHITECTURES),
+    "deepseek_v32": (deepseek_v32, deepseek_v32.ARCHITECTURES),
+    "glm_moe_dsa": (deepseek_v32, deepseek_v32.GLM5_ARCHITECTURES),
     "kimi_k2": (deepseek_v3, deepseek_v3.ARCHITECTURES),  # Kimi K2's config.json: DeepSeek-V3's model
     "glm4_moe_lite": (deepseek_v3, deepseek_v3.LITE_ARCHITECTURES),
     "glm4_moe": (glm4_moe, glm4_moe.ARCHITECTURES),
@@ -54,10 +56,6 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
 }
 # Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
 REFUSED = {
-    "deepseek_v32": "DeepSeek-V3.2's sparse attention (a lightning indexer choosing each query's top index_topk "
-                    "keys) is not implemented",
-    "glm_moe_dsa": "GLM-5's DeepSeek sparse attention (a lightning indexer choosing each query's keys) is not "
-                   "implemented",
     "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
                    "keys, hyper-connections) are not implemented",
     **dict.fromkeys(("nemotron_h", "granitemoehybrid"), "Mamba-2 mixers (an SSM with a state per head) are not "
