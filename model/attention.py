@@ -251,17 +251,22 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def chunkwise(attend, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, size: int) -> jax.Array:
     """Chunked causal attention as ``attend`` (a causal kernel: q [B', C, K, G, D], k, v [B', C, K, D],
-    mask [B', C, C]) of every chunk of ``size`` positions as a batch row of its own: the sequence
-    zero-padded to whole chunks, each chunk's mask its diagonal block of ``mask`` [B, S, S]
-    -> [B, S, K, G, D]."""
+    mask [B', C, C]): the whole chunks of ``size`` positions each a batch row of its own (each with
+    its diagonal block of ``mask`` [B, S, S]), the partial last chunk a call of its own; nothing is
+    padded, so a sequence shorter than a chunk is plain causal attention -> [B, S, K, G, D]."""
     b, s = q.shape[:2]
-    n = -(-s // size)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, n * size - s)) + ((0, 0),) * (x.ndim - 2))
-    fold = lambda x: pad(x).reshape(b * n, size, *x.shape[2:])  # [B * n, C, ...]: row-major, so a batch shard
-    blocks = jnp.pad(mask, ((0, 0), (0, n * size - s), (0, n * size - s))).reshape(b, n, size, n, size)
-    blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=1, axis2=3), -1, 1)  # [B, n, C, C]: chunk i's keys, its queries
-    out = attend(fold(q), fold(k), fold(v), blocks.reshape(b * n, size, size))  # [B * n, C, K, G, D]
-    return out.reshape(b, n * size, *out.shape[2:])[:, :s]
+    n = s // size
+    whole = n * size
+    parts = []
+    if n:
+        fold = lambda x: x[:, :whole].reshape(b * n, size, *x.shape[2:])  # [B * n, C, ...]: row-major, a batch shard
+        blocks = jnp.diagonal(mask[:, :whole, :whole].reshape(b, n, size, n, size), axis1=1, axis2=3)
+        blocks = jnp.moveaxis(blocks, -1, 1).reshape(b * n, size, size)  # chunk i's queries x its keys
+        out = attend(fold(q), fold(k), fold(v), blocks)  # [B * n, C, K, G, D]
+        parts.append(out.reshape(b, whole, *out.shape[2:]))
+    if whole < s:  # the last, partial chunk
+        parts.append(attend(q[:, whole:], k[:, whole:], v[:, whole:], mask[:, whole:, whole:]))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 # cuDNN's flash attention: the operand dtypes it takes, and its largest head size, a multiple of 8:

@@ -11,7 +11,6 @@ holds each position's index key.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -75,17 +74,18 @@ class LightningIndexer(nn.Module):
 
 def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array) -> jax.Array:
     """sum_h weights_h relu(q_h . k): q [B, S, Hi, D], keys [B, T, D] (scaled), weights [B, S, Hi]
-    -> [B, S, T] float32, in blocks of queries (``QUERY_BLOCK``, a divisor of S)."""
+    -> [B, S, T] float32, in blocks of ``QUERY_BLOCK`` queries (the last zero-padded, then cut)."""
     b, s = q.shape[:2]
-    block = math.gcd(s, QUERY_BLOCK)
 
     def scored(args):
         q_block, w_block = args                                                          # [B, Q, Hi, D], [B, Q, Hi]
         per_head = jnp.einsum("bqhd,btd->bqht", q_block, keys, precision=jax.lax.Precision.HIGHEST)
         return jnp.einsum("bqh,bqht->bqt", w_block, jax.nn.relu(per_head), precision=jax.lax.Precision.HIGHEST)
 
-    if block == s:
+    if s <= QUERY_BLOCK:
         return scored((q, weights))
-    blocks = lambda y: jnp.moveaxis(y.reshape(b, s // block, block, *y.shape[2:]), 1, 0)  # [n, B, Q, ...]
-    out = jax.lax.map(scored, (blocks(q), blocks(weights)))                               # [n, B, Q, T]
-    return jnp.moveaxis(out, 0, 1).reshape(b, s, -1)
+    n = -(-s // QUERY_BLOCK)
+    pad = lambda y: jnp.pad(y, ((0, 0), (0, n * QUERY_BLOCK - s)) + ((0, 0),) * (y.ndim - 2))
+    blocks = lambda y: jnp.moveaxis(pad(y).reshape(b, n, QUERY_BLOCK, *y.shape[2:]), 1, 0)  # [n, B, Q, ...]
+    out = jax.lax.map(scored, (blocks(q), blocks(weights)))                                 # [n, B, Q, T]
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * QUERY_BLOCK, -1)[:, :s]

@@ -85,6 +85,8 @@ def test_scouts_shape_reads_as_transformers_defaults():
     assert config.nope_layers == (3, 7) and config.qk_l2_norm and config.rope_interleaved
     assert config.moe.num_experts == 16 and config.moe.top_k == 1 and config.moe.dense_layers == ()
     assert (config.intermediate_size, config.moe.expert_size, config.moe.shared_expert_size) == (16384, 8192, 8192)
+    assert config_from_dict({"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+                             "num_hidden_layers": 8, "num_key_value_heads": None}).num_key_value_heads == 40
     maverick = config_from_dict({"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
                                  "num_hidden_layers": 4, "interleave_moe_layer_step": 2, "num_local_experts": 128})
     assert maverick.sparse_layers == (1, 3)
@@ -95,6 +97,8 @@ def test_scouts_shape_reads_as_transformers_defaults():
     (dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers"),
     (dict(num_experts_per_tok=17), "num_experts_per_tok = 17 is not supported"),
     (dict(moe_layers=[5]), "moe_layers"),
+    (dict(no_rope_layer_interval=0), "no_rope_layer_interval = 0 is not supported"),
+    (dict(layer_types="chunked_attention"), "layer_types = 'chunked_attention' is not supported"),
 ])
 def test_a_config_the_reader_does_not_handle_is_one_line_naming_the_field(change, message):
     raw = {"model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 4, **change}

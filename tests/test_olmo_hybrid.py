@@ -35,6 +35,18 @@ def test_every_block_of_a_padded_batch_equals_transformers_in_float32(checkpoint
     assert_blocks_equal_transformers(checkpoint, random_sequences(LENGTHS, seed=3, vocab=config.vocab_size))
 
 
+def test_a_null_rope_theta_rotates_no_block_as_transformers_does(tmp_path):
+    """Olmo-Hybrid-7B's config.json: ``rope_parameters.rope_theta`` null, so transformers builds
+    no rotary embedding."""
+    from fixtures.tiny_models import write_checkpoint
+    nope = write_checkpoint(tmp_path / "nope", "olmo_hybrid", seed=4, num_hidden_layers=3,
+                            layer_types=["linear_attention", "full_attention", "full_attention"],
+                            rope_parameters={"rope_type": "default", "rope_theta": None})
+    config = load_config(nope)
+    assert config.nope_layers == (0, 1, 2) and all(config.rope_of(i) is None for i in range(3))
+    assert_blocks_equal_transformers(nope, random_sequences([40, 23], seed=3, vocab=config.vocab_size))
+
+
 def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path):
     """Every site every block has (its norms' sites differ by block: below)."""
     config = load_config(checkpoint)

@@ -40,6 +40,8 @@ def decoder_config(raw: dict) -> DecoderConfig:
             raise UserError("llama4 config.json has no 'text_config' (the language model's settings)")
         raw = {**text, "model_type": "llama4_text",
                "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:  # transformers: one per query head
+        raw = {**raw, "num_key_value_heads": raw.get("num_attention_heads") or DEFAULTS["num_attention_heads"]}
     f = Fields(raw, DEFAULTS, "llama4")
     config = {**shapes(f), "intermediate_size": f.number("intermediate_size_mlp")}
     n = config["num_hidden_layers"]
@@ -64,6 +66,8 @@ def rotating_layers(f: Fields, num_layers: int) -> list[bool]:
     given = f.raw.get("no_rope_layers")
     if not given:
         interval = f.number("no_rope_layer_interval")
+        if interval < 1:
+            raise f.refuse("no_rope_layer_interval", interval, "it must be at least 1")
         return [(i + 1) % interval != 0 for i in range(num_layers)]
     if not isinstance(given, list) or len(given) < num_layers or any(v not in (0, 1) for v in given):
         raise f.refuse("no_rope_layers", given, f"expected {num_layers} entries of 0 or 1, one per layer")
@@ -74,6 +78,8 @@ def layer_types(f: Fields, num_layers: int, rotates: list[bool], chunk) -> tuple
     """Per block, FULL or CHUNKED: ``layer_types`` where given, else transformers' rule (the
     rotating blocks chunked, where there is a chunk size)."""
     given = f.raw.get("layer_types")
+    if given is not None and not isinstance(given, list):
+        raise f.refuse("layer_types", given, f"expected a list of {FULL} or {CHUNKED}")
     types = tuple(given) if given is not None else tuple(
         CHUNKED if rotates[i] and chunk is not None else FULL for i in range(num_layers))
     if len(types) != num_layers or set(types) - {FULL, CHUNKED}:

@@ -1,7 +1,8 @@
 """OLMo hybrid (``OlmoHybridForCausalLM``, model_type ``olmo_hybrid``: Olmo-Hybrid-7B): Gated
 DeltaNet blocks (``layer_types``' ``linear_attention``; by default three of four) beside OLMo 2's
 attention blocks (``model.families.olmo2``: no norm before attention or the MLP, one after each,
-q and k RMS-normed over the whole projection, the norm weight applied in float32).
+q and k RMS-normed over the whole projection, the norm weight applied in float32). A null
+``rope_theta`` (the released checkpoint's) turns RoPE off: no block rotates (NoPE).
 
 The DeltaNet blocks are Llama-like: norms before the mixer and the MLP, none after
 (``DeltaNet.pre_norm_blocks``). Their mixer is Qwen3.5's (``model.config.DeltaNet``) with q, k, v,
@@ -33,8 +34,18 @@ def decoder_config(raw: dict) -> DecoderConfig:
     switches = olmo2_switches(f)
     if switches["hidden_act"] != "silu":  # the DeltaNet convolution's activation too
         raise f.refuse("hidden_act", switches["hidden_act"], "the DeltaNet convolution's activation is SiLU here")
-    return DecoderConfig("olmo_hybrid", **config, rope=rope(f, params, where, f.get("rope_theta")),
-                         deltanet=deltanet(f, config), **switches)
+    theta = rope_theta(f, params)
+    nope = tuple(range(config["num_hidden_layers"])) if theta is None else ()  # no block rotates
+    return DecoderConfig("olmo_hybrid", **config, rope=rope(f, params, where, theta or DEFAULTS["rope_theta"]),
+                         nope_layers=nope, deltanet=deltanet(f, config), **switches)
+
+
+def rope_theta(f: Fields, params: dict) -> float | None:
+    """The RoPE base, as transformers reads it: a null one (Olmo-Hybrid-7B's, given in the RoPE
+    parameters or at the top level) means no rotation at all; absent, the default."""
+    if "rope_theta" in params:
+        return params["rope_theta"]
+    return f.raw["rope_theta"] if "rope_theta" in f.raw else DEFAULTS["rope_theta"]
 
 
 def deltanet(f: Fields, config: dict) -> DeltaNet:
@@ -56,6 +67,8 @@ def linear_layers(f: Fields, num_layers: int) -> tuple[int, ...]:
     """The DeltaNet blocks: ``layer_types``' ``linear_attention`` ones, else every block but each
     fourth (and the last, where that leaves no attention block). At least one of each kind."""
     types = f.raw.get("layer_types")
+    if types is not None and not isinstance(types, list):
+        raise f.refuse("layer_types", types, f"expected a list of {LINEAR} or {FULL_ATTENTION}")
     if types is None:
         types = [FULL_ATTENTION if i % 4 == 3 else LINEAR for i in range(num_layers)]
         if FULL_ATTENTION not in types:
