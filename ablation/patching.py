@@ -181,7 +181,7 @@ def site_values(config: DecoderConfig, outputs: list, sites: dict, site: str) ->
     if site == ATTN_Z:
         n, widest = config.num_attention_heads, config.max_head_dim
         none = np.zeros((*outputs[0].shape[:2], n * widest), np.float32)  # [B, S, N*widest]
-        return np.stack([none if config.is_deltanet(i) else
+        return np.stack([none if config.is_recurrent(i) else
                          padded_heads(np.asarray(sown_value(sites[f"layers_{i}"], site)), n, widest)
                          for i in range(layers)])
     return np.stack([np.asarray(sown_value(sites[f"layers_{i}"], site)) for i in range(layers)])

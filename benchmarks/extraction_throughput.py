@@ -6,7 +6,8 @@ experts reduced in proportion (``fixtures.tiny_models``): qwen3_moe (Qwen3-30B-A
 k 8), mixtral (Mixtral 8x7B: 8 experts, k 2), gpt_oss (gpt-oss-20b: 32 experts, k 4, sinks) or
 deepseek_v3 (DeepSeek-V3: latent attention, 256 experts in 8 groups, k 8, a shared expert), or qwen3_5
 (Qwen3.5-27B reduced in proportion: 6 Gated DeltaNet blocks, 2 of gated attention), olmo_hybrid
-(Olmo-Hybrid-7B reduced: 6 DeltaNet blocks, 2 of attention), llama4 (Llama-4-Scout reduced: chunks
+(Olmo-Hybrid-7B reduced: 6 DeltaNet blocks, 2 of attention), granitemoehybrid (granite-4.0-h-tiny
+reduced: Mamba-2 blocks, attention on 1 of 4, 64 experts, k 6, a shared MLP), llama4 (Llama-4-Scout reduced: chunks
 of 256, 16 input-scaled experts, k 1), deepseek_v32 (DeepSeek-V3.2 reduced as V3, each query's 256
 best keys), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
@@ -68,7 +69,8 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "mixtral": "mixtral-8x7b-reduced", "qwen3_5": "qwen3.5-27b-reduced", "gpt_oss": "gpt-oss-20b-reduced",
                  "deepseek_v3": "deepseek-v3-reduced", "minimax_m2": "minimax-m2-reduced",
                  "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
-                 "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced"}
+                 "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
+                 "granitemoehybrid": "granite-4.0-h-tiny-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -150,9 +152,18 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
                   if moe.shared_expert_size else 0)
         return c.hidden_size * moe.num_experts + 3 * c.hidden_size * moe.expert_size * moe.top_k + shared
 
-    mixer_params = lambda layer: deltanet_params if c.is_deltanet(layer) else attention_params
+    mb = c.mamba
+    if mb is not None:  # in_proj (z, x B C, dt), out_proj; the scan's update and read of [P, N] per head
+        mamba_params = h * (mb.inner + mb.conv_dim + mb.num_heads) + mb.inner * h
+        scan = 4 * mb.num_heads * mb.head_dim * mb.state_size * sum(lengths)
+
+    def mixer_params(layer: int) -> int:
+        return (deltanet_params if c.is_deltanet(layer) else mamba_params if c.is_mamba(layer)
+                else attention_params)
+
     dense = 2 * sum(mixer_params(layer) + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
-    deltanet = sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
+    deltanet = (sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
+                + sum(scan for layer in range(num_layers) if c.is_mamba(layer)))
 
     def attended(n: int, window) -> int:  # (query, key) pairs of one sequence
         if indexer is not None:  # each query's chosen keys
@@ -166,7 +177,7 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     # q.k over the query/key head size, p.v over the values'
     pair_flops = 2 * c.num_attention_heads * (c.attention_head_dim + c.head_dim)
     attention = sum(pair_flops * attended(n, c.window(layer))
-                    for layer in range(num_layers) if not c.is_deltanet(layer) for n in lengths)
+                    for layer in range(num_layers) if not c.is_recurrent(layer) for n in lengths)
     if indexer is not None:  # the index scores of every causal pair
         attention += num_layers * sum(2 * indexer.num_heads * indexer.head_dim * n * (n + 1) // 2 for n in lengths)
     return dense + attention + deltanet

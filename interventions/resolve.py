@@ -53,9 +53,10 @@ def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -
                     raise UserError(f"intervention {intervention.name!r}: {reason}")
                 if atom.kind == "steer":
                     steering_vector(atom, config)
-            if atom.kind == "head" and config.is_deltanet(atom.layer):
-                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with Gated DeltaNet: "
-                                f"it has no attention heads (attn:{atom.layer} removes its mixer)")
+            if atom.kind == "head" and config.is_recurrent(atom.layer):
+                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with "
+                                f"{config.mixer_name(atom.layer)}: it has no attention heads (attn:{atom.layer} "
+                                "removes its mixer)")
             if atom.kind in ("expert", "route") and not config.is_sparse(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} has a dense MLP, no experts "
                                 f"(its mixtures of experts: blocks {', '.join(map(str, config.sparse_layers))})")

@@ -196,6 +196,36 @@ class DeltaNet:
 
 
 @dataclasses.dataclass(frozen=True)
+class Mamba2:
+    """Mamba-2 mixers (``DecoderConfig.mamba``) in place of attention on ``layers``, as transformers'
+    ``GraniteMoeHybridMambaLayer`` computes them (``model.decoder.Mamba2Mixer``; the recurrence:
+    ``model.mamba2``): ``in_proj`` writes the gate z, the convolution's input (x | B | C) and dt; a
+    causal depthwise convolution of ``conv_kernel`` taps (with a bias where ``conv_bias``) and SiLU
+    over x | B | C; per head (``num_heads`` of ``head_dim``) the selective scan with B and C shared
+    by the heads of each of ``num_groups`` groups (``state_size`` each), D's skip; an RMSNorm per
+    group of SiLU(z)-gated outputs, and ``out_proj``."""
+    layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    state_size: int           # N: a head's state is [head_dim, state_size]
+    num_groups: int           # B and C groups (a divisor of num_heads)
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False   # in_proj and out_proj have biases
+    time_step_limit: tuple[float, float] = (0.0, math.inf)  # dt clamped to it
+
+    @property
+    def inner(self) -> int:
+        """The mixer's width: heads x head_dim (z's, x's)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: x | B | C."""
+        return self.inner + 2 * self.num_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """A decoder: embedding, blocks of attention and an MLP, final norm, LM head.
 
@@ -260,6 +290,10 @@ class DecoderConfig:
     attn_output_gate: bool = False       # q_proj writes each head's query and a gate; the head's output is
                                          # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     deltanet: DeltaNet | None = None     # Gated DeltaNet mixers in place of attention on deltanet.layers
+    mamba: Mamba2 | None = None          # Mamba-2 mixers in place of attention on mamba.layers (Granite 4)
+    embedding_multiplier: float = 1.0    # the embeddings times it (Granite's)
+    residual_multiplier: float = 1.0     # what each sublayer adds to the stream times it (Granite's)
+    logits_scaling: float = 1.0          # the logits divided by it (Granite's)
     global_head_dim: int | None = None   # full-attention blocks' head size where it differs (Gemma 4)
     global_key_value_heads: int | None = None  # and their kv heads where those differ
     attention_k_eq_v: bool = False       # full-attention blocks have no v_proj: the values are k_proj's output
@@ -358,11 +392,23 @@ class DecoderConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """The blocks whose mixer is attention."""
-        return tuple(i for i in range(self.num_hidden_layers) if not self.is_deltanet(i))
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_recurrent(i))
 
     def is_deltanet(self, layer: int) -> bool:
         """Whether block ``layer``'s mixer is Gated DeltaNet (else attention)."""
         return self.deltanet is not None and layer in self.deltanet.layers
+
+    def is_mamba(self, layer: int) -> bool:
+        """Whether block ``layer``'s mixer is Mamba-2."""
+        return self.mamba is not None and layer in self.mamba.layers
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether block ``layer``'s mixer is a recurrence (Gated DeltaNet, Mamba-2), not attention."""
+        return self.is_deltanet(layer) or self.is_mamba(layer)
+
+    def mixer_name(self, layer: int) -> str:
+        """Block ``layer``'s mixer, for messages."""
+        return "Gated DeltaNet" if self.is_deltanet(layer) else "Mamba-2" if self.is_mamba(layer) else "attention"
 
     def window(self, layer: int) -> int | Chunked | None:
         """Block ``layer``'s locality: its sliding window (keys), its chunk (``Chunked``), or None:

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from model import deltanet
+from model import deltanet, mamba2
 from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
 from model.config import DecoderConfig, QueryTemperature
 from model.indexer import LightningIndexer
@@ -333,14 +333,14 @@ class GatedDeltaNet(nn.Module):
         dt_bias = self.param("dt_bias", nn.initializers.ones, (d.num_value_heads,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (d.num_value_heads,), self.dtype)
         stepping = cache is not None and jnp.ndim(cache_index) == 1
-        lengths = None if stepping else jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)  # [B]
+        lengths = None if stepping else row_lengths(mask, s)  # [B]
         # q, k and v apart (transformers' in_proj_qkv and conv1d are split at load time), so that
         # each is split by whole heads over a mesh's model axis; the convolution is per channel.
         convolved, conv_states = [], []
         for i, (part, width) in enumerate((("q", d.key_dim), ("k", d.key_dim), ("v", d.value_dim))):
             mixed = project(width, f"in_proj_{part}")(x)                                # [B, S, C]
             weight = self.param(f"conv_{part}", nn.initializers.normal(0.02), (width, 1, d.conv_kernel), self.dtype)
-            out, conv_state = self.convolved(mixed, weight[:, 0, :], lengths, None if cache is None else cache[0][i])
+            out, conv_state = convolved(mixed, weight[:, 0, :], lengths, None if cache is None else cache[0][i])
             convolved.append(out)
             conv_states.append(conv_state)
         q = convolved[0].reshape(b, s, d.num_key_heads, d.key_head_dim)
@@ -363,33 +363,90 @@ class GatedDeltaNet(nn.Module):
         out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
         return project(c.hidden_size, "out_proj")(out), None if cache is None else (tuple(conv_states), state)
 
-    def convolved(self, mixed: jax.Array, weight: jax.Array, lengths: jax.Array | None, cached: jax.Array | None):
-        """The causal convolution of one of q, k, v (``mixed`` [B, S, C], ``weight`` [C, K]) and its
-        cache: decoding (``lengths`` None) a step reads the ``cached`` last K - 1 inputs before it;
-        a prefill (``cached`` given) keeps each row's last K - 1 at its own length (zeros before its
-        first). -> ([B, S, C] in the dtype, the convolution's new cache or None)."""
-        taps = weight.shape[-1] - 1
-        if lengths is None:  # one position a row
-            window = jnp.concatenate([cached, mixed], axis=1)                        # [B, K, C]
-            return causal_conv(window, weight)[:, -1:], window[:, 1:]
-        conv_state = None
-        if cached is not None:
-            s = mixed.shape[1]
-            where = lengths[:, None] - taps + jnp.arange(taps)[None, :]                # [B, K - 1]
-            kept = jnp.take_along_axis(mixed, jnp.clip(where, 0, s - 1)[..., None], axis=1)
-            conv_state = jnp.where((where >= 0)[..., None], kept, 0).astype(mixed.dtype)
-        return causal_conv(mixed, weight), conv_state
+def convolved(mixed: jax.Array, weight: jax.Array, lengths: jax.Array | None, cached: jax.Array | None,
+              bias: jax.Array | None = None):
+    """A recurrent mixer's causal convolution (``causal_conv``) of ``mixed`` [B, S, C] (``weight``
+    [C, K], ``bias`` [C] or None) and its cache: decoding (``lengths`` None) a step reads the
+    ``cached`` last K - 1 inputs before it; a prefill (``cached`` given) keeps each row's last K - 1
+    at its own length (zeros before its first). -> ([B, S, C] in the dtype, the new cache or None)."""
+    taps = weight.shape[-1] - 1
+    if lengths is None:  # one position a row
+        window = jnp.concatenate([cached, mixed], axis=1)                            # [B, K, C]
+        return causal_conv(window, weight, bias)[:, -1:], window[:, 1:]
+    conv_state = None
+    if cached is not None:
+        s = mixed.shape[1]
+        where = lengths[:, None] - taps + jnp.arange(taps)[None, :]                    # [B, K - 1]
+        kept = jnp.take_along_axis(mixed, jnp.clip(where, 0, s - 1)[..., None], axis=1)
+        conv_state = jnp.where((where >= 0)[..., None], kept, 0).astype(mixed.dtype)
+    return causal_conv(mixed, weight, bias), conv_state
 
 
-def causal_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """SiLU of a causal depthwise convolution: x [B, S, C], weight [C, K] -> [B, S, C], each
-    position from itself and the K - 1 before it (zeros before the first), computed in float32
-    and rounded once."""
+def causal_conv(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """SiLU of a causal depthwise convolution: x [B, S, C], weight [C, K] (plus ``bias`` [C]) ->
+    [B, S, C], each position from itself and the K - 1 before it (zeros before the first),
+    computed in float32 and rounded once."""
     taps = weight.shape[-1]
     padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (taps - 1, 0), (0, 0)))  # [B, S + K - 1, C]
     w = weight.astype(jnp.float32)
     out = sum(padded[:, j:j + x.shape[1]] * w[:, j] for j in range(taps))
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
     return jax.nn.silu(out).astype(x.dtype)
+
+
+def row_lengths(mask: jax.Array, s: int) -> jax.Array:
+    """Each row's count of real positions [B], from ``causal_mask``'s [B, S, T] diagonal."""
+    return jnp.sum(jnp.diagonal(mask[:, :, :s], axis1=1, axis2=2), axis=-1)
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 mixer (``DecoderConfig.mamba``; the recurrence: ``model.mamba2``), as transformers'
+    ``GraniteMoeHybridMambaLayer`` computes it. Its cache for decoding is (the convolution's last
+    K - 1 inputs [B, K - 1, conv_dim] in the compute dtype, the state [B, H, P, N] in float32),
+    kept as ``GatedDeltaNet``'s is. The state itself is no site: [head_dim, state_size] per head
+    and token, hundreds of thousands of floats a token (the mixer's output, ``attn.hook_out``, is)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None
+    chunk_size: int = 64
+
+    @nn.compact
+    def __call__(self, x, mask, cache=None, cache_index=None):
+        """x: [B, S, H] in ``dtype``; ``mask``, ``cache``, ``cache_index`` as ``GatedDeltaNet``'s
+        -> ([B, S, H], the new cache or None)."""
+        c, m = self.config, self.config.mamba
+        b, s, _ = x.shape
+        groups = m.num_groups * m.state_size
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda n, name: dense(n, m.proj_bias, name, self.dtype, accumulate)
+        # in_proj's parts apart (split at load time): the gate, the convolution's input, dt.
+        z = project(m.inner, "in_proj_z")(x)                                         # [B, S, I]
+        mixed = project(m.conv_dim, "in_proj_xbc")(x)                                # [B, S, I + 2 G N]
+        dt = project(m.num_heads, "in_proj_dt")(x)                                   # [B, S, H]
+        weight = self.param("conv", nn.initializers.normal(0.02), (m.conv_dim, 1, m.conv_kernel), self.dtype)
+        bias = self.param("conv_bias", nn.initializers.zeros, (m.conv_dim,), self.dtype) if m.conv_bias else None
+        stepping = cache is not None and jnp.ndim(cache_index) == 1
+        lengths = None if stepping else row_lengths(mask, s)
+        mixed, conv_state = convolved(mixed, weight[:, 0, :], lengths, None if cache is None else cache[0], bias)
+        xs = mixed[..., :m.inner].reshape(b, s, m.num_heads, m.head_dim)            # [B, S, H, P]
+        bs = mixed[..., m.inner:m.inner + groups].reshape(b, s, m.num_groups, m.state_size)
+        cs = mixed[..., m.inner + groups:].reshape(b, s, m.num_groups, m.state_size)
+        a = -jnp.exp(self.param("A_log", nn.initializers.zeros, (m.num_heads,), self.dtype).astype(jnp.float32))
+        d = self.param("D", nn.initializers.ones, (m.num_heads,), self.dtype)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (m.num_heads,), self.dtype)
+        steps = mamba2.time_steps(dt, dt_bias, m.time_step_limit)                   # [B, S, H] float32
+        if stepping:
+            y, state = mamba2.recurrent(xs, steps, a, bs, cs, d, cache[1])            # [B, 1, H, P] float32
+        else:
+            steps = mamba2.masked_steps(steps, lengths)  # padding neither decays nor writes the state
+            y, state = mamba2.chunked(xs, steps, a, bs, cs, d, chunk_size=self.chunk_size)
+        # The gated norm: y x SiLU(z), RMS-normed per group of channels, in float32, then its weight.
+        gated = y.reshape(b, s, m.num_groups, -1) * jax.nn.silu(z.astype(jnp.float32)).reshape(b, s, m.num_groups, -1)
+        normed = rms_normalized(gated, c.norm_eps).reshape(b, s, m.inner)
+        norm_weight = self.param("norm", nn.initializers.ones, (m.inner,), self.dtype)
+        out = (norm_weight.astype(jnp.float32) * normed).astype(self.dtype)         # [B, S, I]
+        return project(c.hidden_size, "out_proj")(out), None if cache is None else (conv_state, state)
 
 
 CHUNK_TOKENS = 512  # per device; a chunk's [tokens, F] intermediates then stay in cache
@@ -456,6 +513,13 @@ def patched(x: jax.Array, values: jax.Array | None, tokens: jax.Array | None, de
     return x if delta is None else x + delta.astype(x.dtype)
 
 
+def residual_scaled(config: DecoderConfig, out: jax.Array) -> jax.Array:
+    """What a sublayer adds to the stream, times ``residual_multiplier`` (Granite's; in float32 and
+    rounded once, as torch multiplies a tensor by a Python float)."""
+    m = config.residual_multiplier
+    return out if m == 1.0 else (out.astype(jnp.float32) * m).astype(out.dtype)
+
+
 def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
     """A sublayer's output [B, S, H], unless ablated: then zero, or with fill its mean [H]."""
     if not ablation:
@@ -477,6 +541,7 @@ class DecoderLayer(nn.Module):
     moe_dispatch: str = "auto"  # model.config.MOE_DISPATCHES
     routing_sites: bool = False  # sow the router's logits and choice (and the shared expert's output)
     deltanet: bool = False      # the mixer is Gated DeltaNet (config.deltanet), not attention
+    mamba: bool = False         # the mixer is Mamba-2 (config.mamba), not attention
     patterns: bool = False      # attention sows its scores and pattern (Attention.patterns)
 
     @nn.compact
@@ -502,6 +567,8 @@ class DecoderLayer(nn.Module):
         if self.deltanet:
             attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
                                                                                       cache_index)
+        elif self.mamba:
+            attn_out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, cache, cache_index)
         elif c.mla is not None:
             attn_out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
                 attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
@@ -513,7 +580,7 @@ class DecoderLayer(nn.Module):
         self.sow("sites", ATTN_MODULE_OUT, attn_out)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
-        attn_out = steered_at(_replaced(attn_out, a, "attn"), ATTN_OUT)
+        attn_out = steered_at(_replaced(residual_scaled(c, attn_out), a, "attn"), ATTN_OUT)
         self.sow("stats", "attn_output", attn_out)
         self.sow("sites", ATTN_OUT, attn_out)
         if not c.parallel_residual:  # the MLP reads the stream after attention's addition
@@ -539,7 +606,7 @@ class DecoderLayer(nn.Module):
         self.sow("sites", MLP_MODULE_OUT, mlp_out)
         if c.sandwich_norms:
             mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
-        mlp_out = steered_at(_replaced(mlp_out, a, "mlp"), MLP_OUT)
+        mlp_out = steered_at(_replaced(residual_scaled(c, mlp_out), a, "mlp"), MLP_OUT)
         self.sow("stats", "mlp_output", mlp_out)
         self.sow("sites", MLP_OUT, mlp_out)
         # Added in transformers' order: (mlp + attn) + x for a parallel block.
@@ -648,8 +715,8 @@ class Decoder(nn.Module):
                                             param_dtype=self.dtype)
         self.layers = [DecoderLayer(c.layer_config(i), self.dtype, self.mesh, self.chunk_tokens, self.attention,
                                     self.residual_dtype, c.window(i), self.mlp_sites, c.is_sparse(i),
-                                    self.moe_dispatch, self.routing_sites, c.is_deltanet(i), i in self.pattern_layers,
-                                    name=f"layers_{i}")
+                                    self.moe_dispatch, self.routing_sites, deltanet=c.is_deltanet(i),
+                                    mamba=c.is_mamba(i), patterns=i in self.pattern_layers, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
         if c.per_layer_input_size:
@@ -660,7 +727,8 @@ class Decoder(nn.Module):
 
     def embed(self, input_ids: jax.Array, positions: jax.Array, dtype: Any = None) -> jax.Array:
         """The residual stream's start [B, S, H]: embeddings (x sqrt(H) where ``scale_embeddings``,
-        the factor rounded to the compute dtype as Hugging Face does; plus the learned position
+        the factor rounded to the compute dtype as Hugging Face does; x ``embedding_multiplier``
+        where it is set, in float32; plus the learned position
         embeddings where ``positions`` is learned), in the residual dtype (or ``dtype``)."""
         x = self.embed_tokens(input_ids)  # [B, S, H]
         if self.config.positions == "learned":
@@ -673,6 +741,8 @@ class Decoder(nn.Module):
             return x + table
         scale = jnp.asarray(self.config.hidden_size ** 0.5, self.dtype) if self.config.scale_embeddings else None
         wide = self.residual_dtype if dtype is None else dtype
+        if self.config.embedding_multiplier != 1.0:  # Granite's: multiplied in float32, rounded once
+            return (x.astype(jnp.float32) * self.config.embedding_multiplier).astype(wide or x.dtype)
         if wide is not None:
             x = x.astype(wide)
             return x if scale is None else x * scale.astype(wide)
@@ -722,8 +792,8 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def unembed(self, h):
-        """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), then
-        soft-capped where ``final_logit_softcap`` (Gemma 2)."""
+        """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), divided by
+        ``logits_scaling`` (Granite), soft-capped where ``final_logit_softcap`` (Gemma 2)."""
         accumulate = accumulation(self.dtype, self.residual_dtype)
         if self.config.tie_word_embeddings and accumulate is not None:
             logits = jnp.einsum("...h,vh->...v", h.astype(self.dtype), self.embed_tokens.embedding,
@@ -732,5 +802,7 @@ class Decoder(nn.Module):
             logits = self.embed_tokens.attend(h)
         else:
             logits = self.lm_head(h)
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits = (logits.astype(jnp.float32) / self.config.logits_scaling).astype(logits.dtype)
         cap = self.config.final_logit_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap

@@ -165,6 +165,10 @@ class Generator:
                 out.append((zeros((rows, self.cache_length, 1, c.mla.kv_lora_rank)),             # [B, T, 1, R]
                             zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim)),         # [B, T, 1, Dr]
                             *([zeros((rows, self.cache_length, 1, index.head_dim))] if index else [])))  # [B, T, 1, Di]
+            elif c.is_mamba(layer):  # the convolution's last inputs, the state (model.decoder.Mamba2Mixer)
+                m = c.mamba
+                out.append((zeros((rows, m.conv_kernel - 1, m.conv_dim)),                       # [B, K-1, C]
+                            zeros((rows, m.num_heads, m.head_dim, m.state_size), jnp.float32)))  # [B, H, P, N]
             elif c.is_deltanet(layer):
                 d = c.deltanet
                 out.append((tuple(zeros((rows, d.conv_kernel - 1, width))                        # [B, K-1, C]

@@ -187,6 +187,8 @@ class Layout:
                                         # mixture-of-experts tensors (config, "<prefix><blocks>.L"): gpt-oss's
     shared_expert: str = "shared_expert"  # the shared expert's module below <mlp> (DeepSeek's: shared_experts)
     selection_bias: str = "gate.e_score_correction_bias"  # the router's choice bias, below <moe_tensors>
+    gate_up: str | None = None          # a dense MLP's fused gate | up projection below the block (Granite's)
+    shared_expert_at: str | None = None  # the shared expert's module below the block, not below <mlp> (Granite's)
     renamed: dict[str, str] | None = None  # a part of a tensor name as transformers loads it -> as the
                                         # checkpoint may have it (its conversion_mapping's renamings)
 
@@ -320,6 +322,41 @@ def _gpt_oss_moe(config: DecoderConfig, hf: str):
     yield ("mlp", "experts", "down_proj_bias"), Source(f"{hf}.mlp.experts.down_proj_bias", stacked=True)
 
 
+def _mamba(config: DecoderConfig, hf: str):
+    """A Mamba-2 mixer's tensors (``model.decoder.Mamba2Mixer``) as transformers names them:
+    ``in_proj``'s rows (z | x B C | dt) taken apart, the convolution's weight and bias, A_log, D,
+    dt_bias, the gated norm, ``out_proj``."""
+    m = config.mamba
+    for proj, part in zip(("in_proj_z", "in_proj_xbc", "in_proj_dt"), _split(0, [m.inner, m.conv_dim, m.num_heads])):
+        yield from _linear(f"{hf}.in_proj", ("mamba", proj), m.proj_bias, part)
+    yield from _linear(f"{hf}.out_proj", ("mamba", "out_proj"), m.proj_bias)
+    yield ("mamba", "conv"), Source(f"{hf}.conv1d.weight")
+    if m.conv_bias:
+        yield ("mamba", "conv_bias"), Source(f"{hf}.conv1d.bias")
+    for name in ("A_log", "D", "dt_bias"):
+        yield ("mamba", name), Source(f"{hf}.{name}")
+    yield ("mamba", "norm"), Source(f"{hf}.norm.weight")
+
+
+def _granite_moe(config: DecoderConfig, hf: str):
+    """Granite's mixture of experts (``block_sparse_moe``: the router's ``layer`` [E, H], the experts'
+    stacked ``input_linear`` [E, 2F, H], gate rows then up, and ``output_linear`` [E, H, F];
+    transformers' names for them where the checkpoint has those) and its ``shared_mlp``, always
+    added (ungated)."""
+    f, fs = config.moe.expert_size, config.moe.shared_expert_size
+    moe = f"{hf}.block_sparse_moe"
+    yield ("mlp", "router", "kernel"), Source(f"{moe}.router.layer.weight", True,
+                                              alternatives=((f"{moe}.router.weight",),))
+    for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
+        yield ("mlp", "experts", proj), Source(f"{moe}.input_linear.weight", True, part, stacked=True,
+                                               alternatives=((f"{moe}.experts.gate_up_proj",),))
+    yield ("mlp", "experts", "down_proj"), Source(f"{moe}.output_linear.weight", True, stacked=True,
+                                                  alternatives=((f"{moe}.experts.down_proj",),))
+    for proj, part in zip(("gate_proj", "up_proj"), _split(0, [fs, fs])):
+        yield from _linear(f"{hf}.shared_mlp.input_linear", ("mlp", "shared_expert", proj), False, part)
+    yield from _linear(f"{hf}.shared_mlp.output_linear", ("mlp", "shared_expert", "down_proj"), False)
+
+
 def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
     """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's, and the mixtures of experts'); ``fused``:
     Phi-3's qkv_proj and gate_up_proj, split at load time."""
@@ -330,6 +367,8 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         c.attention_k_eq_v and c.window(layer) is None) else ("q_proj", "k_proj", "v_proj")
     if c.is_deltanet(layer):
         yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c))
+    elif c.is_mamba(layer):
+        yield from _mamba(c, f"{hf}.mamba")
     elif c.mla is not None:
         yield from _latent_attention(c, hf)
     elif fused:
@@ -338,11 +377,11 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     else:
         for proj in own:
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
-    if not c.is_deltanet(layer):
+    if not c.is_recurrent(layer):
         yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
-    if c.attention_sinks and not c.is_deltanet(layer):
+    if c.attention_sinks and not c.is_recurrent(layer):
         yield ("self_attn", "sinks"), Source(f"{hf}.self_attn.sinks")
-    if c.qk_norm and not c.is_deltanet(layer):
+    if c.qk_norm and not c.is_recurrent(layer):
         for norm in ("q_norm", "k_norm") if "k_proj" in own else ("q_norm",):
             yield from _norm(f"{hf}.self_attn.{norm}", ("self_attn", norm), c)
     beside = c.is_sparse(layer) and c.moe.beside_dense  # Gemma 4: the experts beside the dense MLP
@@ -353,9 +392,10 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     elif c.is_sparse(layer):
         yield from _moe(c, f"{hf}.{layout_of(c).moe_tensors}")
     if beside or not c.is_sparse(layer):  # a dense MLP
-        if fused:
+        if fused or layout_of(c).gate_up:
             for proj, part in zip(("gate_proj", "up_proj"), _split(0, [c.intermediate_size] * 2)):
-                yield from _linear(f"{hf}.mlp.gate_up_proj", ("mlp", proj), c.mlp_bias, part)
+                yield from _linear(f"{hf}.{layout_of(c).gate_up or 'mlp.gate_up_proj'}", ("mlp", proj), c.mlp_bias,
+                                   part)
         else:
             for proj in ("gate_proj", "up_proj") if c.gated_mlp else ("up_proj",):
                 yield from _linear(f"{hf}.{layout_of(c).mlp}.{proj}", ("mlp", proj), c.mlp_bias)
@@ -492,11 +532,16 @@ LLAMA4 = dataclasses.replace(LLAMA, mlp="feed_forward", down_proj="feed_forward.
                              router="feed_forward.router", expert_tensors=_llama4_moe, router_outputs={
                                  "logits": "output 1", "weights": "top k values of output 0",
                                  "indices": "top k ids of output 1"})
+# Granite 4's: the dense MLP is shared_mlp (input_linear: gate | up; output_linear), beside the experts where
+# there are some (its router returns (logits, weights, indices) over the tokens).
+GRANITE_HYBRID = dataclasses.replace(LLAMA, mlp="shared_mlp", down_proj="shared_mlp.output_linear",
+                                     gate_up="shared_mlp.input_linear", router="block_sparse_moe.router",
+                                     shared_expert_at="shared_mlp", expert_tensors=_granite_moe)
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
-           "mistral4": MISTRAL4, "llama4": LLAMA4}
+           "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -530,20 +575,23 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         raise ValueError(f"{site}: {reason}")
     if layer is not None and layer >= 0:  # its norms' placement (OLMo hybrid's blocks differ)
         config = config.layer_config(layer)
-    if site == sites.ATTN_OUT and layer is not None and config.is_deltanet(layer) and not config.sandwich_norms:
-        return "linear_attn", "output"
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
+    summed = layout.gate_up is not None and layer is not None and config.is_sparse(layer)  # Granite's experts + MLP
+    if site in (sites.MLP_OUT, sites.MLP_MODULE_OUT) and summed:  # no module returns their sum
+        return "", "mlp addition" if site == sites.MLP_OUT else "mlp addition unscaled"
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
+    if site == sites.ATTN_OUT and layer is not None and config.is_recurrent(layer) and not post:
+        return mixer_module(config, layer), "output" if config.residual_multiplier == 1 else "residual output"
     router = layout.router or f"{layout.mlp}.gate"  # returns (logits or probabilities, top-k weights, top-k
     sides = layout.router_outputs or {}                 # indices), over [B*S] tokens
-    return {
+    where = {
         sites.ROUTER_LOGITS: (layout.router_logits or router, sides.get("logits", "output")),
         sites.ROUTING_WEIGHTS: (router, sides.get("weights", "output 1")),
         sites.EXPERT_INDICES: (router, sides.get("indices", "output 2")),
         sites.SHARED_EXPERT_GATE: (f"{layout.mlp}.shared_expert_gate", "sigmoid output"),
-        sites.SHARED_EXPERT_OUT: (f"{layout.mlp}.{layout.shared_expert}", "output"),
+        sites.SHARED_EXPERT_OUT: (layout.shared_expert_at or f"{layout.mlp}.{layout.shared_expert}", "output"),
         sites.RESID_PRE: ("", "input"),
         sites.ATTN_Z: (layout.o_proj, "input"),
         sites.ATTN_OUT: (norms["post_attention_norm"], "output") if post else (layout.attention, "output"),
@@ -554,6 +602,14 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         sites.MLP_OUT: (norms["post_mlp_norm"], "output") if post else (layout.mlp, "output"),
         sites.RESID_POST: ("", "output"),
     }[site]
+    if site in (sites.ATTN_OUT, sites.MLP_OUT) and config.residual_multiplier != 1:  # Granite's, on what is added
+        return where[0], "residual output"
+    return where
+
+
+def mixer_module(config: DecoderConfig, layer: int) -> str:
+    """A recurrent block's mixer module in transformers: ``linear_attn`` (Gated DeltaNet) or ``mamba``."""
+    return "mamba" if config.is_mamba(layer) else "linear_attn"
 
 
 def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dict[str, str],
@@ -566,14 +622,16 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
     Phi-3)."""
     from model import sites
     attn, mlp = layout.attention, layout.mlp
-    deltanet = layer is not None and config.is_deltanet(layer)
-    module_out = ("linear_attn" if deltanet else attn, "output")
+    recurrent = layer is not None and config.is_recurrent(layer)
+    module_out = (mixer_module(config, layer) if recurrent else attn, "output")
     fused = layout.o_proj != f"{attn}.o_proj" or config.model_type == "phi3"  # qkv_proj, gate_up_proj
     if fused and site not in (sites.ATTN_MODULE_OUT, sites.MLP_MODULE_OUT, sites.LN1_NORMALIZED, sites.ATTN_IN):
         raise ValueError(f"{site}: {config.model_type}'s projections are fused in transformers")
+    if layout.gate_up and site in sites.MLP_HIDDEN:
+        raise ValueError(f"{site}: {config.model_type}'s gate and up projections are fused in transformers")
     return {
         sites.LN1_NORMALIZED: (norms.get("pre_attention_norm"), "normalized input"),
-        sites.ATTN_IN: (attn, "input") if not deltanet else ("linear_attn", "input"),
+        sites.ATTN_IN: (attn, "input") if not recurrent else (mixer_module(config, layer), "input"),
         sites.ATTN_Q: (f"{attn}.q_proj", "output query half" if config.attn_output_gate else "output"),
         sites.ATTN_GATE: (f"{attn}.q_proj", "output gate half"),
         sites.ATTN_K: (f"{attn}.k_proj", "output"),
@@ -653,6 +711,14 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
             if leaf in widths:
                 return (widths[leaf], 1, dn.conv_kernel)
             return (dn.value_head_dim,) if leaf == "norm" else (dn.num_value_heads,)
+    if c.mamba is not None:
+        mb = c.mamba
+        kernels.update(in_proj_z=(h, mb.inner), in_proj_xbc=(h, mb.conv_dim), in_proj_dt=(h, mb.num_heads))
+        if module == "mamba":  # the mixer's own parameters
+            return {"conv": (mb.conv_dim, 1, mb.conv_kernel), "conv_bias": (mb.conv_dim,), "norm": (mb.inner,),
+                    "out_proj": (mb.inner, h)}.get(leaf, (mb.num_heads,))
+        if module == "out_proj" and path[-3] == "mamba":
+            return (mb.inner, h) if leaf == "kernel" else (h,)
     if c.mla is not None:
         m, n = c.mla, c.num_attention_heads
         kernels.update(q_proj=(h, n * m.qk_head_dim), q_a_proj=(h, m.q_lora_rank), q_b_proj=(m.q_lora_rank,
@@ -718,11 +784,16 @@ def _saved_tensor(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, 
     return fp8.read(checkpoint, source.name, fp8_block)
 
 
-def with_renamings(source: Source, layout: Layout) -> Source:
-    """``source`` with the names the layout's renamings give it as alternatives."""
+def resolved(checkpoint: Checkpoint, source: Source, layout: Layout) -> Source:
+    """``source`` with the names the layout's renamings give it as alternatives, and, where its name
+    is absent and one of its one-tensor alternatives is there, named as that one."""
     renamed = [source.name.replace(ours, theirs) for ours, theirs in (layout.renamed or {}).items()
                if ours in source.name]
-    return dataclasses.replace(source, alternatives=source.alternatives + tuple((name,) for name in renamed))
+    source = dataclasses.replace(source, alternatives=source.alternatives + tuple((name,) for name in renamed))
+    if source.name in checkpoint or source.experts:
+        return source
+    present = next((names[0] for names in source.alternatives if len(names) == 1 and names[0] in checkpoint), None)
+    return source if present is None else dataclasses.replace(source, name=present, alternatives=())
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
@@ -757,7 +828,7 @@ def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype
     prefix = text_prefix(checkpoint, layout_of(config))
     shared: tuple[str, dict] = ("", {})  # a stacked tensor's ranges read, while its parts are loaded
     for path, source in param_names(config, num_layers, with_head, prefix):
-        source = with_renamings(source, layout_of(config))
+        source = resolved(checkpoint, source, layout_of(config))
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})

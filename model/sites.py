@@ -64,7 +64,7 @@ INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, INDEXED_KEYS, ATTN_MO
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
-DELTANET_FAMILIES = "Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid"
+DELTANET_FAMILIES = "Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid"  # (Granite 4's Mamba-2 blocks: attn.hook_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,17 +249,17 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site == RESID_MID and not config.has_resid_mid:
         return (f"{config.model_type} has a parallel residual: attention and the MLP both read the block's input, "
                 f"so no stream exists between them (hook_resid_pre, hook_attn_out and hook_mlp_out do)")
-    if site == ATTN_Z and config.deltanet is not None and (layer is None and not config.attention_layers
-                                                           or layer is not None and config.is_deltanet(layer)):
+    if site == ATTN_Z and (layer is None and not config.attention_layers
+                           or layer is not None and config.is_recurrent(layer)):
         where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
-        return (f"{where} mixes with Gated DeltaNet: no attention heads (hook_attn_out is what the mixer adds); "
-                f"its attention blocks are {_spans(config.attention_layers) or 'none'}")
+        return (f"{where} mixes with {_mixer(config, layer)}: no attention heads (hook_attn_out is what the mixer "
+                f"adds); its attention blocks are {_spans(config.attention_layers) or 'none'}")
     if site == INDEXED_KEYS and (config.mla is None or config.mla.indexer is None):
         return f"{config.model_type} has no sparse attention indexer (DeepSeek-V3.2's)"
     if site == DELTA_OUT and (config.deltanet is None or layer is not None and not config.is_deltanet(layer)):
         if config.deltanet is None:
             return f"{config.model_type} has no Gated DeltaNet blocks (the families with them: {DELTANET_FAMILIES})"
-        return (f"block {layer} is an attention block: the Gated DeltaNet blocks are "
+        return (f"block {layer} mixes with {config.mixer_name(layer)}: the Gated DeltaNet blocks are "
                 f"{_spans(config.deltanet.layers)}")
     if site == LN2_NORMALIZED and not _normed_input(config, layer):
         return f"{_blocks(config, layer)} MLP reads the stream without a norm before it (mlp.hook_in is its input)"
@@ -274,10 +274,9 @@ def _attention_reason(site: str, config, layer: int | None) -> str | None:
                 "input)")
     if site not in HEAD_SITES:
         return None
-    if config.deltanet is not None and (layer is None and not config.attention_layers
-                                        or layer is not None and config.is_deltanet(layer)):
+    if (layer is None and not config.attention_layers) or (layer is not None and config.is_recurrent(layer)):
         where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
-        return (f"{where} mixes with Gated DeltaNet: no attention heads; its attention blocks are "
+        return (f"{where} mixes with {_mixer(config, layer)}: no attention heads; its attention blocks are "
                 f"{_spans(config.attention_layers) or 'none'}")
     if config.mla is not None:
         return (f"{config.model_type}'s latent attention expands its keys and values from a shared latent: "
@@ -301,6 +300,13 @@ def _attention_reason(site: str, config, layer: int | None) -> str | None:
         return (f"block {layer} attends to block {config.kv_source(layer)}'s keys and values (kv sharing): it has "
                 "none of its own")
     return None
+
+
+def _mixer(config, layer: int | None) -> str:
+    """The recurrent mixer of block ``layer`` (None: of the model's recurrent blocks), for messages."""
+    if layer is not None:
+        return config.mixer_name(layer)
+    return "Gated DeltaNet" if config.deltanet is not None else "Mamba-2"
 
 
 def _normed_input(config, layer: int | None) -> bool:
