@@ -336,16 +336,16 @@ class GatedDeltaNet(nn.Module):
         lengths = None if stepping else row_lengths(mask, s)  # [B]
         # q, k and v apart (transformers' in_proj_qkv and conv1d are split at load time), so that
         # each is split by whole heads over a mesh's model axis; the convolution is per channel.
-        convolved, conv_states = [], []
+        parts, conv_states = [], []
         for i, (part, width) in enumerate((("q", d.key_dim), ("k", d.key_dim), ("v", d.value_dim))):
             mixed = project(width, f"in_proj_{part}")(x)                                # [B, S, C]
             weight = self.param(f"conv_{part}", nn.initializers.normal(0.02), (width, 1, d.conv_kernel), self.dtype)
             out, conv_state = convolved(mixed, weight[:, 0, :], lengths, None if cache is None else cache[0][i])
-            convolved.append(out)
+            parts.append(out)
             conv_states.append(conv_state)
-        q = convolved[0].reshape(b, s, d.num_key_heads, d.key_head_dim)
-        k = convolved[1].reshape(b, s, d.num_key_heads, d.key_head_dim)
-        v = convolved[2].reshape(b, s, d.num_value_heads, d.value_head_dim)
+        q = parts[0].reshape(b, s, d.num_key_heads, d.key_head_dim)
+        k = parts[1].reshape(b, s, d.num_key_heads, d.key_head_dim)
+        v = parts[2].reshape(b, s, d.num_value_heads, d.value_head_dim)
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         if d.beta_scale != 1.0:  # (transformers multiplies in the compute dtype: exact for 2)
             beta = beta * d.beta_scale
