@@ -74,7 +74,7 @@ CONFIGS = {  # the hub's config.json values that set the shapes (a multimodal ch
 SLICES = {"v5e-8": (8, 16), "v6e-8": (8, 32), "v4-8": (4, 32), "v5p-8": (4, 95)}  # one host: chips, GiB of HBM each
 # Multi-host slices, for a model no host above holds: a model axis over all their chips (--model_axis_size).
 MULTI_HOST_SLICES = {"v6e-64": (64, 32), "v5p-64": (32, 95), "v5p-128": (64, 95)}
-PARTS = {"experts": ("experts",), "mixers": ("self_attn", "linear_attn"), "embeddings": ("embed_tokens",
+PARTS = {"experts": ("experts",), "mixers": ("self_attn", "linear_attn", "mamba"), "embeddings": ("embed_tokens",
          "per_layer_inputs"), "LM head": ("lm_head",)}  # the rest: dense MLPs, routers, norms
 
 

@@ -200,6 +200,8 @@ class InterventionModel:
                 return jnp.where(where, x.astype(jnp.float32), 0).sum(axis=(0, 1))
 
             def heads(b):  # [N, D] padded to the widest head of any block (Gemma 4's full blocks)
+                if "self_attn" not in b:  # a recurrent mixer's block (Gated DeltaNet, Mamba-2): no heads
+                    return jnp.zeros((self.config.num_attention_heads, self.config.max_head_dim), jnp.float32)
                 x = total(b["self_attn"]["heads"][0])
                 return jnp.pad(x, ((0, 0), (0, self.config.max_head_dim - x.shape[-1])))
 

@@ -101,9 +101,26 @@ def test_granite_4s_shape_reads_as_transformers_defaults_and_refuses_what_it_lac
     assert config.nope_layers == (0, 1, 2, 3) and config.mamba.inner == 3072 and config.mamba.head_dim == 64
     assert config.moe.top_k_before_softmax and config.moe.shared_expert_size == 1024
     assert config_from_dict({**raw, "num_local_experts": 0}).moe is None
+    released = config_from_dict({**raw, "layer_types": ["mamba", "attention", "mamba", "mamba"]})  # the hub's names
+    assert released == config
     for change, message in [({"mamba_n_heads": 47}, "mamba_n_heads = 47 is not supported"),
-                            ({"layer_types": ["mamba"] * 4}, "layer_types"),
+                            ({"layer_types": ["ssm"] * 4}, "layer_types"),
+                            ({"attention_multiplier": 0}, "attention_multiplier = 0.0 is not supported"),
                             ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported")]:
         with pytest.raises(UserError, match=message) as caught:
             config_from_dict({**raw, **change})
         assert "\n" not in str(caught.value)
+
+
+def test_the_mean_pass_skips_the_heads_a_mamba_block_lacks(checkpoint):
+    """Means for mean ablation: the attention blocks' heads as stored, the Mamba-2 blocks' zero (they
+    have none); every block's attention, MLP and contribution means."""
+    import jax.numpy as jnp
+    from model.loading import load_model
+    from model.scoring import InterventionModel
+    loaded = load_model(checkpoint, jnp.float32, with_head=True, devices=jax.devices()[:1])
+    model = InterventionModel(loaded, batch_size_per_device=2, max_seq_length=64)
+    means = model.means(random_sequences([40, 23], seed=3, vocab=loaded.config.vocab_size))
+    heads = np.asarray(means.head)  # [L, N, D]
+    assert not heads[[0, 2, 3]].any() and heads[[1, 4]].any()
+    assert np.isfinite(np.asarray(means.attn)).all() and np.asarray(means.attn).any(axis=-1).all()

@@ -1,6 +1,7 @@
 """Granite 4 (``GraniteMoeHybridForCausalLM``, model_type ``granitemoehybrid``: granite-4.0-h-tiny,
 -small, -micro): Mamba-2 mixers (``model.config.Mamba2``) on the ``linear_attention`` blocks of
-``layer_types`` and attention on the ``full_attention`` ones, each followed by a mixture of
+``layer_types`` (``mamba`` in the released configs) and attention on the ``full_attention``
+(``attention``) ones, each followed by a mixture of
 ``num_local_experts`` experts of ``intermediate_size`` (the top ``num_experts_per_tok`` logits
 softmaxed, as gpt-oss's) plus the always-added ``shared_mlp`` of ``shared_intermediate_size``, or
 by the shared MLP alone without experts. Granite's scalings: the embeddings times
@@ -18,6 +19,7 @@ from model.families.common import Fields, activation, rope, rope_parameters, sha
 
 ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel")
 MAMBA, ATTENTION = "linear_attention", "full_attention"
+LEGACY_NAMES = {"mamba": MAMBA, "attention": ATTENTION}  # as transformers renames them when it reads a config
 # transformers' GraniteMoeHybridConfig defaults, for keys a config.json may leave out.
 DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                 num_attention_heads=32, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -43,6 +45,8 @@ def decoder_config(raw: dict) -> DecoderConfig:
         raise f.refuse("position_embedding_type", kind, "rope or none are read")
     params, where = rope_parameters(f)
     multiplier = f.number("attention_multiplier", float)
+    if multiplier <= 0:
+        raise f.refuse("attention_multiplier", multiplier, "the scores' scale must be positive")
     return DecoderConfig("granitemoehybrid", **config, rope=rope(f, params, where, f.get("rope_theta")),
                          nope_layers=() if kind == "rope" else tuple(range(n)), mamba=mamba(f, config),
                          moe=experts(f, config), qkv_bias=bool(f.get("attention_bias")),
@@ -56,7 +60,10 @@ def mamba_layers(f: Fields, num_layers: int) -> tuple[int, ...]:
     """The Mamba-2 blocks: ``layer_types``' (or ``layers_block_type``'s) ``linear_attention``
     entries; absent, every block (transformers' default)."""
     types = f.raw.get("layer_types") or f.raw.get("layers_block_type") or [MAMBA] * num_layers
-    if not isinstance(types, list) or len(types) != num_layers or set(types) - {MAMBA, ATTENTION}:
+    if not isinstance(types, list):
+        raise f.refuse("layer_types", types, f"expected a list of {MAMBA} or {ATTENTION}")
+    types = [LEGACY_NAMES.get(kind, kind) for kind in types]  # the released configs' mamba / attention
+    if len(types) != num_layers or set(types) - {MAMBA, ATTENTION}:
         raise f.refuse("layer_types", types, f"expected {num_layers} entries of {MAMBA} or {ATTENTION}")
     return tuple(i for i, kind in enumerate(types) if kind == MAMBA)
 
