@@ -189,8 +189,8 @@ class Layout:
     selection_bias: str = "gate.e_score_correction_bias"  # the router's choice bias, below <moe_tensors>
     gate_up: str | None = None          # a dense MLP's fused gate | up projection below the block (Granite's)
     shared_expert_at: str | None = None  # the shared expert's module below the block, not below <mlp> (Granite's)
-    renamed: dict[str, str] | None = None  # a part of a tensor name as transformers loads it -> as the
-                                        # checkpoint may have it (its conversion_mapping's renamings)
+    renamed: dict[str, str] | None = None  # a part of a tensor name as read -> as the checkpoint may have it
+                                        # instead (transformers' conversion_mapping renames one into the other)
 
 
 def _linear(module: str, path: tuple[str, ...], bias: bool, part=None, transpose: bool = True):
@@ -340,18 +340,15 @@ def _mamba(config: DecoderConfig, hf: str):
 
 def _granite_moe(config: DecoderConfig, hf: str):
     """Granite's mixture of experts (``block_sparse_moe``: the router's ``layer`` [E, H], the experts'
-    stacked ``input_linear`` [E, 2F, H], gate rows then up, and ``output_linear`` [E, H, F];
-    transformers' names for them where the checkpoint has those) and its ``shared_mlp``, always
-    added (ungated)."""
+    stacked ``input_linear`` [E, 2F, H], gate rows then up, and ``output_linear`` [E, H, F]; the
+    layout's renamings read transformers' names for them) and its ``shared_mlp``, always added
+    (ungated)."""
     f, fs = config.moe.expert_size, config.moe.shared_expert_size
     moe = f"{hf}.block_sparse_moe"
-    yield ("mlp", "router", "kernel"), Source(f"{moe}.router.layer.weight", True,
-                                              alternatives=((f"{moe}.router.weight",),))
+    yield ("mlp", "router", "kernel"), Source(f"{moe}.router.layer.weight", True)
     for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
-        yield ("mlp", "experts", proj), Source(f"{moe}.input_linear.weight", True, part, stacked=True,
-                                               alternatives=((f"{moe}.experts.gate_up_proj",),))
-    yield ("mlp", "experts", "down_proj"), Source(f"{moe}.output_linear.weight", True, stacked=True,
-                                                  alternatives=((f"{moe}.experts.down_proj",),))
+        yield ("mlp", "experts", proj), Source(f"{moe}.input_linear.weight", True, part, stacked=True)
+    yield ("mlp", "experts", "down_proj"), Source(f"{moe}.output_linear.weight", True, stacked=True)
     for proj, part in zip(("gate_proj", "up_proj"), _split(0, [fs, fs])):
         yield from _linear(f"{hf}.shared_mlp.input_linear", ("mlp", "shared_expert", proj), False, part)
     yield from _linear(f"{hf}.shared_mlp.output_linear", ("mlp", "shared_expert", "down_proj"), False)
@@ -536,7 +533,11 @@ LLAMA4 = dataclasses.replace(LLAMA, mlp="feed_forward", down_proj="feed_forward.
 # there are some (its router returns (logits, weights, indices) over the tokens).
 GRANITE_HYBRID = dataclasses.replace(LLAMA, mlp="shared_mlp", down_proj="shared_mlp.output_linear",
                                      gate_up="shared_mlp.input_linear", router="block_sparse_moe.router",
-                                     shared_expert_at="shared_mlp", expert_tensors=_granite_moe)
+                                     shared_expert_at="shared_mlp", expert_tensors=_granite_moe, renamed={
+                                         f"block_sparse_moe.{ours}": f"block_sparse_moe.{theirs}" for ours, theirs in (
+                                             ("router.layer.weight", "router.weight"),
+                                             ("input_linear.weight", "experts.gate_up_proj"),
+                                             ("output_linear.weight", "experts.down_proj"))})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
@@ -577,8 +578,9 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         config = config.layer_config(layer)
     layout, norms = layout_of(config), block_norm_names(config)
     post = config.sandwich_norms
-    summed = layout.gate_up is not None and layer is not None and config.is_sparse(layer)  # Granite's experts + MLP
-    if site in (sites.MLP_OUT, sites.MLP_MODULE_OUT) and summed:  # no module returns their sum
+    # The shared MLP beside the experts, not inside a module of theirs (Granite's): no module returns their sum.
+    summed = layout.shared_expert_at is not None and layer is not None and config.is_sparse(layer)
+    if site in (sites.MLP_OUT, sites.MLP_MODULE_OUT) and summed:
         return "", "mlp addition" if site == sites.MLP_OUT else "mlp addition unscaled"
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
