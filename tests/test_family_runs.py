@@ -58,6 +58,22 @@ def assert_runs_or_refused(model_dir: str, tmp_path, flags: list[str], message: 
     assert not (tmp_path / "out").exists()
 
 
+def assert_tensors_load_as_the_checkpoint(model_dir: str, tensors: dict, out) -> None:
+    """``tensors`` (the checkpoint's, renamed or regrouped) written beside its config.json under
+    ``out`` load exactly the parameters ``model_dir`` does."""
+    import shutil
+    import jax
+    from safetensors.numpy import save_file
+    from model.loading import load_model
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(f"{model_dir}/config.json", out / "config.json")
+    written, read = (load_model(path, "float32", devices=jax.devices()[:1]).params for path in (model_dir, out))
+    assert jax.tree.structure(written) == jax.tree.structure(read)
+    for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(read)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def run_ok(*args: str) -> None:
     result = run_in_process("runners.tpu_host", *args)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -14,7 +14,8 @@ from fixtures.hf_reference import (assert_blocks_equal_transformers, block_sites
 from model.families import config_from_dict, load_config
 from model.sites import EXPERT_INDICES, ROUTING_WEIGHTS, array_key, key_parts
 from tests.conftest import run_in_process
-from tests.test_family_runs import assert_equals_transformers, assert_runs_or_refused, runner, write_stream
+from tests.test_family_runs import (assert_equals_transformers, assert_runs_or_refused,
+                                    assert_tensors_load_as_the_checkpoint, runner, write_stream)
 from tests.test_multihost import stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -129,19 +130,10 @@ def test_the_mean_pass_skips_the_heads_a_mamba_block_lacks(checkpoint):
 def test_transformers_names_for_the_experts_load_as_the_hubs_do(checkpoint, tmp_path):
     """The experts and router under transformers' names (``experts.gate_up_proj``, ``router.weight``:
     a checkpoint saved without the original format) load the parameters the hub's names give."""
-    import shutil
-    from safetensors.numpy import load_file, save_file
-    from model.loading import load_model
+    from safetensors.numpy import load_file
     tensors = load_file(f"{checkpoint}/model.safetensors")
     for ours, theirs in (("router.layer.weight", "router.weight"), ("input_linear.weight", "experts.gate_up_proj"),
                          ("output_linear.weight", "experts.down_proj")):
         for name in [n for n in tensors if n.endswith(f"block_sparse_moe.{ours}")]:
             tensors[name.replace(ours, theirs)] = tensors.pop(name)
-    renamed = tmp_path / "renamed"
-    renamed.mkdir()
-    save_file(tensors, str(renamed / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(f"{checkpoint}/config.json", renamed / "config.json")
-    written, read = (load_model(path, "float32", devices=jax.devices()[:1]).params for path in (checkpoint, renamed))
-    assert jax.tree.structure(written) == jax.tree.structure(read)
-    for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(read)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_tensors_load_as_the_checkpoint(checkpoint, tensors, tmp_path / "renamed")

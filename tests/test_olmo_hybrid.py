@@ -8,13 +8,14 @@ tests/test_deltanet.py.)"""
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from common.cli import UserError
 from fixtures.hf_reference import assert_blocks_equal_transformers, block_sites, random_sequences
 from model.families import config_from_dict, load_config
 from tests.conftest import run_in_process
-from tests.test_family_runs import assert_equals_transformers, assert_runs_or_refused, runner, write_stream
+from tests.test_family_runs import (assert_equals_transformers, assert_runs_or_refused,
+                                    assert_tensors_load_as_the_checkpoint, runner, write_stream)
 from tests.test_multihost import stored
 
 pytestmark = pytest.mark.slow
@@ -89,8 +90,6 @@ def test_either_naming_of_the_tensors_loads_the_same_parameters(checkpoint, tmp_
     (q's, k's and v's convolutions apart at their own widths; the DeltaNet blocks' norms named
     ``attention_layer_norm`` / ``feedforward_layer_norm``), load what the written checkpoint does
     (transformers' save_pretrained cuts the fused convolution in three equal parts)."""
-    import shutil
-    from model.loading import load_model
     d = load_config(checkpoint).deltanet
     tensors = load_file(f"{checkpoint}/model.safetensors")
     for layer in d.layers:
@@ -107,14 +106,7 @@ def test_either_naming_of_the_tensors_loads_the_same_parameters(checkpoint, tmp_
             widths = np.cumsum([d.key_dim, d.key_dim])
             for x, part in zip("qkv", np.split(fused, widths)):
                 tensors[f"{mixer}.{x}_conv1d.weight"] = part
-    renamed = tmp_path / names
-    renamed.mkdir()
-    save_file(tensors, str(renamed / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(f"{checkpoint}/config.json", renamed / "config.json")
-    written, read = (load_model(path, "float32", devices=jax.devices()[:1]).params for path in (checkpoint, renamed))
-    assert jax.tree.structure(written) == jax.tree.structure(read)
-    for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(read)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_tensors_load_as_the_checkpoint(checkpoint, tensors, tmp_path / names)
 
 
 @pytest.mark.parametrize("change, message", [
