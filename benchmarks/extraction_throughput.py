@@ -9,7 +9,8 @@ deepseek_v3 (DeepSeek-V3: latent attention, 256 experts in 8 groups, k 8, a shar
 (Olmo-Hybrid-7B reduced: 6 DeltaNet blocks, 2 of attention), granitemoehybrid (granite-4.0-h-tiny
 reduced: Mamba-2 blocks, attention on 1 of 4, 64 experts, k 6, a shared MLP), llama4 (Llama-4-Scout reduced: chunks
 of 256, 16 input-scaled experts, k 1), deepseek_v32 (DeepSeek-V3.2 reduced as V3, each query's 256
-best keys), minimax_m2 or mistral4. ``--weights
+best keys), nemotron_h (NVIDIA-Nemotron-3-Nano-30B-A3B reduced: blocks of one sublayer, Mamba-2, attention
+on 1 of 10, 64 plain experts, k 6, a shared MLP), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -70,7 +71,7 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "deepseek_v3": "deepseek-v3-reduced", "minimax_m2": "minimax-m2-reduced",
                  "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
                  "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
-                 "granitemoehybrid": "granite-4.0-h-tiny-reduced"}
+                 "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -144,13 +145,17 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         deltanet_params = c.hidden_size * (2 * d.key_dim + 2 * d.value_dim + 2 * d.num_value_heads + d.value_dim)
         recurrence = 6 * d.num_value_heads * d.key_head_dim * d.value_head_dim * sum(lengths)
 
+    projections = 3 if c.gated_mlp else 2  # gate, up, down (a plain MLP's, Nemotron-H's: up, down)
+
     def mlp_params(layer: int) -> int:  # used per token
+        if not c.has_mlp(layer):
+            return 0
         if not c.is_sparse(layer):
-            return (3 if c.gated_mlp else 2) * c.hidden_size * c.intermediate_size
+            return projections * c.hidden_size * c.intermediate_size
         moe = c.moe
-        shared = (3 * c.hidden_size * moe.shared_expert_size + c.hidden_size * moe.shared_expert_gate
+        shared = (projections * c.hidden_size * moe.shared_expert_size + c.hidden_size * moe.shared_expert_gate
                   if moe.shared_expert_size else 0)
-        return c.hidden_size * moe.num_experts + 3 * c.hidden_size * moe.expert_size * moe.top_k + shared
+        return c.hidden_size * moe.num_experts + projections * c.hidden_size * moe.expert_size * moe.top_k + shared
 
     mb = c.mamba
     if mb is not None:  # in_proj (z, x B C, dt), out_proj; the scan's update and read of [P, N] per head
@@ -158,6 +163,8 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         scan = 4 * mb.num_heads * mb.head_dim * mb.state_size * sum(lengths)
 
     def mixer_params(layer: int) -> int:
+        if not c.has_mixer(layer):
+            return 0
         return (deltanet_params if c.is_deltanet(layer) else mamba_params if c.is_mamba(layer)
                 else attention_params)
 
@@ -177,7 +184,7 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     # q.k over the query/key head size, p.v over the values'
     pair_flops = 2 * c.num_attention_heads * (c.attention_head_dim + c.head_dim)
     attention = sum(pair_flops * attended(n, c.window(layer))
-                    for layer in range(num_layers) if not c.is_recurrent(layer) for n in lengths)
+                    for layer in c.attention_layers if layer < num_layers for n in lengths)
     if indexer is not None:  # the index scores of every causal pair
         attention += num_layers * sum(2 * indexer.num_heads * indexer.head_dim * n * (n + 1) // 2 for n in lengths)
     return dense + attention + deltanet
@@ -278,14 +285,15 @@ def routed_flop_floor(loaded, prompts: list[list[int]], batch_size: int, max_seq
     extractor = Extractor.from_loaded(loaded, (layer,), batch_size, max_seq_length, sites=sites)
     got = list(dict(extractor.extract(enumerate(prompts[:batch_size]))).values())
     x, indices, weights = (jnp.asarray(np.concatenate([g[array_key(s, layer)] for g in got])) for s in sites)
+    names = ("gate_proj", "up_proj", "down_proj") if c.gated_mlp else ("up_proj", "down_proj")
     experts = tuple(jnp.asarray(np.asarray(loaded.params[f"layers_{layer}"]["mlp"]["experts"][name])[:moe.num_experts])
-                    for name in ("gate_proj", "up_proj", "down_proj"))
+                    for name in names)
     act, precision = ACTIVATIONS[c.hidden_act], jax.lax.Precision.HIGHEST
     flat = np.asarray(indices).reshape(-1)
     rows = [x[np.nonzero((np.asarray(indices) == e).any(-1))[0]] for e in range(moe.num_experts)]  # gathered before
     glu = gated_unit(c, act)
-    floor = jax.jit(lambda rows, gate, up, down: [expert_mlp(r, gate[e], up[e], down[e], glu, precision, None)
-                                                  for e, r in enumerate(rows) if len(r)])
+    floor = jax.jit(lambda rows, *weights: [expert_mlp(r, tuple(w[e] for w in weights[:-1]), weights[-1][e], glu,
+                                                       precision, None) for e, r in enumerate(rows) if len(r)])
     dispatches = {
         "dense": jax.jit(lambda *a: dense_dispatch(*a[:3], a[3:], 0, glu, precision, None)),
         "grouped": jax.jit(lambda *a: grouped_dispatch(*a[:3], a[3:], 0, glu, precision, None,

@@ -44,7 +44,8 @@ def parse_one(spec: str, config: DecoderConfig) -> Intervention:
 def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -> None:
     """``UserError`` for an expert or route atom on a block whose MLP is dense (Qwen's
     mlp_only_layers), a head atom on a block that mixes with Gated DeltaNet (no attention
-    heads: ``attn:L`` removes its mixer), or a steering whose file does not fit the model (read
+    heads: ``attn:L`` removes its mixer), a sublayer a block of one lacks (Nemotron-H's), or a
+    steering whose file does not fit the model (read
     now, before any weight is)."""
     for intervention in interventions:
         for atom in intervention.atoms:
@@ -53,6 +54,12 @@ def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -
                     raise UserError(f"intervention {intervention.name!r}: {reason}")
                 if atom.kind == "steer":
                     steering_vector(atom, config)
+            if atom.kind in ("head", "attn") and not config.has_mixer(atom.layer):
+                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} is an MLP alone: it has no "
+                                f"mixer (mlp:{atom.layer} removes its MLP)")
+            if atom.kind == "mlp" and not config.has_mlp(atom.layer):
+                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} is a mixer alone: it has no "
+                                f"MLP (attn:{atom.layer} removes its mixer)")
             if atom.kind == "head" and config.is_recurrent(atom.layer):
                 raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with "
                                 f"{config.mixer_name(atom.layer)}: it has no attention heads (attn:{atom.layer} "

@@ -34,10 +34,12 @@ CHUNKED = "chunked_attention"  # a layer attending within chunks of positions (L
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # and Gemma 4's "proportional" (model.families.gemma4)
 # The MLP activations, by transformers' names: gelu_pytorch_tanh and gelu_new are the same tanh
 # approximation (Gemma's name, GPT-2's); gelu is the exact (erf) one (GPT-NeoX).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+# relu2 is the squared ReLU (Nemotron-H's).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu2")
 POSITIONS = ("rope", "learned")          # rotary | a learned absolute table added to the embeddings (GPT-2)
 NORMS = ("rms", "layer")                 # RMSNorm | LayerNorm with a bias (GPT-2, GPT-NeoX)
 QK_NORM_SCOPES = ("head", "projection")  # q/k normed per head over head_dim | over the whole projection (OLMo 2)
+MIXER_ONLY, MLP_ONLY = "mixer", "mlp"    # a block of one sublayer (``DecoderConfig.sublayers``: Nemotron-H's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +293,8 @@ class DecoderConfig:
                                          # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     deltanet: DeltaNet | None = None     # Gated DeltaNet mixers in place of attention on deltanet.layers
     mamba: Mamba2 | None = None          # Mamba-2 mixers in place of attention on mamba.layers (Granite 4)
+    sublayers: tuple[str, ...] = ()      # per block, MIXER_ONLY or MLP_ONLY: its one sublayer, x + mixer(norm(x))
+                                         # or x + mlp(norm(x)) (Nemotron-H's); () is every block both
     embedding_multiplier: float = 1.0    # the embeddings times it (Granite's)
     residual_multiplier: float = 1.0     # what each sublayer adds to the stream times it (Granite's)
     logits_scaling: float = 1.0          # the logits divided by it (Granite's)
@@ -365,10 +369,18 @@ class DecoderConfig:
         """The dims of each head that RoPE rotates (the first ones)."""
         return self.rotary_dim or self.head_dim
 
+    def has_mixer(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixer (attention or a recurrence): all but MLP_ONLY blocks."""
+        return not self.sublayers or self.sublayers[layer] != MLP_ONLY
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether block ``layer`` has an MLP (or a mixture of experts): all but MIXER_ONLY blocks."""
+        return not self.sublayers or self.sublayers[layer] != MIXER_ONLY
+
     @property
     def has_resid_mid(self) -> bool:
-        """Whether a residual stream exists between attention and the MLP."""
-        return not self.parallel_residual
+        """Whether a residual stream exists between attention and the MLP (in any block)."""
+        return not self.parallel_residual and not self.sublayers
 
     @property
     def has_mlp_norm(self) -> bool:
@@ -382,7 +394,7 @@ class DecoderConfig:
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s MLP is a mixture of experts."""
-        return self.moe is not None and layer not in self.moe.dense_layers
+        return self.moe is not None and layer not in self.moe.dense_layers and self.has_mlp(layer)
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -392,7 +404,7 @@ class DecoderConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """The blocks whose mixer is attention."""
-        return tuple(i for i in range(self.num_hidden_layers) if not self.is_recurrent(i))
+        return tuple(i for i in range(self.num_hidden_layers) if self.has_mixer(i) and not self.is_recurrent(i))
 
     def is_deltanet(self, layer: int) -> bool:
         """Whether block ``layer``'s mixer is Gated DeltaNet (else attention)."""

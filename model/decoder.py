@@ -435,7 +435,9 @@ class Mamba2Mixer(nn.Module):
         a = -jnp.exp(self.param("A_log", nn.initializers.zeros, (m.num_heads,), self.dtype).astype(jnp.float32))
         d = self.param("D", nn.initializers.ones, (m.num_heads,), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (m.num_heads,), self.dtype)
-        steps = mamba2.time_steps(dt, dt_bias, m.time_step_limit)                   # [B, S, H] float32
+        # transformers' decoding step, as mamba_ssm's, does not clamp dt: only the forward over a sequence does.
+        limit = (0.0, jnp.inf) if stepping else m.time_step_limit
+        steps = mamba2.time_steps(dt, dt_bias, limit)                               # [B, S, H] float32
         if stepping:
             y, state = mamba2.recurrent(xs, steps, a, bs, cs, d, cache[1])            # [B, 1, H, P] float32
         else:
@@ -543,6 +545,8 @@ class DecoderLayer(nn.Module):
     deltanet: bool = False      # the mixer is Gated DeltaNet (config.deltanet), not attention
     mamba: bool = False         # the mixer is Mamba-2 (config.mamba), not attention
     patterns: bool = False      # attention sows its scores and pattern (Attention.patterns)
+    has_mixer: bool = True      # off: a block of its MLP alone (DecoderConfig.sublayers: Nemotron-H's)
+    has_mlp: bool = True        # off: a block of its mixer alone
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -560,57 +564,66 @@ class DecoderLayer(nn.Module):
             return patched(value, *(a.get(name) for name in patch_key(site)[:2]), a.get(delta_key(site)))
         x = steered_at(x, RESID_PRE)
         block_in = x
-        attn_in = x
-        if c.pre_norms:
-            attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide, normalized_site=LN1_NORMALIZED)(x, norm)
-        self.sow("sites", ATTN_IN, attn_in)
-        if self.deltanet:
-            attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
+        new_cache = None
+        if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
+            attn_in = x
+            if c.pre_norms:
+                attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide, normalized_site=LN1_NORMALIZED)(x,
+                                                                                                              norm)
+            self.sow("sites", ATTN_IN, attn_in)
+            if self.deltanet:
+                attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
+                                                                                          cache_index)
+            elif self.mamba:
+                attn_out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, cache,
                                                                                       cache_index)
-        elif self.mamba:
-            attn_out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, cache, cache_index)
-        elif c.mla is not None:
-            attn_out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
-                attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
-        else:
-            attention = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, self.patterns,
-                                  name="self_attn")
-            attn_out, new_cache = attention(attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm,
-                                            kv_from)
-        self.sow("sites", ATTN_MODULE_OUT, attn_out)
-        if c.sandwich_norms:  # what is added to the stream keeps its width
-            attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
-        attn_out = steered_at(_replaced(residual_scaled(c, attn_out), a, "attn"), ATTN_OUT)
-        self.sow("stats", "attn_output", attn_out)
-        self.sow("sites", ATTN_OUT, attn_out)
-        if not c.parallel_residual:  # the MLP reads the stream after attention's addition
-            x = steered_at(x + attn_out, RESID_MID)
-            self.sow("sites", RESID_MID, x)
-        mlp_in = x
-        if c.pre_norms:
-            mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
-        self.sow("sites", MLP_IN, mlp_in)
-        if self.sparse and c.moe.beside_dense:
-            mlp_out = self.dense_and_experts(x, mlp_in, a, norm)
-        elif self.sparse:
-            moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
-            # The grouped dispatch computes tiles of rows already: whole batches (model.moe).
-            chunks = self.chunk_tokens if dispatch_for(c, self.moe_dispatch) == "dense" else None
-            mlp_out = map_over_token_chunks(moe, mlp_in, self.mesh, chunks, a.get("expert_keep"), a.get("route_to"))
-            if self.routing_sites:
-                mlp_out, routing = mlp_out
-                for site, value in routing.items():
-                    self.sow("sites", site, value)
-        else:
-            mlp_out = self.dense_mlp(mlp_in)
-        self.sow("sites", MLP_MODULE_OUT, mlp_out)
-        if c.sandwich_norms:
-            mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
-        mlp_out = steered_at(_replaced(residual_scaled(c, mlp_out), a, "mlp"), MLP_OUT)
-        self.sow("stats", "mlp_output", mlp_out)
-        self.sow("sites", MLP_OUT, mlp_out)
-        # Added in transformers' order: (mlp + attn) + x for a parallel block.
-        x = mlp_out + attn_out + x if c.parallel_residual else x + mlp_out
+            elif c.mla is not None:
+                attn_out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide,
+                                                      name="self_attn")(attn_in, cos, sin, mask, positions, cache,
+                                                                        cache_index, heads, norm)
+            else:
+                attention = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, self.patterns,
+                                      name="self_attn")
+                attn_out, new_cache = attention(attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm,
+                                                kv_from)
+            self.sow("sites", ATTN_MODULE_OUT, attn_out)
+            if c.sandwich_norms:  # what is added to the stream keeps its width
+                attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
+            attn_out = steered_at(_replaced(residual_scaled(c, attn_out), a, "attn"), ATTN_OUT)
+            self.sow("stats", "attn_output", attn_out)
+            self.sow("sites", ATTN_OUT, attn_out)
+            if not c.parallel_residual:  # the MLP reads the stream after attention's addition
+                x = x + attn_out
+                if self.has_mlp:
+                    x = steered_at(x, RESID_MID)
+                    self.sow("sites", RESID_MID, x)
+        if self.has_mlp:
+            mlp_in = x
+            if c.pre_norms:
+                mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
+            self.sow("sites", MLP_IN, mlp_in)
+            if self.sparse and c.moe.beside_dense:
+                mlp_out = self.dense_and_experts(x, mlp_in, a, norm)
+            elif self.sparse:
+                moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
+                # The grouped dispatch computes tiles of rows already: whole batches (model.moe).
+                chunks = self.chunk_tokens if dispatch_for(c, self.moe_dispatch) == "dense" else None
+                mlp_out = map_over_token_chunks(moe, mlp_in, self.mesh, chunks, a.get("expert_keep"),
+                                                a.get("route_to"))
+                if self.routing_sites:
+                    mlp_out, routing = mlp_out
+                    for site, value in routing.items():
+                        self.sow("sites", site, value)
+            else:
+                mlp_out = self.dense_mlp(mlp_in)
+            self.sow("sites", MLP_MODULE_OUT, mlp_out)
+            if c.sandwich_norms:
+                mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
+            mlp_out = steered_at(_replaced(residual_scaled(c, mlp_out), a, "mlp"), MLP_OUT)
+            self.sow("stats", "mlp_output", mlp_out)
+            self.sow("sites", MLP_OUT, mlp_out)
+            # Added in transformers' order: (mlp + attn) + x for a parallel block.
+            x = mlp_out + attn_out + x if c.parallel_residual else x + mlp_out
         if per_layer_input is not None:
             x = x + self.per_layer_addition(x, per_layer_input, norm)
         if c.layer_scalar:  # the whole output scaled (Gemma 4)
@@ -716,7 +729,8 @@ class Decoder(nn.Module):
         self.layers = [DecoderLayer(c.layer_config(i), self.dtype, self.mesh, self.chunk_tokens, self.attention,
                                     self.residual_dtype, c.window(i), self.mlp_sites, c.is_sparse(i),
                                     self.moe_dispatch, self.routing_sites, deltanet=c.is_deltanet(i),
-                                    mamba=c.is_mamba(i), patterns=i in self.pattern_layers, name=f"layers_{i}")
+                                    mamba=c.is_mamba(i), patterns=i in self.pattern_layers, has_mixer=c.has_mixer(i),
+                                    has_mlp=c.has_mlp(i), name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
         if c.per_layer_input_size:

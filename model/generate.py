@@ -158,7 +158,7 @@ class Generator:
         for layer in range(c.num_hidden_layers):
             own = c.layer_config(layer)
             shape = (rows, self.cache_length, own.num_key_value_heads, own.head_dim)  # [B, T, K, D]
-            if c.kv_source(layer) is not None:
+            if c.kv_source(layer) is not None or not c.has_mixer(layer):  # (an MLP-only block: Nemotron-H's)
                 out.append(None)
             elif c.mla is not None:  # the normed latent and the rotated key part (model.decoder.LatentAttention)
                 index = c.mla.indexer  # and DeepSeek sparse attention's index keys

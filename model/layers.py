@@ -15,7 +15,7 @@ from model.sites import MLP_POST, MLP_PRE, MLP_PRE_LINEAR
 
 _TANH_GELU = functools.partial(jax.nn.gelu, approximate=True)  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": _TANH_GELU, "gelu_new": _TANH_GELU,
-               "gelu": functools.partial(jax.nn.gelu, approximate=False)}
+               "gelu": functools.partial(jax.nn.gelu, approximate=False), "relu2": lambda x: jnp.square(nn.relu(x))}
 
 
 def precision_for(dtype) -> jax.lax.Precision:

@@ -41,7 +41,7 @@ outputs are summed over ``model``. The router is computed before, replicated ove
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -136,63 +136,82 @@ def forced(indices: jax.Array, weights: jax.Array, expert: jax.Array):
             jnp.where(on, jnp.where(first, 1, 0).astype(weights.dtype), weights))
 
 
-def gated_unit(config: DecoderConfig, act):
-    """The experts' hidden activation of (gate, up): act(gate) * up, or gpt-oss's clamped SwiGLU
-    (gate at most the limit, up within it; (up + 1) * gate * sigmoid(alpha * gate))."""
+class HiddenUnit(NamedTuple):
+    """The experts' hidden activation of their input projections' outputs: ``join(gate, up)``
+    over two (a gated MLP's), or ``join(up)`` over one (a plain MLP's: Nemotron-H's experts)."""
+    inputs: int
+    join: Callable
+
+
+def gated_unit(config: DecoderConfig, act) -> HiddenUnit:
+    """The experts' hidden activation (``DecoderConfig.gated_mlp``, as the dense MLP's): act(gate) *
+    up, or gpt-oss's clamped SwiGLU (gate at most the limit, up within it; (up + 1) * gate *
+    sigmoid(alpha * gate)); act(up) for plain experts."""
     moe = config.moe
+    if not config.gated_mlp:
+        return HiddenUnit(1, act)
     if moe.swiglu_limit is None:
-        return lambda gate, up: act(gate) * up
+        return HiddenUnit(2, lambda gate, up: act(gate) * up)
     limit, alpha = moe.swiglu_limit, moe.swiglu_alpha
 
     def clamped(gate, up):
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
-    return clamped
+    return HiddenUnit(2, clamped)
 
 
-def expert_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, glu, precision, accumulate,
-               biases: tuple = ()) -> jax.Array:
-    """Gated MLP of one expert's weights (gate, up [H, F]; down [F, H]; ``biases``: none, or
-    theirs [F], [F], [H]) on rows x [R, H] -> [R, H]; ``glu`` (``gated_unit``) joins gate and up."""
+def split_experts(experts: tuple, unit: HiddenUnit) -> tuple[tuple, jax.Array, tuple, tuple]:
+    """The experts' stacked weights (``Experts``) as (input projections, down, their biases, down's
+    bias): one or two inputs by ``unit``; biases () where the experts have none."""
+    n = unit.inputs
+    inputs, down, biases = experts[:n], experts[n], experts[n + 1:]
+    return inputs, down, biases[:n], biases[n:]
+
+
+def expert_mlp(x: jax.Array, inputs: tuple, down: jax.Array, unit: HiddenUnit, precision, accumulate,
+               biases: tuple = (), down_bias: tuple = ()) -> jax.Array:
+    """The MLP of one expert's weights (``inputs``: gate and up, or up alone, [H, F] each; down
+    [F, H]; ``biases`` none or theirs [F] each, ``down_bias`` none or (its [H],)) on rows x [R, H]
+    -> [R, H]; ``unit`` (``gated_unit``) joins the inputs."""
     dot = lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=accumulate)
-    g, u = dot(x, gate), dot(x, up)  # [R, F]
+    projected = [dot(x, w) for w in inputs]  # [R, F] each
     if biases:
-        g, u = g + biases[0], u + biases[1]
-    out = dot(glu(g, u).astype(x.dtype), down)
-    return out + biases[2] if biases else out
+        projected = [p + b for p, b in zip(projected, biases)]
+    out = dot(unit.join(*projected).astype(x.dtype), down)
+    return out + down_bias[0] if down_bias else out
 
 
-def dense_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate,
+def dense_dispatch(x, indices, weights, experts, first: int, unit: HiddenUnit, precision, accumulate,
                    input_scaled: bool = False) -> jax.Array:
-    """Every local expert (``experts``: gate, up [E', H, F], down [E', F, H], and where they have
-    them their biases [E', F], [E', F], [E', H]; global ids from ``first``) on every token x
-    [T, H], combined by the routing weights -> [T, H]; ``input_scaled``: each expert on x times
-    its weight (zero where it was not chosen), the outputs summed (Llama 4's)."""
-    gate, up, down, *biases = experts
-    local = jnp.arange(gate.shape[0]) + first  # [E']
+    """Every local expert (``experts``: gate and up, or up alone, [E', H, F], down [E', F, H], and
+    where they have them their biases [E', F] each and [E', H]; global ids from ``first``) on every
+    token x [T, H], combined by the routing weights -> [T, H]; ``input_scaled``: each expert on x
+    times its weight (zero where it was not chosen), the outputs summed (Llama 4's)."""
+    inputs, down, biases, down_bias = split_experts(experts, unit)
+    local = jnp.arange(down.shape[0]) + first  # [E']
     combine = jnp.sum(jnp.where(indices[..., None] == local, weights[..., None], 0), axis=1)  # [T, E']
     dot = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=accumulate)
     if input_scaled:
         scaled = (x[:, None, :] * combine[..., None]).astype(x.dtype)  # [T, E', H]
-        g, u = dot("teh,ehf->tef", scaled, gate), dot("teh,ehf->tef", scaled, up)  # [T, E', F]
-        return dot("tef,efh->teh", glu(g, u).astype(x.dtype), down).sum(axis=1).astype(x.dtype)
-    g, u = dot("th,ehf->tef", x, gate), dot("th,ehf->tef", x, up)  # [T, E', F]
+        projected = [dot("teh,ehf->tef", scaled, w) for w in inputs]  # [T, E', F] each
+        return dot("tef,efh->teh", unit.join(*projected).astype(x.dtype), down).sum(axis=1).astype(x.dtype)
+    projected = [dot("th,ehf->tef", x, w) for w in inputs]  # [T, E', F] each
     if biases:
-        g, u = g + biases[0][None], u + biases[1][None]
-    out = dot("tef,efh->teh", glu(g, u).astype(x.dtype), down)  # [T, E', H]
-    if biases:
-        out = out + biases[2][None]
+        projected = [p + b[None] for p, b in zip(projected, biases)]
+    out = dot("tef,efh->teh", unit.join(*projected).astype(x.dtype), down)  # [T, E', H]
+    if down_bias:
+        out = out + down_bias[0][None]
     wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
     return jnp.einsum("te,teh->th", combine.astype(wide), out.astype(wide), precision=precision).astype(out.dtype)
 
 
-def grouped_dispatch(x, indices, weights, experts, first: int, glu, precision, accumulate,
+def grouped_dispatch(x, indices, weights, experts, first: int, unit: HiddenUnit, precision, accumulate,
                      ragged: bool, input_scaled: bool = False) -> jax.Array:
     """The (token, expert) pairs of x [T, H] routed to the local experts (global ids from
-    ``first``), sorted by expert and computed by a grouped matmul -> [T, H]; ``input_scaled``:
-    each pair's row times its weight before the expert, not its output after."""
-    gate, up, down, *biases = experts
-    count, (t, k) = gate.shape[0], indices.shape
+    ``first``), sorted by expert and computed by a grouped matmul -> [T, H]; ``input_scaled``: each
+    pair's row times its weight before the expert, not its output after."""
+    inputs, down, biases, down_bias = split_experts(experts, unit)
+    count, (t, k) = down.shape[0], indices.shape
     expert = indices.reshape(-1) - first  # [T*k]
     expert = jnp.where((expert >= 0) & (expert < count), expert, count)  # elsewhere: a last, dropped group
     order = jnp.argsort(expert, stable=True)  # [T*k]
@@ -204,17 +223,17 @@ def grouped_dispatch(x, indices, weights, experts, first: int, glu, precision, a
         rows = (rows * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     if ragged:
         dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision=precision, preferred_element_type=accumulate)
-        g, u = dot(rows, gate), dot(rows, up)  # [T*k, F]
         row_bias = lambda b: b[jnp.minimum(expert[order], count - 1)]  # [T*k, ...]: each row's expert's
+        projected = [dot(rows, w) for w in inputs]  # [T*k, F] each
         if biases:
-            g, u = g + row_bias(biases[0]), u + row_bias(biases[1])
-        out = dot(glu(g, u).astype(x.dtype), down)  # [T*k, H]
-        if biases:
-            out = out + row_bias(biases[2])
+            projected = [p + row_bias(b) for p, b in zip(projected, biases)]
+        out = dot(unit.join(*projected).astype(x.dtype), down)  # [T*k, H]
+        if down_bias:
+            out = out + row_bias(down_bias[0])
         # The dropped group's rows are none of ragged_dot's groups: whatever it leaves there goes.
         out = jnp.where(local, out, 0)
     else:
-        out = tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate)
+        out = tiled_grouped_mlp(rows, sizes, experts, unit, precision, accumulate)
     wide = jnp.promote_types(out.dtype, weights.dtype)  # Mixtral's float32 weights scale in float32
     scale = jnp.where(local[:, 0], 1 if input_scaled else weights.reshape(-1)[order], 0).astype(wide)  # [T*k]
     return jnp.zeros((t, out.shape[-1]), wide).at[token].add(out.astype(wide) * scale[:, None]).astype(out.dtype)
@@ -229,10 +248,10 @@ def tile_rows(rows: int, experts: int) -> int:
     return tile
 
 
-def tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate) -> jax.Array:
+def tiled_grouped_mlp(rows, sizes, experts, unit: HiddenUnit, precision, accumulate) -> jax.Array:
     """The grouped MLP of rows [R, H] sorted by expert (``sizes`` [E'] rows each, the rest not
     computed: 0), as a loop over tiles (``tile_rows``), each expert's rows padded to whole tiles."""
-    gate, up, down, *biases = experts
+    inputs, down, biases, down_bias = split_experts(experts, unit)
     r, count = rows.shape[0], sizes.shape[0]
     tile = tile_rows(r, count)
     tiles = -(-r // tile) + count  # a static bound: each expert pads fewer than tile rows
@@ -249,8 +268,8 @@ def tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate) -> jax.A
 
     def one_tile(args):
         block, expert = args  # [tile, H], the tile's expert
-        return expert_mlp(block, gate[expert], up[expert], down[expert], glu, precision, accumulate,
-                          tuple(b[expert] for b in biases))
+        return expert_mlp(block, tuple(w[expert] for w in inputs), down[expert], unit, precision, accumulate,
+                          tuple(b[expert] for b in biases), tuple(b[expert] for b in down_bias))
 
     out = jax.lax.map(one_tile, (padded.reshape(tiles, tile, -1), tile_expert))  # [tiles, tile, H]
     out = out.reshape(tiles * tile, -1)
@@ -258,7 +277,7 @@ def tiled_grouped_mlp(rows, sizes, experts, glu, precision, accumulate) -> jax.A
 
 
 def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch: str, mesh: Mesh | None,
-                   glu, precision, accumulate) -> jax.Array:
+                   unit: HiddenUnit, precision, accumulate) -> jax.Array:
     """``sum_j w_j * expert_{idx_j}(x)`` for x [B, S, H], indices / weights [B, S, k] -> [B, S, H];
     ``experts``: the stacked weights (and biases), each [E', ...]; over a mesh, each device its own
     experts and rows (see the module docstring)."""
@@ -270,9 +289,9 @@ def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch
         flat = x.reshape(b * s, h), indices.reshape(b * s, -1), weights.reshape(b * s, -1)
         scaled = config.moe.input_scaled
         if kind == "dense":
-            out = dense_dispatch(*flat, experts, first, glu, precision, accumulate, scaled)
+            out = dense_dispatch(*flat, experts, first, unit, precision, accumulate, scaled)
         else:
-            out = grouped_dispatch(*flat, experts, first, glu, precision, accumulate, ragged, scaled)
+            out = grouped_dispatch(*flat, experts, first, unit, precision, accumulate, ragged, scaled)
         return out.reshape(b, s, -1)
 
     if mesh is None or x.shape[0] % mesh.shape["data"]:
@@ -293,8 +312,8 @@ def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch
 
 
 class Experts(nn.Module):
-    """The experts' stacked weights: ``gate_proj``, ``up_proj`` [E', H, F] and ``down_proj``
-    [E', F, H], where E' >= E: loaded onto a mesh, the experts padded with all-zero ones that no
+    """The experts' stacked weights: ``gate_proj`` (gated experts only), ``up_proj`` [E', H, F] and
+    ``down_proj`` [E', F, H], where E' >= E: loaded onto a mesh, the experts padded with all-zero ones that no
     token is routed to (``model.sharding.expert_slots``), whatever the mesh is."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
@@ -306,7 +325,8 @@ class Experts(nn.Module):
         # An existing (loaded) value as it is: its slot count is the mesh's, not the config's.
         stacked = lambda name, shape: (self.get_variable("params", name) if self.has_variable("params", name)
                                        else self.param(name, nn.initializers.zeros, shape, self.dtype))
-        shapes = [("gate_proj", (e, h, f)), ("up_proj", (e, h, f)), ("down_proj", (e, f, h))]
+        shapes = [("gate_proj", (e, h, f))] if self.config.gated_mlp else []  # plain experts: up and down
+        shapes += [("up_proj", (e, h, f)), ("down_proj", (e, f, h))]
         if moe.expert_bias:  # gpt-oss's
             shapes += [("gate_proj_bias", (e, f)), ("up_proj_bias", (e, f)), ("down_proj_bias", (e, h))]
         return tuple(stacked(name, shape) for name, shape in shapes)

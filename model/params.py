@@ -189,6 +189,7 @@ class Layout:
     selection_bias: str = "gate.e_score_correction_bias"  # the router's choice bias, below <moe_tensors>
     gate_up: str | None = None          # a dense MLP's fused gate | up projection below the block (Granite's)
     shared_expert_at: str | None = None  # the shared expert's module below the block, not below <mlp> (Granite's)
+    mamba: str = "mamba"                # a Mamba-2 block's mixer module (Nemotron-H's: mixer)
     renamed: dict[str, str] | None = None  # a part of a tensor name as read -> as the checkpoint may have it
                                         # instead (transformers' conversion_mapping renames one into the other)
 
@@ -407,6 +408,32 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield ("layer_scalar",), Source(f"{hf}.layer_scalar")
 
 
+def _nemotron_h_block(config: DecoderConfig, hf: str, layer: int):
+    """Nemotron-H's blocks of one sublayer: its ``norm`` and its ``mixer``: a Mamba-2 mixer,
+    attention (q, k, v, o without biases), a plain MLP (``up_proj``, ``down_proj``), or a mixture of
+    plain experts (the router ``gate`` and its ``e_score_correction_bias``; the experts' projections
+    one tensor an expert as the hub has them, or stacked [E, out, in] as transformers saves them;
+    the ``shared_experts`` MLP)."""
+    c, mixer = config.layer_config(layer), f"{hf}.mixer"
+    if c.is_mamba(layer):
+        yield from _mamba(c, mixer)
+    elif c.has_mixer(layer):
+        for proj in LINEAR_ATTN:
+            yield from _linear(f"{mixer}.{proj}", ("self_attn", proj), False)
+    elif c.is_sparse(layer):
+        yield ("mlp", "router", "kernel"), Source(f"{mixer}.gate.weight", True)
+        yield ("mlp", "selection_bias"), Source(f"{mixer}.gate.e_score_correction_bias")
+        for proj in ("up_proj", "down_proj"):
+            yield ("mlp", "experts", proj), Source(f"{mixer}.experts.{{e}}.{proj}.weight", True,
+                                                   experts=c.moe.num_experts,
+                                                   alternatives=((f"{mixer}.experts.{proj}",),))
+            yield from _linear(f"{mixer}.shared_experts.{proj}", ("mlp", "shared_expert", proj), c.mlp_bias)
+    else:
+        for proj in ("up_proj", "down_proj"):
+            yield from _linear(f"{mixer}.{proj}", ("mlp", proj), c.mlp_bias)
+    yield from _norm(f"{hf}.norm", ("pre_attention_norm" if c.has_mixer(layer) else "pre_mlp_norm",), c)
+
+
 def _per_layer_inputs(config: DecoderConfig, prefix: str, num_layers: int):
     """Gemma 4's per-layer embedding table [V', L*P] and the embeddings' projection (torch [L*P, H]),
     the columns (rows) of the blocks computed only, and the projection's norm."""
@@ -538,11 +565,16 @@ GRANITE_HYBRID = dataclasses.replace(LLAMA, mlp="shared_mlp", down_proj="shared_
                                              ("router.layer.weight", "router.weight"),
                                              ("input_linear.weight", "experts.gate_up_proj"),
                                              ("output_linear.weight", "experts.down_proj"))})
+# Nemotron-H's: ``backbone.`` on the hub (transformers renames it ``model.``), every sublayer a ``mixer``.
+NEMOTRON_H = Layout(("backbone.", "model.", ""), "embeddings", "layers", "norm_f", _nemotron_h_block,
+                    head="lm_head.weight", attention="mixer", o_proj="mixer.o_proj", mlp="mixer",
+                    down_proj="mixer.down_proj", moe_tensors="mixer", shared_expert="shared_experts", mamba="mixer",
+                    norms={"pre_attention_norm": "norm", "pre_mlp_norm": "norm"})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
-           "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID}
+           "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -610,8 +642,9 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
 
 
 def mixer_module(config: DecoderConfig, layer: int) -> str:
-    """A recurrent block's mixer module in transformers: ``linear_attn`` (Gated DeltaNet) or ``mamba``."""
-    return "mamba" if config.is_mamba(layer) else "linear_attn"
+    """A recurrent block's mixer module in transformers: ``linear_attn`` (Gated DeltaNet) or the
+    layout's Mamba-2 module."""
+    return layout_of(config).mamba if config.is_mamba(layer) else "linear_attn"
 
 
 def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dict[str, str],
@@ -648,7 +681,7 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.INDEXED_KEYS: (f"{attn}.indexer", "indexed keys"),
         # the gated norm's input: [B*S*Hv, Dv], every value head's row
         sites.DELTA_OUT: (f"linear_attn.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
-        sites.MLP_PRE: (f"{mlp}.gate_proj", "output"),
+        sites.MLP_PRE: (f"{mlp}.gate_proj" if config.gated_mlp else f"{mlp}.up_proj", "output"),
         sites.MLP_PRE_LINEAR: (f"{mlp}.up_proj", "output"),
         sites.MLP_MODULE_OUT: (norms["post_mlp_norm"], "input") if config.sandwich_norms else (mlp, "output"),
     }[site]
@@ -788,11 +821,17 @@ def _saved_tensor(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, 
 
 def resolved(checkpoint: Checkpoint, source: Source, layout: Layout) -> Source:
     """``source`` with the names the layout's renamings give it as alternatives, and, where its name
-    is absent and one of its one-tensor alternatives is there, named as that one."""
+    is absent and one of its one-tensor alternatives is there, named as that one (the experts' tensors
+    one an expert: read as that alternative's stack of them all, ``Source.stacked``)."""
     renamed = [source.name.replace(ours, theirs) for ours, theirs in (layout.renamed or {}).items()
                if ours in source.name]
     source = dataclasses.replace(source, alternatives=source.alternatives + tuple((name,) for name in renamed))
-    if source.name in checkpoint or source.experts:
+    if source.experts:  # one tensor an expert, or where they are absent their alternative stacked [E, ...]
+        stacked = next((names[0] for names in source.alternatives if len(names) == 1 and names[0] in checkpoint), None)
+        if source.name.format(e=0) in checkpoint or stacked is None:
+            return source
+        return dataclasses.replace(source, name=stacked, experts=0, stacked=True, alternatives=())
+    if source.name in checkpoint:
         return source
     present = next((names[0] for names in source.alternatives if len(names) == 1 and names[0] in checkpoint), None)
     return source if present is None else dataclasses.replace(source, name=present, alternatives=())

@@ -200,14 +200,17 @@ class InterventionModel:
                 return jnp.where(where, x.astype(jnp.float32), 0).sum(axis=(0, 1))
 
             def heads(b):  # [N, D] padded to the widest head of any block (Gemma 4's full blocks)
-                if "self_attn" not in b:  # a recurrent mixer's block (Gated DeltaNet, Mamba-2): no heads
+                if "self_attn" not in b:  # a recurrent mixer's block (Gated DeltaNet, Mamba-2), or none: no heads
                     return jnp.zeros((self.config.num_attention_heads, self.config.max_head_dim), jnp.float32)
                 x = total(b["self_attn"]["heads"][0])
                 return jnp.pad(x, ((0, 0), (0, self.config.max_head_dim - x.shape[-1])))
 
+            def sublayer(b, name):  # [H]; zero where the block lacks it (Nemotron-H's blocks of one sublayer)
+                return total(b[name][0]) if name in b else jnp.zeros((self.config.hidden_size,), jnp.float32)
+
             return {"head": jnp.stack([heads(b) for b in blocks]),  # [L, N, D]
-                    "attn": jnp.stack([total(b["attn_output"][0]) for b in blocks]),             # [L, H]
-                    "mlp": jnp.stack([total(b["mlp_output"][0]) for b in blocks]),
+                    "attn": jnp.stack([sublayer(b, "attn_output") for b in blocks]),             # [L, H]
+                    "mlp": jnp.stack([sublayer(b, "mlp_output") for b in blocks]),
                     "block": jnp.stack([total(b["contribution"][0]) for b in blocks]),
                     "tokens": real.sum()}
         return jax.jit(stats)

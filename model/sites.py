@@ -61,6 +61,9 @@ OWN_KV = (ATTN_K, ATTN_V, K_NORM_OUT, ROT_K)
 MLP_HIDDEN = (MLP_PRE, MLP_PRE_LINEAR)  # beside mlp.hook_post: returned by the MLP, never by an expert
 INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT,  # inside the sublayers
           *MLP_HIDDEN, MLP_MODULE_OUT)
+# A block's sites by its sublayer: none of the one a block of a single sublayer lacks (Nemotron-H's).
+MIXER_SITES = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_Z, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT, ATTN_OUT)
+MLP_SITES = (LN2_NORMALIZED, MLP_IN, *MLP_HIDDEN, MLP_POST, *ROUTING, *SHARED_EXPERT, MLP_MODULE_OUT, MLP_OUT)
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
@@ -233,6 +236,8 @@ def with_top_k(sites: tuple[str, ...], logits_top_k: int | None) -> tuple[str, .
 def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     """Why a model (``DecoderConfig``) has no ``site`` at block ``layer`` (None: at any block),
     or None when it has it."""
+    if config.sublayers and (reason := _sublayer_reason(site, config, layer)):
+        return reason
     if site in ROUTING + SHARED_EXPERT and config.moe is None:
         return f"{config.model_type} is a dense model: it has no router"
     if site in SHARED_EXPERT and not config.moe.shared_expert_size:
@@ -264,6 +269,23 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site == LN2_NORMALIZED and not _normed_input(config, layer):
         return f"{_blocks(config, layer)} MLP reads the stream without a norm before it (mlp.hook_in is its input)"
     return _attention_reason(site, config, layer) or _mlp_reason(site, config, layer)
+
+
+def _sublayer_reason(site: str, config, layer: int | None) -> str | None:
+    """Why a model of single-sublayer blocks (``DecoderConfig.sublayers``) has no ``site`` at block
+    ``layer`` (None: at any), or None."""
+    if site == RESID_MID:
+        return (f"{config.model_type}'s blocks have one sublayer each (a mixer or an MLP): no stream between two "
+                "(hook_resid_pre and hook_resid_post are each block's input and output)")
+    mixers = tuple(i for i in range(config.num_hidden_layers) if config.has_mixer(i))
+    mlps = tuple(i for i in range(config.num_hidden_layers) if config.has_mlp(i))
+    if site in MIXER_SITES and (not mixers if layer is None else layer >= 0 and not config.has_mixer(layer)):
+        return (f"block {layer} of {config.model_type} is an MLP alone: it has no mixer (its blocks with one: "
+                f"{_spans(mixers) or 'none'})")
+    if site in MLP_SITES and (not mlps if layer is None else layer >= 0 and not config.has_mlp(layer)):
+        return (f"block {layer} of {config.model_type} is a mixer alone: it has no MLP (its blocks with one: "
+                f"{_spans(mlps) or 'none'})")
+    return None
 
 
 def _attention_reason(site: str, config, layer: int | None) -> str | None:

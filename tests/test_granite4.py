@@ -51,12 +51,19 @@ def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path)
     plain = [site for site in sites if site not in (EXPERT_INDICES, ROUTING_WEIGHTS)]
     assert_equals_transformers(checkpoint, records, {i: {k: v for k, v in arrays.items() if key_parts(k)[0] in plain}
                                                      for i, arrays in got.items()}, plain, layers)
+    assert_routing_equals_transformers(checkpoint, records, got, layers)
+
+
+def assert_routing_equals_transformers(checkpoint: str, records: list[dict], got: dict, layers: list[int]) -> None:
+    """The chosen experts stored for ``records`` at ``layers`` equal transformers' float64 choice in
+    expert order (its top-k leaves the order open), and their weights within 1e-5."""
+    routing = (EXPERT_INDICES, ROUTING_WEIGHTS)
     references = reference_sites(load_reference(checkpoint, "float64"), [r["input_ids"] for r in records],
-                                 [(site, layer) for layer in layers for site in (EXPERT_INDICES, ROUTING_WEIGHTS)])
+                                 [(site, layer) for layer in layers for site in routing])
     for record, reference in zip(records, references):
         for layer in layers:
-            ours = [got[record["sample_id"]][array_key(site, layer)] for site in (EXPERT_INDICES, ROUTING_WEIGHTS)]
-            theirs = [reference[site, layer] for site in (EXPERT_INDICES, ROUTING_WEIGHTS)]
+            ours = [got[record["sample_id"]][array_key(site, layer)] for site in routing]
+            theirs = [reference[site, layer] for site in routing]
             order, their_order = np.argsort(ours[0], axis=-1), np.argsort(theirs[0], axis=-1)  # expert order
             take = lambda x, o: np.take_along_axis(x, o, axis=-1)
             np.testing.assert_array_equal(take(ours[0], order), take(theirs[0], their_order))
@@ -66,11 +73,17 @@ def test_every_site_through_the_runner_equals_transformers(checkpoint, tmp_path)
 def test_greedy_generation_carries_the_mamba_state_as_transformers_does(tmp_path):
     """32 tokens after prompts of 40, 23 and 9 tokens in one batch: each row's convolution inputs
     and states taken at its own length by the prefill, then advanced a step at a time."""
+    assert_mamba_generation_equals_transformers(tmp_path, "granitemoehybrid", initializer_range=0.5)
+
+
+def assert_mamba_generation_equals_transformers(tmp_path, family: str, **overrides) -> None:
+    """Greedy continuations of a tiny ``family`` checkpoint with 2 attention and 3 Mamba-2 blocks
+    (and no other cache) equal transformers' ``generate``."""
     from fixtures.hf_reference import assert_greedy_equals_transformers
     from fixtures.tiny_models import write_checkpoint
     from model.generate import Generator
     from model.loading import load_model
-    varied = write_checkpoint(tmp_path / "varied", "granitemoehybrid", seed=4, initializer_range=0.5)
+    varied = write_checkpoint(tmp_path / "varied", family, seed=4, **overrides)
     loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
     generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
     m = loaded.config.mamba

@@ -1,6 +1,6 @@
 """The sites inside attention and the MLP (queries, keys, values, QK-norms, rotated queries and
 keys, scores, patterns, the output gate, pre-activations, module outputs before a post-norm), at
-two blocks of odd configs of twelve families: what is stored equals transformers' float64 forward
+two blocks of odd configs of thirteen families: what is stored equals transformers' float64 forward
 (``model.params.hf_site``, ``fixtures.hf_reference``) and interp-engine's eager capture of the
 same points (``fixtures.interp_engine_reference``) within 1e-5."""
 
@@ -27,7 +27,9 @@ CASES = [("qwen2", (0, 1), {}), ("llama", (0, 2), {}), ("gemma3", (0, 1), {}), (
          ("qwen3_5", (1, 3), QWEN3_5_BLOCKS), ("qwen3_5", (0, 2), QWEN3_5_BLOCKS),  # attention, DeltaNet blocks
          ("olmo_hybrid", (1, 4), {}), ("olmo_hybrid", (0, 2), {}),  # post-norm attention, pre-norm DeltaNet blocks
          ("llama4", (0, 1), {}), ("llama4", (2, 4), {}),  # chunked RoPE blocks (experts, dense), NoPE blocks
-         ("granitemoehybrid", (1, 4), {}), ("granitemoehybrid", (0, 2), {})]  # attention, Mamba-2 blocks
+         ("granitemoehybrid", (1, 4), {}), ("granitemoehybrid", (0, 2), {}),  # attention, Mamba-2 blocks
+         # blocks of one sublayer: attention, Mamba-2, experts, a plain MLP
+         ("nemotron_h", (1, 5), {}), ("nemotron_h", (0, 4), {}), ("nemotron_h", (2, 6), {}), ("nemotron_h", (3, 8), {})]
 
 
 def close(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -53,9 +55,10 @@ def test_every_site_equals_transformers_and_interp_engine(tmp_path, family, laye
     # interp-engine's q_norm_in and k_norm_in exist only where there is a QK-norm; our q and k everywhere.
     # interp-engine 1.14 reads Granite 4's router as returning its outputs in another order (and refuses
     # them), takes one module's output for its MLP's, which is the experts' and the shared MLP's sum, and
-    # has no attention points at its Mamba-2 blocks: there, those are compared with transformers alone.
+    # has no attention points at Mamba-2 blocks (Granite's, Nemotron-H's): there, those are compared with
+    # transformers alone.
     granite = config.model_type == "granitemoehybrid"
-    mamba = granite and any(config.is_mamba(layer) for layer in layers)
+    mamba = any(config.is_mamba(layer) for layer in layers)
     points = {name: site for name, site in INTERP_ENGINE_POINTS.items() if site in sites
               and (config.qk_norm or name not in ("q_norm_in", "k_norm_in"))
               and not (granite and (site in ROUTING or name in ("mlp_out", "mlp_out_post")))

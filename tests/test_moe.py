@@ -230,44 +230,48 @@ def test_an_ablation_grid_over_experts_scores_and_charts_them(checkpoints, tmp_p
     assert (tmp_path / "out" / "charts" / "delta_loss_expert_zero.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("kind", ["gated", "biased", "plain"])
 @pytest.mark.parametrize("first, count", [(0, 7), (0, 3), (3, 3), (6, 2)])
-def test_the_dispatches_agree_on_every_slice_of_the_experts(first, count, biased):
+def test_the_dispatches_agree_on_every_slice_of_the_experts(first, count, kind):
     """The grouped dispatch, through ragged_dot (TPU and GPU's path, run here on CPU) and through
     the CPU's tile loop, equals the dense one on a device's slice of the experts (ids ``first`` to
     ``first + count - 1``, padding slots past the 7 real ones included); the pairs routed elsewhere
     add nothing. ``biased``: gpt-oss's experts, with biases and the clamped SwiGLU (limit 1.5, so
-    that it clamps)."""
+    that it clamps); ``plain``: Nemotron-H's, up and down only, the squared ReLU between."""
     import jax
-    from model.moe import dense_dispatch, grouped_dispatch
+    from model.moe import HiddenUnit, dense_dispatch, grouped_dispatch
     rng = np.random.default_rng(first * 10 + count)
     x = rng.standard_normal((45, 16)).astype(np.float32)  # [T, H]
     indices = np.stack([rng.permutation(7)[:3] for _ in range(45)]).astype(np.int32)  # [T, k]
     weights = rng.uniform(size=(45, 3)).astype(np.float32)
-    shapes = [(count, 16, 24), (count, 16, 24), (count, 24, 16)] + ([(count, 24), (count, 24), (count, 16)]
-                                                                    if biased else [])
+    inputs = 1 if kind == "plain" else 2
+    shapes = [(count, 16, 24)] * inputs + [(count, 24, 16)] + ([(count, 24), (count, 24), (count, 16)]
+                                                               if kind == "biased" else [])
     experts = tuple(rng.standard_normal(shape).astype(np.float32) for shape in shapes)
     real = np.arange(first, first + count) < 7
     experts = tuple(np.where(real.reshape(-1, *(1,) * (e.ndim - 1)), e, 0) for e in experts)  # padding: 0
-    if biased:
-        def glu(g, u):
+    if kind == "biased":
+        def join(g, u):
             g, u = jax.numpy.minimum(g, 1.5), jax.numpy.clip(u, -1.5, 1.5)
             return (u + 1) * g * jax.nn.sigmoid(1.702 * g)
+    elif kind == "plain":
+        def join(u):
+            return jax.numpy.square(jax.nn.relu(u))
     else:
-        def glu(g, u):
+        def join(g, u):
             return jax.nn.silu(g) * u
-    common = (glu, jax.lax.Precision.HIGHEST, None)
+    common = (HiddenUnit(inputs, join), jax.lax.Precision.HIGHEST, None)
     on_device = [jax.numpy.asarray(a) for a in (x, indices, weights)], tuple(map(jax.numpy.asarray, experts))
     dense = np.asarray(dense_dispatch(*on_device[0], on_device[1], first, *common))
     expected = np.zeros_like(x)  # the pairs' sum, one by one
     for t, j in np.ndindex(indices.shape):
         e = indices[t, j] - first
         if 0 <= e < count:
-            gate, up, down, *biases = (w[e] for w in experts)
-            g, u = x[t] @ gate, x[t] @ up
-            if biased:
-                g, u = g + biases[0], u + biases[1]
-            out = np.asarray(glu(g, u)) @ down + (biases[2] if biased else 0)
+            mine = [w[e] for w in experts]
+            projected = [x[t] @ w for w in mine[:inputs]]
+            if kind == "biased":
+                projected = [p + b for p, b in zip(projected, mine[3:5])]
+            out = np.asarray(join(*projected)) @ mine[inputs] + (mine[5] if kind == "biased" else 0)
             expected[t] += weights[t, j] * out
     assert relative_error(dense, expected) <= 1e-5
     for ragged in (True, False):

@@ -91,7 +91,7 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
 def grouped_moe(f: Fields, dense_layers, **switches: Any) -> MoE:
     """The mixture of experts of DeepSeek's lineage: its router's groups (``n_group``, ``topk_group``),
     ``routed_scaling_factor``, ``n_shared_experts`` ungated, a float32 router (unless ``switches``
-    say otherwise); ``switches``: the rest."""
+    say otherwise: Nemotron-H's shared MLP has a width of its own); ``switches``: the rest."""
     experts, k = f.number("n_routed_experts"), f.number("num_experts_per_tok")
     groups, top_groups = int(f.get("n_group") or 1), int(f.get("topk_group") or 1)
     if groups < 1 or experts % groups:
@@ -104,11 +104,11 @@ def grouped_moe(f: Fields, dense_layers, **switches: Any) -> MoE:
         raise f.refuse("num_experts_per_tok", k, f"a token's experts are 1 to the {top_groups} chosen groups' "
                        f"{top_groups * experts // groups}")
     shared = f.number("n_shared_experts")
-    switches = {"router_in_float32": True, **switches}
-    return MoE(experts, k, f.number("moe_intermediate_size"), weights_in_float32=True,
-               shared_expert_size=shared * f.number("moe_intermediate_size") if shared else None,
-               shared_expert_gate=False, dense_layers=tuple(dense_layers), groups=groups,
-               top_groups=top_groups, routed_scaling=f.number("routed_scaling_factor", float), **switches)
+    switches = {"router_in_float32": True,
+                "shared_expert_size": shared * f.number("moe_intermediate_size") if shared else None, **switches}
+    return MoE(experts, k, f.number("moe_intermediate_size"), weights_in_float32=True, shared_expert_gate=False,
+               dense_layers=tuple(dense_layers), groups=groups, top_groups=top_groups,
+               routed_scaling=f.number("routed_scaling_factor", float), **switches)
 
 
 def dense_layers_by_type(f: Fields, layers: int) -> list[int]:
