@@ -25,8 +25,9 @@ from ablation.results import (RESULTS_FILE, SUMMARY_FILE, describe, load_results
                               write_results)
 from common.cli import UserError
 from common.profiling import BatchProfiler
-from interventions.resolve import ablation_arrays, check_blocks, steered_mask, steered_positions, steering_digests
-from interventions.spec import BASELINE, Intervention, parse_interventions
+from interventions.resolve import (ablation_arrays, check_blocks, parse_for, steered_mask, steered_positions,
+                                   steering_digests)
+from interventions.spec import BASELINE, Intervention
 from model.families import load_config
 from model.interventions import STEER_TOKENS, Means
 from model.run_settings import changed_settings
@@ -107,8 +108,7 @@ def plan(config: AblationConfig) -> tuple[list[Intervention], list[Record], Any]
     config.validate()
     model_config = load_config(config.model_dir())
     check_model_fits(model_config, (), config.max_seq_length)  # before anything is written
-    grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
-                               model_config.num_attention_heads, model_config.num_experts)
+    grid = parse_for(config.interventions, model_config)
     patching = next((iv for iv in grid if iv.patches), None)
     if patching is not None:
         raise UserError(f"{patching.name!r} patches: activation patching is scored by --metric logit_diff "

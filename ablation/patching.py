@@ -172,7 +172,7 @@ def _patch_sites(block: dict) -> dict:
 def site_values(config: DecoderConfig, outputs: list, sites: dict, site: str) -> np.ndarray:
     """[L, B, S, W]: what every block had at ``site``, from a forward's outputs and sown sites (at
     ``attn.hook_z`` each head padded to the widest, ``padded_heads``: W = N * the widest head;
-    zeros at a Gated DeltaNet block, which has no heads to patch)."""
+    zeros at a Gated DeltaNet block, which has no heads to patch, and at a block without the site)."""
     layers = config.num_hidden_layers
     if site == RESID_POST:
         return np.stack([np.asarray(o) for o in outputs])
@@ -181,10 +181,13 @@ def site_values(config: DecoderConfig, outputs: list, sites: dict, site: str) ->
     if site == ATTN_Z:
         n, widest = config.num_attention_heads, config.max_head_dim
         none = np.zeros((*outputs[0].shape[:2], n * widest), np.float32)  # [B, S, N*widest]
-        return np.stack([none if config.is_recurrent(i) else
+        return np.stack([none if config.is_recurrent(i) or not config.has_mixer(i) else
                          padded_heads(np.asarray(sown_value(sites[f"layers_{i}"], site)), n, widest)
                          for i in range(layers)])
-    return np.stack([np.asarray(sown_value(sites[f"layers_{i}"], site)) for i in range(layers)])
+    # zeros at a block without the site (Nemotron-H's blocks of one sublayer)
+    none = np.zeros((*outputs[0].shape[:2], config.hidden_size), np.float32)  # [B, S, H]
+    return np.stack([none if missing_reason(site, config, i) else np.asarray(sown_value(sites[f"layers_{i}"], site))
+                     for i in range(layers)])
 
 
 def clean_values(loaded: LoadedModel, prompt: tuple[int, ...], site: str) -> np.ndarray:

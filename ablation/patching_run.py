@@ -40,8 +40,8 @@ from ablation.patching import (ROWS_PER_FORWARD, Cell, Pair, agreement, attribut
 from ablation.records import Record, read_records
 from common.cli import UserError
 from common.files import read_optional
-from interventions.resolve import check_blocks
-from interventions.spec import Intervention, parse_interventions
+from interventions.resolve import check_blocks, parse_for
+from interventions.spec import Intervention
 from model.families import load_config
 from model.sites import array_key, describe_key
 
@@ -85,8 +85,7 @@ def plan(config: AblationConfig) -> Plan:
     config.validate()
     model_config = load_config(config.model_dir())
     check_model_fits(model_config, (), config.max_seq_length)
-    grid = parse_interventions(config.interventions, model_config.num_hidden_layers,
-                               model_config.num_attention_heads, model_config.num_experts)
+    grid = parse_for(config.interventions, model_config)
     other = next((iv for iv in grid if len(iv.patches) != len(iv.atoms)), None)
     if other is not None:
         raise UserError(f"--metric logit_diff scores patches (patch:L:SITE...): {other.name!r} is not one")

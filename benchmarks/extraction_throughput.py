@@ -10,7 +10,8 @@ deepseek_v3 (DeepSeek-V3: latent attention, 256 experts in 8 groups, k 8, a shar
 reduced: Mamba-2 blocks, attention on 1 of 4, 64 experts, k 6, a shared MLP), llama4 (Llama-4-Scout reduced: chunks
 of 256, 16 input-scaled experts, k 1), deepseek_v32 (DeepSeek-V3.2 reduced as V3, each query's 256
 best keys), nemotron_h (NVIDIA-Nemotron-3-Nano-30B-A3B reduced: blocks of one sublayer, Mamba-2, attention
-on 1 of 10, 64 plain experts, k 6, a shared MLP), minimax_m2 or mistral4. ``--weights
+on 1 of 10, 64 plain experts, k 6, a shared MLP), falcon_h1 (Falcon-H1-0.5B cut to 8 blocks: attention beside
+Mamba-2 in each), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -71,7 +72,8 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "deepseek_v3": "deepseek-v3-reduced", "minimax_m2": "minimax-m2-reduced",
                  "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
                  "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
-                 "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced"}
+                 "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced",
+                 "falcon_h1": "falcon-h1-0.5b-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -165,12 +167,13 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     def mixer_params(layer: int) -> int:
         if not c.has_mixer(layer):
             return 0
+        beside = mamba_params if c.has_parallel_mamba(layer) else 0  # Falcon-H1's
         return (deltanet_params if c.is_deltanet(layer) else mamba_params if c.is_mamba(layer)
-                else attention_params)
+                else attention_params + beside)
 
     dense = 2 * sum(mixer_params(layer) + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
     deltanet = (sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
-                + sum(scan for layer in range(num_layers) if c.is_mamba(layer)))
+                + sum(scan for layer in range(num_layers) if c.is_mamba(layer) or c.has_parallel_mamba(layer)))
 
     def attended(n: int, window) -> int:  # (query, key) pairs of one sequence
         if indexer is not None:  # each query's chosen keys

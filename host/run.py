@@ -63,8 +63,8 @@ from host.store_stats import StoreStats
 from host.stream import check_lengths, count_records, kept_column_types, runner_stream
 from host.watchdog import Placement, run_watched
 from host.writer import CHECKPOINT_FILE, METADATA_FILE, ShardSettings, ShardWriter
-from interventions.resolve import intervention_for, steered_positions, steering_digests, steers_written_tokens
-from interventions.spec import parse_interventions
+from interventions.resolve import (intervention_for, parse_for, steered_positions, steering_digests,
+                                   steers_written_tokens)
 from model.attention import attention_for
 from model.config import QUANTIZED_DTYPES, DecoderConfig
 from model.families import load_config
@@ -230,8 +230,7 @@ def steer_tokens(config: HostConfig, model: DecoderConfig) -> str | None:
     """The token selection ``--ablate``'s steerings share (None: none, or every token)."""
     if config.ablate is None:
         return None
-    return parse_interventions([config.ablate], model.num_hidden_layers, model.num_attention_heads,
-                               model.num_experts)[0].steer_tokens
+    return parse_for([config.ablate], model)[0].steer_tokens
 
 
 def intervened_blocks(config: HostConfig, model: DecoderConfig, sites, layers) -> int:

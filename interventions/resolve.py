@@ -30,7 +30,7 @@ log = logging.getLogger("interventions.resolve")
 
 def parse_one(spec: str, config: DecoderConfig) -> Intervention:
     """One intervention (``runners.tpu_host --ablate``): a spec that expands to several is refused."""
-    found = parse_interventions([spec], config.num_hidden_layers, config.num_attention_heads, config.num_experts)
+    found = parse_for([spec], config)
     if len(found) != 1:
         raise UserError(f"--ablate {spec!r} stands for {len(found)} interventions: name one "
                         "(no * or ranges)")
@@ -41,32 +41,41 @@ def parse_one(spec: str, config: DecoderConfig) -> Intervention:
     return found[0]
 
 
+def parse_for(specs: Sequence[str], config: DecoderConfig) -> list[Intervention]:
+    """``parse_interventions`` for this model: a pattern over several blocks leaves out those that
+    lack what it acts on (``absent_target``)."""
+    return parse_interventions(specs, config.num_hidden_layers, config.num_attention_heads, config.num_experts,
+                               absent=lambda atom: absent_target(atom, config))
+
+
+def absent_target(atom: Atom, config: DecoderConfig) -> str | None:
+    """Why block ``atom.layer`` has nothing for ``atom`` to act on, or None: a site it lacks (a
+    steering's, a patch's), heads at a block that mixes with a recurrence or has no mixer, a
+    sublayer a block of one lacks (Nemotron-H's), experts at a dense block."""
+    if atom.kind in ("steer", "patch"):
+        return missing_reason(atom.site, config, atom.layer)
+    if atom.kind in ("head", "attn") and not config.has_mixer(atom.layer):
+        return f"block {atom.layer} is an MLP alone: it has no mixer (mlp:{atom.layer} removes its MLP)"
+    if atom.kind == "mlp" and not config.has_mlp(atom.layer):
+        return f"block {atom.layer} is a mixer alone: it has no MLP (attn:{atom.layer} removes its mixer)"
+    if atom.kind == "head" and config.is_recurrent(atom.layer):
+        return (f"block {atom.layer} mixes with {config.mixer_name(atom.layer)}: it has no attention heads "
+                f"(attn:{atom.layer} removes its mixer)")
+    if atom.kind in ("expert", "route") and not config.is_sparse(atom.layer):
+        return (f"block {atom.layer} has a dense MLP, no experts (its mixtures of experts: blocks "
+                f"{', '.join(map(str, config.sparse_layers))})")
+    return None
+
+
 def check_blocks(interventions: Sequence[Intervention], config: DecoderConfig) -> None:
-    """``UserError`` for an expert or route atom on a block whose MLP is dense (Qwen's
-    mlp_only_layers), a head atom on a block that mixes with Gated DeltaNet (no attention
-    heads: ``attn:L`` removes its mixer), a sublayer a block of one lacks (Nemotron-H's), or a
-    steering whose file does not fit the model (read
-    now, before any weight is)."""
+    """``UserError`` for an atom whose block has nothing for it to act on (``absent_target``), or
+    a steering whose file does not fit the model (read now, before any weight is)."""
     for intervention in interventions:
         for atom in intervention.atoms:
-            if atom.kind in ("steer", "patch"):
-                if reason := missing_reason(atom.site, config, atom.layer):
-                    raise UserError(f"intervention {intervention.name!r}: {reason}")
-                if atom.kind == "steer":
-                    steering_vector(atom, config)
-            if atom.kind in ("head", "attn") and not config.has_mixer(atom.layer):
-                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} is an MLP alone: it has no "
-                                f"mixer (mlp:{atom.layer} removes its MLP)")
-            if atom.kind == "mlp" and not config.has_mlp(atom.layer):
-                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} is a mixer alone: it has no "
-                                f"MLP (attn:{atom.layer} removes its mixer)")
-            if atom.kind == "head" and config.is_recurrent(atom.layer):
-                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} mixes with "
-                                f"{config.mixer_name(atom.layer)}: it has no attention heads (attn:{atom.layer} "
-                                "removes its mixer)")
-            if atom.kind in ("expert", "route") and not config.is_sparse(atom.layer):
-                raise UserError(f"intervention {intervention.name!r}: block {atom.layer} has a dense MLP, no experts "
-                                f"(its mixtures of experts: blocks {', '.join(map(str, config.sparse_layers))})")
+            if reason := absent_target(atom, config):
+                raise UserError(f"intervention {intervention.name!r}: {reason}")
+            if atom.kind == "steer":
+                steering_vector(atom, config)
         removed = [atom.layer for atom in intervention.atoms if atom.kind == "expert"]
         for layer in set(removed):
             if removed.count(layer) > config.num_experts - config.moe.top_k:

@@ -42,7 +42,9 @@ stream's real tokens under the unablated model (``Means``, computed by a first p
 output, a sublayer's output, a block's contribution (output - input); for a norm, each weight
 (and bias) vector's own mean.
 
-In a grid, L and H may be ``*`` (all) or a range ``A-B`` (inclusive); every combination is one
+In a grid, L and H may be ``*`` (all) or a range ``A-B`` (inclusive; read against a model,
+``interventions.resolve.parse_for``, a grid over blocks leaves out those without its target: the
+Gated DeltaNet blocks of a head grid, say); every combination is one
 intervention: ``head:0-3.*`` is one intervention per head of blocks 0 to 3, ``mlp:*:mode=mean``
 one per block, ``patch:*:attn.hook_z:heads=*`` one per head. A patch's ``pos=*`` (or ``pos=A-B``)
 stays in the intervention: each pair's prompt decides its positions (``ablation.patching``).
@@ -58,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -291,6 +293,18 @@ def _atoms(text: str, spec: str, num_layers: int, num_heads: int, num_experts: i
     return [Atom(kind, l, None, mode) for l in _indices(target, "layer", num_layers, spec)]
 
 
+def _present(atoms: list[Atom], spec: str, absent: Callable[[Atom], str | None] | None) -> list[Atom]:
+    """A pattern's atoms without those on blocks that lack their target, where the pattern spans
+    several blocks (one block named alone is checked where it is resolved, ``check_blocks``)."""
+    if absent is None or len({atom.layer for atom in atoms}) < 2:
+        return atoms
+    reasons = [absent(atom) for atom in atoms]
+    kept = [atom for atom, reason in zip(atoms, reasons) if reason is None]
+    if not kept:
+        raise UserError(f"intervention {spec!r}: no block it spans has what it acts on ({reasons[0]})")
+    return kept
+
+
 def _target(atom: Atom) -> tuple:
     """What an atom acts on: two atoms of one intervention may not share it (a patch's: also its
     positions)."""
@@ -298,17 +312,21 @@ def _target(atom: Atom) -> tuple:
     return (atom.kind, atom.layer, atom.head, atom.path, atom.direction, atom.site, *extra)
 
 
-def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int,
-                        num_experts: int = 0) -> list[Intervention]:
+def parse_interventions(specs: Sequence[str], num_layers: int, num_heads: int, num_experts: int = 0,
+                        absent: Callable[[Atom], str | None] | None = None) -> list[Intervention]:
     """Every intervention the specs stand for, in order, each once; ``UserError`` names a bad one.
 
     A spec joins patterns with ``+``; a pattern with ranges or ``*`` expands, and a spec stands
-    for every combination of its patterns' expansions. ``num_experts``: 0 for a dense model."""
+    for every combination of its patterns' expansions. ``num_experts``: 0 for a dense model.
+    ``absent``: why the model has no target for an atom (None: it has one); a pattern over several
+    blocks leaves out the blocks that lack its target (a head grid the Gated DeltaNet blocks,
+    ``mlp:*`` Nemotron-H's mixer blocks), and one that none has is refused."""
     out: dict[str, Intervention] = {}
     for spec in specs:
         if not spec.strip():
             raise UserError("an empty intervention spec")
-        parts = [_atoms(part, spec, num_layers, num_heads, num_experts) for part in spec.split("+")]
+        parts = [_present(_atoms(part, spec, num_layers, num_heads, num_experts), spec, absent)
+                 for part in spec.split("+")]
         for combination in itertools.product(*parts):
             atoms = tuple(sorted(set(combination), key=Atom.sort_key))
             targets = [_target(a) for a in atoms]

@@ -215,6 +215,14 @@ class Mamba2:
     conv_bias: bool = True
     proj_bias: bool = False   # in_proj and out_proj have biases
     time_step_limit: tuple[float, float] = (0.0, math.inf)  # dt clamped to it
+    parallel: bool = False    # beside attention on its blocks, reading the same normed input, the two outputs
+                              # added (Falcon-H1's); off: in place of attention
+    gated_norm: bool = True   # the gated RMSNorm per group; off: the output times SiLU(z) alone (Falcon-H1's
+                              # mamba_rms_norm false)
+    norm_before_gate: bool = False  # the gated norm normalises the output, then multiplies by SiLU(z) (Falcon-H1's
+                                    # mamba_norm_before_gate); off: it normalises output x SiLU(z)
+    projection_multipliers: tuple[float, ...] = ()  # in_proj's z, x, B, C and dt parts times these (Falcon-H1's
+                                                    # ssm_multipliers: its mup_vector); (): none
 
     @property
     def inner(self) -> int:
@@ -225,6 +233,20 @@ class Mamba2:
     def conv_dim(self) -> int:
         """The convolution's channels: x | B | C."""
         return self.inner + 2 * self.num_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Multipliers:
+    """Falcon-H1's μP multipliers (``DecoderConfig.multipliers``), each a scalar on one tensor of the
+    block, as transformers' ``FalconH1DecoderLayer`` applies them."""
+    attention_in: float = 1.0   # attention reads the normed input times it
+    attention_out: float = 1.0  # what attention adds, times it
+    key: float = 1.0            # the keys (k_proj's output) times it, before RoPE
+    ssm_in: float = 1.0         # the parallel Mamba-2 mixer reads the normed input times it
+    ssm_out: float = 1.0        # what it adds, times it
+    mlp_gate: float = 1.0       # the MLP's gate projection's output times it, before the activation
+    mlp_down: float = 1.0       # the MLP's output times it
+    lm_head: float = 1.0        # the logits times it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +315,7 @@ class DecoderConfig:
                                          # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     deltanet: DeltaNet | None = None     # Gated DeltaNet mixers in place of attention on deltanet.layers
     mamba: Mamba2 | None = None          # Mamba-2 mixers in place of attention on mamba.layers (Granite 4)
+    multipliers: Multipliers | None = None  # Falcon-H1's μP multipliers
     sublayers: tuple[str, ...] = ()      # per block, MIXER_ONLY or MLP_ONLY: its one sublayer, x + mixer(norm(x))
                                          # or x + mlp(norm(x)) (Nemotron-H's); () is every block both
     embedding_multiplier: float = 1.0    # the embeddings times it (Granite's)
@@ -411,8 +434,12 @@ class DecoderConfig:
         return self.deltanet is not None and layer in self.deltanet.layers
 
     def is_mamba(self, layer: int) -> bool:
-        """Whether block ``layer``'s mixer is Mamba-2."""
-        return self.mamba is not None and layer in self.mamba.layers
+        """Whether block ``layer``'s mixer is Mamba-2 (in place of attention)."""
+        return self.mamba is not None and layer in self.mamba.layers and not self.mamba.parallel
+
+    def has_parallel_mamba(self, layer: int) -> bool:
+        """Whether block ``layer`` runs a Mamba-2 mixer beside its attention (Falcon-H1's)."""
+        return self.mamba is not None and layer in self.mamba.layers and self.mamba.parallel
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether block ``layer``'s mixer is a recurrence (Gated DeltaNet, Mamba-2), not attention."""

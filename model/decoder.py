@@ -59,16 +59,17 @@ from jax.sharding import Mesh
 
 from model import deltanet, mamba2
 from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
-from model.config import DecoderConfig, QueryTemperature
+from model.config import DecoderConfig, Multipliers, QueryTemperature
 from model.indexer import LightningIndexer
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
 from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key, steer_key
-from model.layers import ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized
+from model.layers import (ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized,
+                          scaled)
 from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
                          ATTN_V, ATTN_Z, DELTA_OUT, INDEXED_KEYS, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN,
-                         MLP_MODULE_OUT, MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q, EMBED,
-                         FINAL_NORMALIZED)
+                         MLP_MODULE_OUT, MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q,
+                         SSM_MODULE_OUT, SSM_OUT, EMBED, FINAL_NORMALIZED)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -122,6 +123,8 @@ class Attention(nn.Module):
             v = k if k_eq_v else project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
             self.sow("sites", ATTN_K, k)
             self.sow("sites", ATTN_V, v)
+            if c.multipliers is not None and c.multipliers.key != 1.0:  # Falcon-H1's, after k_proj
+                k = scaled(k, c.multipliers.key)
         # q/k norms before RoPE, float32 out with a wide stream (RoPE follows): over the whole
         # projection (OLMo 2) before the split into heads, or per head over head_dim after it.
         qk_norm = lambda name, y: norm_for(c, name, self.dtype, self.residual_dtype, keep_wide=True)(y, norms)
@@ -420,10 +423,17 @@ class Mamba2Mixer(nn.Module):
         groups = m.num_groups * m.state_size
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, name: dense(n, m.proj_bias, name, self.dtype, accumulate)
+        if c.multipliers is not None and c.multipliers.ssm_in != 1.0:  # Falcon-H1's input multiplier
+            x = scaled(x, c.multipliers.ssm_in)
         # in_proj's parts apart (split at load time): the gate, the convolution's input, dt.
         z = project(m.inner, "in_proj_z")(x)                                         # [B, S, I]
         mixed = project(m.conv_dim, "in_proj_xbc")(x)                                # [B, S, I + 2 G N]
         dt = project(m.num_heads, "in_proj_dt")(x)                                   # [B, S, H]
+        if m.projection_multipliers:  # Falcon-H1's per-part multipliers of in_proj's output (its mup_vector)
+            # a buffer of the model's dtype in transformers: each multiplier rounded to it, then multiplied
+            zm, xm, bm, cm, dtm = (jnp.asarray(v, self.dtype).astype(jnp.float32) for v in m.projection_multipliers)
+            parts = jnp.concatenate([jnp.full((m.inner,), xm), jnp.full((groups,), bm), jnp.full((groups,), cm)])
+            z, mixed, dt = scaled(z, zm), scaled(mixed, parts), scaled(dt, dtm)              # parts: [I + 2 G N]
         weight = self.param("conv", nn.initializers.normal(0.02), (m.conv_dim, 1, m.conv_kernel), self.dtype)
         bias = self.param("conv_bias", nn.initializers.zeros, (m.conv_dim,), self.dtype) if m.conv_bias else None
         stepping = cache is not None and jnp.ndim(cache_index) == 1
@@ -443,11 +453,16 @@ class Mamba2Mixer(nn.Module):
         else:
             steps = mamba2.masked_steps(steps, lengths)  # padding neither decays nor writes the state
             y, state = mamba2.chunked(xs, steps, a, bs, cs, d, chunk_size=self.chunk_size)
-        # The gated norm: y x SiLU(z), RMS-normed per group of channels, in float32, then its weight.
-        gated = y.reshape(b, s, m.num_groups, -1) * jax.nn.silu(z.astype(jnp.float32)).reshape(b, s, m.num_groups, -1)
-        normed = rms_normalized(gated, c.norm_eps).reshape(b, s, m.inner)
-        norm_weight = self.param("norm", nn.initializers.ones, (m.inner,), self.dtype)
-        out = (norm_weight.astype(jnp.float32) * normed).astype(self.dtype)         # [B, S, I]
+        gate = jax.nn.silu(z.astype(jnp.float32)).reshape(b, s, m.num_groups, -1)   # [B, S, G, I/G]
+        y = y.reshape(b, s, m.num_groups, -1)
+        if m.gated_norm:  # RMS-normed per group of channels (y x SiLU(z), or y gated after), in float32
+            norm_weight = self.param("norm", nn.initializers.ones, (m.inner,), self.dtype).astype(jnp.float32)
+            normed = rms_normalized(y if m.norm_before_gate else y * gate, c.norm_eps)
+            y = norm_weight.reshape(m.num_groups, -1) * normed
+            out = y * gate if m.norm_before_gate else y
+        else:  # Falcon-H1 without its mamba_rms_norm: gated alone
+            out = y * gate
+        out = out.reshape(b, s, m.inner).astype(self.dtype)                         # [B, S, I]
         return project(c.hidden_size, "out_proj")(out), None if cache is None else (conv_state, state)
 
 
@@ -519,7 +534,7 @@ def residual_scaled(config: DecoderConfig, out: jax.Array) -> jax.Array:
     """What a sublayer adds to the stream, times ``residual_multiplier`` (Granite's; in float32 and
     rounded once, as torch multiplies a tensor by a Python float)."""
     m = config.residual_multiplier
-    return out if m == 1.0 else (out.astype(jnp.float32) * m).astype(out.dtype)
+    return out if m == 1.0 else scaled(out, m)
 
 
 def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
@@ -547,6 +562,7 @@ class DecoderLayer(nn.Module):
     patterns: bool = False      # attention sows its scores and pattern (Attention.patterns)
     has_mixer: bool = True      # off: a block of its MLP alone (DecoderConfig.sublayers: Nemotron-H's)
     has_mlp: bool = True        # off: a block of its mixer alone
+    parallel_mamba: bool = False  # a Mamba-2 mixer beside attention (config.mamba.parallel: Falcon-H1's)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
@@ -557,43 +573,18 @@ class DecoderLayer(nn.Module):
         c, wide = self.config, self.residual_dtype
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
-        heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)[:2]),
-                 a.get(delta_key(ATTN_Z))) if ablation is not None else None
+
         def steered_at(value, site):  # a steering's addition, then a patch's replacement
             value = steered(value, a.get(steer_key(site)), a.get(STEER_TOKENS))
             return patched(value, *(a.get(name) for name in patch_key(site)[:2]), a.get(delta_key(site)))
         x = steered_at(x, RESID_PRE)
         block_in = x
-        new_cache = None
+        new_cache, added = None, None
         if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
-            attn_in = x
-            if c.pre_norms:
-                attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide, normalized_site=LN1_NORMALIZED)(x,
-                                                                                                              norm)
-            self.sow("sites", ATTN_IN, attn_in)
-            if self.deltanet:
-                attn_out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(attn_in, mask, cache,
-                                                                                          cache_index)
-            elif self.mamba:
-                attn_out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, cache,
-                                                                                      cache_index)
-            elif c.mla is not None:
-                attn_out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide,
-                                                      name="self_attn")(attn_in, cos, sin, mask, positions, cache,
-                                                                        cache_index, heads, norm)
-            else:
-                attention = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, self.patterns,
-                                      name="self_attn")
-                attn_out, new_cache = attention(attn_in, cos, sin, mask, positions, cache, cache_index, heads, norm,
-                                                kv_from)
-            self.sow("sites", ATTN_MODULE_OUT, attn_out)
-            if c.sandwich_norms:  # what is added to the stream keeps its width
-                attn_out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(attn_out, norm)
-            attn_out = steered_at(_replaced(residual_scaled(c, attn_out), a, "attn"), ATTN_OUT)
-            self.sow("stats", "attn_output", attn_out)
-            self.sow("sites", ATTN_OUT, attn_out)
-            if not c.parallel_residual:  # the MLP reads the stream after attention's addition
-                x = x + attn_out
+            added, new_cache = self.mixer_addition(x, cos, sin, mask, positions, cache, cache_index, kv_from, a,
+                                                   steered_at)
+            if not c.parallel_residual:  # the MLP reads the stream after the mixer's addition
+                x = x + added
                 if self.has_mlp:
                     x = steered_at(x, RESID_MID)
                     self.sow("sites", RESID_MID, x)
@@ -623,7 +614,7 @@ class DecoderLayer(nn.Module):
             self.sow("stats", "mlp_output", mlp_out)
             self.sow("sites", MLP_OUT, mlp_out)
             # Added in transformers' order: (mlp + attn) + x for a parallel block.
-            x = mlp_out + attn_out + x if c.parallel_residual else x + mlp_out
+            x = mlp_out + added + x if c.parallel_residual else x + mlp_out
         if per_layer_input is not None:
             x = x + self.per_layer_addition(x, per_layer_input, norm)
         if c.layer_scalar:  # the whole output scaled (Gemma 4)
@@ -635,6 +626,51 @@ class DecoderLayer(nn.Module):
                                                                    jnp.zeros_like(x)))
         return steered_at(x, RESID_POST), new_cache
 
+
+    def mixer_addition(self, x, cos, sin, mask, positions, cache, cache_index, kv_from, ablation: dict, steered_at):
+        """What the block's mixer adds to the stream x [B, S, H] (attention, a latent attention, Gated
+        DeltaNet or Mamba-2; Falcon-H1's attention plus its parallel Mamba-2), sowing its sites, and
+        its new cache (a parallel block's: (attention's, Mamba-2's)). ``ablation``: the block's slice
+        of the ablation arrays ({} for none); ``steered_at``: the block's steering and patching."""
+        c, wide, a = self.config, self.residual_dtype, ablation
+        norm = (a["norm_keep"], a["norm_fill"]) if a else None
+        heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)[:2]),
+                 a.get(delta_key(ATTN_Z))) if a else None
+        attn_in = x
+        if c.pre_norms:
+            attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide, normalized_site=LN1_NORMALIZED)(x, norm)
+        multipliers = c.multipliers or Multipliers()
+        mixer_in = attn_in if multipliers.attention_in == 1.0 else scaled(attn_in, multipliers.attention_in)
+        self.sow("sites", ATTN_IN, mixer_in)
+        attn_cache, ssm_cache = cache if self.parallel_mamba and cache is not None else (cache, None)
+        if self.deltanet:
+            out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(mixer_in, mask, cache, cache_index)
+        elif self.mamba:
+            out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(mixer_in, mask, cache, cache_index)
+        elif c.mla is not None:
+            out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
+                mixer_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
+        else:
+            attention = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, self.patterns,
+                                  name="self_attn")
+            out, new_cache = attention(mixer_in, cos, sin, mask, positions, attn_cache, cache_index, heads, norm,
+                                       kv_from)
+        self.sow("sites", ATTN_MODULE_OUT, out)
+        if c.sandwich_norms:  # what is added to the stream keeps its width
+            out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(out, norm)
+        if multipliers.attention_out != 1.0:
+            out = scaled(out, multipliers.attention_out)
+        out = steered_at(_replaced(residual_scaled(c, out), a, "attn"), ATTN_OUT)
+        self.sow("stats", "attn_output", out)
+        self.sow("sites", ATTN_OUT, out)
+        if not self.parallel_mamba:
+            return out, new_cache
+        # Falcon-H1: the Mamba-2 mixer beside attention, on the same normed input, added first.
+        ssm_out, ssm_new = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, ssm_cache, cache_index)
+        self.sow("sites", SSM_MODULE_OUT, ssm_out)
+        ssm_out = steered_at(ssm_out if multipliers.ssm_out == 1.0 else scaled(ssm_out, multipliers.ssm_out), SSM_OUT)
+        self.sow("sites", SSM_OUT, ssm_out)
+        return ssm_out + out, None if cache is None else (new_cache, ssm_new)
 
     def dense_and_experts(self, x: jax.Array, mlp_in: jax.Array, ablation: dict, norm) -> jax.Array:
         """Gemma 4's mixture of experts beside its dense MLP: the MLP of ``mlp_in`` (its normed
@@ -698,7 +734,6 @@ class PerLayerInputs(nn.Module):
         scale = jnp.asarray(p ** 0.5, self.dtype)  # rounded to the dtype, as Hugging Face's embed_scale
         tokens = table(input_ids) * scale  # [B, S, L*P]
         # torch multiplies by a Python float in float32 and rounds once: so do these scalings.
-        scaled = lambda y, factor: (y.astype(jnp.float32) * factor).astype(y.dtype)
         projected = dense(width, False, "per_layer_model_projection", self.dtype, accumulate)(embeddings)
         projected = scaled(projected, c.hidden_size ** -0.5).reshape(*input_ids.shape, num_layers, p)
         normed = norm_for(c, "per_layer_projection_norm", self.dtype, self.residual_dtype, keep_wide=True)(projected)
@@ -730,7 +765,8 @@ class Decoder(nn.Module):
                                     self.residual_dtype, c.window(i), self.mlp_sites, c.is_sparse(i),
                                     self.moe_dispatch, self.routing_sites, deltanet=c.is_deltanet(i),
                                     mamba=c.is_mamba(i), patterns=i in self.pattern_layers, has_mixer=c.has_mixer(i),
-                                    has_mlp=c.has_mlp(i), name=f"layers_{i}")
+                                    has_mlp=c.has_mlp(i), parallel_mamba=c.has_parallel_mamba(i),
+                                    name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
         if c.per_layer_input_size:
@@ -807,7 +843,8 @@ class Decoder(nn.Module):
 
     def unembed(self, h):
         """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), divided by
-        ``logits_scaling`` (Granite), soft-capped where ``final_logit_softcap`` (Gemma 2)."""
+        ``logits_scaling`` (Granite) or times Falcon-H1's ``lm_head`` multiplier, soft-capped where
+        ``final_logit_softcap`` (Gemma 2)."""
         accumulate = accumulation(self.dtype, self.residual_dtype)
         if self.config.tie_word_embeddings and accumulate is not None:
             logits = jnp.einsum("...h,vh->...v", h.astype(self.dtype), self.embed_tokens.embedding,
@@ -818,5 +855,7 @@ class Decoder(nn.Module):
             logits = self.lm_head(h)
         if self.config.logits_scaling != 1.0:  # Granite's
             logits = (logits.astype(jnp.float32) / self.config.logits_scaling).astype(logits.dtype)
+        if self.config.multipliers is not None and self.config.multipliers.lm_head != 1.0:  # Falcon-H1's
+            logits = scaled(logits, self.config.multipliers.lm_head)
         cap = self.config.final_logit_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap

@@ -150,10 +150,14 @@ class Generator:
 
     def _empty_cache(self, rows: int):
         """Per block: keys and values [B, T, K, D] (None for a block that attends to another's:
-        Gemma 4's kv sharing), a latent attention's latent and shared key part, or a Gated
-        DeltaNet block's states (``model.decoder.GatedDeltaNet``)."""
+        Gemma 4's kv sharing, or has no mixer), a latent attention's latent and shared key part, a
+        Gated DeltaNet or Mamba-2 block's states (``model.decoder.GatedDeltaNet``), or a Falcon-H1
+        block's keys and values and Mamba-2 states."""
         c = self.config
         zeros = lambda shape, dtype=self.dtype: self._rows_split(jnp.zeros(shape, dtype))
+        m = c.mamba
+        mamba_cache = lambda: (zeros((rows, m.conv_kernel - 1, m.conv_dim)),                    # [B, K-1, C]
+                               zeros((rows, m.num_heads, m.head_dim, m.state_size), jnp.float32))  # [B, H, P, N]
         out = []
         for layer in range(c.num_hidden_layers):
             own = c.layer_config(layer)
@@ -166,14 +170,14 @@ class Generator:
                             zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim)),         # [B, T, 1, Dr]
                             *([zeros((rows, self.cache_length, 1, index.head_dim))] if index else [])))  # [B, T, 1, Di]
             elif c.is_mamba(layer):  # the convolution's last inputs, the state (model.decoder.Mamba2Mixer)
-                m = c.mamba
-                out.append((zeros((rows, m.conv_kernel - 1, m.conv_dim)),                       # [B, K-1, C]
-                            zeros((rows, m.num_heads, m.head_dim, m.state_size), jnp.float32)))  # [B, H, P, N]
+                out.append(mamba_cache())
             elif c.is_deltanet(layer):
                 d = c.deltanet
                 out.append((tuple(zeros((rows, d.conv_kernel - 1, width))                        # [B, K-1, C]
                                   for width in (d.key_dim, d.key_dim, d.value_dim)),
                             zeros((rows, d.num_value_heads, d.key_head_dim, d.value_head_dim), jnp.float32)))
+            elif c.has_parallel_mamba(layer):  # Falcon-H1's: attention's and its Mamba-2 mixer's
+                out.append(((zeros(shape), zeros(shape)), mamba_cache()))
             else:
                 out.append((zeros(shape), zeros(shape)))
         return out

@@ -66,34 +66,42 @@ def recurrent(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Ar
 def chunked(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
             state: jax.Array | None = None, chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
     """``recurrent``'s result, computed chunk by chunk (the sequence zero-padded to a multiple of
-    ``chunk_size``: a zero dt there leaves the state as it was)."""
+    ``chunk_size``: a zero dt there leaves the state as it was). Heads are laid out group by group
+    ([G, K] for H = G x K), each chunk's positions after them: C Bᵀ is computed once per group, and
+    the states' products are matmuls whose rows are a group's heads x channels."""
     dtype = dt.dtype
     batch, length, heads, p = x.shape
-    n_state = b.shape[-1]
-    x, b, c = x.astype(dtype), _grouped(b, heads).astype(dtype), _grouped(c, heads).astype(dtype)
+    groups, n_state = b.shape[2], b.shape[-1]
+    k = heads // groups
+    x, b, c = x.astype(dtype), b.astype(dtype), c.astype(dtype)
     pad = -length % chunk_size
-    padded = lambda y: jnp.pad(y, ((0, 0), (0, pad)) + ((0, 0),) * (y.ndim - 2))
     n = (length + pad) // chunk_size
-    chunks = lambda y: padded(y).reshape(batch, n, chunk_size, *y.shape[2:])  # [B, N, C, ...]
-    xs, dts, bs, cs = chunks(x), chunks(dt), chunks(b), chunks(c)
-    log_decay = jnp.cumsum(dts * a, axis=2)                                 # [B, N, C, H] from the chunk's start
-    later = jnp.triu(jnp.ones((chunk_size, chunk_size), bool), 1)          # [C, C] s > l: not read by l
-    pairwise = log_decay[:, :, :, None, :] - log_decay[:, :, None, :, :]   # [B, N, L, S, H]
-    pairwise = jnp.exp(jnp.where(later[None, None, :, :, None], -jnp.inf, pairwise))
-    scores = jnp.einsum("bclhn,bcshn->bclsh", cs, bs) * pairwise            # [B, N, L, S, H]
-    written = xs * dts[..., None]                                           # [B, N, C, H, P]: dt x
-    within = jnp.einsum("bclsh,bcshp->bclhp", scores, written)
-    to_end = jnp.exp(log_decay[:, :, -1:] - log_decay)                      # [B, N, C, H]
-    chunk_states = jnp.einsum("bclhn,bclh,bclhp->bchpn", bs, to_end, written)  # what each chunk adds
-    chunk_decay = jnp.exp(log_decay[:, :, -1])                              # [B, N, H]
+
+    def chunks(y: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, N, C, ...]
+        y = jnp.pad(y, ((0, 0), (0, pad)) + ((0, 0),) * (y.ndim - 2))
+        return y.reshape(batch, n, chunk_size, *y.shape[2:])
+
+    xs = chunks(x).reshape(batch, n, chunk_size, groups, k, p).transpose(0, 1, 3, 4, 2, 5)  # [B, N, G, K, C, P]
+    dts = chunks(dt).reshape(batch, n, chunk_size, groups, k).transpose(0, 1, 3, 4, 2)      # [B, N, G, K, C]
+    bs, cs = (chunks(y).transpose(0, 1, 3, 2, 4) for y in (b, c))                           # [B, N, G, C, Ns]
+    log_decay = jnp.cumsum(dts * a.reshape(groups, k)[:, :, None], axis=-1)  # [B, N, G, K, C] from the chunk's start
+    later = jnp.triu(jnp.ones((chunk_size, chunk_size), bool), 1)            # [C, C] s > l: not read by l
+    pairwise = jnp.exp(jnp.where(later, -jnp.inf, log_decay[..., :, None] - log_decay[..., None, :]))  # [.., L, S]
+    scores = jnp.einsum("bnglm,bngsm->bngls", cs, bs)[:, :, :, None] * pairwise  # [B, N, G, K, L, S]
+    written = xs * dts[..., None]                                            # [B, N, G, K, C, P]: dt x
+    within = jnp.einsum("bngkls,bngksp->bngklp", scores, written)
+    to_end = jnp.exp(log_decay[..., -1:] - log_decay)                        # [B, N, G, K, C]
+    chunk_states = jnp.einsum("bngksp,bngsm->bngkpm", written * to_end[..., None], bs)  # what each chunk adds
+    chunk_decay = jnp.exp(log_decay[..., -1])                                # [B, N, G, K]
 
     def carry(s, inputs):
-        added, decay = inputs                                               # [B, H, P, N], [B, H]
-        return s * decay[..., None, None] + added, s                        # the state before each chunk
+        added, decay = inputs                                                # [B, G, K, P, Ns], [B, G, K]
+        return s * decay[..., None, None] + added, s                         # the state before each chunk
 
-    state = jnp.zeros((batch, heads, p, n_state), dtype) if state is None else state.astype(dtype)
+    state = (jnp.zeros((batch, groups, k, p, n_state), dtype) if state is None
+             else state.astype(dtype).reshape(batch, groups, k, p, n_state))
     state, before = jax.lax.scan(carry, state, (jnp.moveaxis(chunk_states, 1, 0), jnp.moveaxis(chunk_decay, 1, 0)))
-    before = jnp.moveaxis(before, 0, 1)                                     # [B, N, H, P, N_state]
-    from_before = jnp.einsum("bclhn,bchpn,bclh->bclhp", cs, before, jnp.exp(log_decay))
-    y = (within + from_before).reshape(batch, n * chunk_size, heads, p)[:, :length]
-    return y + d.astype(dtype)[:, None] * x, state
+    before = jnp.moveaxis(before, 0, 1)                                      # [B, N, G, K, P, Ns]
+    from_before = jnp.einsum("bnglm,bngkpm->bngklp", cs, before) * jnp.exp(log_decay)[..., None]
+    y = (within + from_before).transpose(0, 1, 4, 2, 3, 5).reshape(batch, n * chunk_size, heads, p)[:, :length]
+    return y + d.astype(dtype)[:, None] * x, state.reshape(batch, heads, p, n_state)

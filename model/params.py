@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from common.cli import UserError
 from model import fp8, mxfp4
 from model.checkpoint import Checkpoint
-from model.config import DecoderConfig
+from model.config import DecoderConfig, Multipliers
 from model.sharding import expert_slots, param_sharding
 
 LINEAR_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -336,7 +336,8 @@ def _mamba(config: DecoderConfig, hf: str):
         yield ("mamba", "conv_bias"), Source(f"{hf}.conv1d.bias")
     for name in ("A_log", "D", "dt_bias"):
         yield ("mamba", name), Source(f"{hf}.{name}")
-    yield ("mamba", "norm"), Source(f"{hf}.norm.weight")
+    if m.gated_norm:
+        yield ("mamba", "norm"), Source(f"{hf}.norm.weight")
 
 
 def _granite_moe(config: DecoderConfig, hf: str):
@@ -375,6 +376,8 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     else:
         for proj in own:
             yield from _linear(f"{hf}.self_attn.{proj}", ("self_attn", proj), c.qkv_bias)
+    if c.has_parallel_mamba(layer):  # Falcon-H1's, beside attention
+        yield from _mamba(c, f"{hf}.{layout_of(c).mamba}")
     if not c.is_recurrent(layer):
         yield from _linear(f"{hf}.self_attn.o_proj", ("self_attn", "o_proj"), c.o_bias)
     if c.attention_sinks and not c.is_recurrent(layer):
@@ -570,11 +573,16 @@ NEMOTRON_H = Layout(("backbone.", "model.", ""), "embeddings", "layers", "norm_f
                     head="lm_head.weight", attention="mixer", o_proj="mixer.o_proj", mlp="mixer",
                     down_proj="mixer.down_proj", moe_tensors="mixer", shared_expert="shared_experts", mamba="mixer",
                     norms={"pre_attention_norm": "norm", "pre_mlp_norm": "norm"})
+# Falcon-H1's: the MLP is feed_forward, its norm pre_ff_layernorm, the final one final_layernorm.
+FALCON_H1 = Layout(TEXT_PREFIXES, "embed_tokens", "layers", "final_layernorm", _llama_block, mlp="feed_forward",
+                   down_proj="feed_forward.down_proj", norms={"pre_attention_norm": "input_layernorm",
+                                                              "pre_mlp_norm": "pre_ff_layernorm"})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
-           "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H}
+           "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H,
+           "falcon_h1": FALCON_H1}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -617,7 +625,12 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
     if site == sites.ATTN_OUT and layer is not None and config.is_recurrent(layer) and not post:
-        return mixer_module(config, layer), "output" if config.residual_multiplier == 1 else "residual output"
+        return mixer_module(config, layer), _times(config.residual_multiplier)
+    multipliers = config.multipliers or Multipliers()  # Falcon-H1's, on what each mixer adds
+    if site in (sites.SSM_MODULE_OUT, sites.SSM_OUT):
+        return layout.mamba, "output" if site == sites.SSM_MODULE_OUT else _times(multipliers.ssm_out)
+    if site == sites.ATTN_OUT and multipliers.attention_out != 1:
+        return layout.attention, _times(multipliers.attention_out)
     router = layout.router or f"{layout.mlp}.gate"  # returns (logits or probabilities, top-k weights, top-k
     sides = layout.router_outputs or {}                 # indices), over [B*S] tokens
     where = {
@@ -637,8 +650,14 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         sites.RESID_POST: ("", "output"),
     }[site]
     if site in (sites.ATTN_OUT, sites.MLP_OUT) and config.residual_multiplier != 1:  # Granite's, on what is added
-        return where[0], "residual output"
+        return where[0], _times(config.residual_multiplier)
     return where
+
+
+def _times(factor: float) -> str:
+    """A module's output side scaled by ``factor`` (Granite's residual multiplier, Falcon-H1's):
+    ``output``, or ``output times F``."""
+    return "output" if factor == 1 else f"output times {factor!r}"
 
 
 def mixer_module(config: DecoderConfig, layer: int) -> str:

@@ -43,6 +43,7 @@ ATTN_SCORES, ATTN_PATTERN = "attn.hook_attn_scores", "attn.hook_pattern"
 ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
 DELTA_OUT = "attn.hook_delta_out"  # a Gated DeltaNet mixer's delta-rule output (model.decoder.GatedDeltaNet)
 INDEXED_KEYS = "attn.hook_indexed_keys"  # the keys DeepSeek sparse attention's indexer chose (model.indexer)
+SSM_MODULE_OUT, SSM_OUT = "ssm.hook_out", "hook_ssm_out"  # a Mamba-2 mixer beside attention (Falcon-H1's)
 MLP_PRE, MLP_PRE_LINEAR, MLP_MODULE_OUT = "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_out"
 # Sites of the whole model, stored once per token (not per block): keyed by their name alone.
 EMBED, FINAL_NORMALIZED, FINAL_NORM = "hook_embed", "ln_final.hook_normalized", "ln_final.hook_out"
@@ -62,7 +63,9 @@ MLP_HIDDEN = (MLP_PRE, MLP_PRE_LINEAR)  # beside mlp.hook_post: returned by the 
 INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT,  # inside the sublayers
           *MLP_HIDDEN, MLP_MODULE_OUT)
 # A block's sites by its sublayer: none of the one a block of a single sublayer lacks (Nemotron-H's).
-MIXER_SITES = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_Z, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT, ATTN_OUT)
+PARALLEL_SSM = (SSM_MODULE_OUT, SSM_OUT)
+MIXER_SITES = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_Z, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT, ATTN_OUT,
+               *PARALLEL_SSM)
 MLP_SITES = (LN2_NORMALIZED, MLP_IN, *MLP_HIDDEN, MLP_POST, *ROUTING, *SHARED_EXPERT, MLP_MODULE_OUT, MLP_OUT)
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
@@ -129,9 +132,13 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(ATTN_MODULE_OUT, "hidden", "the attention module's output (o_proj's), before a post-attention norm: "
                                     "hook_attn_out itself where the block has none"),
     Site(ATTN_OUT, "hidden", "what attention adds to the stream (after the post-attention norm where the "
-                             "block has one: Gemma 2, 3, OLMo 2)"),
-    Site(RESID_MID, "hidden", "resid_pre + attn_out: the MLP's input before its norm (none in a parallel block: "
-                              "GPT-NeoX's MLP reads resid_pre)"),
+                             "block has one: Gemma 2, 3, OLMo 2; times Falcon-H1's attention_out_multiplier)"),
+    Site(SSM_MODULE_OUT, "hidden", "the Mamba-2 mixer's output where it runs beside attention in every block "
+                                   "(Falcon-H1's), before its output multiplier"),
+    Site(SSM_OUT, "hidden", "what that Mamba-2 mixer adds to the stream (times ssm_out_multiplier); the block's "
+                            "mixers add hook_attn_out + hook_ssm_out"),
+    Site(RESID_MID, "hidden", "resid_pre + attn_out (+ ssm_out in Falcon-H1): the MLP's input before its norm "
+                              "(none in a parallel block: GPT-NeoX's MLP reads resid_pre)"),
     Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain (and bias): x / rms(x), "
                                    "or (x - mean) / std for a LayerNorm (none where the MLP's input has no norm: "
                                    "OLMo 2)"),
@@ -259,6 +266,9 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
         where = f"block {layer}" if layer is not None else f"every {config.model_type} block"
         return (f"{where} mixes with {_mixer(config, layer)}: no attention heads (hook_attn_out is what the mixer "
                 f"adds); its attention blocks are {_spans(config.attention_layers) or 'none'}")
+    if site in PARALLEL_SSM and (config.mamba is None or not config.mamba.parallel):
+        return (f"{config.model_type} has no Mamba-2 mixer beside attention (Falcon-H1's; a Mamba-2 block's "
+                "mixer output is attn.hook_out)")
     if site == INDEXED_KEYS and (config.mla is None or config.mla.indexer is None):
         return f"{config.model_type} has no sparse attention indexer (DeepSeek-V3.2's)"
     if site == DELTA_OUT and (config.deltanet is None or layer is not None and not config.is_deltanet(layer)):

@@ -1,6 +1,6 @@
 """The sites inside attention and the MLP (queries, keys, values, QK-norms, rotated queries and
 keys, scores, patterns, the output gate, pre-activations, module outputs before a post-norm), at
-two blocks of odd configs of thirteen families: what is stored equals transformers' float64 forward
+two blocks of odd configs of fourteen families: what is stored equals transformers' float64 forward
 (``model.params.hf_site``, ``fixtures.hf_reference``) and interp-engine's eager capture of the
 same points (``fixtures.interp_engine_reference``) within 1e-5."""
 
@@ -29,7 +29,9 @@ CASES = [("qwen2", (0, 1), {}), ("llama", (0, 2), {}), ("gemma3", (0, 1), {}), (
          ("llama4", (0, 1), {}), ("llama4", (2, 4), {}),  # chunked RoPE blocks (experts, dense), NoPE blocks
          ("granitemoehybrid", (1, 4), {}), ("granitemoehybrid", (0, 2), {}),  # attention, Mamba-2 blocks
          # blocks of one sublayer: attention, Mamba-2, experts, a plain MLP
-         ("nemotron_h", (1, 5), {}), ("nemotron_h", (0, 4), {}), ("nemotron_h", (2, 6), {}), ("nemotron_h", (3, 8), {})]
+         ("nemotron_h", (1, 5), {}), ("nemotron_h", (0, 4), {}), ("nemotron_h", (2, 6), {}), ("nemotron_h", (3, 8), {}),
+         # attention beside Mamba-2, its gated norm on and off
+         ("falcon_h1", (0, 2), {}), ("falcon_h1", (0, 1), {"mamba_rms_norm": False})]
 
 
 def close(ours: np.ndarray, ref: np.ndarray) -> float:

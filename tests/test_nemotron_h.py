@@ -90,7 +90,9 @@ def test_the_hubs_config_reads_as_transformers_and_what_it_lacks_is_refused():
     assert config.mamba.inner == 4096 and config.moe.shared_expert_size == 3712 and not config.gated_mlp
     listed = ["linear_attention", "moe", "linear_attention", "full_attention", "moe", "mlp"]
     assert config_from_dict({**raw, "layers_block_type": listed}) == config
-    assert config_from_dict({**raw, "mamba_n_groups": 8, "n_groups": None}) == config  # the older name
+    assert config_from_dict({**raw, "mamba_n_groups": 8, "n_groups": 4}) == config  # the older name wins
+    legacy = ["mamba", "moe", "mamba", "attention", "moe", "mlp"]  # the kinds' older names
+    assert config_from_dict({**raw, "layers_block_type": legacy}) == config
     for change, message in [({"moe_latent_size": 1024}, "moe_latent_size = 1024 is not supported"),
                             ({"hybrid_override_pattern": "MEX"}, "hybrid_override_pattern = 'MEX'"),
                             ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act = 'gelu' is not supported"),
@@ -127,3 +129,37 @@ def test_the_mean_pass_gives_each_block_the_means_of_the_sublayer_it_has(checkpo
     assert np.flatnonzero(heads.any(axis=(1, 2))).tolist() == [1, 5]
     assert np.flatnonzero(attn.any(axis=-1)).tolist() == [0, 1, 4, 5, 7]
     assert np.flatnonzero(mlp.any(axis=-1)).tolist() == [2, 3, 6, 8]
+
+
+def test_attribution_patching_reaches_a_sublayer_site_of_the_blocks_that_have_it(checkpoint):
+    """A patch at ``hook_mlp_out`` of an experts' block and at ``hook_attn_out`` of an attention
+    block, exactly and by attribution: the other blocks, without the site, add nothing to the
+    gradient (before, the attribution pass read the site at every block and failed)."""
+    import jax.numpy as jnp
+    from ablation.patching import Pair, Patch, attribution_metrics, exact_metrics
+    from model.loading import load_model
+    loaded = load_model(checkpoint, jnp.float32, with_head=True, devices=jax.devices()[:1])
+    clean, corrupted = random_sequences([8, 8], seed=0, vocab=loaded.config.vocab_size)
+    pair = Pair(tuple(clean), tuple(corrupted), 3, 5, "p")
+    for site, layer in [("hook_mlp_out", 2), ("hook_attn_out", 1)]:
+        cell = (Patch(site, layer, None, (7,), (7,)),)
+        values = {(site, layer): np.zeros((8, loaded.config.hidden_size), np.float32)}
+        exact = exact_metrics(loaded, pair, [cell], values)
+        estimate, _ = attribution_metrics(loaded, pair, [cell], values)
+        assert np.isfinite(estimate).all() and np.sign(estimate[0]) == np.sign(exact[0]), (site, exact, estimate)
+
+
+def test_a_grid_over_blocks_spans_the_blocks_that_have_its_target(checkpoint):
+    """``mlp:*``, ``attn:0-4``, ``head:*.0`` and ``expert:*.1`` leave out the blocks without an MLP,
+    a mixer, heads or experts; a range none of whose blocks has one is refused in one line."""
+    from interventions.resolve import check_blocks, parse_for
+    config = load_config(checkpoint)
+    for spec, expected in [("mlp:*", ["mlp:2", "mlp:3", "mlp:6", "mlp:8"]),
+                           ("attn:0-4", ["attn:0", "attn:1", "attn:4"]), ("head:*.0", ["head:1.0", "head:5.0"]),
+                           ("expert:*.1", ["expert:2.1", "expert:6.1"])]:
+        grid = parse_for([spec], config)
+        assert [iv.name.split(":mode")[0] for iv in grid] == expected, spec
+        check_blocks(grid, config)
+    with pytest.raises(UserError, match="no block it spans has what it acts on") as caught:
+        parse_for(["attn:2-3"], config)
+    assert "\n" not in str(caught.value)

@@ -10,8 +10,8 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox,
-                            gpt_oss, granitemoehybrid, llama, llama4, minimax_m2, mistral, mistral4, mixtral,
+from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, falcon_h1, gemma2, gemma3, gemma4, glm4_moe, gpt2,
+                            gpt_neox, gpt_oss, granitemoehybrid, llama, llama4, minimax_m2, mistral, mistral4, mixtral,
                             nemotron_h, olmo2, olmo3, olmo_hybrid, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5,
                             qwen3_moe, qwen3_next, smollm3)
 
@@ -56,12 +56,12 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "mistral4": (mistral4, mistral4.ARCHITECTURES),
     "granitemoehybrid": (granitemoehybrid, granitemoehybrid.ARCHITECTURES),
     "nemotron_h": (nemotron_h, nemotron_h.ARCHITECTURES),
+    "falcon_h1": (falcon_h1, falcon_h1.ARCHITECTURES),
 }
 # Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
 REFUSED = {
     "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
                    "keys, hyper-connections) are not implemented",
-    "falcon_h1": "Falcon-H1's blocks of attention and a Mamba-2 mixer in parallel are not implemented",
     "kimi_linear": "Kimi Delta Attention (a delta rule with a per-channel forget gate) is not implemented",
     **dict.fromkeys(("glm5_next", "glm5_next_text"), "GLM-5-next's hyper-connections and forget-gated linear "
                                                       "attention are not implemented"),

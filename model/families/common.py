@@ -224,3 +224,15 @@ def qwen_dense_layers(f: Fields, num_layers: int) -> list[int]:
     if step < 1:
         raise f.refuse("decoder_sparse_step", step, "it must be at least 1")
     return [i for i in range(num_layers) if i in only or (i + 1) % step]
+
+
+def time_step_limit(f: Fields) -> tuple[float, float]:
+    """A Mamba-2 mixer's clamp of dt (``time_step_limit``: two numbers, transformers writing
+    infinity as {"__float__": "Infinity"}; absent, none)."""
+    limit = f.raw.get("time_step_limit") or (0.0, math.inf)
+    bound = lambda v: float(v["__float__"] if isinstance(v, dict) and "__float__" in v else v)
+    try:
+        low, high = (bound(v) for v in limit)
+    except (TypeError, ValueError):
+        raise f.refuse("time_step_limit", limit, "expected two numbers (min, max)") from None
+    return low, high

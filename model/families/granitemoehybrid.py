@@ -12,10 +12,8 @@ none). The convolution's and the MLPs' activation is ``hidden_act``: SiLU only."
 
 from __future__ import annotations
 
-import math
-
 from model.config import DecoderConfig, Mamba2, MoE
-from model.families.common import Fields, activation, rope, rope_parameters, shapes
+from model.families.common import Fields, activation, rope, rope_parameters, shapes, time_step_limit
 
 ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel")
 MAMBA, ATTENTION = "linear_attention", "full_attention"
@@ -78,16 +76,9 @@ def mamba(f: Fields, config: dict) -> Mamba2:
         raise f.refuse("mamba_n_heads", heads, f"mamba_expand x hidden_size ({inner}) must be its heads x mamba_d_head")
     if groups < 1 or heads % groups:
         raise f.refuse("mamba_n_groups", groups, f"it must divide mamba_n_heads ({heads})")
-    limit = f.raw.get("time_step_limit") or (0.0, math.inf)
-    # transformers writes infinity as {"__float__": "Infinity"}
-    bound = lambda v: float(v["__float__"] if isinstance(v, dict) and "__float__" in v else v)
-    try:
-        low, high = (bound(v) for v in limit)
-    except (TypeError, ValueError):
-        raise f.refuse("time_step_limit", limit, "expected two numbers (min, max)") from None
     return Mamba2(mamba_layers(f, config["num_hidden_layers"]), heads, head_dim, f.number("mamba_d_state"), groups,
                   f.number("mamba_d_conv"), conv_bias=bool(f.get("mamba_conv_bias")),
-                  proj_bias=bool(f.get("mamba_proj_bias")), time_step_limit=(low, high))
+                  proj_bias=bool(f.get("mamba_proj_bias")), time_step_limit=time_step_limit(f))
 
 
 def experts(f: Fields, config: dict) -> MoE | None:

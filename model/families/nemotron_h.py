@@ -31,13 +31,14 @@ DEFAULTS = dict(vocab_size=131072, hidden_size=4096, tie_word_embeddings=False, 
                 n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=7688,
                 moe_shared_expert_intermediate_size=7688, num_experts_per_tok=2, routed_scaling_factor=1.0,
                 n_group=1, topk_group=1, norm_topk_prob=True, use_bias=False, layer_norm_epsilon=1e-5)
+LEGACY_KINDS = {"mamba": MAMBA, "attention": ATTENTION}
 # The released configs' older names (transformers' NemotronHConfig reads them as the new ones).
 LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_min": "time_step_min",
                 "mamba_conv_bias": "use_conv_bias"}
 
 
 def decoder_config(raw: dict) -> DecoderConfig:
-    raw = {**raw, **{new: raw[old] for old, new in LEGACY_NAMES.items() if old in raw and new not in raw}}
+    raw = {**raw, **{new: raw[old] for old, new in LEGACY_NAMES.items() if old in raw}}  # the older name wins
     types = block_types(raw)
     f = Fields({**raw, "num_hidden_layers": len(types)}, DEFAULTS, "nemotron_h")
     if f.get("moe_latent_size") is not None:
@@ -71,6 +72,8 @@ def block_types(raw: dict) -> list[str]:
             raise f.refuse("hybrid_override_pattern", pattern, f"expected letters of {''.join(PATTERN)}")
         types = [PATTERN[letter] for letter in pattern]
     types = [MAMBA, MOE, ATTENTION, MLP] if types is None else types
+    if isinstance(types, list):  # the older kind names, as transformers renames them when it reads a config
+        types = [LEGACY_KINDS.get(kind, kind) for kind in types]
     if not isinstance(types, list) or not types or set(types) - set(PATTERN.values()):
         raise f.refuse("layers_block_type", types, f"expected a list of {', '.join(PATTERN.values())}")
     return types
