@@ -5,7 +5,7 @@ forward of the unablated model (``baseline``: its arrays keep everything), in on
 A random Qwen2 shape in float32 (8 blocks of 512, MLP 1536, 8 query heads over 2 kv heads), one
 batch of 4 x 256 random tokens on one CPU device; each figure the best of ``--rounds`` forwards
 after one that compiles. The steerings add a random direction (``activations.directions``' file) at
-block 3: at its output, at all five steering sites, and at the output on chosen tokens (half of
+block 3: at its output, at every steering site it has, and at the output on chosen tokens (half of
 each row's tokens, by role).
 
     python benchmarks/intervention_forward.py [--rounds 7]
@@ -37,7 +37,7 @@ def main() -> None:
     from model.interventions import STEER_SITES, STEER_TOKENS
     from model.loading import load_model
     from model.scoring import InterventionModel
-    from model.sites import array_key
+    from model.sites import array_key, missing_reason
     from activations.directions import write_directions
 
     folder = tempfile.mkdtemp(prefix="intervention_forward_")
@@ -49,13 +49,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ids, lengths = model.inputs([rng.integers(0, c.vocab_size, 256).tolist() for _ in range(4)], 256)
     directions = os.path.join(folder, "directions.npz")
+    sites = [site for site in STEER_SITES if missing_reason(site, c, 3) is None]  # (Falcon-H1's hook_ssm_out: none)
     write_directions(directions, {("diff_in_means", array_key(site, 3)): rng.standard_normal(c.hidden_size)
-                                  for site in STEER_SITES},
+                                  for site in sites},
                      {"model_type": c.model_type, "num_hidden_layers": c.num_hidden_layers,
                       "hidden_size": c.hidden_size})
-    every_site = "+".join(f"steer:3:{directions}:site={site}" for site in STEER_SITES)
+    every_site = "+".join(f"steer:3:{directions}:site={site}" for site in sites)
     specs = {"baseline": None, "head:3.1": "head:3.1", "mlp:3:mode=zero": "mlp:3", "steer (block 3's output)":
-             f"steer:3:{directions}", "steer (5 sites of block 3)": every_site,
+             f"steer:3:{directions}", "steer (every steering site of block 3)": every_site,
              "steer (output, tokens=user)": f"steer:3:{directions}:tokens=user"}
     roles = [[["user", 128], ["assistant", 128]]] * len(ids)
     timings = {}

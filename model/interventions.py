@@ -25,7 +25,7 @@ import numpy as np
 from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
-from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE
+from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SSM_OUT
 
 # What a block's arrays can remove or replace: one attention head's output (its slice of the
 # o_proj input), the attention output, the MLP output, the block's contribution (the residual
@@ -37,7 +37,7 @@ STEER_TOKENS = "steer_tokens"
 # Where a steering may add its direction, in block order: the block's input, attention's addition,
 # the stream between, the MLP's addition, the block's output. Each is [hidden] wide and flows on
 # through the stream.
-STEER_SITES = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
+STEER_SITES = (RESID_PRE, ATTN_OUT, SSM_OUT, RESID_MID, MLP_OUT, RESID_POST)  # (SSM_OUT: Falcon-H1's alone)
 # Where a patch may put a clean run's value: the stream sites, and the attention heads' outputs per head.
 PATCH_SITES = (*STEER_SITES, ATTN_Z)
 # The names of a patch's arrays at a site (``patch_key``): its values, what they replace, each slot's block.

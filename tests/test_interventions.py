@@ -177,7 +177,8 @@ def test_steering_equals_a_hook_adding_the_direction(case_of, family, tmp_path):
                                np.broadcast_to(-2.5 * vector, residuals[1].shape), atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4", "qwen2_moe"])  # a mixture of experts' MLP output
+# a mixture of experts' MLP output; Falcon-H1's multiplied outputs and its Mamba-2 mixer's
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4", "qwen2_moe", "falcon_h1"])
 def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
     """Directions added to a block's input, attention's output, the stream between and the MLP's
     output (each its own vector) against transformers with hooks at those modules: the logits and
@@ -185,18 +186,20 @@ def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
     from fixtures.hf_reference import reference_sites, site_places
     from model.extract import make_sites_forward
     from model.interventions import STEER_SITES
-    from model.sites import RESID_POST, array_key
+    from model.sites import RESID_POST, array_key, missing_reason
     from activations.directions import write_directions
     model, ref, sequences, means = case_of(family)
     c = model.config
     places = [("hook_resid_pre", 0), ("hook_attn_out", 1), ("hook_resid_mid", 1), ("hook_mlp_out", 2)]
+    if c.mamba is not None and c.mamba.parallel:
+        places.append(("hook_ssm_out", 2))
     rng = np.random.default_rng(3)
     vectors = {place: rng.standard_normal(c.hidden_size).astype(np.float32) for place in places}
     path = str(tmp_path / "directions.npz")
     write_directions(path, {("diff_in_means", array_key(site, layer)): v for (site, layer), v in vectors.items()},
                      {"hidden_size": c.hidden_size})
     spec = "+".join(f"steer:{layer}:{path}:alpha={alpha}:site={site}"
-                    for (site, layer), alpha in zip(places, (2, -1, 3, 1.5)))
+                    for (site, layer), alpha in zip(places, (2, -1, 3, 1.5, -2)))
     [intervention] = parse_interventions([spec], model.num_layers, c.num_attention_heads, c.num_experts)
     assert parse_interventions([intervention.name], model.num_layers, c.num_attention_heads, c.num_experts) == [
         intervention]
@@ -206,7 +209,7 @@ def test_steering_at_each_site_equals_hooks_there(case_of, family, tmp_path):
         assert relative_error(logits[row, :n], ref_logits) <= 1e-5, n
         for layer, block in enumerate(blocks):
             assert relative_error(residuals[layer, row, :n], block) <= 1e-5, (layer, n)
-    sites = tuple(site for site in STEER_SITES if site != RESID_POST)
+    sites = tuple(site for site in STEER_SITES if site != RESID_POST and missing_reason(site, c) is None)
     layers = tuple(range(model.num_layers))  # every block: Gemma 4's per-layer inputs are the whole model's
     forward = make_sites_forward(c, jnp.float32, layers, sites, model.mesh)
     ids, lengths = model.inputs(sequences, 64)
@@ -394,7 +397,8 @@ def test_a_steering_spec_parses_back_from_its_name(tmp_path):
     assert len(parse_interventions([f"steer:1:{path}+steer:1:{path}:site=hook_mlp_out"], 4, 2)[0].atoms) == 2
     for spec, message in ((f"steer:1:{path}:mode=mean", "steer takes alpha=, direction=, site= and tokens=, not mode="),
                           (f"steer:1:{path}:site=attn.hook_z", "site must be one of hook_resid_pre, hook_attn_out, "
-                                                               "hook_resid_mid, hook_mlp_out, hook_resid_post"),
+                                                               "hook_ssm_out, hook_resid_mid, hook_mlp_out, "
+                                                               "hook_resid_post"),
                           (f"steer:1:{path}:alpha=inf", "alpha must be finite"),
                           (f"steer:1:{path}:direction=mean", "direction must be diff_in_means or probe"),
                           (f"steer:1:{path}:alpha=1+steer:1:{path}:alpha=2",
