@@ -315,7 +315,7 @@ class DecoderConfig:
                                          # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     deltanet: DeltaNet | None = None     # Gated DeltaNet mixers in place of attention on deltanet.layers
     mamba: Mamba2 | None = None          # Mamba-2 mixers in place of attention on mamba.layers (Granite 4)
-    multipliers: Multipliers | None = None  # Falcon-H1's μP multipliers
+    multipliers: Multipliers = Multipliers()  # Falcon-H1's μP multipliers (each 1: none)
     sublayers: tuple[str, ...] = ()      # per block, MIXER_ONLY or MLP_ONLY: its one sublayer, x + mixer(norm(x))
                                          # or x + mlp(norm(x)) (Nemotron-H's); () is every block both
     embedding_multiplier: float = 1.0    # the embeddings times it (Granite's)

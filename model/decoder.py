@@ -59,7 +59,7 @@ from jax.sharding import Mesh
 
 from model import deltanet, mamba2
 from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
-from model.config import DecoderConfig, Multipliers, QueryTemperature
+from model.config import DecoderConfig, QueryTemperature
 from model.indexer import LightningIndexer
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
@@ -123,8 +123,7 @@ class Attention(nn.Module):
             v = k if k_eq_v else project(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(x)  # [B, S, K*D]
             self.sow("sites", ATTN_K, k)
             self.sow("sites", ATTN_V, v)
-            if c.multipliers is not None and c.multipliers.key != 1.0:  # Falcon-H1's, after k_proj
-                k = scaled(k, c.multipliers.key)
+            k = scaled(k, c.multipliers.key)  # Falcon-H1's, after k_proj
         # q/k norms before RoPE, float32 out with a wide stream (RoPE follows): over the whole
         # projection (OLMo 2) before the split into heads, or per head over head_dim after it.
         qk_norm = lambda name, y: norm_for(c, name, self.dtype, self.residual_dtype, keep_wide=True)(y, norms)
@@ -423,8 +422,7 @@ class Mamba2Mixer(nn.Module):
         groups = m.num_groups * m.state_size
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, name: dense(n, m.proj_bias, name, self.dtype, accumulate)
-        if c.multipliers is not None and c.multipliers.ssm_in != 1.0:  # Falcon-H1's input multiplier
-            x = scaled(x, c.multipliers.ssm_in)
+        x = scaled(x, c.multipliers.ssm_in)  # Falcon-H1's input multiplier
         # in_proj's parts apart (split at load time): the gate, the convolution's input, dt.
         z = project(m.inner, "in_proj_z")(x)                                         # [B, S, I]
         mixed = project(m.conv_dim, "in_proj_xbc")(x)                                # [B, S, I + 2 G N]
@@ -530,13 +528,6 @@ def patched(x: jax.Array, values: jax.Array | None, tokens: jax.Array | None, de
     return x if delta is None else x + delta.astype(x.dtype)
 
 
-def residual_scaled(config: DecoderConfig, out: jax.Array) -> jax.Array:
-    """What a sublayer adds to the stream, times ``residual_multiplier`` (Granite's; in float32 and
-    rounded once, as torch multiplies a tensor by a Python float)."""
-    m = config.residual_multiplier
-    return out if m == 1.0 else scaled(out, m)
-
-
 def _replaced(out: jax.Array, ablation: dict, kind: str) -> jax.Array:
     """A sublayer's output [B, S, H], unless ablated: then zero, or with fill its mean [H]."""
     if not ablation:
@@ -582,7 +573,7 @@ class DecoderLayer(nn.Module):
         new_cache, added = None, None
         if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
             added, new_cache = self.mixer_addition(x, cos, sin, mask, positions, cache, cache_index, kv_from, a,
-                                                   steered_at)
+                                                   norm, steered_at)
             if not c.parallel_residual:  # the MLP reads the stream after the mixer's addition
                 x = x + added
                 if self.has_mlp:
@@ -610,7 +601,7 @@ class DecoderLayer(nn.Module):
             self.sow("sites", MLP_MODULE_OUT, mlp_out)
             if c.sandwich_norms:
                 mlp_out = norm_for(c, "post_mlp_norm", self.dtype, wide, keep_wide=True)(mlp_out, norm)
-            mlp_out = steered_at(_replaced(residual_scaled(c, mlp_out), a, "mlp"), MLP_OUT)
+            mlp_out = steered_at(_replaced(scaled(mlp_out, c.residual_multiplier), a, "mlp"), MLP_OUT)
             self.sow("stats", "mlp_output", mlp_out)
             self.sow("sites", MLP_OUT, mlp_out)
             # Added in transformers' order: (mlp + attn) + x for a parallel block.
@@ -627,20 +618,21 @@ class DecoderLayer(nn.Module):
         return steered_at(x, RESID_POST), new_cache
 
 
-    def mixer_addition(self, x, cos, sin, mask, positions, cache, cache_index, kv_from, ablation: dict, steered_at):
+    def mixer_addition(self, x, cos, sin, mask, positions, cache, cache_index, kv_from, ablation: dict, norm,
+                       steered_at):
         """What the block's mixer adds to the stream x [B, S, H] (attention, a latent attention, Gated
         DeltaNet or Mamba-2; Falcon-H1's attention plus its parallel Mamba-2), sowing its sites, and
         its new cache (a parallel block's: (attention's, Mamba-2's)). ``ablation``: the block's slice
-        of the ablation arrays ({} for none); ``steered_at``: the block's steering and patching."""
+        of the ablation arrays ({} for none), ``norm`` its norms' (or None); ``steered_at``: the block's
+        steering and patching."""
         c, wide, a = self.config, self.residual_dtype, ablation
-        norm = (a["norm_keep"], a["norm_fill"]) if a else None
         heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)[:2]),
                  a.get(delta_key(ATTN_Z))) if a else None
         attn_in = x
         if c.pre_norms:
             attn_in = norm_for(c, "pre_attention_norm", self.dtype, wide, normalized_site=LN1_NORMALIZED)(x, norm)
-        multipliers = c.multipliers or Multipliers()
-        mixer_in = attn_in if multipliers.attention_in == 1.0 else scaled(attn_in, multipliers.attention_in)
+        multipliers = c.multipliers  # Falcon-H1's
+        mixer_in = scaled(attn_in, multipliers.attention_in)
         self.sow("sites", ATTN_IN, mixer_in)
         attn_cache, ssm_cache = cache if self.parallel_mamba and cache is not None else (cache, None)
         if self.deltanet:
@@ -658,9 +650,8 @@ class DecoderLayer(nn.Module):
         self.sow("sites", ATTN_MODULE_OUT, out)
         if c.sandwich_norms:  # what is added to the stream keeps its width
             out = norm_for(c, "post_attention_norm", self.dtype, wide, keep_wide=True)(out, norm)
-        if multipliers.attention_out != 1.0:
-            out = scaled(out, multipliers.attention_out)
-        out = steered_at(_replaced(residual_scaled(c, out), a, "attn"), ATTN_OUT)
+        out = scaled(out, multipliers.attention_out)
+        out = steered_at(_replaced(scaled(out, c.residual_multiplier), a, "attn"), ATTN_OUT)
         self.sow("stats", "attn_output", out)
         self.sow("sites", ATTN_OUT, out)
         if not self.parallel_mamba:
@@ -668,7 +659,7 @@ class DecoderLayer(nn.Module):
         # Falcon-H1: the Mamba-2 mixer beside attention, on the same normed input, added first.
         ssm_out, ssm_new = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, ssm_cache, cache_index)
         self.sow("sites", SSM_MODULE_OUT, ssm_out)
-        ssm_out = steered_at(ssm_out if multipliers.ssm_out == 1.0 else scaled(ssm_out, multipliers.ssm_out), SSM_OUT)
+        ssm_out = steered_at(scaled(ssm_out, multipliers.ssm_out), SSM_OUT)
         self.sow("sites", SSM_OUT, ssm_out)
         return ssm_out + out, None if cache is None else (new_cache, ssm_new)
 
@@ -855,7 +846,6 @@ class Decoder(nn.Module):
             logits = self.lm_head(h)
         if self.config.logits_scaling != 1.0:  # Granite's
             logits = (logits.astype(jnp.float32) / self.config.logits_scaling).astype(logits.dtype)
-        if self.config.multipliers is not None and self.config.multipliers.lm_head != 1.0:  # Falcon-H1's
-            logits = scaled(logits, self.config.multipliers.lm_head)
+        logits = scaled(logits, self.config.multipliers.lm_head)  # Falcon-H1's
         cap = self.config.final_logit_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap

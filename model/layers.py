@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import DecoderConfig, Multipliers
+from model.config import DecoderConfig
 from model.sites import MLP_POST, MLP_PRE, MLP_PRE_LINEAR
 
 _TANH_GELU = functools.partial(jax.nn.gelu, approximate=True)  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
@@ -107,7 +107,9 @@ class LayerNorm(nn.Module):
 
 def scaled(x: jax.Array, factor) -> jax.Array:
     """``x`` times a multiplier (a scalar, or an array along its last axis) in float32, rounded
-    once to its dtype, as torch multiplies a tensor by a Python float."""
+    once to its dtype, as torch multiplies a tensor by a Python float; ``x`` itself for a scalar 1."""
+    if isinstance(factor, (int, float)) and factor == 1:
+        return x
     return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
@@ -141,18 +143,15 @@ class MLP(nn.Module):
         project = lambda n, name: dense(n, c.mlp_bias, name, self.dtype, accumulate)
         act = ACTIVATIONS[c.hidden_act]
         f = self.intermediate_size or c.intermediate_size
-        multipliers = c.multipliers or Multipliers()  # Falcon-H1's on the gate and the output
-        if c.gated_mlp:
+        if c.gated_mlp:  # (Falcon-H1's multiplier on the gate, after its site)
             gate, up = project(f, "gate_proj")(x), project(f, "up_proj")(x)  # [B, S, F] each
-            scaled_gate = gate if multipliers.mlp_gate == 1.0 else scaled(gate, multipliers.mlp_gate)
-            hidden = act(scaled_gate) * up  # [B, S, F]
+            hidden = act(scaled(gate, c.multipliers.mlp_gate)) * up  # [B, S, F]
             sites = {MLP_PRE: gate, MLP_PRE_LINEAR: up, MLP_POST: hidden}
         else:  # GPT-2's c_fc, GPT-NeoX's dense_h_to_4h: our up_proj
             pre = project(f, "up_proj")(x)  # [B, S, F]
             hidden = act(pre)
             sites = {MLP_PRE: pre, MLP_POST: hidden}
         out = project(c.hidden_size, "down_proj")(hidden.astype(self.dtype))  # [B, S, H]
-        if multipliers.mlp_down != 1.0:
-            out = scaled(out, multipliers.mlp_down)
+        out = scaled(out, c.multipliers.mlp_down)  # (Falcon-H1's)
         # Returned rather than sown: the MLP may run inside a scan over token chunks.
         return (out, {site: sites[site] for site in self.returned}) if self.returned else out

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from common.cli import UserError
 from model import fp8, mxfp4
 from model.checkpoint import Checkpoint
-from model.config import DecoderConfig, Multipliers
+from model.config import DecoderConfig
 from model.sharding import expert_slots, param_sharding
 
 LINEAR_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -626,7 +626,7 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         return _hf_inside_site(site, config, layout, norms, layer)
     if site == sites.ATTN_OUT and layer is not None and config.is_recurrent(layer) and not post:
         return mixer_module(config, layer), _times(config.residual_multiplier)
-    multipliers = config.multipliers or Multipliers()  # Falcon-H1's, on what each mixer adds
+    multipliers = config.multipliers  # Falcon-H1's, on what each mixer adds
     if site in (sites.SSM_MODULE_OUT, sites.SSM_OUT):
         return layout.mamba, "output" if site == sites.SSM_MODULE_OUT else _times(multipliers.ssm_out)
     if site == sites.ATTN_OUT and multipliers.attention_out != 1:
@@ -845,15 +845,12 @@ def resolved(checkpoint: Checkpoint, source: Source, layout: Layout) -> Source:
     renamed = [source.name.replace(ours, theirs) for ours, theirs in (layout.renamed or {}).items()
                if ours in source.name]
     source = dataclasses.replace(source, alternatives=source.alternatives + tuple((name,) for name in renamed))
-    if source.experts:  # one tensor an expert, or where they are absent their alternative stacked [E, ...]
-        stacked = next((names[0] for names in source.alternatives if len(names) == 1 and names[0] in checkpoint), None)
-        if source.name.format(e=0) in checkpoint or stacked is None:
-            return source
-        return dataclasses.replace(source, name=stacked, experts=0, stacked=True, alternatives=())
-    if source.name in checkpoint:
-        return source
     present = next((names[0] for names in source.alternatives if len(names) == 1 and names[0] in checkpoint), None)
-    return source if present is None else dataclasses.replace(source, name=present, alternatives=())
+    if present is None or (source.name.format(e=0) if source.experts else source.name) in checkpoint:
+        return source
+    if source.experts:  # one tensor an expert absent: their alternative stacked [E, ...]
+        return dataclasses.replace(source, name=present, experts=0, stacked=True, alternatives=())
+    return dataclasses.replace(source, name=present, alternatives=())
 
 
 def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Mesh,
