@@ -11,7 +11,8 @@ reduced: Mamba-2 blocks, attention on 1 of 4, 64 experts, k 6, a shared MLP), ll
 of 256, 16 input-scaled experts, k 1), deepseek_v32 (DeepSeek-V3.2 reduced as V3, each query's 256
 best keys), nemotron_h (NVIDIA-Nemotron-3-Nano-30B-A3B reduced: blocks of one sublayer, Mamba-2, attention
 on 1 of 10, 64 plain experts, k 6, a shared MLP), falcon_h1 (Falcon-H1-0.5B cut to 8 blocks: attention beside
-Mamba-2 in each), minimax_m2 or mistral4. ``--weights
+Mamba-2 in each), kimi_linear (Kimi-Linear-48B-A3B reduced: 6 Kimi Delta Attention blocks, 2 of latent
+attention, 64 experts, k 8, a shared expert), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -33,7 +34,7 @@ state). Compile time is reported apart: it is paid once per bucket in a long run
 
 With Gated DeltaNet blocks (qwen3_5) it also prints their share of each implementation's time:
 ours, one DeltaNet mixer jitted alone on each of (a)'s batch shapes, times the DeltaNet blocks
-computed, against (a); transformers', its ``linear_attn`` modules timed by forward hooks against (b)
+computed, against (a); transformers', its mixer modules (``linear_attn``) timed by forward hooks against (b)
 (its torch path: the chunked kernels of flash-linear-attention are GPU-only).
 
 For a mixture of experts, (a) runs with each dispatch (``model.moe``: dense, grouped), and the first
@@ -61,7 +62,9 @@ from fixtures.qwen_tokenizer import cached_tokenizer_dir
 from fixtures.tiny_models import SHAPES, write_checkpoint
 from model.config import Chunked
 from model.extract import Extractor, padded_rows
+from model.families import load_config
 from model.loading import load_model
+from model.params import layout_of
 from transforms.prepare import tokenized_source
 from transforms.tokenizers import load_tokenizer
 
@@ -73,7 +76,7 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
                  "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
                  "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced",
-                 "falcon_h1": "falcon-h1-0.5b-reduced"}
+                 "falcon_h1": "falcon-h1-0.5b-reduced", "kimi_linear": "kimi-linear-48b-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -218,7 +221,11 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: t
     import torch
     from fixtures.hf_reference import causal_lm_class
     model = causal_lm_class(model_dir).from_pretrained(model_dir, dtype=torch.float32).eval()
-    mixers = [module for name, module in model.named_modules() if name.endswith("linear_attn")]
+    config = load_config(model_dir)
+    blocks = config.deltanet.layers if config.deltanet is not None else ()
+    # Each DeltaNet block's mixer module (linear_attn; Kimi Linear's self_attn).
+    names = {f"layers.{layer}.{layout_of(config).deltanet}" for layer in blocks}
+    mixers = [module for name, module in model.named_modules() if name.split("model.", 1)[-1] in names]
     clock = {"start": 0.0, "total": 0.0}
     for module in mixers:
         module.register_forward_pre_hook(lambda *_: clock.__setitem__("start", time.perf_counter()))

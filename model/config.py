@@ -187,6 +187,18 @@ class DeltaNet:
     norm_eps: float | None = None  # the gated output norm's epsilon (None: the model's norm_eps)
     pre_norm_blocks: bool = False  # its blocks norm the sublayers' inputs and not their outputs, whatever the
                                    # attention blocks do (OLMo hybrid: OLMo 2's attention blocks)
+    channel_decay: bool = False  # Kimi Delta Attention: the decay per key channel (dt_bias per channel, A_log per
+                                 # head), its rows of the state decayed apart; off: one decay a value head
+    gate_rank: int | None = None  # the decay's and the output gate's projections through this rank (Kimi's f_a/f_b
+                                  # and g_a/g_b, key_head_dim wide); None: each straight from x (in_proj_a, _z)
+    output_gate: str = "silu"  # the gated output norm's gate: silu (Qwen3.5) or sigmoid (Kimi)
+    norm_in_float32: bool = False  # the gated output norm's weight applied to the float32 normed output, not to
+                                   # it rounded to the compute dtype (Kimi's "strict fp32" norm)
+
+    @property
+    def name(self) -> str:
+        """The mixer's name, for messages."""
+        return "Kimi Delta Attention" if self.channel_decay else "Gated DeltaNet"
 
     @property
     def key_dim(self) -> int:
@@ -447,7 +459,7 @@ class DecoderConfig:
 
     def mixer_name(self, layer: int) -> str:
         """Block ``layer``'s mixer, for messages."""
-        return "Gated DeltaNet" if self.is_deltanet(layer) else "Mamba-2" if self.is_mamba(layer) else "attention"
+        return self.deltanet.name if self.is_deltanet(layer) else "Mamba-2" if self.is_mamba(layer) else "attention"
 
     def window(self, layer: int) -> int | Chunked | None:
         """Block ``layer``'s locality: its sliding window (keys), its chunk (``Chunked``), or None:

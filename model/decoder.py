@@ -276,7 +276,8 @@ class LatentAttention(nn.Module):
         q = q.reshape(b, s, n, m.qk_head_dim)                                           # [B, S, N, Dn + Dr]
         compressed = project(m.kv_lora_rank + dr, c.qkv_bias, "kv_a_proj_with_mqa")(x)  # [B, S, R + Dr]
         latent = norm("kv_a_layernorm", compressed[..., :m.kv_lora_rank])[:, :, None]   # [B, S, 1, R]
-        rotate = lambda y: (apply_rope(y.astype(jnp.float32), cos, sin).astype(y.dtype) if m.rope_in_float32
+        rotate = lambda y: (y if cos is None  # a block that does not rotate (Kimi Linear's: NoPE)
+                            else apply_rope(y.astype(jnp.float32), cos, sin).astype(y.dtype) if m.rope_in_float32
                             else apply_rope(y, cos, sin))
         q_rot, k_rot = rotate(q[..., dn:]), rotate(compressed[..., None, m.kv_lora_rank:])  # [B, S, N|1, Dr]
         prescaled = accumulate is not None
@@ -310,10 +311,12 @@ class LatentAttention(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet mixer (``DecoderConfig.deltanet``; the recurrence: ``model.deltanet``), as
-    transformers' ``Qwen3_5GatedDeltaNet`` computes it. Its cache for decoding (``model.generate``)
-    is (the convolution's last K - 1 inputs of q, k and v, [B, K - 1, C] each in the compute
-    dtype, the recurrent state [B, Hv, Dk, Dv] in float32): a prefill leaves each row's as of its
-    last real token, a step advances every row by one position."""
+    transformers' ``Qwen3_5GatedDeltaNet`` computes it, or Kimi Delta Attention, as its
+    ``KimiLinearDeltaAttention`` does (``DeltaNet.channel_decay``: a decay per key channel, the gates
+    through a low rank, a sigmoid output gate). Its cache for decoding (``model.generate``) is (the
+    convolution's last K - 1 inputs of q, k and v, [B, K - 1, C] each in the compute dtype, the
+    recurrent state [B, Hv, Dk, Dv] in float32): a prefill leaves each row's as of its last real
+    token, a step advances every row by one position."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
     residual_dtype: Any = None
@@ -329,10 +332,18 @@ class GatedDeltaNet(nn.Module):
         b, s, _ = x.shape
         accumulate = accumulation(self.dtype, self.residual_dtype)
         project = lambda n, name: dense(n, False, name, self.dtype, accumulate)
-        z = project(d.value_dim, "in_proj_z")(x).reshape(b, s, d.num_value_heads, d.value_head_dim)
+
+        def gate_input(width, name, low_rank_names):  # Kimi's gates pass through a low rank
+            if d.gate_rank is None:
+                return project(width, name)(x)
+            return project(width, low_rank_names[1])(project(d.gate_rank, low_rank_names[0])(x))
+
+        z = gate_input(d.value_dim, "in_proj_z", ("g_a_proj", "g_b_proj")).reshape(b, s, d.num_value_heads,
+                                                                                  d.value_head_dim)
         beta_in = project(d.num_value_heads, "in_proj_b")(x)                           # [B, S, Hv]
-        a = project(d.num_value_heads, "in_proj_a")(x)                                 # [B, S, Hv]
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (d.num_value_heads,), self.dtype)
+        decays = d.key_dim if d.channel_decay else d.num_value_heads
+        a = gate_input(decays, "in_proj_a", ("f_a_proj", "f_b_proj"))                   # [B, S, Hv | Hv*Dk]
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (decays,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (d.num_value_heads,), self.dtype)
         stepping = cache is not None and jnp.ndim(cache_index) == 1
         lengths = None if stepping else row_lengths(mask, s)  # [B]
@@ -351,7 +362,11 @@ class GatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         if d.beta_scale != 1.0:  # (transformers multiplies in the compute dtype: exact for 2)
             beta = beta * d.beta_scale
-        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        g = jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        if d.channel_decay:  # [B, S, Hv, Dk]: each head's rate over its channels
+            g = -jnp.exp(a_log.astype(jnp.float32))[:, None] * g.reshape(b, s, d.num_value_heads, d.key_head_dim)
+        else:
+            g = -jnp.exp(a_log.astype(jnp.float32)) * g                                 # [B, S, Hv]
         if stepping:
             out, state = deltanet.recurrent(q, k, v, g, beta, cache[1])                # [B, 1, Hv, Dv] float32
         else:
@@ -360,9 +375,13 @@ class GatedDeltaNet(nn.Module):
         out = out.astype(self.dtype)
         self.sow("sites", DELTA_OUT, out.reshape(b, s, d.value_dim))                      # [B, S, Hv*Dv]
         norm_weight = self.param("norm", nn.initializers.ones, (d.value_head_dim,), self.dtype)
-        normed = rms_normalized(out, c.norm_eps if d.norm_eps is None else d.norm_eps).astype(self.dtype)
-        gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        out = gated.astype(self.dtype).reshape(b, s, d.value_dim)                     # [B, S, Hv*Dv]
+        normed = rms_normalized(out, c.norm_eps if d.norm_eps is None else d.norm_eps)   # float32
+        if d.norm_in_float32:
+            weighted = norm_weight.astype(jnp.float32) * normed
+        else:
+            weighted = (norm_weight * normed.astype(self.dtype)).astype(jnp.float32)
+        gate = jax.nn.sigmoid if d.output_gate == "sigmoid" else jax.nn.silu
+        out = (weighted * gate(z.astype(jnp.float32))).astype(self.dtype).reshape(b, s, d.value_dim)  # [B, S, Hv*Dv]
         return project(c.hidden_size, "out_proj")(out), None if cache is None else (tuple(conv_states), state)
 
 def convolved(mixed: jax.Array, weight: jax.Array, lengths: jax.Array | None, cached: jax.Array | None,

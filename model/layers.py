@@ -23,6 +23,17 @@ def precision_for(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def full_precision(fn):
+    """``fn`` with its matmuls traced at full precision: the recurrences (``model.deltanet``,
+    ``model.mamba2``) compute in float32 whatever the model's dtype, as transformers' torch paths
+    do, which TPUs would otherwise run as one bfloat16 pass and GPUs as TF32."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+    return traced
+
+
 def accumulation(dtype, residual_dtype) -> Any:
     """The dtype matmuls of ``dtype`` operands return: None (their own dtype: the plain graph)
     unless the residual stream is wider, then the residual dtype."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from model.layers import full_precision
+
 
 def time_steps(dt: jax.Array, dt_bias: jax.Array, limit: tuple[float, float]) -> jax.Array:
     """softplus(dt + dt_bias) [B, S, H] clamped to ``limit``, in float32 (or float64)."""
@@ -44,6 +46,7 @@ def _grouped(b: jax.Array, heads: int) -> jax.Array:
     return jnp.repeat(b, heads // b.shape[2], axis=2)
 
 
+@full_precision
 def recurrent(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
               state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [B, S, H, P], dt [B, S, H] (after ``time_steps``), a [H] (negative), b, c [B, S, G, N],
@@ -63,6 +66,7 @@ def recurrent(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Ar
     return jnp.moveaxis(y, 0, 1) + d.astype(dtype)[:, None] * x, state
 
 
+@full_precision
 def chunked(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
             state: jax.Array | None = None, chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
     """``recurrent``'s result, computed chunk by chunk (the sequence zero-padded to a multiple of

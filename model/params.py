@@ -63,6 +63,7 @@ class Source:
     # Where ``name`` is absent: the names it may be saved under instead, each a tuple of tensors
     # concatenated along axis 0 (what transformers' conversions undo on load: OLMo hybrid's).
     alternatives: tuple[tuple[str, ...], ...] = ()
+    flattened: bool = False  # a vector saved with unit axes around it (Kimi's A_log [1, 1, H, 1]), read as one axis
 
 
 class ExpertStack:
@@ -190,6 +191,7 @@ class Layout:
     gate_up: str | None = None          # a dense MLP's fused gate | up projection below the block (Granite's)
     shared_expert_at: str | None = None  # the shared expert's module below the block, not below <mlp> (Granite's)
     mamba: str = "mamba"                # a Mamba-2 block's mixer module (Nemotron-H's: mixer)
+    deltanet: str = "linear_attn"       # a Gated DeltaNet block's mixer module (Kimi Linear's: self_attn)
     renamed: dict[str, str] | None = None  # a part of a tensor name as read -> as the checkpoint may have it
                                         # instead (transformers' conversion_mapping renames one into the other)
 
@@ -365,7 +367,7 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     own = ("q_proj",) if c.kv_source(layer) is not None else ("q_proj", "k_proj") if (
         c.attention_k_eq_v and c.window(layer) is None) else ("q_proj", "k_proj", "v_proj")
     if c.is_deltanet(layer):
-        yield from _deltanet(c, f"{hf}.linear_attn", layout_of(c))
+        yield from _deltanet(c, f"{hf}.{layout_of(c).deltanet}", layout_of(c))
     elif c.is_mamba(layer):
         yield from _mamba(c, f"{hf}.mamba")
     elif c.mla is not None:
@@ -466,7 +468,8 @@ def _deltanet(config: DecoderConfig, hf: str, layout: Layout):
             yield from _linear(f"{hf}.{'in_proj_ba' if proj in ('in_proj_b', 'in_proj_a') else 'in_proj_qkvz'}",
                                ("linear_attn", proj), False, part)
     elif names:
-        for proj in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"):
+        gates = () if d.gate_rank else ("in_proj_z", "in_proj_a")  # Kimi's pass through a low rank (below)
+        for proj in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_b", *gates):
             yield from _linear(f"{hf}.{names[proj]}", ("linear_attn", proj), False)
     else:
         for name, part in parts.items():
@@ -478,8 +481,11 @@ def _deltanet(config: DecoderConfig, hf: str, layout: Layout):
     apart = ((f"{hf}.q_conv1d.weight", f"{hf}.k_conv1d.weight", f"{hf}.v_conv1d.weight"),) if names else ()
     for name, part in parts.items():
         yield ("linear_attn", f"conv_{name}"), Source(f"{hf}.conv1d.weight", part=part, alternatives=apart)
+    if d.gate_rank:  # Kimi's decay (f) and output gate (g), each through a low rank (a, then b)
+        for proj in ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj"):
+            yield from _linear(f"{hf}.{proj}", ("linear_attn", proj), False)
     for name in ("dt_bias", "A_log"):
-        yield ("linear_attn", name), Source(f"{hf}.{name}")
+        yield ("linear_attn", name), Source(f"{hf}.{name}", flattened=True)
     yield ("linear_attn", "norm"), Source(f"{hf}.{names.get('norm', 'norm')}.weight")
 
 
@@ -549,6 +555,12 @@ OLMO_HYBRID = dataclasses.replace(LLAMA, deltanet_names={
     "in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj", "in_proj_b": "b_proj",
     "in_proj_a": "a_proj", "out_proj": "o_proj", "norm": "o_norm"},
     renamed={"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"})
+# Kimi Linear's: Kimi Delta Attention as OLMo hybrid's names have it, but the module is self_attn and its gates
+# are low-rank (f_*, g_*: our names too); the experts under block_sparse_moe with Mixtral's names, DeepSeek's
+# shared_experts; a dense MLP is mlp on the hub, block_sparse_moe as transformers' save_pretrained writes it.
+KIMI_LINEAR = dataclasses.replace(MIXTRAL, shared_expert="shared_experts", deltanet="self_attn", deltanet_names={
+    "in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_b": "b_proj", "out_proj": "o_proj",
+    "norm": "o_norm"}, renamed={".mlp.": ".block_sparse_moe."})
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
 DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
@@ -582,7 +594,7 @@ LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
            "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H,
-           "falcon_h1": FALCON_H1}
+           "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -663,7 +675,8 @@ def _times(factor: float) -> str:
 def mixer_module(config: DecoderConfig, layer: int) -> str:
     """A recurrent block's mixer module in transformers: ``linear_attn`` (Gated DeltaNet) or the
     layout's Mamba-2 module."""
-    return layout_of(config).mamba if config.is_mamba(layer) else "linear_attn"
+    layout = layout_of(config)
+    return layout.mamba if config.is_mamba(layer) else layout.deltanet
 
 
 def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dict[str, str],
@@ -699,7 +712,7 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.ATTN_MODULE_OUT: module_out,
         sites.INDEXED_KEYS: (f"{attn}.indexer", "indexed keys"),
         # the gated norm's input: [B*S*Hv, Dv], every value head's row
-        sites.DELTA_OUT: (f"linear_attn.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
+        sites.DELTA_OUT: (f"{layout.deltanet}.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
         sites.MLP_PRE: (f"{mlp}.gate_proj" if config.gated_mlp else f"{mlp}.up_proj", "output"),
         sites.MLP_PRE_LINEAR: (f"{mlp}.up_proj", "output"),
         sites.MLP_MODULE_OUT: (norms["post_mlp_norm"], "input") if config.sandwich_norms else (mlp, "output"),
@@ -760,10 +773,15 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
         kernels.update(in_proj_q=(h, dn.key_dim), in_proj_k=(h, dn.key_dim), in_proj_v=(h, dn.value_dim),
                        in_proj_z=(h, dn.value_dim), in_proj_b=(h, dn.num_value_heads),
                        in_proj_a=(h, dn.num_value_heads), out_proj=(dn.value_dim, h))
+        if dn.gate_rank:  # Kimi's low-rank gates
+            kernels.update(f_a_proj=(h, dn.gate_rank), f_b_proj=(dn.gate_rank, dn.key_dim),
+                           g_a_proj=(h, dn.gate_rank), g_b_proj=(dn.gate_rank, dn.value_dim))
         if module == "linear_attn":  # the mixer's own parameters
             widths = {"conv_q": dn.key_dim, "conv_k": dn.key_dim, "conv_v": dn.value_dim}
             if leaf in widths:
                 return (widths[leaf], 1, dn.conv_kernel)
+            if leaf == "dt_bias" and dn.channel_decay:
+                return (dn.key_dim,)
             return (dn.value_head_dim,) if leaf == "norm" else (dn.num_value_heads,)
     if c.mamba is not None:
         mb = c.mamba
@@ -819,6 +837,8 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
     if source.stacked:
         return StackedTensor(checkpoint, source, shared=shared)
     tensor = _saved_tensor(checkpoint, source, fp8_block)
+    if source.flattened and tensor.size == max(tensor.shape, default=1):
+        tensor = tensor.reshape(-1)
     if source.part is not None:
         axis, indices, size = source.part
         if tensor.ndim <= axis or tensor.shape[axis] != size:
@@ -870,7 +890,9 @@ def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any
     computes in it (DeepSeek's, ``MoE.router_in_float32``: transformers keeps it so) and its bias."""
     router = config.moe is not None and config.moe.router_in_float32 and (
         path[-2:] == ("router", "kernel") or path[-1] == "selection_bias")
-    return jnp.dtype(jnp.float32) if router else dtype
+    # Kimi Delta Attention's per-channel dt_bias: transformers keeps it in float32 too.
+    kimi = config.deltanet is not None and config.deltanet.channel_decay and path[-1] == "dt_bias"
+    return jnp.dtype(jnp.float32) if router or kimi else dtype
 
 
 def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype: Any,

@@ -32,12 +32,14 @@ from common.cli import UserError
 from model.config import MESH_TYPES, DecoderConfig
 
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "q_b_proj", "kv_b_proj",
-                "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a")
+                "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "f_b_proj", "g_b_proj")
 ROW_SPLIT = ("o_proj", "down_proj", "out_proj")
 # A Gated DeltaNet mixer's parameters by the heads their split axis is made of: key heads (q, k
-# and their convolutions' channels) or value heads (the rest); its norm over head_dim is replicated.
+# and their convolutions' channels) or value heads (the rest); its norm over head_dim is replicated, and
+# so are Kimi's low-rank gates' first projections (f_a_proj, g_a_proj).
 DELTANET_KEY_HEADS = ("in_proj_q", "in_proj_k", "conv_q", "conv_k")
-DELTANET_VALUE_HEADS = ("in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv_v", "dt_bias", "A_log")
+DELTANET_VALUE_HEADS = ("in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv_v", "dt_bias", "A_log",
+                        "f_b_proj", "g_b_proj")
 
 
 def make_mesh(mesh_type: str, config: DecoderConfig, model_axis_size: int | None = None,

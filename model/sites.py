@@ -70,7 +70,8 @@ MLP_SITES = (LN2_NORMALIZED, MLP_IN, *MLP_HIDDEN, MLP_POST, *ROUTING, *SHARED_EX
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
-DELTANET_FAMILIES = "Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid"  # (Granite 4's Mamba-2 blocks: attn.hook_out)
+# (Granite 4's Mamba-2 blocks: attn.hook_out)
+DELTANET_FAMILIES = "Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid, Kimi Linear"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +121,10 @@ SITES: dict[str, Site] = {s.name: s for s in (
          measured=False),
     Site(ATTN_GATE, "heads", "gated attention's output gate before its sigmoid: q_proj's gate half per head "
                              "(Qwen3.5, Qwen3-Next: each head's output is multiplied by sigmoid of it)"),
-    Site(DELTA_OUT, "delta_values", "a Gated DeltaNet block's delta-rule output per value head (what its "
-                                    "recurrent state gives the query), before the gated output norm, flattened to "
-                                    "value heads x value_head_dim (head-major); the state itself, [Dk, Dv] per head "
-                                    "and token, is not a site"),
+    Site(DELTA_OUT, "delta_values", "a Gated DeltaNet (or Kimi Delta Attention) block's delta-rule output per "
+                                    "value head (what its recurrent state gives the query), before the gated output "
+                                    "norm, flattened to value heads x value_head_dim (head-major); the state itself, "
+                                    "[Dk, Dv] per head and token, is not a site"),
     Site(INDEXED_KEYS, "index_topk", "the keys DeepSeek sparse attention's indexer chose for each query: "
                                      "their positions, highest index score first, -1 past the keys the query "
                                      "sees (int32)", integer=True, measured=False),
@@ -252,7 +253,7 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site == SHARED_EXPERT_GATE and not config.moe.shared_expert_gate:
         return f"{config.model_type}'s shared experts are added ungated (mlp.hook_shared_expert_out is their output)"
     if site in ROUTING + SHARED_EXPERT and layer is not None and not config.is_sparse(layer):
-        return (f"block {layer} of {config.model_type} has a dense MLP (mlp_only_layers, decoder_sparse_step): its "
+        return (f"block {layer} of {config.model_type} has a dense MLP: its "
                 f"mixtures of experts are blocks {_spans(config.sparse_layers)}")
     if site == MLP_POST and config.moe is not None and not config.moe.beside_dense and (
             config.is_sparse(layer) if layer is not None else not config.moe.dense_layers):
@@ -274,7 +275,7 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site == DELTA_OUT and (config.deltanet is None or layer is not None and not config.is_deltanet(layer)):
         if config.deltanet is None:
             return f"{config.model_type} has no Gated DeltaNet blocks (the families with them: {DELTANET_FAMILIES})"
-        return (f"block {layer} mixes with {config.mixer_name(layer)}: the Gated DeltaNet blocks are "
+        return (f"block {layer} mixes with {config.mixer_name(layer)}: the {config.deltanet.name} blocks are "
                 f"{_spans(config.deltanet.layers)}")
     if site == LN2_NORMALIZED and not _normed_input(config, layer):
         return f"{_blocks(config, layer)} MLP reads the stream without a norm before it (mlp.hook_in is its input)"
@@ -338,7 +339,7 @@ def _mixer(config, layer: int | None) -> str:
     """The recurrent mixer of block ``layer`` (None: of the model's recurrent blocks), for messages."""
     if layer is not None:
         return config.mixer_name(layer)
-    return "Gated DeltaNet" if config.deltanet is not None else "Mamba-2"
+    return config.deltanet.name if config.deltanet is not None else "Mamba-2"
 
 
 def _normed_input(config, layer: int | None) -> bool:

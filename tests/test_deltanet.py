@@ -1,5 +1,6 @@
-"""The gated delta rule (model/deltanet.py) against transformers' own torch paths, and padding
-kept out of the state."""
+"""The gated delta rule (model/deltanet.py), with a decay per head (Gated DeltaNet) and per key
+channel (Kimi Delta Attention), against transformers' own torch paths and the token-by-token
+recurrence, and padding kept out of the state."""
 
 import jax
 import numpy as np
@@ -22,20 +23,51 @@ def inputs():
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("form", ["chunked", "recurrent"])
-def test_both_forms_equal_transformers_torch_paths(inputs, form):
-    import torch
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
-                                                             torch_recurrent_gated_delta_rule)
+@pytest.fixture(scope="module")
+def channel_inputs(inputs):
+    """Kimi Delta Attention's: as many q and k heads as value heads, a log decay per key channel,
+    most slow (the state carried across chunks matters), two channels steep (their decay over a
+    chunk of 64 far below float32's exp range)."""
     q, k, v, g, beta, state = inputs
-    torch_args = [torch.tensor(x) for x in (q, k, v, g, beta)]
-    reference = {"chunked": lambda: torch_chunk_gated_delta_rule(*torch_args, chunk_size=16,
-                                                                 initial_state=torch.tensor(state),
-                                                                 output_final_state=True, use_qk_l2norm_in_kernel=True),
-                 "recurrent": lambda: torch_recurrent_gated_delta_rule(*torch_args, initial_state=torch.tensor(state),
-                                                                       output_final_state=True,
-                                                                       use_qk_l2norm_in_kernel=True)}[form]
-    theirs, their_state = (x.numpy() for x in reference())
+    rng = np.random.default_rng(1)
+    q, k = (np.repeat(x, HV // HK, axis=2) for x in (q, k))
+    rate = np.full(DK, 0.02)
+    rate[[1, 5]] = 3.0
+    g = (-rate * np.abs(rng.normal(size=(B, S, HV, DK)))).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+@pytest.fixture(params=["head", "channel"])
+def decay(request):
+    return request.param
+
+
+@pytest.fixture
+def either(decay, inputs, channel_inputs):
+    """The inputs with a decay a head or per key channel."""
+    return inputs if decay == "head" else channel_inputs
+
+
+def torch_forms(decay: str) -> dict:
+    """transformers' torch chunked and recurrent forms: Qwen3.5's gated delta rule (a decay a head)
+    or Kimi Linear's (a decay per key channel)."""
+    if decay == "head":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                                 torch_recurrent_gated_delta_rule)
+        return {"chunked": torch_chunk_gated_delta_rule, "recurrent": torch_recurrent_gated_delta_rule}
+    from transformers.models.kimi_linear.modeling_kimi_linear import (chunk_kimi_delta_attention,
+                                                                      recurrent_kimi_delta_attention)
+    return {"chunked": chunk_kimi_delta_attention, "recurrent": recurrent_kimi_delta_attention}
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_both_forms_equal_transformers_torch_paths(either, decay, form):
+    import torch
+    q, k, v, g, beta, state = either
+    chunks = {"chunk_size": 16} if form == "chunked" else {}
+    theirs, their_state = (x.numpy() for x in torch_forms(decay)[form](
+        *(torch.tensor(x) for x in (q, k, v, g, beta)), initial_state=torch.tensor(state), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, **chunks))
     ours = {"chunked": lambda: deltanet.chunked(q, k, v, g, beta, state, chunk_size=16),
             "recurrent": lambda: deltanet.recurrent(q, k, v, g, beta, state)}[form]
     out, final = jax.jit(ours)()
@@ -43,10 +75,10 @@ def test_both_forms_equal_transformers_torch_paths(inputs, form):
     assert relative_error(np.asarray(out), theirs) <= 1e-5 and relative_error(np.asarray(final), their_state) <= 1e-5
 
 
-def test_padding_stays_out_of_the_state_and_the_forms_agree(inputs):
+def test_padding_stays_out_of_the_state_and_the_forms_agree(either):
     """Row 0 is 37 tokens, row 1 only 20, its tail padding with gates made inert: each row's
     real outputs and final state are what it gives alone, in either form."""
-    q, k, v, g, beta, _ = inputs
+    q, k, v, g, beta, _ = either
     lengths = np.array([S, 20])
     g_masked, beta_masked = jax.jit(deltanet.masked_gates)(g, beta, lengths)
     # Each form compiled once, its results in host memory (eagerly, every operation and every
@@ -88,10 +120,11 @@ def test_the_chunked_rule_over_512_positions_finishes_in_a_process_that_imports_
 
 
 @pytest.mark.parametrize("chunk_size", [4, 16, 64])
-def test_each_chunk_size_equals_the_token_by_token_rule_in_float64(inputs, chunk_size):
-    """Beta up to 2 (OLMo hybrid's negative eigenvalues): the chunked form's outputs and final
-    state equal the recurrence position by position within 1e-6, in float64."""
-    q, k, v, g, beta, state = (x.astype(np.float64) for x in inputs)
+def test_each_chunk_size_equals_the_token_by_token_rule_in_float64(either, chunk_size):
+    """Beta up to 2 (OLMo hybrid's negative eigenvalues), a decay per head or per key channel
+    (sub-chunks of 2, 4 and 8): the chunked form's outputs and final state equal the recurrence
+    position by position within 1e-6, in float64."""
+    q, k, v, g, beta, state = (x.astype(np.float64) for x in either)
     beta = 2 * beta
     with jax.enable_x64(True):
         out, final = jax.device_get(jax.jit(lambda *a: deltanet.chunked(*a, chunk_size=chunk_size))(

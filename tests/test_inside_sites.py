@@ -31,7 +31,8 @@ CASES = [("qwen2", (0, 1), {}), ("llama", (0, 2), {}), ("gemma3", (0, 1), {}), (
          # blocks of one sublayer: attention, Mamba-2, experts, a plain MLP
          ("nemotron_h", (1, 5), {}), ("nemotron_h", (0, 4), {}), ("nemotron_h", (2, 6), {}), ("nemotron_h", (3, 8), {}),
          # attention beside Mamba-2, its gated norm on and off
-         ("falcon_h1", (0, 2), {}), ("falcon_h1", (0, 1), {"mamba_rms_norm": False})]
+         ("falcon_h1", (0, 2), {}), ("falcon_h1", (0, 1), {"mamba_rms_norm": False}),
+         ("kimi_linear", (1, 4), {}), ("kimi_linear", (0, 2), {})]  # latent attention (experts), KDA (dense MLPs)
 
 
 def close(ours: np.ndarray, ref: np.ndarray) -> float:

@@ -5,13 +5,13 @@ the checkpoint's own tensor names, and what the reader or a block refuses. (The 
 attention and the MLP: tests/test_inside_sites.py; the chunked rule with beta up to 2:
 tests/test_deltanet.py.)"""
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from common.cli import UserError
-from fixtures.hf_reference import assert_blocks_equal_transformers, block_sites, random_sequences
+from fixtures.hf_reference import (assert_blocks_equal_transformers, assert_family_greedy_equals_transformers,
+                                   block_sites, random_sequences)
 from model.families import config_from_dict, load_config
 from tests.conftest import run_in_process
 from tests.test_family_runs import (assert_equals_transformers, assert_runs_or_refused,
@@ -72,15 +72,7 @@ def test_what_a_block_lacks_is_refused_before_the_model_loads(checkpoint, tmp_pa
 def test_greedy_generation_carries_the_deltanet_state_as_transformers_does(tmp_path):
     """32 tokens after prompts of 40, 23 and 9 tokens in one batch (wide weights: peaked logits),
     each equal to transformers' generate of its prompt alone."""
-    from fixtures.hf_reference import assert_greedy_equals_transformers
-    from fixtures.tiny_models import write_checkpoint
-    from model.generate import Generator
-    from model.loading import load_model
-    varied = write_checkpoint(tmp_path / "varied", "olmo_hybrid", seed=4, initializer_range=0.5)
-    loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
-    generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
-    prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
-    assert_greedy_equals_transformers(generator, varied, prompts)
+    assert_family_greedy_equals_transformers(tmp_path / "varied", "olmo_hybrid", initializer_range=0.5)
 
 
 @pytest.mark.parametrize("names", ["transformers", "olmo-core"])

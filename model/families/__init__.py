@@ -11,9 +11,9 @@ from types import ModuleType
 from common.cli import UserError
 from model.config import DecoderConfig
 from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, falcon_h1, gemma2, gemma3, gemma4, glm4_moe, gpt2,
-                            gpt_neox, gpt_oss, granitemoehybrid, llama, llama4, minimax_m2, mistral, mistral4, mixtral,
-                            nemotron_h, olmo2, olmo3, olmo_hybrid, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5,
-                            qwen3_moe, qwen3_next, smollm3)
+                            gpt_neox, gpt_oss, granitemoehybrid, kimi_linear, llama, llama4, minimax_m2, mistral,
+                            mistral4, mixtral, nemotron_h, olmo2, olmo3, olmo_hybrid, olmoe, phi3, qwen2, qwen2_moe,
+                            qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -57,12 +57,12 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "granitemoehybrid": (granitemoehybrid, granitemoehybrid.ARCHITECTURES),
     "nemotron_h": (nemotron_h, nemotron_h.ARCHITECTURES),
     "falcon_h1": (falcon_h1, falcon_h1.ARCHITECTURES),
+    "kimi_linear": (kimi_linear, kimi_linear.ARCHITECTURES),
 }
 # Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
 REFUSED = {
     "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
                    "keys, hyper-connections) are not implemented",
-    "kimi_linear": "Kimi Delta Attention (a delta rule with a per-channel forget gate) is not implemented",
     **dict.fromkeys(("glm5_next", "glm5_next_text"), "GLM-5-next's hyper-connections and forget-gated linear "
                                                       "attention are not implemented"),
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "Qwen4-exp's QSA indexer over compressed keys, "

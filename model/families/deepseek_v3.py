@@ -62,9 +62,11 @@ def decoder_config(raw: dict) -> DecoderConfig:
 
 
 def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool, partial_rope: bool = False,
-                   **switches: Any) -> DecoderConfig:
+                   rotates: bool = True, **switches: Any) -> DecoderConfig:
     """A DeepSeek decoder of latent attention (the reading V2 shares) with ``moe``; ``partial_rope``:
-    the RoPE parameters may state the rotated share (Mistral 4's, qk_rope_head_dim over the head)."""
+    the RoPE parameters may state the rotated share (Mistral 4's, qk_rope_head_dim over the head);
+    ``rotates`` off: no block rotates (Kimi Linear's), so no RoPE parameters are read (nor YaRN's
+    softmax scale)."""
     config = shapes(f)
     heads = config["num_attention_heads"]
     if config["num_key_value_heads"] != heads:
@@ -75,7 +77,7 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
                           f.number("qk_rope_head_dim"), interleave, rope_in_float32)
     if mla.qk_rope_head_dim % 2 or mla.qk_rope_head_dim < 2:
         raise f.refuse("qk_rope_head_dim", mla.qk_rope_head_dim, "RoPE rotates pairs of dims")
-    params, where = rope_parameters(f)
+    params, where = rope_parameters(f) if rotates else ({}, "rope_parameters")
     rotary = rope(f, params, where, f.number("rope_theta", float), partial=partial_rope)
     scalar = None  # transformers' yarn_apply_mscale: the softmax scale times mscale(factor, mscale_all_dim)^2
     if rotary.kind != "default" and params.get("mscale_all_dim"):
