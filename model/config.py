@@ -123,6 +123,9 @@ class MoE:
     group_score: str = "top2"           # a group's score: the sum of its 2 best (V3) or its best (V2: max)
     routed_scaling: float = 1.0         # the chosen experts' weights times this (routed_scaling_factor)
     normalize_epsilon: float = 0.0      # added to the sum when normalize_top_k divides by it (V3: 1e-20)
+    latent_size: int | None = None      # the routed experts read and write a latent of this width: x projected
+                                        # down (latent_in), their weighted sum back up (latent_out); the router
+                                        # and the shared MLP read x (Nemotron 3 Super's moe_latent_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -313,15 +313,16 @@ def experts_output(x, indices, weights, experts, config: DecoderConfig, dispatch
 
 class Experts(nn.Module):
     """The experts' stacked weights: ``gate_proj`` (gated experts only), ``up_proj`` [E', H, F] and
-    ``down_proj`` [E', F, H], where E' >= E: loaded onto a mesh, the experts padded with all-zero ones that no
-    token is routed to (``model.sharding.expert_slots``), whatever the mesh is."""
+    ``down_proj`` [E', F, H] (H: the latent width where ``MoE.latent_size``), where E' >= E: loaded onto
+    a mesh, the experts padded with all-zero ones that no token is routed to
+    (``model.sharding.expert_slots``), whatever the mesh is."""
     config: DecoderConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, ...]:
-        h, moe = self.config.hidden_size, self.config.moe
-        e, f = moe.num_experts, moe.expert_size
+        moe = self.config.moe
+        h, e, f = moe.latent_size or self.config.hidden_size, moe.num_experts, moe.expert_size
         # An existing (loaded) value as it is: its slot count is the mesh's, not the config's.
         stacked = lambda name, shape: (self.get_variable("params", name) if self.has_variable("params", name)
                                        else self.param(name, nn.initializers.zeros, shape, self.dtype))
@@ -377,8 +378,12 @@ class MoEMLP(nn.Module):
             indices, weights = route(logits, c, weights_dtype, keep, scale)  # [B, S, k]
         routed = (indices, weights) if force is None else forced(indices, weights, force)
         experts = Experts(c, self.dtype, name="experts")()
-        out = experts_output(x, *routed, experts, c, self.dispatch, self.mesh,
+        latent = lambda width, name, y: dense(width, c.mlp_bias, name, self.dtype, accumulate)(y)
+        expert_in = x if moe.latent_size is None else latent(moe.latent_size, "latent_in", x)  # [B, S, H | latent]
+        out = experts_output(expert_in, *routed, experts, c, self.dispatch, self.mesh,
                              gated_unit(c, ACTIVATIONS[c.hidden_act]), precision, accumulate)
+        if moe.latent_size is not None:
+            out = latent(c.hidden_size, "latent_out", out)                                # [B, S, H]
         sites = {ROUTER_LOGITS: logits, EXPERT_INDICES: indices, ROUTING_WEIGHTS: weights}
         if moe.shared_expert_size:
             shared = MLP(c, self.dtype, self.residual_dtype, intermediate_size=moe.shared_expert_size,

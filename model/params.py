@@ -418,7 +418,8 @@ def _nemotron_h_block(config: DecoderConfig, hf: str, layer: int):
     attention (q, k, v, o without biases), a plain MLP (``up_proj``, ``down_proj``), or a mixture of
     plain experts (the router ``gate`` and its ``e_score_correction_bias``; the experts' projections
     one tensor an expert as the hub has them, or stacked [E, out, in] as transformers saves them;
-    the ``shared_experts`` MLP)."""
+    the ``shared_experts`` MLP; the latent projections ``fc1_latent_proj``, ``fc2_latent_proj``
+    where ``moe_latent_size``)."""
     c, mixer = config.layer_config(layer), f"{hf}.mixer"
     if c.is_mamba(layer):
         yield from _mamba(c, mixer)
@@ -433,6 +434,9 @@ def _nemotron_h_block(config: DecoderConfig, hf: str, layer: int):
                                                    experts=c.moe.num_experts,
                                                    alternatives=((f"{mixer}.experts.{proj}",),))
             yield from _linear(f"{mixer}.shared_experts.{proj}", ("mlp", "shared_expert", proj), c.mlp_bias)
+        if c.moe.latent_size is not None:  # the experts' latent projections (Nemotron 3 Super's)
+            for ours, theirs in (("latent_in", "fc1_latent_proj"), ("latent_out", "fc2_latent_proj")):
+                yield from _linear(f"{mixer}.{theirs}", ("mlp", ours), c.mlp_bias)
     else:
         for proj in ("up_proj", "down_proj"):
             yield from _linear(f"{mixer}.{proj}", ("mlp", proj), c.mlp_bias)
@@ -755,9 +759,13 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
     module, leaf = path[-2], path[-1]
     if c.moe is not None:
         e, fe, fs = c.moe.num_experts, c.moe.expert_size, c.moe.shared_expert_size
+        width = c.moe.latent_size or h  # what the experts read and write
         if module == "experts":
-            return {"down_proj": (e, fe, h), "gate_proj_bias": (e, fe), "up_proj_bias": (e, fe),
-                    "down_proj_bias": (e, h)}.get(leaf, (e, h, fe))
+            return {"down_proj": (e, fe, width), "gate_proj_bias": (e, fe), "up_proj_bias": (e, fe),
+                    "down_proj_bias": (e, width)}.get(leaf, (e, width, fe))
+        if module in ("latent_in", "latent_out"):  # Nemotron 3 Super's latent projections
+            shape = (h, width) if module == "latent_in" else (width, h)
+            return shape if leaf == "kernel" else shape[1:]
         if "shared_expert" in path:
             f = fs
         if module == "router" and leaf == "bias":

@@ -93,7 +93,8 @@ def test_the_hubs_config_reads_as_transformers_and_what_it_lacks_is_refused():
     assert config_from_dict({**raw, "mamba_n_groups": 8, "n_groups": 4}) == config  # the older name wins
     legacy = ["mamba", "moe", "mamba", "attention", "moe", "mlp"]  # the kinds' older names
     assert config_from_dict({**raw, "layers_block_type": legacy}) == config
-    for change, message in [({"moe_latent_size": 1024}, "moe_latent_size = 1024 is not supported"),
+    assert config_from_dict({**raw, "moe_latent_size": 1024}).moe.latent_size == 1024  # Nemotron 3 Super's
+    for change, message in [({"moe_latent_size": 0}, "moe_latent_size = 0 is not supported"),
                             ({"hybrid_override_pattern": "MEX"}, "hybrid_override_pattern = 'MEX'"),
                             ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act = 'gelu' is not supported"),
                             ({"n_groups": 7}, "n_groups = 7 is not supported"),
@@ -101,6 +102,17 @@ def test_the_hubs_config_reads_as_transformers_and_what_it_lacks_is_refused():
         with pytest.raises(UserError, match=message) as caught:
             config_from_dict({**raw, **change})
         assert "\n" not in str(caught.value)
+
+
+def test_latent_experts_equal_transformers(tmp_path):
+    """Nemotron 3 Super's experts in a latent of ``moe_latent_size`` (20, of a hidden 48): x
+    projected down before them (``fc1_latent_proj``), their weighted sum up after; the router and
+    the shared MLP read x."""
+    from fixtures.tiny_models import write_checkpoint
+    latent = write_checkpoint(tmp_path / "latent", "nemotron_h", seed=4, bfloat16_exact=True, moe_latent_size=20)
+    config = load_config(latent)
+    assert config.moe.latent_size == 20
+    assert_blocks_equal_transformers(latent, random_sequences([40, 23], seed=3, vocab=config.vocab_size))
 
 
 def test_transformers_names_for_the_experts_load_as_the_hubs_do(checkpoint, tmp_path):

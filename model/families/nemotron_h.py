@@ -7,7 +7,9 @@ attention without positions (``full_attention``, ``*``: no RoPE, no biases whate
 (``mlp``, ``-``: down(act(up(x))), ``mlp_hidden_act`` the squared ReLU), or a mixture of plain
 experts (``moe``, ``E``) routed as DeepSeek-V3's (sigmoid scores plus a choice bias, within the
 best groups, times ``routed_scaling_factor``) beside an always-added plain shared MLP of
-``moe_shared_expert_intermediate_size``. The norms multiply their weight in float32. The Mamba-2
+``moe_shared_expert_intermediate_size``; where ``moe_latent_size`` is set (Nemotron 3 Super), the
+routed experts work in a latent of that width, x projected down before them and their weighted
+sum back up after (``fc1_latent_proj``, ``fc2_latent_proj``). The norms multiply their weight in float32. The Mamba-2
 time step is clamped below at ``time_step_min`` over a sequence (transformers' ``time_step_limit``
 is not read) and, as in transformers' decoding step, not while decoding. Multi-token prediction
 layers (``num_nextn_predict_layers``) are not read, as transformers does not."""
@@ -41,9 +43,6 @@ def decoder_config(raw: dict) -> DecoderConfig:
     raw = {**raw, **{new: raw[old] for old, new in LEGACY_NAMES.items() if old in raw}}  # the older name wins
     types = block_types(raw)
     f = Fields({**raw, "num_hidden_layers": len(types)}, DEFAULTS, "nemotron_h")
-    if f.get("moe_latent_size") is not None:
-        raise f.refuse("moe_latent_size", f.get("moe_latent_size"), "experts over a latent projection are not "
-                                                                   "implemented")
     mixer_act = f.get("mamba_hidden_act")
     if mixer_act != "silu":
         raise f.refuse("mamba_hidden_act", mixer_act, "the Mamba-2 convolution's activation is SiLU here")
@@ -53,12 +52,21 @@ def decoder_config(raw: dict) -> DecoderConfig:
     if where(MOE):
         moe = grouped_moe(f, where(MLP), scoring="sigmoid", selection_bias=True, group_score="top2",
                           normalize_top_k=bool(f.get("norm_topk_prob")), normalize_epsilon=1e-20,
-                          shared_expert_size=f.number("moe_shared_expert_intermediate_size"))
+                          shared_expert_size=f.number("moe_shared_expert_intermediate_size"),
+                          latent_size=latent_size(f))
     sublayers = tuple(MIXER_ONLY if kind in (MAMBA, ATTENTION) else MLP_ONLY for kind in types)
     return DecoderConfig("nemotron_h", **config, rope=None, nope_layers=tuple(range(len(types))),
                          mamba=mamba(f, where(MAMBA)), moe=moe, sublayers=sublayers, gated_mlp=False,
                          mlp_bias=bool(f.get("mlp_bias")), hidden_act=activation(f, "mlp_hidden_act"),
                          norm_weight_in_float32=True)
+
+
+def latent_size(f: Fields) -> int | None:
+    """The width the experts work in (``moe_latent_size``: Nemotron 3 Super's), or None: x's."""
+    size = f.get("moe_latent_size")
+    if size is not None and (not isinstance(size, int) or size < 1):
+        raise f.refuse("moe_latent_size", size, "a positive width (or null: the experts read x)")
+    return size
 
 
 def block_types(raw: dict) -> list[str]:
