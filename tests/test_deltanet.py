@@ -75,10 +75,11 @@ def test_both_forms_equal_transformers_torch_paths(either, decay, form):
     assert relative_error(np.asarray(out), theirs) <= 1e-5 and relative_error(np.asarray(final), their_state) <= 1e-5
 
 
-def test_padding_stays_out_of_the_state_and_the_forms_agree(either):
+def test_padding_stays_out_of_the_state_and_the_forms_agree(inputs):
     """Row 0 is 37 tokens, row 1 only 20, its tail padding with gates made inert: each row's
-    real outputs and final state are what it gives alone, in either form."""
-    q, k, v, g, beta, _ = either
+    real outputs and final state are what it gives alone, in either form. (With a decay per key
+    channel: Kimi Linear's padded batch, tests/test_kimi_linear.py.)"""
+    q, k, v, g, beta, _ = inputs
     lengths = np.array([S, 20])
     g_masked, beta_masked = jax.jit(deltanet.masked_gates)(g, beta, lengths)
     # Each form compiled once, its results in host memory (eagerly, every operation and every
