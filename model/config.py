@@ -141,6 +141,12 @@ class Indexer:
     head_dim: int
     topk: int
     rope_interleave: bool = False  # its rotated dims pair as (0, 1), (2, 3), ... (GLM-5's): reordered at load time
+    shared_layers: tuple[int, ...] = ()  # blocks without an indexer of their own: each attends to the keys the
+                                         # last block before it with one chose (GLM-5's indexer_types shared)
+
+    def owns(self, layer: int) -> bool:
+        """Whether block ``layer`` runs an indexer of its own (else it reuses an earlier block's choice)."""
+        return layer not in self.shared_layers
 
 
 @dataclasses.dataclass(frozen=True)

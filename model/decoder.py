@@ -259,9 +259,11 @@ class LatentAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None, heads=None,
-                 norms=None):
+                 norms=None, index_from: tuple[jax.Array, jax.Array] | None = None):
         """x: [B, S, H] in ``dtype``; the rest as ``Attention``'s (``norms``: for the q and latent
-        norms). -> ([B, S, H], (latent, key part))."""
+        norms); ``index_from``: the keys an earlier block's indexer chose (its narrowed mask [B, S, T],
+        their positions [B, S, topk]) for a block without an indexer of its own (GLM-5's shared ones).
+        -> ([B, S, H], (latent, key part[, index keys]), the keys chosen as ``index_from`` or None)."""
         c, m = self.config, self.config.mla
         b, s, _ = x.shape
         n, dn, dr, dv = c.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, c.head_dim
@@ -289,14 +291,18 @@ class LatentAttention(nn.Module):
             q, k_rot = (q / divisor).astype(self.dtype), k_rot.astype(self.dtype)
         if cache is not None:  # the compressed keys and values are what a cache holds
             latent, k_rot = cache_written(cache[0], latent, cache_index), cache_written(cache[1], k_rot, cache_index)
-        index_keys = ()
-        if m.indexer is not None:  # DeepSeek sparse attention: each query's keys chosen by the indexer
+        index_keys, picked = (), None
+        if m.indexer is not None and index_from is not None:  # an earlier block's choice (GLM-5's shared blocks)
+            picked = index_from
+        elif m.indexer is not None:  # DeepSeek sparse attention: each query's keys chosen by the indexer
             cached = None if cache is None else lambda keys: cache_written(cache[2], keys.astype(cache[2].dtype),
                                                                           cache_index)
-            mask, chosen, keys = LightningIndexer(c, self.dtype, self.residual_dtype, name="indexer")(
+            narrowed, chosen, keys = LightningIndexer(c, self.dtype, self.residual_dtype, name="indexer")(
                 x, q_resid, cos, sin, mask, cached)
-            self.sow("sites", INDEXED_KEYS, chosen)                                     # [B, S, topk] int32
-            index_keys = (keys,)
+            picked, index_keys = (narrowed, chosen), (keys,)
+        if picked is not None:
+            mask = picked[0]
+            self.sow("sites", INDEXED_KEYS, picked[1])                                  # [B, S, topk] int32
         t = latent.shape[1]
         kv = project(n * (dn + dv), False, "kv_b_proj")(latent[:, :, 0]).reshape(b, t, n, dn + dv)
         if prescaled:
@@ -306,7 +312,7 @@ class LatentAttention(nn.Module):
                        precision_for(self.dtype), accumulate, None if prescaled else divisor,
                        cache is not None)                                                # [B, S, N, 1, Dv]
         out = heads_output(self, out.reshape(b, s, n, dv).astype(self.dtype), heads)    # [B, S, N*Dv]
-        return project(c.hidden_size, c.o_bias, "o_proj")(out), (latent, k_rot, *index_keys)
+        return project(c.hidden_size, c.o_bias, "o_proj")(out), (latent, k_rot, *index_keys), picked
 
 
 class GatedDeltaNet(nn.Module):
@@ -576,10 +582,13 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
-                 ablation=None, kv_from: KVCache | None = None, per_layer_input: jax.Array | None = None):
+                 ablation=None, kv_from: KVCache | None = None, per_layer_input: jax.Array | None = None,
+                 index_from: tuple[jax.Array, jax.Array] | None = None):
         """``ablation``: this block's slice of ``model.interventions.ablation_arrays`` (None: none);
         ``kv_from``: the keys and values it attends to instead of its own (``Attention``);
-        ``per_layer_input`` [B, S, P]: its slice of the per-layer embeddings (Gemma 4)."""
+        ``per_layer_input`` [B, S, P]: its slice of the per-layer embeddings (Gemma 4); ``index_from``:
+        the keys an earlier block's indexer chose (``LatentAttention``). -> (the block's output, its
+        new cache, the keys its sparse attention attended to or None)."""
         c, wide = self.config, self.residual_dtype
         a = ablation or {}
         norm = (a["norm_keep"], a["norm_fill"]) if ablation is not None else None
@@ -589,10 +598,10 @@ class DecoderLayer(nn.Module):
             return patched(value, *(a.get(name) for name in patch_key(site)[:2]), a.get(delta_key(site)))
         x = steered_at(x, RESID_PRE)
         block_in = x
-        new_cache, added = None, None
+        new_cache, added, picked = None, None, None
         if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
-            added, new_cache = self.mixer_addition(x, cos, sin, mask, positions, cache, cache_index, kv_from, a,
-                                                   norm, steered_at)
+            added, new_cache, picked = self.mixer_addition(x, cos, sin, mask, positions, cache, cache_index, kv_from,
+                                                           a, norm, steered_at, index_from)
             if not c.parallel_residual:  # the MLP reads the stream after the mixer's addition
                 x = x + added
                 if self.has_mlp:
@@ -634,16 +643,16 @@ class DecoderLayer(nn.Module):
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
                                                                    jnp.zeros_like(x)))
-        return steered_at(x, RESID_POST), new_cache
+        return steered_at(x, RESID_POST), new_cache, picked
 
 
     def mixer_addition(self, x, cos, sin, mask, positions, cache, cache_index, kv_from, ablation: dict, norm,
-                       steered_at):
+                       steered_at, index_from=None):
         """What the block's mixer adds to the stream x [B, S, H] (attention, a latent attention, Gated
-        DeltaNet or Mamba-2; Falcon-H1's attention plus its parallel Mamba-2), sowing its sites, and
-        its new cache (a parallel block's: (attention's, Mamba-2's)). ``ablation``: the block's slice
-        of the ablation arrays ({} for none), ``norm`` its norms' (or None); ``steered_at``: the block's
-        steering and patching."""
+        DeltaNet or Mamba-2; Falcon-H1's attention plus its parallel Mamba-2), sowing its sites, its
+        new cache (a parallel block's: (attention's, Mamba-2's)) and the keys a sparse attention chose
+        (or None). ``ablation``: the block's slice of the ablation arrays ({} for none), ``norm`` its
+        norms' (or None); ``steered_at``: the block's steering and patching."""
         c, wide, a = self.config, self.residual_dtype, ablation
         heads = (a["head_keep"], a["head_fill"], a["head_mean"], *(a.get(k) for k in patch_key(ATTN_Z)[:2]),
                  a.get(delta_key(ATTN_Z))) if a else None
@@ -654,13 +663,14 @@ class DecoderLayer(nn.Module):
         mixer_in = scaled(attn_in, multipliers.attention_in)
         self.sow("sites", ATTN_IN, mixer_in)
         attn_cache, ssm_cache = cache if self.parallel_mamba and cache is not None else (cache, None)
+        picked = None
         if self.deltanet:
             out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(mixer_in, mask, cache, cache_index)
         elif self.mamba:
             out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(mixer_in, mask, cache, cache_index)
         elif c.mla is not None:
-            out, new_cache = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
-                mixer_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
+            out, new_cache, picked = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
+                mixer_in, cos, sin, mask, positions, cache, cache_index, heads, norm, index_from)
         else:
             attention = Attention(c, self.dtype, self.mesh, self.attention, wide, self.window, self.patterns,
                                   name="self_attn")
@@ -674,13 +684,13 @@ class DecoderLayer(nn.Module):
         self.sow("stats", "attn_output", out)
         self.sow("sites", ATTN_OUT, out)
         if not self.parallel_mamba:
-            return out, new_cache
+            return out, new_cache, picked
         # Falcon-H1: the Mamba-2 mixer beside attention, on the same normed input, added first.
         ssm_out, ssm_new = Mamba2Mixer(c, self.dtype, wide, name="mamba")(attn_in, mask, ssm_cache, cache_index)
         self.sow("sites", SSM_MODULE_OUT, ssm_out)
         ssm_out = steered_at(scaled(ssm_out, multipliers.ssm_out), SSM_OUT)
         self.sow("sites", SSM_OUT, ssm_out)
-        return ssm_out + out, None if cache is None else (new_cache, ssm_new)
+        return ssm_out + out, None if cache is None else (new_cache, ssm_new), None
 
     def dense_and_experts(self, x: jax.Array, mlp_in: jax.Array, ablation: dict, norm) -> jax.Array:
         """Gemma 4's mixture of experts beside its dense MLP: the MLP of ``mlp_in`` (its normed
@@ -832,13 +842,17 @@ class Decoder(nn.Module):
             per_layer = self.per_layer_inputs(input_ids, self.embed(input_ids, positions, self.dtype),
                                               num_layers)  # [B, S, L, P]
         outputs, new_caches = [], []
+        indexer = c.mla.indexer if c.mla is not None else None
+        chosen = None  # the keys the last block with an indexer chose (GLM-5's shared blocks attend to them)
         for i in range(num_layers):
             block = None if ablation is None else block_arrays(ablation, i)
             source = c.kv_source(i)  # a kv-sharing block attends to an earlier block's keys and values
-            x, cache = self.layers[i](x, *tables[rotations[i]], mask, positions,
-                                      None if caches is None or source is not None else caches[i], cache_index,
-                                      block, None if source is None else new_caches[source],
-                                      None if per_layer is None else per_layer[:, :, i])
+            reused = chosen if indexer is not None and not indexer.owns(i) else None
+            x, cache, picked = self.layers[i](x, *tables[rotations[i]], mask, positions,
+                                              None if caches is None or source is not None else caches[i],
+                                              cache_index, block, None if source is None else new_caches[source],
+                                              None if per_layer is None else per_layer[:, :, i], reused)
+            chosen = chosen if picked is None else picked
             outputs.append(x)
             new_caches.append(cache)
         return outputs, new_caches

@@ -165,7 +165,8 @@ class Generator:
             if c.kv_source(layer) is not None or not c.has_mixer(layer):  # (an MLP-only block: Nemotron-H's)
                 out.append(None)
             elif c.mla is not None:  # the normed latent and the rotated key part (model.decoder.LatentAttention)
-                index = c.mla.indexer  # and DeepSeek sparse attention's index keys
+                # and DeepSeek sparse attention's index keys (none where a block reuses an earlier one's choice)
+                index = c.mla.indexer if c.mla.indexer and c.mla.indexer.owns(layer) else None
                 out.append((zeros((rows, self.cache_length, 1, c.mla.kv_lora_rank)),             # [B, T, 1, R]
                             zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim)),         # [B, T, 1, Dr]
                             *([zeros((rows, self.cache_length, 1, index.head_dim))] if index else [])))  # [B, T, 1, Di]

@@ -234,7 +234,7 @@ def _moe(config: DecoderConfig, hf: str):
             yield from _linear(f"{hf}.shared_expert_gate", ("mlp", "shared_expert_gate"), False)
 
 
-def _latent_attention(config: DecoderConfig, hf: str):
+def _latent_attention(config: DecoderConfig, hf: str, layer: int):
     """A latent attention's tensors below ``self_attn``, but for ``o_proj`` (``model.decoder.LatentAttention``);
     where the checkpoint pairs the rotated dims as (0, 1), (2, 3), ... (``rope_interleave``), the rows
     making them reordered to evens then odds, rotate-half's layout, in q and in the shared key part alike."""
@@ -254,7 +254,8 @@ def _latent_attention(config: DecoderConfig, hf: str):
     yield from _linear(f"{attn}.kv_a_proj_with_mqa", ("self_attn", "kv_a_proj_with_mqa"), c.qkv_bias, kv_rows)
     yield from _norm(f"{attn}.kv_a_layernorm", ("self_attn", "kv_a_layernorm"), c)
     yield from _linear(f"{attn}.kv_b_proj", ("self_attn", "kv_b_proj"), False)
-    if m.indexer is not None:  # DeepSeek sparse attention's indexer, its rotated dims as rotate-half pairs them
+    if m.indexer is not None and m.indexer.owns(layer):  # DeepSeek sparse attention's indexer, its rotated dims
+        # as rotate-half pairs them (none in a block reusing an earlier block's choice: GLM-5's shared ones)
         ix = m.indexer
         pairs = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)]) if ix.rope_interleave else np.arange(dr)
         rows = np.concatenate([pairs, np.arange(dr, ix.head_dim)])  # one index head's: rotated, then not
@@ -371,7 +372,7 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
     elif c.is_mamba(layer):
         yield from _mamba(c, f"{hf}.mamba")
     elif c.mla is not None:
-        yield from _latent_attention(c, hf)
+        yield from _latent_attention(c, hf, layer)
     elif fused:
         for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split(0, [q, kv, kv])):
             yield from _linear(f"{hf}.self_attn.qkv_proj", ("self_attn", proj), c.qkv_bias, part)
@@ -714,7 +715,9 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.ATTN_SCORES: (attn, "scores"),
         sites.ATTN_PATTERN: (attn, "pattern"),
         sites.ATTN_MODULE_OUT: module_out,
-        sites.INDEXED_KEYS: (f"{attn}.indexer", "indexed keys"),
+        # transformers' GLM-5 attention returns the keys it attended to, its own indexer's or reused
+        sites.INDEXED_KEYS: ((attn, "indexed keys 2") if config.model_type == "glm_moe_dsa"
+                             else (f"{attn}.indexer", "indexed keys")),
         # the gated norm's input: [B*S*Hv, Dv], every value head's row
         sites.DELTA_OUT: (f"{layout.deltanet}.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
         sites.MLP_PRE: (f"{mlp}.gate_proj" if config.gated_mlp else f"{mlp}.up_proj", "output"),

@@ -127,7 +127,8 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                     "[Dk, Dv] per head and token, is not a site"),
     Site(INDEXED_KEYS, "index_topk", "the keys DeepSeek sparse attention's indexer chose for each query: "
                                      "their positions, highest index score first, -1 past the keys the query "
-                                     "sees (int32)", integer=True, measured=False),
+                                     "sees (int32); at GLM-5's shared blocks, the last full block's choice, which "
+                                     "they attend to", integer=True, measured=False),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
                           "n_heads * head_dim (head-major)"),
     Site(ATTN_MODULE_OUT, "hidden", "the attention module's output (o_proj's), before a post-attention norm: "

@@ -1,8 +1,9 @@
 """DeepSeek-V3.2 and GLM-5's mixture of experts through the one decoder: DeepSeek-V3's blocks with
 the lightning indexer choosing each query's 16 keys (samples of 37 to 100 tokens: sparse past the
-16th position; GLM-5's indexer rotating interleaved pairs). Every block and site, the chosen keys
-included, against transformers' float64 forward; greedy generation with the index keys cached;
-the kernels that cannot take a choice of keys refused."""
+16th position; GLM-5's indexer rotating interleaved pairs, and its blocks reusing an earlier
+block's choice). Every block and site, the chosen keys included, against transformers' float64
+forward; greedy generation with the index keys cached; the kernels that cannot take a choice of
+keys refused."""
 
 import jax
 import numpy as np
@@ -96,6 +97,53 @@ def test_the_defaults_and_what_the_readers_refuse():
                           "num_hidden_layers": 4, "q_lora_rank": None})
     glm = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "num_hidden_layers": 4}
     assert config_from_dict(glm).mla.indexer == Indexer(32, 128, 2048, rope_interleave=True)
-    with pytest.raises(UserError, match=r"indexer_types = .*shared.*: a block reusing") as caught:
-        config_from_dict({**glm, "index_topk_pattern": "FSSF"})
+    assert config_from_dict({**glm, "index_topk_pattern": "FSSF"}).mla.indexer.shared_layers == (1, 2)
+    spread = {**glm, "num_hidden_layers": 8, "index_topk_freq": 3}  # full at 0, 1, 4, 7 (offset 2)
+    assert config_from_dict(spread).mla.indexer.shared_layers == (2, 3, 5, 6)
+    with pytest.raises(UserError, match=r"indexer_types = .*shared.*the first full") as caught:
+        config_from_dict({**glm, "indexer_types": ["shared", "full", "full", "full"]})
     assert "\n" not in str(caught.value)
+
+
+SHARED = ["full", "shared", "full", "shared", "shared"]  # GLM-5's indexer_types: blocks 1, 3, 4 reuse a choice
+
+
+def test_shared_indexer_blocks_attend_to_the_last_full_blocks_keys_as_transformers_does(tmp_path):
+    """Blocks 1, 3 and 4 run no indexer: each attends to the keys the last block before it with
+    one chose. Every block of a padded batch, and the chosen keys at a full and a shared block,
+    equal transformers' float64 forward; the shared block's are the full block's."""
+    from fixtures.hf_reference import load_reference, reference_sites
+    from fixtures.tiny_models import write_checkpoint
+    from model.extract import Extractor
+    shared = write_checkpoint(tmp_path / "shared", "glm_moe_dsa", seed=5, num_hidden_layers=5, indexer_types=SHARED)
+    config = load_config(shared)
+    assert config.mla.indexer.shared_layers == (1, 3, 4)
+    sequences = random_sequences(LENGTHS, seed=3, vocab=config.vocab_size)
+    assert_blocks_equal_transformers(shared, sequences)
+    extractor = Extractor.load(shared, layers=(2, 3), dtype="float32", max_seq_length=128, min_bucket=128,
+                               batch_size_per_device=4, devices=jax.devices()[:1], sites=[INDEXED_KEYS])
+    ours = dict(extractor.extract(enumerate(sequences)))
+    places = [(INDEXED_KEYS, 2), (INDEXED_KEYS, 3)]
+    theirs = reference_sites(load_reference(shared, "float64"), sequences, places)
+    for i in range(len(sequences)):
+        for site, layer in places:
+            np.testing.assert_array_equal(ours[i][array_key(site, layer)], theirs[i][site, layer])
+        np.testing.assert_array_equal(ours[i][array_key(INDEXED_KEYS, 3)], ours[i][array_key(INDEXED_KEYS, 2)])
+
+
+def test_greedy_generation_reuses_the_last_full_blocks_keys_as_transformers_does(tmp_path):
+    """Decoding steps of blocks without an indexer attend to the keys the step's last full block
+    chose; those blocks cache no index keys."""
+    from fixtures.hf_reference import assert_greedy_equals_transformers
+    from fixtures.tiny_models import write_checkpoint
+    from model.generate import Generator
+    from model.loading import load_model
+    varied = write_checkpoint(tmp_path / "varied", "glm_moe_dsa", seed=5, num_hidden_layers=5, indexer_types=SHARED,
+                              initializer_range=0.5)
+    loaded = load_model(varied, "float32", with_head=True, devices=jax.devices()[:1])
+    generator = Generator(loaded.config, loaded.params, "float32", cache_length=128)
+    mla = loaded.config.mla
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim  # float32 values a position, every block; index keys in 2
+    assert generator.cache_bytes(1) == (5 * latent + 2 * mla.indexer.head_dim) * 128 * 4
+    prompts = random_sequences([40, 23, 9], seed=5, vocab=loaded.config.vocab_size)
+    assert_greedy_equals_transformers(generator, varied, prompts)

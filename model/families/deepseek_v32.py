@@ -5,8 +5,9 @@ interleaved, YaRN; the biased sigmoid router in groups, shared experts, dense bl
 ``mlp_layer_types``, else the first ``first_k_dense_replace``) with DeepSeek sparse attention in
 every block: a lightning indexer (``index_n_heads`` heads of ``index_head_dim``) chooses each
 query's ``index_topk`` keys (``model.config.Indexer``, ``model.indexer``). GLM-5's indexer pairs
-its rotated dims interleaved (reordered at load time); its blocks that reuse an earlier block's
-choice (``indexer_types`` ``shared``) are refused. transformers 5 holds their experts stacked."""
+its rotated dims interleaved (reordered at load time); its ``shared`` blocks (``indexer_types``)
+have no indexer and reuse the last full block's choice (``Indexer.shared_layers``). transformers 5
+holds their experts stacked."""
 
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ def decoder_config(raw: dict) -> DecoderConfig:
     config = latent_decoder(f, moe, interleave=True, rope_in_float32=False)  # both always pair them so
     if not config.mla.q_lora_rank:
         raise f.refuse("q_lora_rank", f.raw.get("q_lora_rank"), "the indexer reads the low-rank query")
-    if glm and "shared" in indexer_types(f, layers):
-        raise f.refuse("indexer_types", indexer_types(f, layers), "a block reusing an earlier block's choice of "
-                       "keys (shared) is not implemented")
+    kinds = indexer_types(f, layers) if glm else ["full"] * layers
+    if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+        raise f.refuse("indexer_types", kinds, f"one of full or shared for each of the {layers} blocks, the first "
+                       "full (a shared block reuses the last full block's choice of keys)")
     indexer = Indexer(f.number("index_n_heads"), f.number("index_head_dim"), f.number("index_topk"),
-                      rope_interleave=glm)
+                      rope_interleave=glm, shared_layers=tuple(i for i, kind in enumerate(kinds) if kind == "shared"))
     if indexer.head_dim < config.mla.qk_rope_head_dim or min(indexer.num_heads, indexer.topk) < 1:
         raise f.refuse("index_head_dim", indexer.head_dim, f"the indexer rotates its first qk_rope_head_dim "
                        f"({config.mla.qk_rope_head_dim}) dims; heads and top-k must be positive")
