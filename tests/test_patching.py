@@ -13,7 +13,9 @@ from interventions.spec import parse_interventions
 from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_PRE
 
 
-@pytest.fixture(scope="module", params=["gpt2", "qwen2"])
+# GPT-2's cases run in make test's slow tier only: the quick tier keeps the Llama-style model's (GPT-2's
+# 56 s of CPU there, its attribution grids compiling once a site, took the tier to its 4-minute edge).
+@pytest.fixture(scope="module", params=[pytest.param("gpt2", marks=pytest.mark.slow), "qwen2"])
 def models(request, tmp_path_factory):
     """(ours, TransformerLens's) of one tiny random checkpoint."""
     import jax.numpy as jnp
