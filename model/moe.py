@@ -379,7 +379,8 @@ class MoEMLP(nn.Module):
         routed = (indices, weights) if force is None else forced(indices, weights, force)
         experts = Experts(c, self.dtype, name="experts")()
         latent = lambda width, name, y: dense(width, c.mlp_bias, name, self.dtype, accumulate)(y)
-        expert_in = x if moe.latent_size is None else latent(moe.latent_size, "latent_in", x)  # [B, S, H | latent]
+        # (the latent rounded to the compute dtype, as transformers' fc1_latent_proj returns it: matmul operands)
+        expert_in = x if moe.latent_size is None else latent(moe.latent_size, "latent_in", x).astype(self.dtype)
         out = experts_output(expert_in, *routed, experts, c, self.dispatch, self.mesh,
                              gated_unit(c, ACTIVATIONS[c.hidden_act]), precision, accumulate)
         if moe.latent_size is not None:

@@ -98,6 +98,8 @@ def test_the_defaults_and_what_the_readers_refuse():
     glm = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "num_hidden_layers": 4}
     assert config_from_dict(glm).mla.indexer == Indexer(32, 128, 2048, rope_interleave=True)
     assert config_from_dict({**glm, "index_topk_pattern": "FSSF"}).mla.indexer.shared_layers == (1, 2)
+    longer = ["full", "shared", "full", "full", "shared"]  # a config cut to 4 blocks: the first 4 read, as there
+    assert config_from_dict({**glm, "indexer_types": longer}).mla.indexer.shared_layers == (1,)
     spread = {**glm, "num_hidden_layers": 8, "index_topk_freq": 3}  # full at 0, 1, 4, 7 (offset 2)
     assert config_from_dict(spread).mla.indexer.shared_layers == (2, 3, 5, 6)
     with pytest.raises(UserError, match=r"indexer_types = .*shared.*the first full") as caught:
@@ -120,15 +122,17 @@ def test_shared_indexer_blocks_attend_to_the_last_full_blocks_keys_as_transforme
     assert config.mla.indexer.shared_layers == (1, 3, 4)
     sequences = random_sequences(LENGTHS, seed=3, vocab=config.vocab_size)
     assert_blocks_equal_transformers(shared, sequences)
-    extractor = Extractor.load(shared, layers=(2, 3), dtype="float32", max_seq_length=128, min_bucket=128,
+    extractor = Extractor.load(shared, layers=(0, 2, 3), dtype="float32", max_seq_length=128, min_bucket=128,
                                batch_size_per_device=4, devices=jax.devices()[:1], sites=[INDEXED_KEYS])
     ours = dict(extractor.extract(enumerate(sequences)))
-    places = [(INDEXED_KEYS, 2), (INDEXED_KEYS, 3)]
+    places = [(INDEXED_KEYS, 0), (INDEXED_KEYS, 2), (INDEXED_KEYS, 3)]
     theirs = reference_sites(load_reference(shared, "float64"), sequences, places)
+    chosen = lambda i, layer: ours[i][array_key(INDEXED_KEYS, layer)]
     for i in range(len(sequences)):
         for site, layer in places:
             np.testing.assert_array_equal(ours[i][array_key(site, layer)], theirs[i][site, layer])
-        np.testing.assert_array_equal(ours[i][array_key(INDEXED_KEYS, 3)], ours[i][array_key(INDEXED_KEYS, 2)])
+        np.testing.assert_array_equal(chosen(i, 3), chosen(i, 2))  # the last full block's, not the first's:
+        assert (chosen(i, 2) != chosen(i, 0)).any()
 
 
 def test_greedy_generation_reuses_the_last_full_blocks_keys_as_transformers_does(tmp_path):

@@ -43,7 +43,7 @@ def decoder_config(raw: dict) -> DecoderConfig:
     config = latent_decoder(f, moe, interleave=True, rope_in_float32=False)  # both always pair them so
     if not config.mla.q_lora_rank:
         raise f.refuse("q_lora_rank", f.raw.get("q_lora_rank"), "the indexer reads the low-rank query")
-    kinds = indexer_types(f, layers) if glm else ["full"] * layers
+    kinds = indexer_types(f, layers)[:layers] if glm else ["full"] * layers  # (transformers reads the first N)
     if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
         raise f.refuse("indexer_types", kinds, f"one of full or shared for each of the {layers} blocks, the first "
                        "full (a shared block reuses the last full block's choice of keys)")
