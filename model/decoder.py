@@ -847,14 +847,15 @@ class Decoder(nn.Module):
         for i in range(num_layers):
             block = None if ablation is None else block_arrays(ablation, i)
             source = c.kv_source(i)  # a kv-sharing block attends to an earlier block's keys and values
-            reused = chosen if indexer is not None and not indexer.owns(i) else None
-            if indexer is not None and not indexer.owns(i) and chosen is None:
+            reuses = indexer is not None and not indexer.owns(i)
+            if reuses and chosen is None:
                 raise ValueError(f"block {i} reuses an earlier block's choice of keys, but no block before it has "
                                  "an indexer")
             x, cache, picked = self.layers[i](x, *tables[rotations[i]], mask, positions,
                                               None if caches is None or source is not None else caches[i],
                                               cache_index, block, None if source is None else new_caches[source],
-                                              None if per_layer is None else per_layer[:, :, i], reused)
+                                              None if per_layer is None else per_layer[:, :, i],
+                                              chosen if reuses else None)
             chosen = chosen if picked is None else picked
             outputs.append(x)
             new_caches.append(cache)

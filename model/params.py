@@ -192,6 +192,9 @@ class Layout:
     shared_expert_at: str | None = None  # the shared expert's module below the block, not below <mlp> (Granite's)
     mamba: str = "mamba"                # a Mamba-2 block's mixer module (Nemotron-H's: mixer)
     deltanet: str = "linear_attn"       # a Gated DeltaNet block's mixer module (Kimi Linear's: self_attn)
+    indexed_keys: tuple[str, str] | None = None  # where transformers shows the keys a sparse attention attended
+                                        # to (module, side); None: its indexer's output (GLM-5's attention returns
+                                        # them, its own indexer's or reused)
     renamed: dict[str, str] | None = None  # a part of a tensor name as read -> as the checkpoint may have it
                                         # instead (transformers' conversion_mapping renames one into the other)
 
@@ -569,6 +572,8 @@ KIMI_LINEAR = dataclasses.replace(MIXTRAL, shared_expert="shared_experts", delta
 GEMMA4 = dataclasses.replace(LLAMA, router="router", router_logits="router.proj")
 GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_oss_moe)
 DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
+# GLM-5's MoE: the keys its sparse attention attended to are its attention module's third output.
+GLM5 = dataclasses.replace(DEEPSEEK, indexed_keys=("self_attn", "indexed keys 2"))
 MISTRAL4 = dataclasses.replace(DEEPSEEK, expert_tensors=_stacked_moe)
 # Llama 4's: the MLP and the mixture of experts are ``feed_forward``, whose router returns (its scores:
 # the chosen experts' sigmoids, zero elsewhere [T, E]; its logits [T, E]).
@@ -596,7 +601,7 @@ FALCON_H1 = Layout(TEXT_PREFIXES, "embed_tokens", "layers", "final_layernorm", _
                                                               "pre_mlp_norm": "pre_ff_layernorm"})
 LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL, "minimax_m2": MINIMAX_M2,  # else LLAMA
            "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID, "gemma4": GEMMA4, "gpt_oss": GPT_OSS,
-           "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": DEEPSEEK,
+           "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": GLM5,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
            "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H,
            "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR}
@@ -715,9 +720,7 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.ATTN_SCORES: (attn, "scores"),
         sites.ATTN_PATTERN: (attn, "pattern"),
         sites.ATTN_MODULE_OUT: module_out,
-        # transformers' GLM-5 attention returns the keys it attended to, its own indexer's or reused
-        sites.INDEXED_KEYS: ((attn, "indexed keys 2") if config.model_type == "glm_moe_dsa"
-                             else (f"{attn}.indexer", "indexed keys")),
+        sites.INDEXED_KEYS: layout.indexed_keys or (f"{attn}.indexer", "indexed keys"),
         # the gated norm's input: [B*S*Hv, Dv], every value head's row
         sites.DELTA_OUT: (f"{layout.deltanet}.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
         sites.MLP_PRE: (f"{mlp}.gate_proj" if config.gated_mlp else f"{mlp}.up_proj", "output"),
