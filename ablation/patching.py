@@ -41,7 +41,8 @@ from model.interventions import PATCH_SITES, add_head_patch, add_patch, delta_ke
     reserve_patch_slots
 from model.loading import LoadedModel
 from model.scoring import causal_mask
-from model.sites import ATTN_Z, RESID_POST, RESID_PRE, array_key, describe_key, hook_name, missing_reason
+from model.sites import (ATTN_Z, RESID_POST, RESID_PRE, array_key, describe_key, hook_name, missing_reason,
+                         site_width)
 
 ROWS_PER_FORWARD = 32  # cells patched in one batched forward
 
@@ -228,7 +229,7 @@ def checked_values(config: DecoderConfig, pair: Pair, values: Mapping[tuple[str,
                             f"prompt has {len(pair.clean)} tokens: values of another tokenization (pipeline.prepare's "
                             "and ablation.patching.pairs_from_rows' put the same BOS in front)")
         n, head = config.num_attention_heads, config.layer_config(layer).head_dim
-        widths = (n * head, n * config.max_head_dim) if site == ATTN_Z else (config.hidden_size,)
+        widths = (n * head, n * config.max_head_dim) if site == ATTN_Z else (site_width(site, config, layer),)
         if value.shape[1] not in widths:
             raise UserError(f"pair {pair.name!r}: the clean values at {name} are {value.shape[1]} wide, the block's "
                             f"are {widths[0]}: values of another model")

@@ -12,7 +12,9 @@ of 256, 16 input-scaled experts, k 1), deepseek_v32 (DeepSeek-V3.2 reduced as V3
 best keys), nemotron_h (NVIDIA-Nemotron-3-Nano-30B-A3B reduced: blocks of one sublayer, Mamba-2, attention
 on 1 of 10, 64 plain experts, k 6, a shared MLP), falcon_h1 (Falcon-H1-0.5B cut to 8 blocks: attention beside
 Mamba-2 in each), kimi_linear (Kimi-Linear-48B-A3B reduced: 6 Kimi Delta Attention blocks, 2 of latent
-attention, 64 experts, k 8, a shared expert), minimax_m2 or mistral4. ``--weights
+attention, 64 experts, k 8, a shared expert), glm5_next (GLM-5.3-Flash reduced: 4 hyper-connection streams, 6
+Kimi Delta Attention blocks, 2 of indexed latent attention choosing 16 pools of 16 keys, 64 experts, k 8), minimax_m2
+or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -76,7 +78,8 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "mistral4": "mistral4-reduced", "olmo_hybrid": "olmo-hybrid-7b-reduced",
                  "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
                  "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced",
-                 "falcon_h1": "falcon-h1-0.5b-reduced", "kimi_linear": "kimi-linear-48b-reduced"}
+                 "falcon_h1": "falcon-h1-0.5b-reduced", "kimi_linear": "kimi-linear-48b-reduced",
+                 "glm5_next": "glm-5.3-flash-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -225,7 +228,8 @@ def time_hf(model_dir: str, prompts: list[list[int]], batch_size: int, layers: t
     blocks = config.deltanet.layers if config.deltanet is not None else ()
     # Each DeltaNet block's mixer module (linear_attn; Kimi Linear's self_attn).
     names = {f"layers.{layer}.{layout_of(config).deltanet}" for layer in blocks}
-    mixers = [module for name, module in model.named_modules() if name.split("model.", 1)[-1] in names]
+    # (below model., or model.language_model. in a multimodal model: GLM-5-next's)
+    mixers = [module for name, module in model.named_modules() if any(name.endswith(f".{n}") for n in names)]
     clock = {"start": 0.0, "total": 0.0}
     for module in mixers:
         module.register_forward_pre_hook(lambda *_: clock.__setitem__("start", time.perf_counter()))

@@ -20,7 +20,7 @@ from common.roles import GENERATED, ROLE_CODES, WRITTEN_ROLES, missing_roles, ro
 from interventions.spec import Atom, Intervention, parse_interventions
 from model.config import DecoderConfig
 from model.interventions import Means, add_steering, kept_arrays, remove, remove_expert, route_to, steered_token_mask
-from model.sites import array_key, missing_reason
+from model.sites import array_key, missing_reason, site_width
 
 if TYPE_CHECKING:  # the model's forward (JAX) is not needed to name what it takes
     from model.extract import AblationSource
@@ -209,8 +209,8 @@ def steering_vector(atom: Atom, config: DecoderConfig) -> np.ndarray:
     if found is None:
         raise UserError(f"{atom.path!r} has no {' or '.join(names)} to steer {atom} with (it has "
                         f"{', '.join(sorted(arrays)) or 'nothing'})")
-    vector = arrays[found]
-    if vector.shape != (config.hidden_size,):
-        raise UserError(f"{atom.path!r}: {found} is {vector.shape[-1]} wide, the model's hidden size is "
-                        f"{config.hidden_size}")
+    vector, width = arrays[found], site_width(atom.site, config, atom.layer)
+    if vector.shape != (width,):
+        raise UserError(f"{atom.path!r}: {found} is {vector.shape[-1]} wide, the model's {atom.site} is {width} "
+                        f"wide{' (every hyper-connection stream)' if width != config.hidden_size else ''}")
     return vector.astype(np.float32)

@@ -108,7 +108,8 @@ class MoE:
                                         # as they are (Llama 4); off: the outputs are scaled by the weights
     expert_bias: bool = False           # the experts' projections have biases (gpt-oss)
     swiglu_limit: float | None = None   # the clamped SwiGLU: gate <= limit, |up| <= limit,
-    swiglu_alpha: float = 1.702         # (up + 1) * gate * sigmoid(alpha * gate) (gpt-oss)
+    swiglu_alpha: float | None = 1.702  # (up + 1) * gate * sigmoid(alpha * gate) (gpt-oss); None: act(gate) * up
+                                        # (GLM-5-next)
     shared_expert_gate: bool = True     # the shared expert's output scaled by its sigmoid gate (Qwen2-MoE);
                                         # off: added as it is (DeepSeek's shared_experts)
     # DeepSeek's routers (``model.moe.route_grouped``): the router's weights, input and logits in float32,
@@ -133,20 +134,35 @@ class Indexer:
     """DeepSeek sparse attention's lightning indexer (``LatentAttention.indexer``: DeepSeek-V3.2), as
     transformers' ``DeepseekV32Indexer`` computes it (``model.indexer``): ``num_heads`` index queries
     of ``head_dim`` from the normed low-rank query (``wq_b``), one index key per position from x
-    (``wk``, then a LayerNorm), the first ``qk_rope_head_dim`` dims of each rotated (rotate-half);
-    a key's score for a query is sum_h w_h relu(q_h . k / sqrt(head_dim)), w = weights_proj(x) /
-    sqrt(num_heads), and the query attends to its ``topk`` best earlier keys only (all of them
-    while it has no more)."""
+    (``wk``, then a LayerNorm), the first ``qk_rope_head_dim`` dims of each rotated (rotate-half;
+    none without RoPE); a key's score for a query is sum_h w_h relu(q_h . k / sqrt(head_dim)),
+    w = weights_proj(x) / sqrt(num_heads), and the query attends to its ``topk`` best earlier keys
+    only (all of them while it has no more). With ``pool`` > 1 (GLM-5-next's k-pool, as
+    ``Glm5NextTextIndexer``): keys are scored in pools of ``pool`` consecutive positions from
+    position 0, a pool's key their sum weighted by a softmax over its positions of per-position gate
+    scores (``index_kpool_compress_gate``) plus a per-slot bias (``index_kpool_compress_ape``); a
+    query may choose only pools it sees whole, keeps its ``topk // pool`` best, and with
+    ``pool_tail`` also the keys it sees past its last whole pool."""
     num_heads: int
     head_dim: int
     topk: int
     rope_interleave: bool = False  # its rotated dims pair as (0, 1), (2, 3), ... (GLM-5's): reordered at load time
     shared_layers: tuple[int, ...] = ()  # blocks without an indexer of their own: each attends to the keys the
                                          # last block before it with one chose (GLM-5's indexer_types shared)
+    pool: int = 1                  # keys scored and chosen in pools of this many consecutive positions (index_kpool;
+                                   # a divisor of topk); 1: one key at a time (DeepSeek-V3.2, GLM-5)
+    pool_tail: bool = False        # with pools: a query also attends to the up to pool - 1 keys it sees past its
+                                   # last whole pool (index_kpool_always_select_tail)
 
     def owns(self, layer: int) -> bool:
         """Whether block ``layer`` runs an indexer of its own (else it reuses an earlier block's choice)."""
         return layer not in self.shared_layers
+
+    @property
+    def width(self) -> int:
+        """The chosen keys' positions per query (``attn.hook_indexed_keys``' last dimension): the
+        ``topk // pool`` chosen pools' positions, then with ``pool_tail`` ``pool - 1`` tail slots."""
+        return self.topk + self.pool - 1 if self.pool_tail else self.topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +219,9 @@ class DeltaNet:
     output_gate: str = "silu"  # the gated output norm's gate: silu (Qwen3.5) or sigmoid (Kimi)
     norm_in_float32: bool = False  # the gated output norm's weight applied to the float32 normed output, not to
                                    # it rounded to the compute dtype (Kimi's "strict fp32" norm)
+    decay_lower_bound: float | None = None  # the decay bounded below: g = bound x sigmoid(exp(A_log) x (f + dt_bias))
+                                            # in place of -exp(A_log) softplus(f + dt_bias) (GLM-5-next's
+                                            # linear_lower_bound)
 
     @property
     def name(self) -> str:
@@ -271,6 +290,23 @@ class Multipliers:
 
 
 @dataclasses.dataclass(frozen=True)
+class HyperConnections:
+    """Manifold-constrained hyper-connections (``DecoderConfig.hyper``: GLM-5-next's; ``model.hyper``),
+    as transformers' ``DeepseekV4HyperConnection`` computes them: the residual is ``streams`` streams
+    per token ([B, S, N x H], stream-major), the embeddings copied into each. Before each sublayer a
+    projection of the RMS-normed (unweighted) streams gives per token a collapse ``pre`` [N]
+    (sigmoid), a write ``post`` [N] (2 sigmoid) and a mixing matrix ``comb`` [N, N] (a softmax made
+    doubly stochastic by ``sinkhorn_iters`` Sinkhorn steps); the sublayer reads sum_j pre_j x_j
+    and the streams become post_k out + sum_j comb_jk x_j. After the last block the streams are
+    averaged (``head`` mean) before the final norm."""
+    streams: int                 # hc_mult
+    sinkhorn_iters: int = 20     # hc_sinkhorn_iters
+    eps: float = 1e-6            # hc_eps: added to pre and comb, and to each Sinkhorn sum
+    norm_eps: float = 1e-6       # the unweighted RMSNorm of the flattened streams (the model's rms_norm_eps)
+    head: str = "mean"           # how the last block's streams become one before the final norm (GLM-5-next's)
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """A decoder: embedding, blocks of attention and an MLP, final norm, LM head.
 
@@ -327,6 +363,8 @@ class DecoderConfig:
                                          # (OLMo 2); off: x is rounded to the dtype first, then scaled (Llama)
     sandwich_norms: bool = False         # norms on the attention and MLP outputs too (Gemma 2, 3, OLMo 2)
     hidden_act: str = "silu"             # the MLP's activation: one of ACTIVATIONS
+    swiglu_limit: float | None = None    # the dense MLP's (and shared experts') gate <= limit and |up| <= limit
+                                         # before act(gate) * up (GLM-5-next's; its experts': MoE.swiglu_limit)
     moe: MoE | None = None               # a mixture of experts in place of the MLP (of every block but
                                          # moe.dense_layers); None: a dense model
     clip_qkv: float | None = None        # q, k and v clamped to [-c, c] after their projections (and q/k
@@ -358,6 +396,7 @@ class DecoderConfig:
                                          # share is dropped (gpt-oss's sinks)
     mla: LatentAttention | None = None   # multi-head latent attention in place of q/k/v projections; head_dim
                                          # is then the values' (v_head_dim), rotary_dim the rotated key part's
+    hyper: HyperConnections | None = None  # the residual as several streams mixed around each sublayer (GLM-5-next)
     weight_block_size: tuple[int, int] | None = None  # block-FP8 checkpoints: the [rows, columns] of weight each
                                          # weight_scale_inv entry scales (``model.fp8``)
 
@@ -420,6 +459,11 @@ class DecoderConfig:
     def has_mlp(self, layer: int) -> bool:
         """Whether block ``layer`` has an MLP (or a mixture of experts): all but MIXER_ONLY blocks."""
         return not self.sublayers or self.sublayers[layer] != MIXER_ONLY
+
+    @property
+    def residual_width(self) -> int:
+        """The residual stream's width per token: hidden_size, times the streams of hyper-connections."""
+        return self.hidden_size * (self.hyper.streams if self.hyper else 1)
 
     @property
     def has_resid_mid(self) -> bool:

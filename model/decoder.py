@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from model import deltanet, mamba2
+from model import deltanet, hyper, mamba2
 from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
 from model.config import DecoderConfig, QueryTemperature
 from model.indexer import LightningIndexer
@@ -67,9 +67,9 @@ from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key
 from model.layers import (ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_for, precision_for, rms_normalized,
                           scaled)
 from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
-                         ATTN_V, ATTN_Z, DELTA_OUT, INDEXED_KEYS, K_NORM_OUT, LN1_NORMALIZED, LN2_NORMALIZED, MLP_IN,
-                         MLP_MODULE_OUT, MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE, ROT_K, ROT_Q,
-                         SSM_MODULE_OUT, SSM_OUT, EMBED, FINAL_NORMALIZED)
+                         ATTN_V, ATTN_Z, DELTA_OUT, HC_ATTN, HC_MLP, INDEXED_KEYS, K_NORM_OUT, LN1_NORMALIZED,
+                         LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT, MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE,
+                         ROT_K, ROT_Q, SSM_MODULE_OUT, SSM_OUT, EMBED, FINAL_NORMALIZED)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -368,11 +368,14 @@ class GatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         if d.beta_scale != 1.0:  # (transformers multiplies in the compute dtype: exact for 2)
             beta = beta * d.beta_scale
-        g = jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        g = a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+        rate = jnp.exp(a_log.astype(jnp.float32))
         if d.channel_decay:  # [B, S, Hv, Dk]: each head's rate over its channels
-            g = -jnp.exp(a_log.astype(jnp.float32))[:, None] * g.reshape(b, s, d.num_value_heads, d.key_head_dim)
+            g, rate = g.reshape(b, s, d.num_value_heads, d.key_head_dim), rate[:, None]
+        if d.decay_lower_bound is not None:  # GLM-5-next's: within (bound, 0)
+            g = d.decay_lower_bound * jax.nn.sigmoid(rate * g)
         else:
-            g = -jnp.exp(a_log.astype(jnp.float32)) * g                                 # [B, S, Hv]
+            g = -rate * jax.nn.softplus(g)                                              # [B, S, Hv(, Dk)]
         if stepping:
             out, state = deltanet.recurrent(q, k, v, g, beta, cache[1])                # [B, 1, Hv, Dv] float32
         else:
@@ -600,20 +603,22 @@ class DecoderLayer(nn.Module):
         block_in = x
         new_cache, added, picked = None, None, None
         if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
-            added, new_cache, picked = self.mixer_addition(x, cos, sin, mask, positions, cache, cache_index, kv_from,
-                                                           a, norm, steered_at, index_from)
+            read, mixing = self.collapsed(x, "attn_hc", HC_ATTN, steered_at) if c.hyper else (x, None)
+            added, new_cache, picked = self.mixer_addition(read, cos, sin, mask, positions, cache, cache_index,
+                                                           kv_from, a, norm, steered_at, index_from)
             if not c.parallel_residual:  # the MLP reads the stream after the mixer's addition
-                x = x + added
+                x = x + added if mixing is None else hyper.written(x, added, *mixing)
                 if self.has_mlp:
                     x = steered_at(x, RESID_MID)
                     self.sow("sites", RESID_MID, x)
         if self.has_mlp:
-            mlp_in = x
+            read, mixing = self.collapsed(x, "ffn_hc", HC_MLP, steered_at) if c.hyper else (x, None)
+            mlp_in = read
             if c.pre_norms:
-                mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(x, norm)
+                mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(read, norm)
             self.sow("sites", MLP_IN, mlp_in)
             if self.sparse and c.moe.beside_dense:
-                mlp_out = self.dense_and_experts(x, mlp_in, a, norm)
+                mlp_out = self.dense_and_experts(read, mlp_in, a, norm)
             elif self.sparse:
                 moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
                 # The grouped dispatch computes tiles of rows already: whole batches (model.moe).
@@ -633,7 +638,10 @@ class DecoderLayer(nn.Module):
             self.sow("stats", "mlp_output", mlp_out)
             self.sow("sites", MLP_OUT, mlp_out)
             # Added in transformers' order: (mlp + attn) + x for a parallel block.
-            x = mlp_out + added + x if c.parallel_residual else x + mlp_out
+            if mixing is not None:
+                x = hyper.written(x, mlp_out, *mixing)
+            else:
+                x = mlp_out + added + x if c.parallel_residual else x + mlp_out
         if per_layer_input is not None:
             x = x + self.per_layer_addition(x, per_layer_input, norm)
         if c.layer_scalar:  # the whole output scaled (Gemma 4)
@@ -645,6 +653,17 @@ class DecoderLayer(nn.Module):
                                                                    jnp.zeros_like(x)))
         return steered_at(x, RESID_POST), new_cache, picked
 
+
+    def collapsed(self, x: jax.Array, name: str, sites: tuple[str, str, str], steered_at
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """What a sublayer reads from the hyper-connection streams x [B, S, N*H]: their collapse
+        [B, S, H] (steered and patched as its site), and (post, comb) to write its output back with
+        (``model.hyper``); sows ``sites`` (collapse, write, mix)."""
+        read, post, comb = hyper.HyperConnection(self.config, self.dtype, name=name)(x)
+        read = steered_at(read, sites[0])
+        for site, value in zip(sites, (read, post, comb.reshape(*comb.shape[:2], -1))):
+            self.sow("sites", site, value)
+        return read, (post, comb)
 
     def mixer_addition(self, x, cos, sin, mask, positions, cache, cache_index, kv_from, ablation: dict, norm,
                        steered_at, index_from=None):
@@ -833,6 +852,9 @@ class Decoder(nn.Module):
         """
         c = self.config
         x = self.embed(input_ids, positions)
+        if c.hyper:  # the embeddings (hook_embed) copied into every stream
+            self.sow("sites", EMBED, x)
+            x = hyper.expanded(x, c.hyper.streams)
         self.sow("sites", "embeddings", x)  # block 0's input
         rotations = [(c.rope_of(i), c.layer_config(i).rope_dim) for i in range(num_layers)]
         tables = {(rope, dim): rope_cos_sin(positions, dim, rope) if rope is not None else (None, None)
@@ -862,12 +884,13 @@ class Decoder(nn.Module):
         return outputs, new_caches
 
     def logits(self, x):
-        """Next-token logits [..., V] from the last block's output [..., H]."""
-        return self.unembed(self.norm(x))
+        """Next-token logits [..., V] from the last block's output [..., H] (hyper-connections' [..., N*H])."""
+        return self.unembed(self.final_norm(x))
 
     def final_norm(self, x):
-        """The last block's output [..., H] through the final norm."""
-        return self.norm(x)
+        """The last block's output [..., H] through the final norm (hyper-connections' streams [..., N*H]
+        first collapsed into one: ``model.hyper.collapsed_head``)."""
+        return self.norm(x if self.config.hyper is None else hyper.collapsed_head(x, self.config))
 
     def unembed(self, h):
         """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), divided by

@@ -165,11 +165,13 @@ class Generator:
             if c.kv_source(layer) is not None or not c.has_mixer(layer):  # (an MLP-only block: Nemotron-H's)
                 out.append(None)
             elif c.mla is not None:  # the normed latent and the rotated key part (model.decoder.LatentAttention)
-                # and DeepSeek sparse attention's index keys (none where a block reuses an earlier one's choice)
+                # and DeepSeek sparse attention's index keys (none where a block reuses an earlier one's choice),
+                # with pools each position's gate scores after its key (Di: 2 index head_dim; model.indexer)
                 index = c.mla.indexer if c.mla.indexer and c.mla.indexer.owns(layer) else None
+                index_width = 0 if index is None else index.head_dim * (2 if index.pool > 1 else 1)
                 out.append((zeros((rows, self.cache_length, 1, c.mla.kv_lora_rank)),             # [B, T, 1, R]
                             zeros((rows, self.cache_length, 1, c.mla.qk_rope_head_dim)),         # [B, T, 1, Dr]
-                            *([zeros((rows, self.cache_length, 1, index.head_dim))] if index else [])))  # [B, T, 1, Di]
+                            *([zeros((rows, self.cache_length, 1, index_width))] if index else [])))  # [B, T, 1, Di]
             elif c.is_mamba(layer):  # the convolution's last inputs, the state (model.decoder.Mamba2Mixer)
                 out.append(mamba_cache())
             elif c.is_deltanet(layer):

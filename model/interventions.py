@@ -25,7 +25,8 @@ import numpy as np
 from common.cli import UserError
 from common.files import read_optional, write_bytes
 from model.config import DecoderConfig
-from model.sites import ATTN_OUT, ATTN_Z, MLP_OUT, RESID_MID, RESID_POST, RESID_PRE, SSM_OUT
+from model.sites import (ATTN_OUT, ATTN_Z, HC_ATTN_COLLAPSE, HC_MLP_COLLAPSE, MLP_OUT, RESID_MID, RESID_POST,
+                         RESID_PRE, RESIDUAL, SSM_OUT)
 
 # What a block's arrays can remove or replace: one attention head's output (its slice of the
 # o_proj input), the attention output, the MLP output, the block's contribution (the residual
@@ -35,9 +36,11 @@ COMPONENTS = ("head", "attn", "mlp", "block", "norm")
 # tokens its steerings add to; absent, every token.
 STEER_TOKENS = "steer_tokens"
 # Where a steering may add its direction, in block order: the block's input, attention's addition,
-# the stream between, the MLP's addition, the block's output. Each is [hidden] wide and flows on
-# through the stream.
-STEER_SITES = (RESID_PRE, ATTN_OUT, SSM_OUT, RESID_MID, MLP_OUT, RESID_POST)  # (SSM_OUT: Falcon-H1's alone)
+# the stream between, the MLP's addition, the block's output, and with hyper-connections what each
+# sublayer reads of the streams. Each is its site's width (model.sites.site_width: the residual's
+# every stream with hyper-connections, else hidden) and flows on through the stream.
+STEER_SITES = (RESID_PRE, HC_ATTN_COLLAPSE, ATTN_OUT, SSM_OUT, RESID_MID, HC_MLP_COLLAPSE, MLP_OUT, RESID_POST)
+# (SSM_OUT: Falcon-H1's alone; the collapses: GLM-5-next's)
 # Where a patch may put a clean run's value: the stream sites, and the attention heads' outputs per head.
 PATCH_SITES = (*STEER_SITES, ATTN_Z)
 # The names of a patch's arrays at a site (``patch_key``): its values, what they replace, each slot's block.
@@ -79,7 +82,7 @@ class Means:
         """``UserError`` unless these are means of this model's shape."""
         c = config
         expected = {"head": (c.num_attention_heads, c.max_head_dim), "attn": (c.hidden_size,),
-                    "mlp": (c.hidden_size,), "block": (c.hidden_size,)}
+                    "mlp": (c.hidden_size,), "block": (c.residual_width,)}
         for name, shape in expected.items():
             array = getattr(self, name)
             if array.shape[1:] != shape or array.shape[0] < num_layers:
@@ -103,7 +106,8 @@ def kept_arrays(config: DecoderConfig, num_layers: int, means: Means | None = No
         arrays.update({f"{kind}_mean": getattr(means, kind)[:num_layers] for kind in ("head", "attn", "mlp", "block")})
     else:
         arrays["head_mean"] = np.zeros((num_layers, n, d), np.float32)    # [L, N, D]
-        arrays.update({f"{kind}_mean": np.zeros((num_layers, h), np.float32) for kind in ("attn", "mlp", "block")})
+        arrays.update({f"{kind}_mean": np.zeros((num_layers, h), np.float32) for kind in ("attn", "mlp")})
+        arrays["block_mean"] = np.zeros((num_layers, config.residual_width), np.float32)  # every stream's
     return arrays
 
 
@@ -204,8 +208,9 @@ def reserve_patch_slots(arrays: dict[str, np.ndarray], site: str, slots: int, ro
     heads = arrays["head_keep"].shape[1]
     if site == ATTN_Z:  # every head padded to the widest (kept_arrays' means are)
         width, where = heads * arrays["head_mean"].shape[-1], (slots, rows, length, heads)
-    else:
-        width, where = arrays["attn_mean"].shape[-1], (slots, rows, length)
+    else:  # a residual site every stream wide (hyper-connections' streams: the block means' width)
+        width = arrays["block_mean" if site in RESIDUAL else "attn_mean"].shape[-1]
+        where = (slots, rows, length)
     arrays[key] = np.zeros((slots, rows, length, width), np.float32)  # [K, B, S, W]
     arrays[where_key] = np.zeros(where, bool)                           # [K, B, S(, N)]
     arrays[layers_key] = np.full((slots, rows), -1, np.int32)           # [K, B]: each slot's block, -1 none

@@ -156,8 +156,11 @@ class MLP(nn.Module):
         f = self.intermediate_size or c.intermediate_size
         if c.gated_mlp:  # (Falcon-H1's multiplier on the gate, after its site)
             gate, up = project(f, "gate_proj")(x), project(f, "up_proj")(x)  # [B, S, F] each
+            sites = {MLP_PRE: gate, MLP_PRE_LINEAR: up}
+            if c.swiglu_limit is not None:  # GLM-5-next's clamps (its sites are the projections' outputs)
+                gate, up = jnp.minimum(gate, c.swiglu_limit), jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
             hidden = act(scaled(gate, c.multipliers.mlp_gate)) * up  # [B, S, F]
-            sites = {MLP_PRE: gate, MLP_PRE_LINEAR: up, MLP_POST: hidden}
+            sites[MLP_POST] = hidden
         else:  # GPT-2's c_fc, GPT-NeoX's dense_h_to_4h: our up_proj
             pre = project(f, "up_proj")(x)  # [B, S, F]
             hidden = act(pre)

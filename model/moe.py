@@ -145,8 +145,8 @@ class HiddenUnit(NamedTuple):
 
 def gated_unit(config: DecoderConfig, act) -> HiddenUnit:
     """The experts' hidden activation (``DecoderConfig.gated_mlp``, as the dense MLP's): act(gate) *
-    up, or gpt-oss's clamped SwiGLU (gate at most the limit, up within it; (up + 1) * gate *
-    sigmoid(alpha * gate)); act(up) for plain experts."""
+    up, or a clamped SwiGLU (gate at most the limit, up within it; then gpt-oss's (up + 1) * gate *
+    sigmoid(alpha * gate), or act(gate) * up without alpha); act(up) for plain experts."""
     moe = config.moe
     if not config.gated_mlp:
         return HiddenUnit(1, act)
@@ -156,6 +156,8 @@ def gated_unit(config: DecoderConfig, act) -> HiddenUnit:
 
     def clamped(gate, up):
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        if alpha is None:  # GLM-5-next's: the plain gated unit of the clamped inputs
+            return act(gate) * up
         return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
     return HiddenUnit(2, clamped)
 

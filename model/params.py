@@ -270,6 +270,9 @@ def _latent_attention(config: DecoderConfig, hf: str, layer: int):
         yield from _linear(f"{attn}.indexer.weights_proj", ("self_attn", "indexer", "weights_proj"), False)
         for leaf in ("weight", "bias"):
             yield ("self_attn", "indexer", "k_norm", leaf), Source(f"{attn}.indexer.k_norm.{leaf}", part=head)
+        if ix.pool > 1:  # GLM-5-next's k-pool: the gate (a bare [D, H] weight, read as a kernel) and per-slot bias
+            for leaf, transpose in (("index_kpool_compress_gate", True), ("index_kpool_compress_ape", False)):
+                yield ("self_attn", "indexer", leaf), Source(f"{attn}.indexer.{leaf}", transpose)
 
 
 def _gemma4_moe(config: DecoderConfig, hf: str):
@@ -296,6 +299,8 @@ def _stacked_moe(config: DecoderConfig, hf: str):
     for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
         yield ("mlp", "experts", proj), Source(f"{hf}.mlp.experts.gate_up_proj", True, part, stacked=True)
     yield ("mlp", "experts", "down_proj"), Source(f"{hf}.mlp.experts.down_proj", True, stacked=True)
+    if config.moe.selection_bias:  # (GLM-5-next's)
+        yield ("mlp", "selection_bias"), Source(f"{hf}.mlp.{layout_of(config).selection_bias}")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         yield from _linear(f"{hf}.mlp.shared_experts.{proj}", ("mlp", "shared_expert", proj), False)
 
@@ -362,6 +367,11 @@ def _granite_moe(config: DecoderConfig, hf: str):
     yield from _linear(f"{hf}.shared_mlp.output_linear", ("mlp", "shared_expert", "down_proj"), False)
 
 
+# Our hyper-connection modules (model.decoder.DecoderLayer.collapsed, named as transformers' modules) -> the
+# prefix of their tensors in the hub's checkpoints (``hc_attn_fn``; transformers renames it ``attn_hc.fn``).
+HYPER_MODULES = {"attn_hc": "hc_attn", "ffn_hc": "hc_ffn"}
+
+
 def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
     """Llama's names (and Qwen, Mistral, Gemma, OLMo 2's, and the mixtures of experts'); ``fused``:
     Phi-3's qkv_proj and gate_up_proj, split at load time."""
@@ -415,6 +425,10 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield from _norm(f"{hf}.post_per_layer_input_norm", ("post_per_layer_input_norm",), c)
     if c.layer_scalar:
         yield ("layer_scalar",), Source(f"{hf}.layer_scalar")
+    if c.hyper is not None:  # each sublayer's hyper-connection (model.hyper)
+        for ours, theirs in HYPER_MODULES.items():
+            for leaf in ("fn", "base", "scale"):
+                yield (ours, leaf), Source(f"{hf}.{theirs}_{leaf}")
 
 
 def _nemotron_h_block(config: DecoderConfig, hf: str, layer: int):
@@ -574,6 +588,11 @@ GPT_OSS = dataclasses.replace(LLAMA, router="mlp.router", expert_tensors=_gpt_os
 DEEPSEEK = dataclasses.replace(LLAMA, shared_expert="shared_experts")  # DeepSeek-V2/V3, GLM-4.5+
 # GLM-5's MoE: the keys its sparse attention attended to are its attention module's third output.
 GLM5 = dataclasses.replace(DEEPSEEK, indexed_keys=("self_attn", "indexed keys 2"))
+# GLM-5-next's: Kimi Delta Attention under Kimi's names (as on the hub: transformers moves the decay's tensors
+# into forget_gate and renames the hyper-connections' hc_attn_fn to attn_hc.fn), DeepSeek's experts one by one.
+GLM5_NEXT = dataclasses.replace(DEEPSEEK, deltanet="self_attn", deltanet_names=KIMI_LINEAR.deltanet_names, renamed={
+    **{f"self_attn.{name}": f"self_attn.forget_gate.{name}" for name in ("f_a_proj", "f_b_proj", "dt_bias", "A_log")},
+    **{f"{hub}_{leaf}": f"{ours}.{leaf}" for ours, hub in HYPER_MODULES.items() for leaf in ("fn", "base", "scale")}})
 MISTRAL4 = dataclasses.replace(DEEPSEEK, expert_tensors=_stacked_moe)
 # Llama 4's: the MLP and the mixture of experts are ``feed_forward``, whose router returns (its scores:
 # the chosen experts' sigmoids, zero elsewhere [T, E]; its logits [T, E]).
@@ -604,7 +623,7 @@ LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": GLM5,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
            "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H,
-           "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR}
+           "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR, "glm5_next": GLM5_NEXT}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -646,6 +665,11 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         return "", "mlp addition" if site == sites.MLP_OUT else "mlp addition unscaled"
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
+    if site in sites.HYPER_SITES:  # transformers' hyper-connection returns (post, comb, collapse)
+        theirs = sites.HC_ATTN if site in sites.HC_ATTN else sites.HC_MLP
+        return "attn_hc" if theirs == sites.HC_ATTN else "ffn_hc", f"output {(2, 0, 1)[theirs.index(site)]}"
+    if site == sites.RESID_MID and config.hyper is not None:  # the streams the MLP's hyper-connection reads
+        return "ffn_hc", "input"
     if site == sites.ATTN_OUT and layer is not None and config.is_recurrent(layer) and not post:
         return mixer_module(config, layer), _times(config.residual_multiplier)
     multipliers = config.multipliers  # Falcon-H1's, on what each mixer adds
@@ -814,6 +838,8 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
             return (m.q_lora_rank if module == "q_a_layernorm" else m.kv_lora_rank,)
         if "indexer" in path and m.indexer is not None:  # DeepSeek sparse attention's
             ix = m.indexer
+            if leaf.startswith("index_kpool"):  # GLM-5-next's k-pool: the gate as a kernel, the per-slot bias
+                return (h, ix.head_dim) if leaf == "index_kpool_compress_gate" else (ix.pool, ix.head_dim)
             return {"wq_b": (m.q_lora_rank or 0, ix.num_heads * ix.head_dim), "wk": (h, ix.head_dim),
                     "weights_proj": (h, ix.num_heads)}.get(module, (ix.head_dim,))
     if path[0] == "per_layer_inputs" or module.startswith("per_layer"):  # Gemma 4's per-layer embeddings
@@ -823,6 +849,9 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                 (h, c.per_layer_input_size), "per_layer_projection": (c.per_layer_input_size, h)}[module]
     if leaf == "layer_scalar":
         return (1,)
+    if module in HYPER_MODULES and c.hyper is not None:  # [(2 + N) N, N H] transformers' [out, in]; its bias; 3 scales
+        n = c.hyper.streams
+        return {"fn": ((2 + n) * n, n * h), "base": ((2 + n) * n,)}.get(leaf, (3,))
     if leaf in ("per_expert_scale", "selection_bias"):
         return (c.moe.num_experts,)
     if leaf == "sinks":
@@ -906,7 +935,9 @@ def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any
         path[-2:] == ("router", "kernel") or path[-1] == "selection_bias")
     # Kimi Delta Attention's per-channel dt_bias: transformers keeps it in float32 too.
     kimi = config.deltanet is not None and config.deltanet.channel_decay and path[-1] == "dt_bias"
-    return jnp.dtype(jnp.float32) if router or kimi else dtype
+    # A hyper-connection's bias and scales (float32 in transformers; its projection fn is the model's dtype).
+    hyper = len(path) > 1 and path[-2] in HYPER_MODULES and path[-1] in ("base", "scale")
+    return jnp.dtype(jnp.float32) if router or kimi or hyper else dtype
 
 
 def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype: Any,

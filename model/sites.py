@@ -44,6 +44,12 @@ ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
 DELTA_OUT = "attn.hook_delta_out"  # a Gated DeltaNet mixer's delta-rule output (model.decoder.GatedDeltaNet)
 INDEXED_KEYS = "attn.hook_indexed_keys"  # the keys DeepSeek sparse attention's indexer chose (model.indexer)
 SSM_MODULE_OUT, SSM_OUT = "ssm.hook_out", "hook_ssm_out"  # a Mamba-2 mixer beside attention (Falcon-H1's)
+# Hyper-connections' collapse, write weights and mixing matrix around each sublayer (model.hyper: GLM-5-next's).
+HC_ATTN_COLLAPSE, HC_ATTN_WRITE, HC_ATTN_MIX = "hc_attn.hook_collapse", "hc_attn.hook_write", "hc_attn.hook_mix"
+HC_MLP_COLLAPSE, HC_MLP_WRITE, HC_MLP_MIX = "hc_mlp.hook_collapse", "hc_mlp.hook_write", "hc_mlp.hook_mix"
+HC_ATTN, HC_MLP = (HC_ATTN_COLLAPSE, HC_ATTN_WRITE, HC_ATTN_MIX), (HC_MLP_COLLAPSE, HC_MLP_WRITE, HC_MLP_MIX)
+HYPER_SITES = (*HC_ATTN, *HC_MLP)
+RESIDUAL = (RESID_PRE, RESID_MID, RESID_POST)  # N streams wide with hyper-connections
 MLP_PRE, MLP_PRE_LINEAR, MLP_MODULE_OUT = "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_out"
 # Sites of the whole model, stored once per token (not per block): keyed by their name alone.
 EMBED, FINAL_NORMALIZED, FINAL_NORM = "hook_embed", "ln_final.hook_normalized", "ln_final.hook_out"
@@ -64,9 +70,10 @@ INSIDE = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, DELTA_OUT, INDEXED_KEYS, ATTN_MO
           *MLP_HIDDEN, MLP_MODULE_OUT)
 # A block's sites by its sublayer: none of the one a block of a single sublayer lacks (Nemotron-H's).
 PARALLEL_SSM = (SSM_MODULE_OUT, SSM_OUT)
-MIXER_SITES = (LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_Z, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT, ATTN_OUT,
+MIXER_SITES = (*HC_ATTN, LN1_NORMALIZED, ATTN_IN, *HEAD_SITES, ATTN_Z, DELTA_OUT, INDEXED_KEYS, ATTN_MODULE_OUT,
+               ATTN_OUT,
                *PARALLEL_SSM)
-MLP_SITES = (LN2_NORMALIZED, MLP_IN, *MLP_HIDDEN, MLP_POST, *ROUTING, *SHARED_EXPERT, MLP_MODULE_OUT, MLP_OUT)
+MLP_SITES = (*HC_MLP, LN2_NORMALIZED, MLP_IN, *MLP_HIDDEN, MLP_POST, *ROUTING, *SHARED_EXPERT, MLP_MODULE_OUT, MLP_OUT)
 # The families whose configs have each switch (for the refusal naming them).
 QK_NORM_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next, Gemma 3, Gemma 4, OLMo 2, OLMo 3, OLMoE, GLM-4.5, MiniMax-M2"
 GATE_FAMILIES = "Qwen3.5, Qwen3-Next"
@@ -77,11 +84,13 @@ DELTANET_FAMILIES = "Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid, Kimi Linear"
 @dataclasses.dataclass(frozen=True)
 class Site:
     name: str
-    width: str        # hidden (hidden_size) | heads (num_attention_heads x head_dim) | kv_heads
+    width: str        # hidden (hidden_size) | resid (hidden_size x hyper-connection streams) | heads
+                      # (num_attention_heads x head_dim) | kv_heads
                       # (num_key_value_heads x head_dim) | scores (num_attention_heads x the sample's
                       # tokens) | intermediate | experts (num_experts) | top_k (experts per token) | one |
                       # vocab (vocab_size) | logits_top_k (--logits_top_k) | delta_values (a Gated
-                      # DeltaNet's value heads x value_head_dim) | index_topk (an indexer's keys a query)
+                      # DeltaNet's value heads x value_head_dim) | index_topk (an indexer's keys a query) |
+                      # streams (hyper-connection streams) | stream_pairs (streams x streams)
     meaning: str
     integer: bool = False  # stored as int32 whatever the activation dtype (expert ids)
     scope: str = "block"   # block: stored at each layer asked for | model: once per token, keyed by its name
@@ -93,8 +102,15 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(EMBED, "hidden", "the token embeddings, as the embedding module returns them (scaled by sqrt(hidden) "
                           "in Gemma; GPT-2's learned positions not added): hook_resid_pre of block 0 but for "
                           "those positions", scope="model"),
-    Site(RESID_PRE, "hidden", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
-                              "plus the learned positions in GPT-2)"),
+    Site(RESID_PRE, "resid", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
+                             "plus the learned positions in GPT-2; copied into each stream with hyper-connections)"),
+    Site(HC_ATTN_COLLAPSE, "hidden", "with hyper-connections (GLM-5-next), what attention's norm reads: the block's "
+                                     "input streams collapsed, sum_j pre_j x_j"),
+    Site(HC_ATTN_WRITE, "streams", "with hyper-connections, the weight post_k with which attention's output is "
+                                   "written into stream k (2 sigmoid, float32)"),
+    Site(HC_ATTN_MIX, "stream_pairs", "with hyper-connections, the matrix comb [j, k] (row-major) mixing input "
+                                      "stream j into stream k around attention: Sinkhorn-normalised, its columns "
+                                      "summing to 1 (float32)"),
     Site(LN1_NORMALIZED, "hidden", "attention's input after its norm, before the norm's gain (and bias): x / rms(x), "
                                    "or (x - mean) / std for a LayerNorm, in float32 (none where attention's input "
                                    "has no norm: OLMo 2)"),
@@ -139,8 +155,15 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                    "(Falcon-H1's), before its output multiplier"),
     Site(SSM_OUT, "hidden", "what that Mamba-2 mixer adds to the stream (times ssm_out_multiplier); the block's "
                             "mixers add hook_attn_out + hook_ssm_out"),
-    Site(RESID_MID, "hidden", "resid_pre + attn_out (+ ssm_out in Falcon-H1): the MLP's input before its norm "
-                              "(none in a parallel block: GPT-NeoX's MLP reads resid_pre)"),
+    Site(RESID_MID, "resid", "resid_pre + attn_out (+ ssm_out in Falcon-H1): the MLP's input before its norm "
+                             "(none in a parallel block: GPT-NeoX's MLP reads resid_pre); with hyper-connections "
+                             "every stream after attention's write and mix"),
+    Site(HC_MLP_COLLAPSE, "hidden", "with hyper-connections, what the MLP's norm reads: hook_resid_mid's streams "
+                                    "collapsed"),
+    Site(HC_MLP_WRITE, "streams", "with hyper-connections, the weight with which the MLP's output is written into "
+                                  "each stream (float32)"),
+    Site(HC_MLP_MIX, "stream_pairs", "with hyper-connections, the matrix mixing the streams around the MLP "
+                                     "(float32)"),
     Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain (and bias): x / rms(x), "
                                    "or (x - mean) / std for a LayerNorm (none where the MLP's input has no norm: "
                                    "OLMo 2)"),
@@ -167,7 +190,9 @@ SITES: dict[str, Site] = {s.name: s for s in (
                                    "the block has none"),
     Site(MLP_OUT, "hidden", "what the MLP adds to the stream (after the post-feedforward norm where the "
                             "block has one: Gemma 2, 3, OLMo 2)"),
-    Site(RESID_POST, "hidden", "block L's output, before the final norm (this project's layer L)"),
+    Site(RESID_POST, "resid", "block L's output, before the final norm (this project's layer L); with "
+                              "hyper-connections every stream, [streams x hidden] stream-major as transformers' "
+                              "[B, S, N, H] (the final norm reads their mean)"),
     Site(FINAL_NORMALIZED, "hidden", "the last block's output after the final norm, before its gain: x / rms(x), "
                                      "or (x - mean) / std, in float32", scope="model"),
     Site(FINAL_NORM, "hidden", "the final norm's output: what the unembedding reads (the logit lens's input)",
@@ -203,6 +228,10 @@ INTERP_ENGINE_POINTS = {
     "mlp_act": MLP_POST, "router_logits": ROUTER_LOGITS, "expert_weights": ROUTING_WEIGHTS,
     "expert_indices": EXPERT_INDICES, "mlp_out": MLP_MODULE_OUT, "mlp_out_post": MLP_OUT, "resid_post": RESID_POST,
     "embeddings": EMBED, "final_norm": FINAL_NORM, "lm_head": LOGITS,
+    # a hyper-connection trunk's (interp-engine's conditional points)
+    "resid_streams": RESID_POST, "attn_stream_collapse": HC_ATTN_COLLAPSE, "attn_stream_write": HC_ATTN_WRITE,
+    "attn_stream_mix": HC_ATTN_MIX, "mlp_stream_collapse": HC_MLP_COLLAPSE, "mlp_stream_write": HC_MLP_WRITE,
+    "mlp_stream_mix": HC_MLP_MIX,
 }
 
 
@@ -247,6 +276,9 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     or None when it has it."""
     if config.sublayers and (reason := _sublayer_reason(site, config, layer)):
         return reason
+    if site in HYPER_SITES and config.hyper is None:
+        return (f"{config.model_type} has one residual stream: no hyper-connections (GLM-5-next's) collapse or mix "
+                "streams")
     if site in ROUTING + SHARED_EXPERT and config.moe is None:
         return f"{config.model_type} is a dense model: it has no router"
     if site in SHARED_EXPERT and not config.moe.shared_expert_size:
@@ -273,6 +305,9 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
                 "mixer output is attn.hook_out)")
     if site == INDEXED_KEYS and (config.mla is None or config.mla.indexer is None):
         return f"{config.model_type} has no sparse attention indexer (DeepSeek-V3.2's)"
+    if site == INDEXED_KEYS and layer is not None and layer >= 0 and config.is_recurrent(layer):
+        return (f"block {layer} mixes with {config.mixer_name(layer)}: no indexer chooses its keys; its attention "
+                f"blocks are {_spans(config.attention_layers)}")
     if site == DELTA_OUT and (config.deltanet is None or layer is not None and not config.is_deltanet(layer)):
         if config.deltanet is None:
             return f"{config.model_type} has no Gated DeltaNet blocks (the families with them: {DELTANET_FAMILIES})"
@@ -457,7 +492,11 @@ def site_width(site: str, config, layer: int | None = None, length: int | None =
     if kind == "delta_values":
         return config.deltanet.value_dim
     if kind == "index_topk":
-        return config.mla.indexer.topk
+        return config.mla.indexer.width
+    if kind == "resid":
+        return config.residual_width
+    if kind in ("streams", "stream_pairs"):
+        return config.hyper.streams ** (1 if kind == "streams" else 2)
     if kind in ("experts", "top_k"):
         return config.moe.num_experts if kind == "experts" else config.moe.top_k
     return {"intermediate": config.intermediate_size, "one": 1}.get(kind, config.hidden_size)
@@ -480,7 +519,7 @@ def cost_line(sites: Sequence[str], layers: Sequence[int], config, itemsize: int
     """One line saying what a run stores per token, site by site (printed before a run); a
     pattern's row grows with the sample: its figure is a sample of ``length`` tokens'."""
     per_site = bytes_per_token(sites, layers, config, itemsize, row_bytes, length, top_k)
-    resid = config.hidden_size * len(layers) * itemsize
+    resid = config.residual_width * len(layers) * itemsize
     grows = lambda site: f" at {length} tokens: a sample's [S, heads, S]" if SITES[site].width == "scores" else ""
     parts = ", ".join(f"{site} {n / 1024:.1f} KiB ({n / resid:.2g}x resid{grows(site)})"
                       for site, n in per_site.items())

@@ -216,7 +216,7 @@ def feature_logits(features: FeatureSet, decoder: np.ndarray, key: ArrayKey,
     from model.unembedding import folded_unembedding
     written = features.output_key or key
     site = key_parts(written)[0]
-    if SITES[site].width != "hidden":
+    if SITES[site].width not in ("hidden", "resid"):  # (a hyper-connection model's streams: refused below)
         log.warning("no logit effects: %s's decoder writes %s, not the residual stream's space", features.name,
                     describe_key(written))
         return None, None

@@ -281,7 +281,7 @@ def test_the_fixture_command_writes_any_family_in_either_layout(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, mechanism", [
-    ("deepseek_v4", "compressed sparse"), ("glm5_next", "hyper-connections"), ("qwen4_exp", "QSA indexer")])
+    ("deepseek_v4", "compressed sparse"), ("qwen4_exp", "QSA indexer")])
 def test_the_newest_families_not_yet_read_are_refused_naming_what_they_need(model_type, mechanism):
     from model.families import config_from_dict
     with pytest.raises(UserError, match=f"model_type {model_type!r}: .*{mechanism}.* not implemented") as caught:

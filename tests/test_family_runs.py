@@ -15,7 +15,7 @@ from fixtures.hf_reference import (INSIDE_SITES, load_reference, random_sequence
                                    site_places)
 from model.families import load_config
 from model.extract import Extractor
-from model.sites import MLP_IN, PARALLEL_SSM, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
+from model.sites import HYPER_SITES, MLP_IN, PARALLEL_SSM, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
 from fixtures.gcs_emulator import free_port
 from tests.conftest import run_in_process
 from tests.test_host_errors import one_line_error
@@ -23,8 +23,9 @@ from tests.test_multihost import start_slice, stored
 
 pytestmark = pytest.mark.slow
 MAX_SEQ = 64
-DENSE_SITES = tuple(site for site in SITES  # of a dense block (no experts, no Mamba-2 mixer beside attention)
-                    if site not in ROUTING + SHARED_EXPERT + PARALLEL_SSM + INSIDE_SITES)
+# of a dense block (no experts, no Mamba-2 mixer beside attention, one residual stream)
+DENSE_SITES = tuple(site for site in SITES
+                    if site not in ROUTING + SHARED_EXPERT + PARALLEL_SSM + HYPER_SITES + INSIDE_SITES)
 EVERY_SITE = ["--sites", ",".join(DENSE_SITES)]
 
 

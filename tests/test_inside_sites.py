@@ -32,7 +32,8 @@ CASES = [("qwen2", (0, 1), {}), ("llama", (0, 2), {}), ("gemma3", (0, 1), {}), (
          ("nemotron_h", (1, 5), {}), ("nemotron_h", (0, 4), {}), ("nemotron_h", (2, 6), {}), ("nemotron_h", (3, 8), {}),
          # attention beside Mamba-2, its gated norm on and off
          ("falcon_h1", (0, 2), {}), ("falcon_h1", (0, 1), {"mamba_rms_norm": False}),
-         ("kimi_linear", (1, 4), {}), ("kimi_linear", (0, 2), {})]  # latent attention (experts), KDA (dense MLPs)
+         ("kimi_linear", (1, 4), {}), ("kimi_linear", (0, 2), {}),  # latent attention (experts), KDA (dense MLPs)
+         ("glm5_next", (1, 5), {}), ("glm5_next", (0, 3), {})]  # hyper-connections: indexed attention, KDA blocks
 
 
 def close(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -59,13 +60,15 @@ def test_every_site_equals_transformers_and_interp_engine(tmp_path, family, laye
     # interp-engine 1.14 reads Granite 4's router as returning its outputs in another order (and refuses
     # them), takes one module's output for its MLP's, which is the experts' and the shared MLP's sum, and
     # has no attention points at Mamba-2 blocks (Granite's, Nemotron-H's): there, those are compared with
-    # transformers alone.
+    # transformers alone. With hyper-connections (GLM-5-next) its residual points name one stream of several.
     granite = config.model_type == "granitemoehybrid"
     mamba = any(config.is_mamba(layer) for layer in layers)
     points = {name: site for name, site in INTERP_ENGINE_POINTS.items() if site in sites
               and (config.qk_norm or name not in ("q_norm_in", "k_norm_in"))
               and not (granite and (site in ROUTING or name in ("mlp_out", "mlp_out_post")))
-              and not (mamba and name.startswith("attn"))}
+              and not (mamba and name.startswith("attn"))
+              # its resid_pre, resid_mid and resid_post name one stream of several (resid_streams is all of them)
+              and not (config.hyper and name in ("resid_pre", "resid_mid", "resid_post"))}
     engine = interp_engine_points(model_dir, sequences, [(name, layer) for layer in layers for name in points])
     for i in range(len(sequences)):
         for site, layer in places:

@@ -22,7 +22,9 @@ SITES = (ATTN_Z, RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
 SHAPES = {"gemma4": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2),
           "deepseek_v3": dict(num_hidden_layers=2), "gpt_oss": dict(num_hidden_layers=2),
           "qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                             mlp_only_layers=[1])}
+                             mlp_only_layers=[1]),
+          "glm5_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                            mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])}
 
 
 @pytest.fixture(scope="module", params=["gemma4", "deepseek_v3", "gpt_oss"])
@@ -59,6 +61,11 @@ def edited(model, site: str, layer: int, edit) -> list:
     from fixtures.hf_reference import decoder_blocks, our_config
     from model.params import hf_site
     block = decoder_blocks(model)[layer]
+    config = our_config(model)
+    flat = edit  # hyper-connections' streams [1, S, N, H] edited as the [1, S, N*H] rows stored
+    edit = lambda x: flat(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
+    if site == RESID_MID and config.hyper is not None:
+        return _edited_streams(block, edit)
     if site == RESID_MID:
         block_input = {}
 
@@ -79,9 +86,35 @@ def edited(model, site: str, layer: int, edit) -> list:
             return args, {**kwargs, "hidden_states": edit(kwargs["hidden_states"])}
         return [module.register_forward_pre_hook(pre, with_kwargs=True)]
 
+    nth = int(side.split()[-1]) if side.split()[-1].isdigit() else 0  # "output N": a tuple's Nth
+
     def post(module, args, output):
-        return (edit(output[0]), *output[1:]) if isinstance(output, tuple) else edit(output)
+        return (*output[:nth], edit(output[nth]), *output[nth + 1:]) if isinstance(output, tuple) else edit(output)
     return [module.register_forward_hook(post)]
+
+
+def _edited_streams(block, edit) -> list:
+    """Hooks editing the streams between a hyper-connection block's sublayers: the MLP's
+    hyper-connection reads the edited streams, and the mix after the MLP (which reads the block's
+    own reference to them) gets comb^T times the edit's difference."""
+    import torch
+    kept = {}
+
+    def streams_in(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        kept["change"] = edit(x) - x  # [1, S, N, H]
+        x = x + kept["change"]
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def weights(module, args, output):
+        kept["comb"] = output[1]  # [1, S, N, N]
+
+    def block_out(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        mixed = hidden + torch.matmul(kept["comb"].to(hidden.dtype).transpose(-1, -2), kept["change"])
+        return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+    return [block.ffn_hc.register_forward_pre_hook(streams_in, with_kwargs=True),
+            block.ffn_hc.register_forward_hook(weights), block.register_forward_hook(block_out)]
 
 
 def metric_with(model, pair: Pair, edits):
@@ -195,6 +228,30 @@ def test_every_grid_equals_transformers_hooks_and_autograd(models):
     np.testing.assert_array_equal(estimate, attribution_metrics(ours, pair, every_cell(c, pair), as_padded)[0])
     with pytest.raises(UserError, match=r"^pair '': the clean values at blocks.0.attn.hook_z are of shape \(3, "):
         patching_grid(ours, pair, ATTN_Z, values=[block[1:] for block in own])
+
+
+def test_hyper_connection_grids_equal_transformers_hooks_and_autograd(tmp_path):
+    """GLM-5-next's (a Kimi Delta Attention block, then an indexed attention block with experts; 3
+    streams): every stream site's grid and what each sublayer reads of the streams, exact and
+    attribution, against transformers' float64 model with the same values put in by hooks; the
+    streams between the sublayers edited where the MLP's hyper-connection and the mix after it
+    read them."""
+    from model.sites import HC_ATTN_COLLAPSE, HC_MLP_COLLAPSE
+    ours, theirs, _ = loaded_pair(tmp_path / "glm5_next", "glm5_next")
+    c = ours.config
+    pair, layers = a_pair(c.vocab_size), range(c.num_hidden_layers)
+    sites = (RESID_PRE, HC_ATTN_COLLAPSE, ATTN_OUT, RESID_MID, HC_MLP_COLLAPSE, MLP_OUT, RESID_POST)
+    found = [cell for site in sites for cell in grid_cells(site, c.num_hidden_layers, len(pair.corrupted), None)]
+    values = {key: value for site in sites for key, value in values_by_block(clean_values(ours, pair.clean, site),
+                                                                             site).items()}
+    assert values[RESID_MID, 1].shape == (len(pair.clean), 3 * c.hidden_size)
+    shape = (c.num_hidden_layers, len(pair.corrupted))
+    exact = exact_metrics(ours, pair, found, values).reshape(len(sites), *shape)
+    estimate = attribution_metrics(ours, pair, found, values)[0].reshape(len(sites), *shape)
+    for site, exact_grid, estimate_grid in zip(sites, exact, estimate):
+        assert_close(exact_grid, reference_exact(theirs, pair, site, layers, None), 1e-5, f"glm5_next {site} exact")
+        assert_close(estimate_grid, reference_attribution(theirs, pair, site, layers, None), 1e-4,
+                     f"glm5_next {site} attribution")
 
 
 def every_cell(config, pair: Pair) -> list:

@@ -75,7 +75,7 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
     q_rank = f.optional("q_lora_rank")
     mla = LatentAttention(f.number("kv_lora_rank"), int(q_rank) if q_rank else None, f.number("qk_nope_head_dim"),
                           f.number("qk_rope_head_dim"), interleave, rope_in_float32)
-    if mla.qk_rope_head_dim % 2 or mla.qk_rope_head_dim < 2:
+    if mla.qk_rope_head_dim % 2 or (rotates and mla.qk_rope_head_dim < 2):  # (none: GLM-5-next's keys)
         raise f.refuse("qk_rope_head_dim", mla.qk_rope_head_dim, "RoPE rotates pairs of dims")
     params, where = rope_parameters(f) if rotates else ({}, "rope_parameters")
     rotary = rope(f, params, where, f.number("rope_theta", float), partial=partial_rope)

@@ -1,0 +1,83 @@
+"""Manifold-constrained hyper-connections (``model.config.HyperConnections``: GLM-5-next's): the
+residual as N streams per token, collapsed into the one vector a sublayer reads and written back
+into every stream with a learned mix of them.
+
+The stream is held flat, [B, S, N x H] stream-major, so that every site, steering and statistic
+of the residual sees one array per token (``hook_resid_post`` is transformers' [B, S, N, H]
+block output flattened). The coefficients are computed in float32 from the float32 streams, as
+transformers' module does; the mixing is in the stream's dtype, as transformers' decoder layer
+mixes.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import DecoderConfig
+from model.layers import rms_normalized
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class HyperConnection(nn.Module):
+    """One sublayer's hyper-connection (transformers' ``attn_hc`` / ``ffn_hc``: ``fn``, ``base``,
+    ``scale``)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """streams [B, S, N*H] -> (pre-collapse: what the sublayer reads [B, S, H] in the streams'
+        dtype, post [B, S, N] and comb [B, S, N, N] in float32)."""
+        hc, h = self.config.hyper, self.config.hidden_size
+        n = hc.streams
+        b, s, _ = streams.shape
+        width = (2 + n) * n  # pre (N), post (N), comb (N x N)
+        fn = self.param("fn", nn.initializers.normal(0.02), (width, n * h), self.dtype)  # transformers' [out, in]
+        base = self.param("base", nn.initializers.zeros, (width,), jnp.float32)
+        scale = self.param("scale", nn.initializers.ones, (3,), jnp.float32)
+        normed = rms_normalized(streams, hc.norm_eps)                                   # [B, S, N*H] float32
+        mixes = jnp.einsum("bsi,oi->bso", normed, fn.astype(jnp.float32), precision=HIGHEST)  # [B, S, (2+N)N]
+        pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + hc.eps                # [B, S, N]
+        post = 2 * jax.nn.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])           # [B, S, N]
+        comb = mixes[..., 2 * n:].reshape(b, s, n, n) * scale[2] + base[2 * n:].reshape(n, n)
+        comb = sinkhorn(jax.nn.softmax(comb, axis=-1) + hc.eps, hc.sinkhorn_iters, hc.eps)  # [B, S, N, N]
+        split = streams.reshape(b, s, n, h)
+        collapsed = jnp.sum(pre[..., None] * split.astype(jnp.float32), axis=2).astype(streams.dtype)  # [B, S, H]
+        return collapsed, post, comb
+
+
+def sinkhorn(comb: jax.Array, iterations: int, eps: float) -> jax.Array:
+    """Sinkhorn-Knopp as transformers runs it: columns normalised, then ``iterations - 1`` times
+    rows then columns (each sum plus ``eps``); comb [..., N, N] -> nearly doubly stochastic (its
+    columns exactly, as the last step normalises them)."""
+    comb = comb / (comb.sum(-2, keepdims=True) + eps)
+
+    def step(_, c):
+        c = c / (c.sum(-1, keepdims=True) + eps)
+        return c / (c.sum(-2, keepdims=True) + eps)
+    return jax.lax.fori_loop(0, iterations - 1, step, comb)
+
+
+def expanded(embeddings: jax.Array, streams: int) -> jax.Array:
+    """The first block's input: the embeddings [B, S, H] copied into each stream -> [B, S, N*H]."""
+    return jnp.tile(embeddings, (1, 1, streams))
+
+
+def written(streams: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """The streams after a sublayer: post_k out + sum_j comb_jk x_j for each stream k, in the
+    streams' dtype (transformers rounds post and comb to it). streams [B, S, N*H], out [B, S, H],
+    post [B, S, N], comb [B, S, N, N] -> [B, S, N*H]."""
+    b, s, n = post.shape
+    dtype = streams.dtype
+    split = streams.reshape(b, s, n, -1)                                                   # [B, S, N, H]
+    mixed = jnp.einsum("bsjk,bsjh->bskh", comb.astype(dtype), split, precision=HIGHEST)   # [B, S, N, H]
+    return (post.astype(dtype)[..., None] * out.astype(dtype)[:, :, None] + mixed).reshape(b, s, -1)
+
+
+def collapsed_head(streams: jax.Array, config: DecoderConfig) -> jax.Array:
+    """The last block's streams [..., N*H] as one [..., H] before the final norm (their mean)."""
+    n = config.hyper.streams
+    return jnp.mean(streams.reshape(*streams.shape[:-1], n, -1), axis=-2)
