@@ -222,6 +222,8 @@ class DeltaNet:
     decay_lower_bound: float | None = None  # the decay bounded below: g = bound x sigmoid(exp(A_log) x (f + dt_bias))
                                             # in place of -exp(A_log) softplus(f + dt_bias) (GLM-5-next's
                                             # linear_lower_bound)
+    float32_params: tuple[str, ...] = ()  # its parameters held in float32 whatever the dtype, as transformers keeps
+                                          # them (Kimi's dt_bias; GLM-5-next's dt_bias, A_log, conv_q, conv_k, conv_v)
 
     @property
     def name(self) -> str:

@@ -52,7 +52,7 @@ class HyperConnection(nn.Module):
 def sinkhorn(comb: jax.Array, iterations: int, eps: float) -> jax.Array:
     """Sinkhorn-Knopp as transformers runs it: columns normalised, then ``iterations - 1`` times
     rows then columns (each sum plus ``eps``); comb [..., N, N] -> nearly doubly stochastic (its
-    columns exactly, as the last step normalises them)."""
+    columns to within eps, as the last step normalises them)."""
     comb = comb / (comb.sum(-2, keepdims=True) + eps)
 
     def step(_, c):

@@ -105,9 +105,11 @@ def pooled_keys(keys: jax.Array, gates: jax.Array, ape: jax.Array, pool: int) ->
     channel (a last pool past T, never whole, zero-padded)."""
     b, t, d = keys.shape
     n = -(-t // pool)
-    grouped = lambda y: jnp.pad(y.astype(jnp.float32), ((0, 0), (0, n * pool - t), (0, 0))).reshape(b, n, pool, d)
-    weights = jax.nn.softmax(grouped(gates) + ape.astype(jnp.float32), axis=2)          # [B, T/P, P, D]
-    return (weights * grouped(keys)).sum(axis=2)
+    grouped = lambda y: jnp.pad(y, ((0, 0), (0, n * pool - t), (0, 0))).reshape(b, n, pool, d)
+    weights = jax.nn.softmax(grouped(gates).astype(jnp.float32) + ape.astype(jnp.float32), axis=2)  # [B, T/P, P, D]
+    # As transformers: the weights rounded to the keys' dtype, the products in it, summed and rounded once.
+    products = weights.astype(keys.dtype) * grouped(keys)
+    return products.astype(jnp.float32).sum(axis=2).astype(keys.dtype).astype(jnp.float32)
 
 
 def chosen_pools(index: jax.Array, mask: jax.Array, count: int, pool: int,

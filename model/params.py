@@ -299,8 +299,6 @@ def _stacked_moe(config: DecoderConfig, hf: str):
     for proj, part in zip(("gate_proj", "up_proj"), _split(1, [f, f])):
         yield ("mlp", "experts", proj), Source(f"{hf}.mlp.experts.gate_up_proj", True, part, stacked=True)
     yield ("mlp", "experts", "down_proj"), Source(f"{hf}.mlp.experts.down_proj", True, stacked=True)
-    if config.moe.selection_bias:  # (GLM-5-next's)
-        yield ("mlp", "selection_bias"), Source(f"{hf}.mlp.{layout_of(config).selection_bias}")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         yield from _linear(f"{hf}.mlp.shared_experts.{proj}", ("mlp", "shared_expert", proj), False)
 
@@ -930,14 +928,16 @@ def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Me
 
 def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any:
     """The dtype the parameter at ``path`` is held in: ``dtype``, but float32 for a router that
-    computes in it (DeepSeek's, ``MoE.router_in_float32``: transformers keeps it so) and its bias."""
+    computes in it (DeepSeek's, ``MoE.router_in_float32``: transformers keeps it so) and its bias,
+    a DeltaNet mixer's ``float32_params`` and a hyper-connection's bias and scales."""
     router = config.moe is not None and config.moe.router_in_float32 and (
         path[-2:] == ("router", "kernel") or path[-1] == "selection_bias")
-    # Kimi Delta Attention's per-channel dt_bias: transformers keeps it in float32 too.
-    kimi = config.deltanet is not None and config.deltanet.channel_decay and path[-1] == "dt_bias"
+    # A DeltaNet mixer's that transformers keeps in float32 (Kimi's dt_bias; GLM-5-next's convolutions and A_log too).
+    mixer = config.deltanet is not None and path[-2:-1] == ("linear_attn",) and \
+        path[-1] in config.deltanet.float32_params
     # A hyper-connection's bias and scales (float32 in transformers; its projection fn is the model's dtype).
     hyper = len(path) > 1 and path[-2] in HYPER_MODULES and path[-1] in ("base", "scale")
-    return jnp.dtype(jnp.float32) if router or kimi or hyper else dtype
+    return jnp.dtype(jnp.float32) if router or mixer or hyper else dtype
 
 
 def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype: Any,

@@ -107,10 +107,10 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(HC_ATTN_COLLAPSE, "hidden", "with hyper-connections (GLM-5-next), what attention's norm reads: the block's "
                                      "input streams collapsed, sum_j pre_j x_j"),
     Site(HC_ATTN_WRITE, "streams", "with hyper-connections, the weight post_k with which attention's output is "
-                                   "written into stream k (2 sigmoid, float32)"),
+                                   "written into stream k (2 sigmoid, computed in float32)"),
     Site(HC_ATTN_MIX, "stream_pairs", "with hyper-connections, the matrix comb [j, k] (row-major) mixing input "
                                       "stream j into stream k around attention: Sinkhorn-normalised, its columns "
-                                      "summing to 1 (float32)"),
+                                      "summing to 1 within hc_eps (computed in float32)"),
     Site(LN1_NORMALIZED, "hidden", "attention's input after its norm, before the norm's gain (and bias): x / rms(x), "
                                    "or (x - mean) / std for a LayerNorm, in float32 (none where attention's input "
                                    "has no norm: OLMo 2)"),
@@ -161,9 +161,9 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(HC_MLP_COLLAPSE, "hidden", "with hyper-connections, what the MLP's norm reads: hook_resid_mid's streams "
                                     "collapsed"),
     Site(HC_MLP_WRITE, "streams", "with hyper-connections, the weight with which the MLP's output is written into "
-                                  "each stream (float32)"),
+                                  "each stream (computed in float32)"),
     Site(HC_MLP_MIX, "stream_pairs", "with hyper-connections, the matrix mixing the streams around the MLP "
-                                     "(float32)"),
+                                     "(computed in float32)"),
     Site(LN2_NORMALIZED, "hidden", "the MLP's input after its norm, before the norm's gain (and bias): x / rms(x), "
                                    "or (x - mean) / std for a LayerNorm (none where the MLP's input has no norm: "
                                    "OLMo 2)"),

@@ -1,7 +1,8 @@
 """One hyper-connection (model/hyper.py) against transformers' DeepseekV4HyperConnection module,
 which GLM-5-next's subclasses: the collapse, the write weights and the Sinkhorn-normalised mixing
-matrix of the same streams and parameters, and the streams after a sublayer's write as its decoder
-layer mixes them. (The whole model: tests/test_glm5_next.py.)"""
+matrix of the same streams and parameters, and the streams after a sublayer's write by the formula
+transformers' decoder layer mixes them with. (The whole model, its layers included, against
+transformers: tests/test_glm5_next.py.)"""
 
 import jax
 import jax.numpy as jnp

@@ -67,8 +67,10 @@ def test_every_site_equals_transformers_and_interp_engine(tmp_path, family, laye
               and (config.qk_norm or name not in ("q_norm_in", "k_norm_in"))
               and not (granite and (site in ROUTING or name in ("mlp_out", "mlp_out_post")))
               and not (mamba and name.startswith("attn"))
-              # its resid_pre, resid_mid and resid_post name one stream of several (resid_streams is all of them)
-              and not (config.hyper and name in ("resid_pre", "resid_mid", "resid_post"))}
+              # its resid_pre, resid_mid and resid_post name one stream of several (resid_streams is all of them),
+              # and it has no resid_streams on a model of one stream
+              and not (config.hyper and name in ("resid_pre", "resid_mid", "resid_post"))
+              and not (not config.hyper and name == "resid_streams")}
     engine = interp_engine_points(model_dir, sequences, [(name, layer) for layer in layers for name in points])
     for i in range(len(sequences)):
         for site, layer in places:

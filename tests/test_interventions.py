@@ -356,7 +356,8 @@ def test_a_steering_file_of_another_model_or_layer_is_one_line(qwen2, tmp_path):
     vector = np.ones(c.hidden_size, np.float32)
     cases = {"other": ({"model_type": "llama"}, vector, "holds directions of another model: model_type llama"),
              "deeper": ({"num_hidden_layers": 99}, vector, "num_hidden_layers 99"),
-             "wide": ({}, np.ones(c.hidden_size + 1, np.float32), f"hidden size is {c.hidden_size}"),
+             "wide": ({}, np.ones(c.hidden_size + 1, np.float32),
+                      f"the model's hook_resid_post is {c.hidden_size} wide"),
              "layer": ({}, vector, "has no diff_in_means/blocks.0.hook_resid_post or probe/blocks.0.hook_resid_post"),
              "site": ({}, vector, "has no diff_in_means/blocks.0.hook_mlp_out or probe/blocks.0.hook_mlp_out "
                                   "to steer steer:0:")}
@@ -396,8 +397,9 @@ def test_a_steering_spec_parses_back_from_its_name(tmp_path):
     assert [iv.name for iv in grid] == [f"steer:{layer}:{path}:alpha=1e20" for layer in range(4)]
     assert len(parse_interventions([f"steer:1:{path}+steer:1:{path}:site=hook_mlp_out"], 4, 2)[0].atoms) == 2
     for spec, message in ((f"steer:1:{path}:mode=mean", "steer takes alpha=, direction=, site= and tokens=, not mode="),
-                          (f"steer:1:{path}:site=attn.hook_z", "site must be one of hook_resid_pre, hook_attn_out, "
-                                                               "hook_ssm_out, hook_resid_mid, hook_mlp_out, "
+                          (f"steer:1:{path}:site=attn.hook_z", "site must be one of hook_resid_pre, "
+                                                               "hc_attn.hook_collapse, hook_attn_out, hook_ssm_out, "
+                                                               "hook_resid_mid, hc_mlp.hook_collapse, hook_mlp_out, "
                                                                "hook_resid_post"),
                           (f"steer:1:{path}:alpha=inf", "alpha must be finite"),
                           (f"steer:1:{path}:direction=mean", "direction must be diff_in_means or probe"),

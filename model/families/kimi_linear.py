@@ -94,7 +94,8 @@ def delta_attention(f: Fields, layers: int) -> DeltaNet:
     """The Kimi Delta Attention blocks and their mixer's shapes."""
     heads, width = f.number("linear_num_heads"), f.number("linear_head_dim")
     return DeltaNet(block_kinds(f, layers), heads, heads, width, width, f.number("linear_conv_kernel_dim"),
-                    channel_decay=True, gate_rank=width, output_gate="sigmoid", norm_in_float32=True)
+                    channel_decay=True, gate_rank=width, output_gate="sigmoid", norm_in_float32=True,
+                    float32_params=("dt_bias",))
 
 
 def block_kinds(f: Fields, layers: int) -> tuple[int, ...]:
