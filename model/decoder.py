@@ -603,7 +603,7 @@ class DecoderLayer(nn.Module):
         block_in = x
         new_cache, added, picked = None, None, None
         if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
-            read, mixing = self.collapsed(x, "attn_hc", HC_ATTN, steered_at) if c.hyper else (x, None)
+            read, mixing = self.collapsed(x, hyper.ATTN_MODULE, HC_ATTN, steered_at) if c.hyper else (x, None)
             added, new_cache, picked = self.mixer_addition(read, cos, sin, mask, positions, cache, cache_index,
                                                            kv_from, a, norm, steered_at, index_from)
             if not c.parallel_residual:  # the MLP reads the stream after the mixer's addition
@@ -612,7 +612,7 @@ class DecoderLayer(nn.Module):
                     x = steered_at(x, RESID_MID)
                     self.sow("sites", RESID_MID, x)
         if self.has_mlp:
-            read, mixing = self.collapsed(x, "ffn_hc", HC_MLP, steered_at) if c.hyper else (x, None)
+            read, mixing = self.collapsed(x, hyper.MLP_MODULE, HC_MLP, steered_at) if c.hyper else (x, None)
             mlp_in = read
             if c.pre_norms:
                 mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(read, norm)
@@ -652,7 +652,6 @@ class DecoderLayer(nn.Module):
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
                                                                    jnp.zeros_like(x)))
         return steered_at(x, RESID_POST), new_cache, picked
-
 
     def collapsed(self, x: jax.Array, name: str, sites: tuple[str, str, str], steered_at
                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:

@@ -19,6 +19,8 @@ from model.config import DecoderConfig
 from model.layers import rms_normalized
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# Each sublayer's hyper-connection module, named as transformers names them (parameters and sites are found by them).
+ATTN_MODULE, MLP_MODULE = "attn_hc", "ffn_hc"
 
 
 class HyperConnection(nn.Module):

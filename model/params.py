@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from common.cli import UserError
-from model import fp8, mxfp4
+from model import fp8, hyper, mxfp4
 from model.checkpoint import Checkpoint
 from model.config import DecoderConfig
 from model.sharding import expert_slots, param_sharding
@@ -367,7 +367,7 @@ def _granite_moe(config: DecoderConfig, hf: str):
 
 # Our hyper-connection modules (model.decoder.DecoderLayer.collapsed, named as transformers' modules) -> the
 # prefix of their tensors in the hub's checkpoints (``hc_attn_fn``; transformers renames it ``attn_hc.fn``).
-HYPER_MODULES = {"attn_hc": "hc_attn", "ffn_hc": "hc_ffn"}
+HYPER_MODULES = {hyper.ATTN_MODULE: "hc_attn", hyper.MLP_MODULE: "hc_ffn"}
 
 
 def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False):
@@ -664,10 +664,11 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
     if site in sites.HYPER_SITES:  # transformers' hyper-connection returns (post, comb, collapse)
-        theirs = sites.HC_ATTN if site in sites.HC_ATTN else sites.HC_MLP
-        return "attn_hc" if theirs == sites.HC_ATTN else "ffn_hc", f"output {(2, 0, 1)[theirs.index(site)]}"
+        theirs, module = (sites.HC_ATTN, hyper.ATTN_MODULE) if site in sites.HC_ATTN else (sites.HC_MLP,
+                                                                                            hyper.MLP_MODULE)
+        return module, f"output {(2, 0, 1)[theirs.index(site)]}"
     if site == sites.RESID_MID and config.hyper is not None:  # the streams the MLP's hyper-connection reads
-        return "ffn_hc", "input"
+        return hyper.MLP_MODULE, "input"
     if site == sites.ATTN_OUT and layer is not None and config.is_recurrent(layer) and not post:
         return mixer_module(config, layer), _times(config.residual_multiplier)
     multipliers = config.multipliers  # Falcon-H1's, on what each mixer adds
@@ -936,8 +937,8 @@ def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any
     mixer = config.deltanet is not None and path[-2:-1] == ("linear_attn",) and \
         path[-1] in config.deltanet.float32_params
     # A hyper-connection's bias and scales (float32 in transformers; its projection fn is the model's dtype).
-    hyper = len(path) > 1 and path[-2] in HYPER_MODULES and path[-1] in ("base", "scale")
-    return jnp.dtype(jnp.float32) if router or mixer or hyper else dtype
+    connection = len(path) > 1 and path[-2] in HYPER_MODULES and path[-1] in ("base", "scale")
+    return jnp.dtype(jnp.float32) if router or mixer or connection else dtype
 
 
 def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype: Any,
