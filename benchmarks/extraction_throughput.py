@@ -13,7 +13,9 @@ best keys), nemotron_h (NVIDIA-Nemotron-3-Nano-30B-A3B reduced: blocks of one su
 on 1 of 10, 64 plain experts, k 6, a shared MLP), falcon_h1 (Falcon-H1-0.5B cut to 8 blocks: attention beside
 Mamba-2 in each), kimi_linear (Kimi-Linear-48B-A3B reduced: 6 Kimi Delta Attention blocks, 2 of latent
 attention, 64 experts, k 8, a shared expert), glm5_next (GLM-5.3-Flash reduced: 4 hyper-connection streams, 6
-Kimi Delta Attention blocks, 2 of indexed latent attention choosing 16 pools of 16 keys, 64 experts, k 8), minimax_m2
+Kimi Delta Attention blocks, 2 of indexed latent attention choosing 16 pools of 16 keys, 64 experts, k 8), deepseek_v4
+(DeepSeek-V4-Flash reduced: 4 streams, one key/value head through a window of 128 beside compressed entries, 5
+heavily compressed blocks, 3 compressed sparse ones choosing 128 entries, 64 experts, k 6, 3 hash-routed), minimax_m2
 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
@@ -79,7 +81,7 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
                  "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced",
                  "falcon_h1": "falcon-h1-0.5b-reduced", "kimi_linear": "kimi-linear-48b-reduced",
-                 "glm5_next": "glm-5.3-flash-reduced"}
+                 "glm5_next": "glm-5.3-flash-reduced", "deepseek_v4": "deepseek-v4-flash-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -144,6 +146,11 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         q = h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim if m.q_lora_rank else h * n * m.qk_head_dim
         attention_params = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
                             + m.kv_lora_rank * n * (m.qk_nope_head_dim + c.head_dim) + n * c.head_dim * h)
+    ca = c.compressed
+    if ca is not None:  # DeepSeek-V4's: q through its rank, one key/value head, the grouped output (the
+        # compressors and the indexer left out: a lower bound)
+        attention_params = (h * ca.q_lora_rank + ca.q_lora_rank * n * c.head_dim + h * c.head_dim
+                            + n * c.head_dim * ca.output_rank + ca.output_groups * ca.output_rank * h)
     indexer = c.mla.indexer if c.mla is not None else None
     if indexer is not None:  # its query, key and head weights
         attention_params += (c.mla.q_lora_rank * indexer.num_heads * indexer.head_dim

@@ -348,3 +348,12 @@ def attention_for(mesh: Mesh | None, choice: str = "auto", config: DecoderConfig
     if platform == "gpu" and dtype is not None and cudnn_problem(platform, config, dtype, limit) is None:
         return "cudnn"
     return "fused"
+
+
+def cache_written(cache: jax.Array, new: jax.Array, index) -> jax.Array:
+    """``cache`` [B, T, K, D] with ``new`` [B, S, K, D] written from slot ``index``: a scalar (every
+    row from the same slot: a prefill) or [B] (each row from its own: a decoding step, each row at
+    its own position)."""
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, index, 0, 0))
+    return jax.vmap(lambda rows, x, i: jax.lax.dynamic_update_slice(rows, x, (i, 0, 0)))(cache, new, index)

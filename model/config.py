@@ -116,7 +116,10 @@ class MoE:
     # scores by sigmoid (V3) or softmax (V2), the top k chosen within the best groups, the chosen
     # scores (not renormalised unless normalize_top_k) times routed_scaling.
     router_in_float32: bool = False     # the router's kernel kept and applied in float32 (x cast to it)
-    scoring: str = "softmax"            # softmax | sigmoid: the scores from the logits (with grouped routing)
+    scoring: str = "softmax"            # softmax | sigmoid | sqrtsoftplus (sqrt(softplus(x)): DeepSeek-V4's): the
+                                        # scores from the logits (with grouped routing)
+    hash_layers: tuple[int, ...] = ()   # blocks whose experts a token's id chooses (a table [V, k], tid2eid:
+                                        # DeepSeek-V4's hash routing); their weights still the chosen scores
     selection_bias: bool = False        # a learned bias (e_score_correction_bias) added to the scores to
                                         # choose the experts, not to weight them (V3)
     groups: int = 0                     # > 0: the grouped router: experts in this many groups (n_group),
@@ -305,7 +308,48 @@ class HyperConnections:
     sinkhorn_iters: int = 20     # hc_sinkhorn_iters
     eps: float = 1e-6            # hc_eps: added to pre and comb, and to each Sinkhorn sum
     norm_eps: float = 1e-6       # the unweighted RMSNorm of the flattened streams (the model's rms_norm_eps)
-    head: str = "mean"           # how the last block's streams become one before the final norm (GLM-5-next's)
+    head: str = "mean"           # how the last block's streams become one before the final norm: their mean
+                                 # (GLM-5-next's) or weighted (DeepSeek-V4's hc_head: sigmoid(scale (fn @
+                                 # rms-normed streams) + base) + eps per stream)
+
+
+# DeepSeek-V4's attention kinds per block (transformers' layer_types): the sliding window alone, or beside it
+# the compressed entries every query sees (heavily compressed) or an indexer chooses (compressed sparse).
+SLIDING_ONLY, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedAttention:
+    """DeepSeek-V4's attention (``DecoderConfig.compressed``; ``model.compressed``), as transformers'
+    ``DeepseekV4Attention`` computes it: the query through a low rank (``q_a_proj``, its RMSNorm,
+    ``q_b_proj``, then each head RMS-normed without a weight); one key/value head (``kv_proj``, its
+    RMSNorm), read as key and as value; the last ``rope_dim`` dims of each head rotated by
+    interleaved pairs, and the output's rotated back at the query's position; gpt-oss's sinks; a
+    sliding window (``DecoderConfig.sliding_window``) over the keys; the heads' outputs projected in
+    ``output_groups`` groups to ``output_rank`` each (``o_a_proj``), then together (``o_b_proj``).
+    Beside the window, a block of kind CSA or HCA (``kinds``) attends to compressed entries: one per
+    window of ``rate`` positions, a softmax(gate + position bias)-weighted sum of the window's
+    ``kv_proj`` rows per channel, RMS-normed and rotated at the window's first position; an HCA
+    block's query sees each entry whose window has closed, a CSA block's (whose windows overlap the
+    previous one: 2 rate slots, two series of its projections) only the ``indexer``'s ``topk`` of
+    them (its own compressor at the indexer's head size, scored as DeepSeek-V3.2's indexer scores)."""
+    q_lora_rank: int
+    rope_dim: int                        # the rotated last dims of each head (qk_rope_head_dim)
+    output_groups: int                   # o_groups
+    output_rank: int                     # o_lora_rank
+    kinds: tuple[str, ...]               # per block: SLIDING_ONLY, CSA or HCA
+    csa_rate: int                        # positions per compressed entry of a CSA block
+    hca_rate: int                        # of an HCA block
+    rope: RoPE                           # the CSA and HCA blocks' rotary and their compressors' (the sliding
+                                         # blocks': ``DecoderConfig.rope``)
+    indexer: Indexer | None = None       # the CSA blocks' indexer (num_heads, head_dim, topk)
+
+    def kind(self, layer: int) -> str:
+        return self.kinds[layer]
+
+    def rate(self, kind: str) -> int:
+        """Positions per compressed entry of a block of ``kind`` (0: a sliding block has none)."""
+        return {CSA: self.csa_rate, HCA: self.hca_rate}.get(kind, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +443,7 @@ class DecoderConfig:
     mla: LatentAttention | None = None   # multi-head latent attention in place of q/k/v projections; head_dim
                                          # is then the values' (v_head_dim), rotary_dim the rotated key part's
     hyper: HyperConnections | None = None  # the residual as several streams mixed around each sublayer (GLM-5-next)
+    compressed: CompressedAttention | None = None  # DeepSeek-V4's attention in place of q/k/v projections
     weight_block_size: tuple[int, int] | None = None  # block-FP8 checkpoints: the [rows, columns] of weight each
                                          # weight_scale_inv entry scales (``model.fp8``)
 
@@ -461,6 +506,15 @@ class DecoderConfig:
     def has_mlp(self, layer: int) -> bool:
         """Whether block ``layer`` has an MLP (or a mixture of experts): all but MIXER_ONLY blocks."""
         return not self.sublayers or self.sublayers[layer] != MIXER_ONLY
+
+    @property
+    def index_width(self) -> int | None:
+        """A sparse attention indexer's choice per query (``attn.hook_indexed_keys``' width), None without one."""
+        if self.mla is not None and self.mla.indexer is not None:
+            return self.mla.indexer.width
+        if self.compressed is not None and CSA in self.compressed.kinds:
+            return self.compressed.indexer.topk
+        return None
 
     @property
     def residual_width(self) -> int:
@@ -528,4 +582,6 @@ class DecoderConfig:
         """Block ``layer``'s rotary embedding (None: the block does not rotate)."""
         if layer in self.nope_layers:
             return None
+        if self.compressed is not None and self.compressed.kind(layer) != SLIDING_ONLY:
+            return self.compressed.rope
         return self.sliding_rope if self.window(layer) is not None and self.sliding_rope else self.rope

@@ -58,7 +58,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model import deltanet, hyper, mamba2
-from model.attention import Window, causal_attention, dense_attention, fused_attention, score_rows, windowed
+from model.attention import (Window, cache_written, causal_attention, dense_attention, fused_attention, score_rows,
+                             windowed)
+from model.compressed import CompressedAttention
+from model.heads import heads_output
 from model.config import DecoderConfig, QueryTemperature
 from model.indexer import LightningIndexer
 from model.rope import apply_rope, rope_cos_sin
@@ -73,15 +76,6 @@ from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, 
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
-
-
-def cache_written(cache: jax.Array, new: jax.Array, index) -> jax.Array:
-    """``cache`` [B, T, K, D] with ``new`` [B, S, K, D] written from slot ``index``: a scalar (every
-    row from the same slot: a prefill) or [B] (each row from its own: a decoding step, each row at
-    its own position)."""
-    if jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice(cache, new, (0, index, 0, 0))
-    return jax.vmap(lambda rows, x, i: jax.lax.dynamic_update_slice(rows, x, (i, 0, 0)))(cache, new, index)
 
 
 class Attention(nn.Module):
@@ -212,30 +206,6 @@ def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh:
                                 sinks)
     return dense_attention(q, k, v, windowed(mask, positions, window), precision, accumulate, divisor,
                            c.attn_logit_softcap, sinks)
-
-
-def heads_output(module: nn.Module, out: jax.Array, heads) -> jax.Array:
-    """Attention's per-head output [B, S, N, D] as o_proj reads it, [B, S, N*D] (``attn.hook_z``,
-    sown by ``module``): heads not kept (``heads``: keep [N], fill [N], mean [N, D'], then a
-    patch's slots of values [K, B, S, N*D'] and (token, head)s [K, B, S, N], and a delta
-    [B, S, N*D'] added, or None) replaced by zero or their mean, patched ones by the patch's values.
-    D' >= D: the means, values and delta of every block are padded to the widest head
-    (``model.interventions.padded_heads``); this block reads each head's first D."""
-    b, s, n, d = out.shape
-    module.sow("stats", "heads", out)
-    if heads is not None:
-        keep, fill, mean, values, tokens, delta = heads
-        mean = mean[:, :d]  # [N, D]
-        replaced = jnp.where(fill[:, None], mean.astype(out.dtype), jnp.zeros_like(mean, out.dtype))
-        out = jnp.where(keep[:, None], out, replaced)
-        for slot in range(0 if values is None else values.shape[0]):  # a patch's values at its (token, head)s
-            value = values[slot].reshape(b, s, n, -1)[..., :d]  # [B, S, N, D]
-            out = jnp.where(tokens[slot][..., None], value.astype(out.dtype), out)
-        if delta is not None:  # attribution patching's point of differentiation, [B, S, N*D']
-            out = out + delta.reshape(b, s, n, -1)[..., :d].astype(out.dtype)
-    out = out.reshape(b, s, n * d)  # [B, S, N*D]
-    module.sow("sites", ATTN_Z, out)
-    return out
 
 
 def query_temperature(positions: jax.Array, temperature: QueryTemperature) -> jax.Array:
@@ -582,15 +552,18 @@ class DecoderLayer(nn.Module):
     has_mixer: bool = True      # off: a block of its MLP alone (DecoderConfig.sublayers: Nemotron-H's)
     has_mlp: bool = True        # off: a block of its mixer alone
     parallel_mamba: bool = False  # a Mamba-2 mixer beside attention (config.mamba.parallel: Falcon-H1's)
+    layer: int = 0              # the block's number (where blocks differ by a list: DeepSeek-V4's attention
+                                # kinds and hash routers)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, positions, cache: KVCache | None = None, cache_index=None,
                  ablation=None, kv_from: KVCache | None = None, per_layer_input: jax.Array | None = None,
-                 index_from: tuple[jax.Array, jax.Array] | None = None):
+                 index_from: tuple[jax.Array, jax.Array] | None = None, token_ids: jax.Array | None = None):
         """``ablation``: this block's slice of ``model.interventions.ablation_arrays`` (None: none);
         ``kv_from``: the keys and values it attends to instead of its own (``Attention``);
         ``per_layer_input`` [B, S, P]: its slice of the per-layer embeddings (Gemma 4); ``index_from``:
-        the keys an earlier block's indexer chose (``LatentAttention``). -> (the block's output, its
+        the keys an earlier block's indexer chose (``LatentAttention``); ``token_ids`` [B, S]: what a hash
+        router reads (``MoE.hash_layers``). -> (the block's output, its
         new cache, the keys its sparse attention attended to or None)."""
         c, wide = self.config, self.residual_dtype
         a = ablation or {}
@@ -620,11 +593,13 @@ class DecoderLayer(nn.Module):
             if self.sparse and c.moe.beside_dense:
                 mlp_out = self.dense_and_experts(read, mlp_in, a, norm)
             elif self.sparse:
-                moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, name="mlp")
-                # The grouped dispatch computes tiles of rows already: whole batches (model.moe).
-                chunks = self.chunk_tokens if dispatch_for(c, self.moe_dispatch) == "dense" else None
+                hashed = self.layer in c.moe.hash_layers
+                moe = MoEMLP(c, self.dtype, wide, self.mesh, self.moe_dispatch, self.routing_sites, hashed, name="mlp")
+                # The grouped dispatch computes tiles of rows already: whole batches (model.moe); a hash
+                # router reads each token's id, not only its chunk's values.
+                chunks = self.chunk_tokens if dispatch_for(c, self.moe_dispatch) == "dense" and not hashed else None
                 mlp_out = map_over_token_chunks(moe, mlp_in, self.mesh, chunks, a.get("expert_keep"),
-                                                a.get("route_to"))
+                                                a.get("route_to"), *((None, token_ids) if hashed else ()))
                 if self.routing_sites:
                     mlp_out, routing = mlp_out
                     for site, value in routing.items():
@@ -686,6 +661,10 @@ class DecoderLayer(nn.Module):
             out, new_cache = GatedDeltaNet(c, self.dtype, wide, name="linear_attn")(mixer_in, mask, cache, cache_index)
         elif self.mamba:
             out, new_cache = Mamba2Mixer(c, self.dtype, wide, name="mamba")(mixer_in, mask, cache, cache_index)
+        elif c.compressed is not None:  # DeepSeek-V4's
+            attention = CompressedAttention(c, c.compressed.kind(self.layer), self.dtype, wide, self.window,
+                                            name="self_attn")
+            out, new_cache = attention(mixer_in, cos, sin, mask, positions, cache, cache_index, heads, norm)
         elif c.mla is not None:
             out, new_cache, picked = LatentAttention(c, self.dtype, self.mesh, self.attention, wide, name="self_attn")(
                 mixer_in, cos, sin, mask, positions, cache, cache_index, heads, norm, index_from)
@@ -803,10 +782,12 @@ class Decoder(nn.Module):
                                     self.residual_dtype, c.window(i), self.mlp_sites, c.is_sparse(i),
                                     self.moe_dispatch, self.routing_sites, deltanet=c.is_deltanet(i),
                                     mamba=c.is_mamba(i), patterns=i in self.pattern_layers, has_mixer=c.has_mixer(i),
-                                    has_mlp=c.has_mlp(i), parallel_mamba=c.has_parallel_mamba(i),
+                                    has_mlp=c.has_mlp(i), parallel_mamba=c.has_parallel_mamba(i), layer=i,
                                     name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
+        if c.hyper is not None:
+            self.hc_head = hyper.HyperHead(c)
         if c.per_layer_input_size:
             self.per_layer_inputs = PerLayerInputs(c, self.dtype, self.residual_dtype)
         if not c.tie_word_embeddings:
@@ -876,7 +857,7 @@ class Decoder(nn.Module):
                                               None if caches is None or source is not None else caches[i],
                                               cache_index, block, None if source is None else new_caches[source],
                                               None if per_layer is None else per_layer[:, :, i],
-                                              chosen if reuses else None)
+                                              chosen if reuses else None, input_ids)
             chosen = chosen if picked is None else picked
             outputs.append(x)
             new_caches.append(cache)
@@ -888,8 +869,8 @@ class Decoder(nn.Module):
 
     def final_norm(self, x):
         """The last block's output [..., H] through the final norm (hyper-connections' streams [..., N*H]
-        first collapsed into one: ``model.hyper.collapsed_head``)."""
-        return self.norm(x if self.config.hyper is None else hyper.collapsed_head(x, self.config))
+        first collapsed into one: ``model.hyper.HyperHead``)."""
+        return self.norm(x if self.config.hyper is None else self.hc_head(x))
 
     def unembed(self, h):
         """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), divided by

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from common.cli import UserError
 from model.attention import causal_mask
 from model.buckets import bucket_for, bucket_lengths
-from model.config import DecoderConfig
+from model.config import CSA, HCA, DecoderConfig
 from model.decoder import Decoder
 from model.extract import placed
 from model.interventions import STEER_TOKENS, steered_token_mask
@@ -164,6 +164,8 @@ class Generator:
             shape = (rows, self.cache_length, own.num_key_value_heads, own.head_dim)  # [B, T, K, D]
             if c.kv_source(layer) is not None or not c.has_mixer(layer):  # (an MLP-only block: Nemotron-H's)
                 out.append(None)
+            elif c.compressed is not None:  # the key/value rows, and each compressor's projections per position
+                out.append(self._compressed_cache(rows, layer, zeros))  # (model.compressed)
             elif c.mla is not None:  # the normed latent and the rotated key part (model.decoder.LatentAttention)
                 # and DeepSeek sparse attention's index keys (none where a block reuses an earlier one's choice),
                 # with pools each position's gate scores after its key (Di: 2 index head_dim; model.indexer)
@@ -184,6 +186,15 @@ class Generator:
             else:
                 out.append((zeros(shape), zeros(shape)))
         return out
+
+    def _compressed_cache(self, rows: int, layer: int, zeros) -> tuple:
+        """A DeepSeek-V4 block's cache: its key/value rows [B, T, 1, D]; with compressed entries its
+        compressor's kv and gate projections [B, T, 1, 2 W] (W: D, or 2 D where windows overlap), and a
+        compressed sparse block's indexer's [B, T, 1, 4 Di]."""
+        c, ca = self.config, self.config.compressed
+        kind, t = ca.kind(layer), self.cache_length
+        widths = {CSA: (4 * c.head_dim, 4 * ca.indexer.head_dim), HCA: (2 * c.head_dim,)}.get(kind, ())
+        return tuple(zeros((rows, t, 1, width)) for width in (c.head_dim, *widths))
 
     def _rows_split(self, x: jax.Array) -> jax.Array:
         """``x`` [B, ...] with its rows over the mesh's ``data`` axis (unchanged without a mesh)."""

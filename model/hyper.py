@@ -79,7 +79,23 @@ def written(streams: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array
     return (post.astype(dtype)[..., None] * out.astype(dtype)[:, :, None] + mixed).reshape(b, s, -1)
 
 
-def collapsed_head(streams: jax.Array, config: DecoderConfig) -> jax.Array:
-    """The last block's streams [..., N*H] as one [..., H] before the final norm (their mean)."""
-    n = config.hyper.streams
-    return jnp.mean(streams.reshape(*streams.shape[:-1], n, -1), axis=-2)
+class HyperHead(nn.Module):
+    """The last block's streams [..., N*H] as one [..., H] before the final norm (``HyperConnections.head``):
+    their mean (GLM-5-next's), or weighted per token (DeepSeek-V4's ``hc_head``: ``hc_fn`` [N, N H],
+    ``hc_base`` [N], ``hc_scale`` [1], all float32 as transformers keeps them): sum_j (sigmoid(scale
+    (fn @ rms(streams)) + base_j) + eps) x_j."""
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, streams: jax.Array) -> jax.Array:
+        hc, h = self.config.hyper, self.config.hidden_size
+        n = hc.streams
+        split = streams.reshape(*streams.shape[:-1], n, h)                               # [..., N, H]
+        if hc.head == "mean":
+            return jnp.mean(split, axis=-2)
+        fn = self.param("hc_fn", nn.initializers.normal(0.02), (n, n * h), jnp.float32)
+        base = self.param("hc_base", nn.initializers.zeros, (n,), jnp.float32)
+        scale = self.param("hc_scale", nn.initializers.ones, (1,), jnp.float32)
+        mixes = jnp.einsum("...i,oi->...o", rms_normalized(streams, hc.norm_eps), fn, precision=HIGHEST)  # [..., N]
+        pre = jax.nn.sigmoid(mixes * scale + base) + hc.eps
+        return jnp.sum(pre[..., None] * split.astype(jnp.float32), axis=-2).astype(streams.dtype)

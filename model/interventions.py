@@ -169,7 +169,7 @@ def padded_heads(values: np.ndarray, heads: int, width: int) -> np.ndarray:
     """Per-head values [..., N*D] (``attn.hook_z`` of a block whose heads are D wide) with each
     head's slice zero-padded to ``width`` -> [..., N*width]: how a patch's values and attribution's
     delta lie over blocks of other head sizes (Gemma 4's full-attention blocks); the forward reads
-    each block's first D of every head (``model.decoder.heads_output``)."""
+    each block's first D of every head (``model.heads.heads_output``)."""
     d = values.shape[-1] // heads
     if d == width:
         return values

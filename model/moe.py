@@ -56,6 +56,11 @@ DENSE_MAX_RATIO = 2   # auto: dense where E / k is at most this (benchmarks/extr
 MAX_TILE = 128        # rows per tile of the CPU grouped matmul, at most (see tile_rows)
 
 
+# DeepSeek's routers' scores from float32 logits [..., E] (``MoE.scoring``).
+SCORES = {"softmax": lambda logits: jax.nn.softmax(logits, axis=-1), "sigmoid": jax.nn.sigmoid,
+          "sqrtsoftplus": lambda logits: jnp.sqrt(jax.nn.softplus(logits))}
+
+
 def dispatch_for(config: DecoderConfig, dispatch: str = "auto") -> str:
     """The dispatch ``auto`` stands for on this model (see the module docstring)."""
     if dispatch not in MOE_DISPATCHES:
@@ -100,18 +105,21 @@ def route_top_k_first(logits: jax.Array, config: DecoderConfig, dtype, keep: jax
 
 
 def route_grouped(logits: jax.Array, config: DecoderConfig, keep: jax.Array | None = None,
-                  selection_bias: jax.Array | None = None):
-    """DeepSeek's routers (V3's, GLM-4.5's: sigmoid scores; V2's: softmax) from float32 logits
-    [..., E]: the scores plus ``selection_bias`` [E] (V3's ``e_score_correction_bias``) choose the
-    experts, within the ``top_groups`` groups of best group score, and the chosen scores themselves
-    (renormalised where ``normalize_top_k``) times ``routed_scaling`` are the weights (indices
-    [..., k] int32, weights [..., k] float32). ``keep`` [E]: a removed expert's logit is -inf (a
-    softmax renormalises without it) and it is never chosen."""
+                  selection_bias: jax.Array | None = None, chosen: jax.Array | None = None):
+    """DeepSeek's routers (V3's, GLM-4.5's: sigmoid scores; V2's: softmax; V4's: sqrt(softplus)) from
+    float32 logits [..., E]: the scores plus ``selection_bias`` [E] (V3's ``e_score_correction_bias``)
+    choose the experts, within the ``top_groups`` groups of best group score (or ``chosen`` [..., k]
+    are the experts: V4's hash router), and the chosen scores themselves (renormalised where
+    ``normalize_top_k``) times ``routed_scaling`` are the weights (indices [..., k] int32, weights
+    [..., k] float32). ``keep`` [E]: a removed expert's logit is -inf (a softmax renormalises without
+    it, its score is 0) and the router never chooses it."""
     moe = config.moe
     logits = logits.astype(jnp.float32)
     if keep is not None:
         logits = jnp.where(keep, logits, -jnp.inf)
-    scores = jax.nn.sigmoid(logits) if moe.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)  # [..., E]
+    scores = SCORES[moe.scoring](logits)  # [..., E]
+    if chosen is not None:
+        return _weighted(scores, chosen.astype(jnp.int32), moe)
     choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
     if keep is not None:
         choice = jnp.where(keep, choice, -jnp.inf)
@@ -121,11 +129,15 @@ def route_grouped(logits: jax.Array, config: DecoderConfig, keep: jax.Array | No
         chosen_groups = jax.lax.top_k(best, moe.top_groups)[1]  # [..., g]
         allowed = (chosen_groups[..., None] == jnp.arange(moe.groups)).any(-2)  # [..., G]
         choice = jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
-    indices = jax.lax.top_k(choice, moe.top_k)[1]  # [..., k]
+    return _weighted(scores, jax.lax.top_k(choice, moe.top_k)[1].astype(jnp.int32), moe)
+
+
+def _weighted(scores: jax.Array, indices: jax.Array, moe) -> tuple[jax.Array, jax.Array]:
+    """(indices, their scores renormalised where ``normalize_top_k``, times ``routed_scaling``)."""
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if moe.normalize_top_k:
         weights = weights / (weights.sum(-1, keepdims=True) + moe.normalize_epsilon)
-    return indices.astype(jnp.int32), weights * moe.routed_scaling
+    return indices, weights * moe.routed_scaling
 
 
 def forced(indices: jax.Array, weights: jax.Array, expert: jax.Array):
@@ -346,13 +358,15 @@ class MoEMLP(nn.Module):
     mesh: Mesh | None = None
     dispatch: str = "auto"       # auto | dense | grouped
     with_sites: bool = False     # also return the routing (and shared expert) sites
+    hashed: bool = False         # a hash router: each token's id chooses its experts (``MoE.hash_layers``)
 
     @nn.compact
     def __call__(self, x, keep: jax.Array | None = None, force: jax.Array | None = None,
-                 router_input: jax.Array | None = None):
+                 router_input: jax.Array | None = None, token_ids: jax.Array | None = None):
         """x [B, S, H] in dtype; ``keep`` [E] bool: experts not removed; ``force`` (int32 scalar):
         the expert every token goes to, or -1; ``router_input`` [B, S, H]: what the router reads
-        where it is not x (Gemma 4's: the stream). Returns the output [B, S, H] (and with
+        where it is not x (Gemma 4's: the stream); ``token_ids`` [B, S]: what a hash router's table
+        [V, k] (``tid2eid``) reads. Returns the output [B, S, H] (and with
         ``with_sites`` a dict of its sites' arrays [B, S, width] by ``model.sites`` name)."""
         c, moe = self.config, self.config.moe
         accumulate = accumulation(self.dtype, self.residual_dtype)
@@ -370,7 +384,10 @@ class MoEMLP(nn.Module):
         scale = (self.param("per_expert_scale", nn.initializers.ones, (moe.num_experts,), self.dtype)
                  if moe.per_expert_scale else None)
         weights_dtype = self.dtype if accumulate is None else accumulate
-        if moe.groups:
+        if self.hashed:  # the experts a token's id gives, weighted as the router scores them
+            table = self.param("tid2eid", nn.initializers.zeros, (c.vocab_size, moe.top_k), jnp.int32)
+            indices, weights = route_grouped(logits, c, keep, chosen=table[token_ids])  # [B, S, k]
+        elif moe.groups:
             bias = (self.param("selection_bias", nn.initializers.zeros, (moe.num_experts,), jnp.float32)
                     if moe.selection_bias else None)
             indices, weights = route_grouped(logits, c, keep, bias)  # [B, S, k]

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from common.cli import UserError
 from model import fp8, hyper, mxfp4
 from model.checkpoint import Checkpoint
-from model.config import DecoderConfig
+from model.config import CSA, HCA, DecoderConfig
 from model.sharding import expert_slots, param_sharding
 
 LINEAR_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -556,6 +556,47 @@ def _neox_block(config: DecoderConfig, hf: str, layer: int):
         yield from _norm(f"{hf}.{theirs}", (ours,), config)
 
 
+def _deepseek_v4_block(config: DecoderConfig, hf: str, layer: int):
+    """DeepSeek-V4's tensors as save_pretrained writes them (the hub's names below ``model.``): the
+    attention's (``model.compressed``: ``attn.wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``norm``, ``wo_a``
+    as torch holds it [groups x rank, N D / groups], ``wo_b``, ``attn_sink``), its compressor's and its
+    indexer's (``wkv``, ``wgate``, ``ape``, ``norm``; the indexer's ``wq_b`` and ``weights_proj``), the
+    mixture of experts (``ffn.gate`` with its choice ``bias``, or a hash router's ``tid2eid``; the experts'
+    and the shared experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down)), the norms and the
+    hyper-connections."""
+    c, ca = config, config.compressed
+    attn, ffn = f"{hf}.attn", f"{hf}.ffn"
+    for ours, theirs in (("q_a_proj", "wq_a"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"), ("o_b_proj", "wo_b")):
+        yield from _linear(f"{attn}.{theirs}", ("self_attn", ours), False)
+    yield ("self_attn", "o_a_proj"), Source(f"{attn}.wo_a.weight")
+    yield ("self_attn", "sinks"), Source(f"{attn}.attn_sink")
+    yield from _norm(f"{attn}.q_norm", ("self_attn", "q_a_norm"), c)
+    yield from _norm(f"{attn}.norm", ("self_attn", "kv_norm"), c)
+    compressors = {CSA: (("compressor",), ("indexer", "compressor")), HCA: (("compressor",),)}
+    for path in compressors.get(ca.kind(layer), ()):
+        theirs = ".".join((attn, *path))
+        for ours, name in (("kv_proj", "wkv"), ("gate_proj", "wgate")):
+            yield from _linear(f"{theirs}.{name}", ("self_attn", *path, ours), False)
+        yield ("self_attn", *path, "position_bias"), Source(f"{theirs}.ape")
+        yield from _norm(f"{theirs}.norm", ("self_attn", *path, "kv_norm"), c)
+    if ca.kind(layer) == CSA:
+        yield from _linear(f"{attn}.indexer.wq_b", ("self_attn", "indexer", "q_b_proj"), False)
+        yield from _linear(f"{attn}.indexer.weights_proj", ("self_attn", "indexer", "weights_proj"), False)
+    yield ("mlp", "router", "kernel"), Source(f"{ffn}.gate.weight", True)
+    if layer in c.moe.hash_layers:
+        yield ("mlp", "tid2eid"), Source(f"{ffn}.gate.tid2eid")
+    else:
+        yield ("mlp", "selection_bias"), Source(f"{ffn}.gate.bias")
+    for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        yield ("mlp", "experts", ours), Source(f"{ffn}.experts.{{e}}.{theirs}.weight", True, experts=c.moe.num_experts)
+        yield from _linear(f"{ffn}.shared_experts.{theirs}", ("mlp", "shared_expert", ours), False)
+    yield from _norm(f"{hf}.attn_norm", ("pre_attention_norm",), c)
+    yield from _norm(f"{hf}.ffn_norm", ("pre_mlp_norm",), c)
+    for ours, theirs in HYPER_MODULES.items():
+        for leaf in ("fn", "base", "scale"):
+            yield (ours, leaf), Source(f"{hf}.{theirs}_{leaf}")
+
+
 LLAMA = Layout(TEXT_PREFIXES, "embed_tokens", "layers", "norm", _llama_block)
 PHI3 = dataclasses.replace(LLAMA, block_tensors=functools.partial(_llama_block, fused=True))
 GPT2 = Layout(("transformer.", ""), "wte", "h", "ln_f", _gpt2_block, positions="wpe", head="lm_head.weight",
@@ -592,6 +633,11 @@ GLM5_NEXT = dataclasses.replace(DEEPSEEK, deltanet="self_attn", deltanet_names=K
     **{f"self_attn.{name}": f"self_attn.forget_gate.{name}" for name in ("f_a_proj", "f_b_proj", "dt_bias", "A_log")},
     **{f"{hub}_{leaf}": f"{ours}.{leaf}" for ours, hub in HYPER_MODULES.items() for leaf in ("fn", "base", "scale")}})
 MISTRAL4 = dataclasses.replace(DEEPSEEK, expert_tensors=_stacked_moe)
+# DeepSeek-V4's (save_pretrained's names; its head ``head.weight``): the attention's output projection is
+# grouped (wo_a, then wo_b), the indexer's choice of compressed entries its output.
+DEEPSEEK_V4 = Layout(("model.",), "embed_tokens", "layers", "norm", _deepseek_v4_block, head="head.weight",
+                     o_proj="self_attn.o_a_proj", shared_expert="shared_experts",
+                     indexed_keys=("self_attn.compressor.indexer", "chosen entries"))
 # Llama 4's: the MLP and the mixture of experts are ``feed_forward``, whose router returns (its scores:
 # the chosen experts' sigmoids, zero elsewhere [T, E]; its logits [T, E]).
 LLAMA4 = dataclasses.replace(LLAMA, mlp="feed_forward", down_proj="feed_forward.down_proj", moe_tensors="feed_forward",
@@ -621,7 +667,8 @@ LAYOUTS = {"gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3, "mixtral": MIXTRAL,
            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK, "deepseek_v32": DEEPSEEK, "glm_moe_dsa": GLM5,
            "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK,
            "mistral4": MISTRAL4, "llama4": LLAMA4, "granitemoehybrid": GRANITE_HYBRID, "nemotron_h": NEMOTRON_H,
-           "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR, "glm5_next": GLM5_NEXT}
+           "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR, "glm5_next": GLM5_NEXT,
+           "deepseek_v4": DEEPSEEK_V4}
 
 
 def layout_of(config: DecoderConfig) -> Layout:
@@ -724,7 +771,8 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
     attn, mlp = layout.attention, layout.mlp
     recurrent = layer is not None and config.is_recurrent(layer)
     module_out = (mixer_module(config, layer) if recurrent else attn, "output")
-    fused = layout.o_proj != f"{attn}.o_proj" or config.model_type == "phi3"  # qkv_proj, gate_up_proj
+    # qkv_proj, gate_up_proj (DeepSeek-V4's grouped output projection is no fusion: its input is attn.hook_z)
+    fused = layout.o_proj not in (f"{attn}.o_proj", f"{attn}.o_a_proj") or config.model_type == "phi3"
     if fused and site not in (sites.ATTN_MODULE_OUT, sites.MLP_MODULE_OUT, sites.LN1_NORMALIZED, sites.ATTN_IN):
         raise ValueError(f"{site}: {config.model_type}'s projections are fused in transformers")
     if layout.gate_up and site in sites.MLP_HIDDEN:
@@ -777,6 +825,9 @@ def param_names(config: DecoderConfig, num_layers: int, with_head: bool,
         yield from _norm(f"{prefix}{layout.final_norm}", ("norm",), config)
         if not config.tie_word_embeddings:
             yield ("lm_head", "kernel"), Source(layout.head or HEAD_NAMES[prefix], True)
+        if config.hyper is not None and config.hyper.head == "weighted":  # DeepSeek-V4's final collapse
+            for leaf in ("hc_fn", "hc_base", "hc_scale"):
+                yield ("hc_head", leaf), Source(f"{prefix}hc_head.{leaf}")
 
 
 def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int | None = None) -> tuple[int, ...]:
@@ -841,6 +892,8 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                 return (h, ix.head_dim) if leaf == "index_kpool_compress_gate" else (ix.pool, ix.head_dim)
             return {"wq_b": (m.q_lora_rank or 0, ix.num_heads * ix.head_dim), "wk": (h, ix.head_dim),
                     "weights_proj": (h, ix.num_heads)}.get(module, (ix.head_dim,))
+    if c.compressed is not None and (shape := _compressed_shape(path, c)) is not None:
+        return shape
     if path[0] == "per_layer_inputs" or module.startswith("per_layer"):  # Gemma 4's per-layer embeddings
         width = (c.num_hidden_layers if num_layers is None else num_layers) * c.per_layer_input_size
         return {"embed_tokens_per_layer": (c.per_layer_vocab_size, width), "per_layer_model_projection": (h, width),
@@ -862,6 +915,33 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
     if module in ("q_norm", "k_norm"):  # per head, or over the whole projection
         return (d,) if c.qk_norm_scope == "head" else ((q,) if module == "q_norm" else (kv,))
     return (h,)
+
+
+def _compressed_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, ...] | None:
+    """The shape of a DeepSeek-V4 attention's parameter at ``path`` (its own, its compressors' and its
+    indexer's), of a hash router's table, or of the final collapse's; None for the others."""
+    c, ca = config, config.compressed
+    h, n, d = c.hidden_size, c.num_attention_heads, c.head_dim
+    module, leaf = path[-2], path[-1]
+    if path[0] == "hc_head":
+        streams = c.hyper.streams
+        return {"hc_fn": (streams, streams * h), "hc_base": (streams,), "hc_scale": (1,)}[leaf]
+    if leaf == "tid2eid":
+        return (c.vocab_size, c.moe.top_k)
+    if "self_attn" not in path:
+        return None
+    ix = ca.indexer
+    if "compressor" in path:  # [H, W]: W = 2 D where windows overlap (a CSA block's, its indexer's)
+        width = ix.head_dim if "indexer" in path else d
+        series = 2 if "indexer" in path or ca.kind(int(path[0].removeprefix("layers_"))) == CSA else 1
+        return {"position_bias": (ca.csa_rate if series == 2 else ca.hca_rate, series * width),
+                "kv_norm": (width,)}.get(module if leaf != "position_bias" else leaf, (h, series * width))
+    if "indexer" in path:
+        return {"q_b_proj": (ca.q_lora_rank, ix.num_heads * ix.head_dim), "weights_proj": (h, ix.num_heads)}[module]
+    return {"q_a_proj": (h, ca.q_lora_rank), "q_b_proj": (ca.q_lora_rank, n * d), "kv_proj": (h, d),
+            "o_b_proj": (ca.output_groups * ca.output_rank, h), "q_a_norm": (ca.q_lora_rank,), "kv_norm": (d,),
+            "self_attn": {"sinks": (n,), "o_a_proj": (ca.output_groups * ca.output_rank, n * d // ca.output_groups)
+                          }.get(leaf)}.get(module)
 
 
 def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None = None,
@@ -927,6 +1007,10 @@ def _placed(source: np.ndarray, transpose: bool, path: tuple[str, ...], mesh: Me
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
+V4_FLOAT32_NORMS = tuple((norm, "weight") for norm in ("q_a_norm", "kv_norm", "pre_attention_norm", "pre_mlp_norm",
+                                                         "norm"))
+
+
 def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any:
     """The dtype the parameter at ``path`` is held in: ``dtype``, but float32 for a router that
     computes in it (DeepSeek's, ``MoE.router_in_float32``: transformers keeps it so) and its bias,
@@ -938,7 +1022,13 @@ def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any
         path[-1] in config.deltanet.float32_params
     # A hyper-connection's bias and scales (float32 in transformers; its projection fn is the model's dtype).
     connection = len(path) > 1 and path[-2] in HYPER_MODULES and path[-1] in ("base", "scale")
-    return jnp.dtype(jnp.float32) if router or mixer or connection else dtype
+    if path[-1] == "tid2eid":  # a hash router's table of expert ids
+        return jnp.dtype(jnp.int32)
+    # DeepSeek-V4's that transformers keeps in float32: the sinks, the compressors' position biases, the
+    # choice bias, the final collapse of the streams, every RMSNorm's weight.
+    compressed = config.compressed is not None and (path[-1] in ("sinks", "position_bias", "selection_bias")
+                                                    or path[0] == "hc_head" or path[-2:] in V4_FLOAT32_NORMS)
+    return jnp.dtype(jnp.float32) if router or mixer or connection or compressed else dtype
 
 
 def load_params(checkpoint: Checkpoint, config: DecoderConfig, mesh: Mesh, dtype: Any,

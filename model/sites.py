@@ -22,6 +22,7 @@ import re
 from typing import Iterable, Sequence
 
 from common.cli import UserError
+from model.config import CSA
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,8 @@ SITES: dict[str, Site] = {s.name: s for s in (
                           "those positions", scope="model"),
     Site(RESID_PRE, "resid", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
                              "plus the learned positions in GPT-2; copied into each stream with hyper-connections)"),
-    Site(HC_ATTN_COLLAPSE, "hidden", "with hyper-connections (GLM-5-next), what attention's norm reads: the block's "
-                                     "input streams collapsed, sum_j pre_j x_j"),
+    Site(HC_ATTN_COLLAPSE, "hidden", "with hyper-connections (GLM-5-next, DeepSeek-V4), what attention's norm reads: "
+                                     "the block's input streams collapsed, sum_j pre_j x_j"),
     Site(HC_ATTN_WRITE, "streams", "with hyper-connections, the weight post_k with which attention's output is "
                                    "written into stream k (2 sigmoid, computed in float32)"),
     Site(HC_ATTN_MIX, "stream_pairs", "with hyper-connections, the matrix comb [j, k] (row-major) mixing input "
@@ -144,7 +145,9 @@ SITES: dict[str, Site] = {s.name: s for s in (
     Site(INDEXED_KEYS, "index_topk", "the keys DeepSeek sparse attention's indexer chose for each query: "
                                      "their positions, highest index score first, -1 past the keys the query "
                                      "sees (int32); at GLM-5's shared blocks, the last full block's choice, which "
-                                     "they attend to", integer=True, measured=False),
+                                     "they attend to; at DeepSeek-V4's compressed sparse blocks, the compressed "
+                                     "entries chosen (entry w: the window of positions w x rate to (w + 1) x rate - 1, "
+                                     "with the window before it)", integer=True, measured=False),
     Site(ATTN_Z, "heads", "attention's output per head before the output projection, flattened to "
                           "n_heads * head_dim (head-major)"),
     Site(ATTN_MODULE_OUT, "hidden", "the attention module's output (o_proj's), before a post-attention norm: "
@@ -192,7 +195,7 @@ SITES: dict[str, Site] = {s.name: s for s in (
                             "block has one: Gemma 2, 3, OLMo 2)"),
     Site(RESID_POST, "resid", "block L's output, before the final norm (this project's layer L); with "
                               "hyper-connections every stream, [streams x hidden] stream-major as transformers' "
-                              "[B, S, N, H] (the final norm reads their mean)"),
+                              "[B, S, N, H] (the final norm reads their mean, or DeepSeek-V4's weighted collapse)"),
     Site(FINAL_NORMALIZED, "hidden", "the last block's output after the final norm, before its gain: x / rms(x), "
                                      "or (x - mean) / std, in float32", scope="model"),
     Site(FINAL_NORM, "hidden", "the final norm's output: what the unembedding reads (the logit lens's input)",
@@ -277,7 +280,8 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if config.sublayers and (reason := _sublayer_reason(site, config, layer)):
         return reason
     if site in HYPER_SITES and config.hyper is None:
-        return (f"{config.model_type} has one residual stream: no hyper-connections (GLM-5-next's) collapse or mix "
+        return (f"{config.model_type} has one residual stream: no hyper-connections (GLM-5-next's, DeepSeek-V4's) "
+                "collapse or mix "
                 "streams")
     if site in ROUTING + SHARED_EXPERT and config.moe is None:
         return f"{config.model_type} is a dense model: it has no router"
@@ -303,8 +307,13 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
     if site in PARALLEL_SSM and (config.mamba is None or not config.mamba.parallel):
         return (f"{config.model_type} has no Mamba-2 mixer beside attention (Falcon-H1's; a Mamba-2 block's "
                 "mixer output is attn.hook_out)")
-    if site == INDEXED_KEYS and (config.mla is None or config.mla.indexer is None):
-        return f"{config.model_type} has no sparse attention indexer (DeepSeek-V3.2's)"
+    if site == INDEXED_KEYS and config.index_width is None:
+        return f"{config.model_type} has no sparse attention indexer (DeepSeek-V3.2's, DeepSeek-V4's)"
+    if site == INDEXED_KEYS and config.compressed is not None and layer is not None and layer >= 0 and \
+            config.compressed.kind(layer) != CSA:
+        sparse = tuple(i for i, kind in enumerate(config.compressed.kinds) if kind == CSA)
+        return (f"block {layer}'s attention is {config.compressed.kind(layer)}: no indexer chooses its entries; its "
+                f"compressed sparse blocks are {_spans(sparse)}")
     if site == INDEXED_KEYS and layer is not None and layer >= 0 and config.is_recurrent(layer):
         return (f"block {layer} mixes with {config.mixer_name(layer)}: no indexer chooses its keys; its attention "
                 f"blocks are {_spans(config.attention_layers)}")
@@ -350,6 +359,9 @@ def _attention_reason(site: str, config, layer: int | None) -> str | None:
     if config.mla is not None:
         return (f"{config.model_type}'s latent attention expands its keys and values from a shared latent: "
                 "its queries, keys, values and patterns are not sites yet (attn.hook_z is)")
+    if config.compressed is not None:
+        return (f"{config.model_type}'s attention reads one key/value head beside compressed entries: its queries, "
+                "keys, values and patterns are not sites yet (attn.hook_z is)")
     if site in QK_NORM and config.qk_l2_norm:
         return (f"{config.model_type}'s QK-norm has no weight and follows rotary (attn.hook_rot_q and "
                 "attn.hook_rot_k are its inputs; the scores are taken after it)")
@@ -492,7 +504,7 @@ def site_width(site: str, config, layer: int | None = None, length: int | None =
     if kind == "delta_values":
         return config.deltanet.value_dim
     if kind == "index_topk":
-        return config.mla.indexer.width
+        return config.index_width
     if kind == "resid":
         return config.residual_width
     if kind in ("streams", "stream_pairs"):

@@ -280,8 +280,7 @@ def test_the_fixture_command_writes_any_family_in_either_layout(tmp_path):
     assert load_config(tmp_path / "hub").model_type == "gemma2"
 
 
-@pytest.mark.parametrize("model_type, mechanism", [
-    ("deepseek_v4", "compressed sparse"), ("qwen4_exp", "QSA indexer")])
+@pytest.mark.parametrize("model_type, mechanism", [("qwen4_exp", "QSA indexer"), ("qwen4_exp_text", "QSA indexer")])
 def test_the_newest_families_not_yet_read_are_refused_naming_what_they_need(model_type, mechanism):
     from model.families import config_from_dict
     with pytest.raises(UserError, match=f"model_type {model_type!r}: .*{mechanism}.* not implemented") as caught:

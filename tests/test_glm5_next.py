@@ -48,18 +48,24 @@ def test_every_site_and_the_routing_through_the_runner_on_a_2d_mesh(checkpoint, 
     """Every site of an indexed block and a Kimi Delta Attention block with experts (1, 3): the
     streams flattened [tokens, 3 x hidden], the collapses, write weights and mixing matrices; the
     experts in expert order (transformers' top-k leaves its order open)."""
+    assert_every_stream_site_and_the_routing_equal_transformers(checkpoint, tmp_path, [1, 3])
+
+
+def assert_every_stream_site_and_the_routing_equal_transformers(checkpoint: str, tmp_path, layers: list[int]) -> None:
+    """Every site but the inside ones at ``layers`` of a model of 3 hyper-connection streams, through the
+    runner on a 2d mesh, equal to transformers' float64 forward (the routing in expert order)."""
     config = load_config(checkpoint)
-    layers = [1, 3]
     routing = (EXPERT_INDICES, ROUTING_WEIGHTS)
     sites = [site for site in block_sites(config, layers) if site not in routing]
     assert set(HYPER_SITES) <= set(sites)
     records = write_stream(tmp_path / "stream.jsonl", checkpoint, count=4)
     result = run_in_process("runners.tpu_host", *runner(
         tmp_path / "stream.jsonl", tmp_path / "out", checkpoint, "--sites", ",".join([*sites, *routing]),
-        "--layers_to_extract", "1,3", "--mesh_type", "2d"))
+        "--layers_to_extract", ",".join(map(str, layers)), "--mesh_type", "2d"))
     assert result.returncode == 0, result.stderr[-3000:]
     got = stored(tmp_path / "out" / "machine_000")
-    assert all(arrays[array_key(RESID_POST, 1)].shape[1] == 3 * config.hidden_size for arrays in got.values())
+    assert all(arrays[array_key(RESID_POST, layers[-1])].shape[1] == 3 * config.hidden_size
+               for arrays in got.values())
     plain = {i: {k: v for k, v in arrays.items() if not str(k).endswith(routing)} for i, arrays in got.items()}
     assert_equals_transformers(checkpoint, records, plain, sites, layers)
     assert_routing_equals_transformers(checkpoint, records, got, layers)
@@ -181,11 +187,17 @@ def test_steering_what_attention_reads_equals_transformers_with_the_collapse_edi
 def test_ablations_act_on_every_stream_as_transformers_with_the_sublayer_zeroed(checkpoint, one_torch_thread):
     """Attention of block 1 removed (its output zero: the streams still mixed) equals transformers
     with that output zeroed; block 3 skipped passes its input streams on unchanged."""
+    assert_attention_removed_and_block_skipped_equal_transformers(checkpoint, LENGTHS[1:])
+
+
+def assert_attention_removed_and_block_skipped_equal_transformers(checkpoint: str, lengths: list[int]) -> None:
+    """Ours with block 1's attention removed equals transformers with its output zeroed (at blocks 1 and
+    5); block 3 skipped outputs block 2's streams (a model of 6 blocks of hyper-connections)."""
     import torch
     from fixtures.hf_reference import decoder_blocks, load_reference, reference_activations, relative_error
     from interventions.resolve import ablation_source
     from model.extract import Extractor
-    sequences = random_sequences(LENGTHS[1:], seed=3, vocab=load_config(checkpoint).vocab_size)
+    sequences = random_sequences(lengths, seed=3, vocab=load_config(checkpoint).vocab_size)
     run = lambda spec: dict(Extractor.load(checkpoint, dtype="float32", max_seq_length=128, min_bucket=128,
                                            batch_size_per_device=2, devices=jax.devices()[:1],
                                            ablation=ablation_source(spec, None)).extract(enumerate(sequences)))

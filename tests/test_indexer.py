@@ -123,7 +123,7 @@ def test_pooled_choice_decoded_step_by_step_equals_the_one_shot_choice():
     slots overwritten by later steps), then one position a row a step, as model.decoder.LatentAttention
     feeds it: every query's narrowed mask and chosen positions are the one-shot forward's."""
     from model.attention import causal_mask
-    from model.decoder import cache_written
+    from model.attention import cache_written
     from model.indexer import LightningIndexer
     config = pooled_config()
     ix = config.mla.indexer

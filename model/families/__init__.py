@@ -10,8 +10,8 @@ from types import ModuleType
 
 from common.cli import UserError
 from model.config import DecoderConfig
-from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, falcon_h1, gemma2, gemma3, gemma4, glm4_moe,
-                            glm5_next, gpt2, gpt_neox, gpt_oss, granitemoehybrid, kimi_linear, llama, llama4,
+from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, deepseek_v4, falcon_h1, gemma2, gemma3, gemma4,
+                            glm4_moe, glm5_next, gpt2, gpt_neox, gpt_oss, granitemoehybrid, kimi_linear, llama, llama4,
                             minimax_m2, mistral, mistral4, mixtral, nemotron_h, olmo2, olmo3, olmo_hybrid, olmoe, phi3,
                             qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 
@@ -59,11 +59,10 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "falcon_h1": (falcon_h1, falcon_h1.ARCHITECTURES),
     "kimi_linear": (kimi_linear, kimi_linear.ARCHITECTURES),
     "glm5_next": (glm5_next, glm5_next.ARCHITECTURES),
+    "deepseek_v4": (deepseek_v4, deepseek_v4.ARCHITECTURES),
 }
 # Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
 REFUSED = {
-    "deepseek_v4": "DeepSeek-V4's compressed sparse and heavily compressed attention (compressors over windows of "
-                   "keys, hyper-connections) are not implemented",
     "glm5_next_text": "a GLM-5-next text model alone has no LM head in transformers: read the "
                       "Glm5NextForConditionalGeneration checkpoint (model_type glm5_next)",
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "Qwen4-exp's QSA indexer over compressed keys, "

@@ -119,14 +119,15 @@ def delta_attention(f: Fields, layers: tuple[int, ...]) -> DeltaNet:
                     float32_params=("dt_bias", "A_log", "conv_q", "conv_k", "conv_v"))
 
 
-def hyper_connections(f: Fields) -> HyperConnections:
-    """The residual's streams and their Sinkhorn normalisation."""
+def hyper_connections(f: Fields, head: str = "mean") -> HyperConnections:
+    """The residual's streams and their Sinkhorn normalisation; ``head``: how the last block's streams
+    become one (``HyperConnections.head``)."""
     streams, iterations = f.number("hc_mult"), f.number("hc_sinkhorn_iters")
     if streams < 2:
         raise f.refuse("hc_mult", streams, "hyper-connections have 2 or more streams")
     if iterations < 1:
         raise f.refuse("hc_sinkhorn_iters", iterations, "Sinkhorn normalises at least once")
-    return HyperConnections(streams, iterations, f.number("hc_eps", float), f.number("rms_norm_eps", float))
+    return HyperConnections(streams, iterations, f.number("hc_eps", float), f.number("rms_norm_eps", float), head)
 
 
 def indexer(f: Fields, kinds: list[str]) -> Indexer:

@@ -1,0 +1,148 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``, model_type ``deepseek_v4``: V4-Flash, V4-Pro), as
+transformers' ``DeepseekV4Model`` computes it: Llama-like blocks (a norm before each sublayer) whose
+residual is **hyper-connections** (GLM-5-next's, ``hc_mult`` streams; the final norm reads their
+weighted collapse, ``hc_head``), whose mixer is **DeepSeek-V4's attention**
+(``model.config.CompressedAttention``: one key/value head through a sliding window, and on
+``layer_types``' ``heavily_compressed_attention`` and ``compressed_sparse_attention`` blocks the
+compressed entries of the whole past, every closed one or an indexer's ``index_topk``), and whose
+MLP is a **mixture of experts** in every block: sqrt(softplus) scores, ``e_score_correction_bias``
+added to choose ``num_experts_per_tok`` of them (or on ``mlp_layer_types``' ``hash_moe`` blocks the
+experts a token's id gives, ``tid2eid``), the chosen scores renormalised (+ 1e-20) and times
+``routed_scaling_factor``, the shared experts added ungated; every gate clamped to at most
+``swiglu_limit`` and every up projection to within it.
+
+Two rotaries: the sliding blocks' (``rope_parameters.main``, ``rope_theta``) and the compressed
+blocks' and compressors' (``rope_parameters.compress``, ``compress_rope_theta``, YaRN with cos and
+sin unscaled), each over the last ``qk_rope_head_dim`` of a head. FP8 and FP4 checkpoints (the hub's
+V4-Flash) are refused: read a dequantized one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.config import CSA, HCA, SLIDING, SLIDING_ONLY, CompressedAttention, DecoderConfig, Indexer, MoE
+from model.families.common import Fields, rope, shapes
+from model.families.glm5_next import hyper_connections
+
+ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+# transformers' DeepseekV4Config defaults, for keys a config.json may leave out.
+DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+                num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, num_experts_per_tok=6,
+                n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus", norm_topk_prob=True,
+                routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10000.0,
+                compress_rope_theta=160000.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
+                sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+                index_topk=512, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+                partial_rotary_factor=64 / 512, attention_bias=False, mlp_bias=False)
+RATES = {CSA: 4, HCA: 128}  # compress_rates' defaults
+# The hub's per-block compress_ratios -> the kind each means (transformers' legacy reading).
+RATIO_KINDS = {0: SLIDING_ONLY, 4: CSA, 128: HCA}
+
+
+def decoder_config(raw: dict) -> DecoderConfig:
+    f = Fields(raw, DEFAULTS, "deepseek_v4")
+    for key, value, why in (("hidden_act", f.get("hidden_act") != "silu", "the experts' activation is SiLU"),
+                            ("scoring_func", f.get("scoring_func") != "sqrtsoftplus", "the router's scores are "
+                             "sqrt(softplus) (transformers' others are no DeepSeek-V4 checkpoint's)"),
+                            ("num_key_value_heads", f.number("num_key_value_heads") != 1, "one key/value head"),
+                            ("attention_bias", bool(f.get("attention_bias")), "the projections have no bias"),
+                            ("mlp_bias", bool(f.get("mlp_bias")), "the projections have no bias")):
+        if value:
+            raise f.refuse(key, f.raw.get(key), why)
+    # transformers reads the shared expert's width as the intermediate size: the model has no dense MLP.
+    config = shapes(Fields({**raw, "intermediate_size": f.get("moe_intermediate_size")}, DEFAULTS, f.family))
+    layers = config["num_hidden_layers"]
+    attention = compressed_attention(f, layers, config)
+    moe = experts(f, layers)
+    window = f.number("sliding_window")
+    if window < 1:
+        raise f.refuse("sliding_window", window, "every block attends through a window of 1 or more keys")
+    main = rope(f, _rope_params(f, "main"), "rope_parameters.main", f.number("rope_theta", float), partial=True)
+    return DecoderConfig(f.family, **config, rope=main, rotary_dim=attention.rope_dim, sliding_window=window,
+                         layer_types=(SLIDING,) * layers, attention_sinks=True, moe=moe, compressed=attention,
+                         hyper=hyper_connections(f, head="weighted"), swiglu_limit=f.number("swiglu_limit", float))
+
+
+def compressed_attention(f: Fields, layers: int, config: dict[str, Any]) -> CompressedAttention:
+    """The attention's shapes, its blocks' kinds and compression rates, its rotaries and indexer."""
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    factor = f.get("partial_rotary_factor")
+    rope_dim = int(head_dim * float(factor))
+    if not 2 <= rope_dim <= head_dim or rope_dim % 2:
+        raise f.refuse("partial_rotary_factor", factor, f"it rotates {rope_dim} of head_dim {head_dim}: an even "
+                       "number of dims, at least 2")
+    groups, rank = f.number("o_groups"), f.number("o_lora_rank")
+    if groups < 1 or heads * head_dim % groups:
+        raise f.refuse("o_groups", groups, f"the heads' outputs ({heads} x {head_dim}) split into equal groups")
+    rates = {**RATES, **(f.raw.get("compress_rates") or {})}
+    for key in ("compress_rate_csa", "compress_rate_hca"):  # the hub's names
+        if f.raw.get(key) is not None:
+            rates[CSA if key.endswith("csa") else HCA] = f.raw[key]
+    if set(rates) != {CSA, HCA} or not all(isinstance(r, int) and r >= 1 for r in rates.values()):
+        raise f.refuse("compress_rates", f.raw.get("compress_rates"), f"a positive whole rate for {CSA} and {HCA}")
+    kinds = block_kinds(f, layers)
+    ix = Indexer(f.number("index_n_heads"), f.number("index_head_dim"), f.number("index_topk"))
+    if min(ix.num_heads, ix.topk) < 1 or not rope_dim <= ix.head_dim:
+        raise f.refuse("index_head_dim", ix.head_dim, f"the indexer's heads rotate their last {rope_dim} dims")
+    compress = rope(f, _rope_params(f, "compress"), "rope_parameters.compress", f.number("compress_rope_theta", float),
+                    partial=True)
+    return CompressedAttention(f.number("q_lora_rank"), rope_dim, groups, rank, tuple(kinds), rates[CSA], rates[HCA],
+                               compress, ix)
+
+
+def block_kinds(f: Fields, layers: int) -> list[str]:
+    """Each block's attention, as transformers reads it: ``layer_types``, else the hub's per-block
+    ``compress_ratios`` (0, 4, 128), else two heavily compressed blocks then CSA and HCA in turn."""
+    types = f.raw.get("layer_types")
+    ratios = f.raw.get("compress_ratios")
+    if types is None and ratios is not None:
+        if not isinstance(ratios, list) or set(ratios) - set(RATIO_KINDS):
+            raise f.refuse("compress_ratios", ratios, f"one of {sorted(RATIO_KINDS)} per block")
+        types = [RATIO_KINDS[r] for r in ratios]
+    if types is None:
+        types = [HCA] * min(layers, 2) + [CSA if i % 2 else HCA for i in range(max(layers - 2, 0))]
+    if not isinstance(types, list) or len(types) < layers or set(types[:layers]) - {SLIDING_ONLY, CSA, HCA}:
+        raise f.refuse("layer_types", types, f"one of {SLIDING_ONLY}, {CSA} or {HCA} for each of the {layers} blocks")
+    return types[:layers]
+
+
+def experts(f: Fields, layers: int) -> MoE:
+    """Every block's mixture of experts, hash-routed on ``mlp_layer_types``' ``hash_moe`` blocks
+    (the hub's ``num_hash_layers``: the first ones; default 3)."""
+    types = f.raw.get("mlp_layer_types")
+    if types is None:
+        hashed = f.raw.get("num_hash_layers")
+        types = ["hash_moe"] * min(layers, 3 if hashed is None else int(hashed))
+        types += ["moe"] * (layers - len(types))
+    if not isinstance(types, list) or len(types) < layers or set(types[:layers]) - {"hash_moe", "moe"}:
+        raise f.refuse("mlp_layer_types", types, f"one of hash_moe or moe for each of the {layers} blocks")
+    count, k = f.number("n_routed_experts"), f.number("num_experts_per_tok")
+    if not 0 < k <= count:
+        raise f.refuse("num_experts_per_tok", k, f"a token's experts are 1 to the {count} experts")
+    shared = f.number("n_shared_experts")
+    if shared != 1:
+        raise f.refuse("n_shared_experts", shared, "one shared expert, of moe_intermediate_size (transformers' "
+                       "DeepseekV4MLP)")
+    limit = f.number("swiglu_limit", float)
+    return MoE(count, k, f.number("moe_intermediate_size"), normalize_top_k=True, weights_in_float32=True,
+               shared_expert_size=f.number("moe_intermediate_size"), shared_expert_gate=False, scoring="sqrtsoftplus",
+               hash_layers=tuple(i for i, kind in enumerate(types[:layers]) if kind == "hash_moe"),
+               selection_bias=True, groups=1, routed_scaling=f.number("routed_scaling_factor", float),
+               normalize_epsilon=1e-20, swiglu_limit=limit, swiglu_alpha=None)
+
+
+def _rope_params(f: Fields, kind: str) -> dict[str, Any]:
+    """One rotary's parameters (``main`` or ``compress``): transformers 5's nested ones, else the flat
+    ``rope_parameters`` / ``rope_scaling`` that transformers applies to the compressed blocks alone
+    (YaRN there with cos and sin unscaled)."""
+    params = f.raw.get("rope_parameters") or {}
+    if isinstance(params.get(kind), dict):
+        return dict(params[kind])
+    if kind == "main":
+        return {}
+    flat = {key: value for key, value in {**(f.raw.get("rope_scaling") or {}), **params}.items()
+            if key not in ("main", "compress")}
+    if (flat.get("rope_type") or flat.get("type")) == "yarn":
+        flat.setdefault("attention_factor", 1.0)
+    flat.pop("rope_theta", None)  # the compressed blocks' base is compress_rope_theta
+    return flat
