@@ -357,3 +357,17 @@ def cache_written(cache: jax.Array, new: jax.Array, index) -> jax.Array:
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, index, 0, 0))
     return jax.vmap(lambda rows, x, i: jax.lax.dynamic_update_slice(rows, x, (i, 0, 0)))(cache, new, index)
+
+
+def over_query_blocks(fn, *arrays: jax.Array, block: int = ATTENTION_BLOCK):
+    """``fn(*arrays)`` for arrays [B, S, ...] whose rows are queries, computed ``block`` queries at a
+    time (the last block zero-padded, its extra rows cut) so that what ``fn`` builds per query never
+    exists for the whole sequence at once -> ``fn``'s output [B, S, ...]."""
+    b, s = arrays[0].shape[:2]
+    if s <= block:
+        return fn(*arrays)
+    n = -(-s // block)
+    pad = lambda y: jnp.pad(y, ((0, 0), (0, n * block - s)) + ((0, 0),) * (y.ndim - 2))
+    split = lambda y: jnp.moveaxis(pad(y).reshape(b, n, block, *y.shape[2:]), 1, 0)  # [n, B, block, ...]
+    out = jax.lax.map(lambda args: fn(*args), tuple(split(y) for y in arrays))      # [n, B, block, ...]
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * block, *out.shape[3:])[:, :s]

@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.attention import cache_written, dense_attention, windowed
+from model.attention import cache_written, dense_attention, over_query_blocks, windowed
 from model.config import CSA, DecoderConfig
 from model.heads import heads_output
 from model.indexer import chosen_keys, index_scores
@@ -56,6 +56,8 @@ def window_entries(kv: jax.Array, gate: jax.Array, bias: jax.Array, rate: int, o
     second: 2 rate slots, the first window's previous ones weightless)."""
     b, t, w = kv.shape
     n = t // rate
+    if n == 0:  # shorter than a window: no entry yet
+        return jnp.zeros((b, 0, w // 2 if overlap else w), kv.dtype)
     windows = lambda y: y[:, :n * rate].reshape(b, n, rate, w)                        # [B, n, rate, W]
     kv, gate = windows(kv), windows(gate).astype(jnp.float32) + bias.astype(jnp.float32)
     if overlap:
@@ -64,7 +66,7 @@ def window_entries(kv: jax.Array, gate: jax.Array, bias: jax.Array, rate: int, o
         kv = jnp.concatenate([before(kv, 0), kv[..., d:]], axis=2)                     # [B, n, 2 rate, D]
         gate = jnp.concatenate([before(gate, -jnp.inf), gate[..., d:]], axis=2)
     weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
-    # As transformers: the products in kv's dtype, summed in it.
+    # As transformers: the weights rounded to kv's dtype, the products in it, their sum rounded once.
     return jnp.sum(kv * weights, axis=2)                                               # [B, n, D]
 
 
@@ -112,8 +114,11 @@ class CompressedIndexer(nn.Module):
     residual_dtype: Any = None
 
     @nn.compact
-    def __call__(self, x, q_resid, cos, sin, positions, cached: Cached = None):
-        """-> (each query's chosen entries as a mask [B, S, n], their numbers [B, S, topk] int32, best
+    def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+                 cached: Cached = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, S, H]; ``q_resid`` [B, S, q_lora_rank] (the normed low-rank query); ``cos``, ``sin`` [B, S,
+        rope_dim] (the block's rotary at the queries' positions); ``positions`` [B, S]; ``cached``: as
+        ``Compressor``'s. -> (each query's chosen entries as a mask [B, S, n], their numbers [B, S, topk] int32, best
         first, -1 past the entries a query sees; its compressor's projections per position, as
         ``Compressor`` returns them)."""
         c = self.config
@@ -194,12 +199,6 @@ def blocked_attention(q: jax.Array, keys: jax.Array, allowed: jax.Array, divisor
                       precision, accumulate) -> jax.Array:
     """q [B, S, 1, N, D] over keys [B, T, 1, D] (also the values) where ``allowed`` [B, S, T], one block
     of ``QUERY_BLOCK`` queries at a time -> [B, S, 1, N, D]."""
-    b, s = q.shape[:2]
-    attend = lambda args: dense_attention(args[0], keys, keys, args[1], precision, accumulate, divisor, None, sinks)
-    if s <= QUERY_BLOCK:
-        return attend((q, allowed))
-    blocks = -(-s // QUERY_BLOCK)
-    pad = lambda y: jnp.pad(y, ((0, 0), (0, blocks * QUERY_BLOCK - s)) + ((0, 0),) * (y.ndim - 2))
-    split = lambda y: jnp.moveaxis(pad(y).reshape(b, blocks, QUERY_BLOCK, *y.shape[2:]), 1, 0)
-    out = jax.lax.map(attend, (split(q), split(allowed)))                              # [blocks, B, Q, 1, N, D]
-    return jnp.moveaxis(out, 0, 1).reshape(b, blocks * QUERY_BLOCK, *q.shape[2:])[:, :s]
+    attend = lambda q_block, allowed_block: dense_attention(q_block, keys, keys, allowed_block, precision, accumulate,
+                                                            divisor, None, sinks)
+    return over_query_blocks(attend, q, allowed, block=QUERY_BLOCK)

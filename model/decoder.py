@@ -552,7 +552,7 @@ class DecoderLayer(nn.Module):
     has_mixer: bool = True      # off: a block of its MLP alone (DecoderConfig.sublayers: Nemotron-H's)
     has_mlp: bool = True        # off: a block of its mixer alone
     parallel_mamba: bool = False  # a Mamba-2 mixer beside attention (config.mamba.parallel: Falcon-H1's)
-    layer: int = 0              # the block's number (where blocks differ by a list: DeepSeek-V4's attention
+    layer: int | None = None    # the block's number (where blocks differ by a list: DeepSeek-V4's attention
                                 # kinds and hash routers)
 
     @nn.compact

@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model.attention import over_query_blocks
 from model.config import DecoderConfig
 from model.layers import LayerNorm, accumulation, dense, precision_for
 from model.rope import apply_rope
@@ -140,18 +141,10 @@ def chosen_pools(index: jax.Array, mask: jax.Array, count: int, pool: int,
 
 def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array) -> jax.Array:
     """sum_h weights_h relu(q_h . k): q [B, S, Hi, D], keys [B, T, D] (scaled), weights [B, S, Hi]
-    -> [B, S, T] float32, in blocks of ``QUERY_BLOCK`` queries (the last zero-padded, then cut)."""
-    b, s = q.shape[:2]
+    -> [B, S, T] float32, in blocks of ``QUERY_BLOCK`` queries."""
 
-    def scored(args):
-        q_block, w_block = args                                                          # [B, Q, Hi, D], [B, Q, Hi]
+    def scored(q_block, w_block):                                                        # [B, Q, Hi, D], [B, Q, Hi]
         per_head = jnp.einsum("bqhd,btd->bqht", q_block, keys, precision=jax.lax.Precision.HIGHEST)
         return jnp.einsum("bqh,bqht->bqt", w_block, jax.nn.relu(per_head), precision=jax.lax.Precision.HIGHEST)
 
-    if s <= QUERY_BLOCK:
-        return scored((q, weights))
-    n = -(-s // QUERY_BLOCK)
-    pad = lambda y: jnp.pad(y, ((0, 0), (0, n * QUERY_BLOCK - s)) + ((0, 0),) * (y.ndim - 2))
-    blocks = lambda y: jnp.moveaxis(pad(y).reshape(b, n, QUERY_BLOCK, *y.shape[2:]), 1, 0)  # [n, B, Q, ...]
-    out = jax.lax.map(scored, (blocks(q), blocks(weights)))                                 # [n, B, Q, T]
-    return jnp.moveaxis(out, 0, 1).reshape(b, n * QUERY_BLOCK, -1)[:, :s]
+    return over_query_blocks(scored, q, weights, block=QUERY_BLOCK)

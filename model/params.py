@@ -1025,9 +1025,10 @@ def param_dtype(path: tuple[str, ...], config: DecoderConfig, dtype: Any) -> Any
     if path[-1] == "tid2eid":  # a hash router's table of expert ids
         return jnp.dtype(jnp.int32)
     # DeepSeek-V4's that transformers keeps in float32: the sinks, the compressors' position biases, the
-    # choice bias, the final collapse of the streams, every RMSNorm's weight.
+    # choice bias, the hyper-connections whole (fn too) and the final collapse, every RMSNorm's weight.
     compressed = config.compressed is not None and (path[-1] in ("sinks", "position_bias", "selection_bias")
-                                                    or path[0] == "hc_head" or path[-2:] in V4_FLOAT32_NORMS)
+                                                    or path[0] == "hc_head" or path[-2:] in V4_FLOAT32_NORMS
+                                                    or len(path) > 1 and path[-2] in HYPER_MODULES)
     return jnp.dtype(jnp.float32) if router or mixer or connection or compressed else dtype
 
 

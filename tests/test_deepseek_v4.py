@@ -114,6 +114,9 @@ def test_the_hubs_config_reads_as_transformers_reads_it():
     assert (moe.num_experts, moe.top_k, moe.shared_expert_size, moe.scoring) == (256, 6, 2048, "sqrtsoftplus")
     assert (config.hyper.streams, config.num_key_value_heads, config.sliding_window) == (4, 1, 128)
     assert config_from_dict(theirs.to_dict()) == config  # as transformers writes it back
+    narrower = {**HUB_CONFIG, "qk_rope_head_dim": 32}  # the hub's rotated dims without a factor
+    assert config_from_dict(narrower).compressed.rope_dim == DeepseekV4Config(
+        **{k: v for k, v in narrower.items() if k != "model_type"}).qk_rope_head_dim == 32
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -125,6 +128,10 @@ def test_the_hubs_config_reads_as_transformers_reads_it():
     ({**HUB_CONFIG, "n_shared_experts": 2}, "n_shared_experts = 2 is not supported"),
     ({**HUB_CONFIG, "hc_mult": 1}, "hc_mult = 1 is not supported: hyper-connections have 2 or more streams"),
     ({**HUB_CONFIG, "mlp_layer_types": ["moe"] * 5}, "mlp_layer_types = .* is not supported"),
+    ({**HUB_CONFIG, "index_topk": 0}, "index_topk = 0 is not supported: a positive number"),
+    ({**HUB_CONFIG, "rope_parameters": {"main": {"rope_type": "default", "partial_rotary_factor": 0.25},
+                                        "compress": {"rope_type": "default"}}},
+     "rope_parameters.main.partial_rotary_factor = 0.25 is not supported: both rotaries rotate the same 64"),
 ])
 def test_a_config_the_reader_does_not_handle_is_one_line_naming_the_field(raw, message):
     with pytest.raises(UserError, match=message) as caught:

@@ -59,18 +59,15 @@ def decoder_config(raw: dict) -> DecoderConfig:
         raise f.refuse("sliding_window", window, "every block attends through a window of 1 or more keys")
     main = rope(f, _rope_params(f, "main"), "rope_parameters.main", f.number("rope_theta", float), partial=True)
     return DecoderConfig(f.family, **config, rope=main, rotary_dim=attention.rope_dim, sliding_window=window,
-                         layer_types=(SLIDING,) * layers, attention_sinks=True, moe=moe, compressed=attention,
+                         layer_types=(SLIDING,) * layers, attention_sinks=True, norm_weight_in_float32=True,
+                         moe=moe, compressed=attention,
                          hyper=hyper_connections(f, head="weighted"), swiglu_limit=f.number("swiglu_limit", float))
 
 
 def compressed_attention(f: Fields, layers: int, config: dict[str, Any]) -> CompressedAttention:
     """The attention's shapes, its blocks' kinds and compression rates, its rotaries and indexer."""
     heads, head_dim = config["num_attention_heads"], config["head_dim"]
-    factor = f.get("partial_rotary_factor")
-    rope_dim = int(head_dim * float(factor))
-    if not 2 <= rope_dim <= head_dim or rope_dim % 2:
-        raise f.refuse("partial_rotary_factor", factor, f"it rotates {rope_dim} of head_dim {head_dim}: an even "
-                       "number of dims, at least 2")
+    rope_dim = rotated_dims(f, head_dim)
     groups, rank = f.number("o_groups"), f.number("o_lora_rank")
     if groups < 1 or heads * head_dim % groups:
         raise f.refuse("o_groups", groups, f"the heads' outputs ({heads} x {head_dim}) split into equal groups")
@@ -82,12 +79,33 @@ def compressed_attention(f: Fields, layers: int, config: dict[str, Any]) -> Comp
         raise f.refuse("compress_rates", f.raw.get("compress_rates"), f"a positive whole rate for {CSA} and {HCA}")
     kinds = block_kinds(f, layers)
     ix = Indexer(f.number("index_n_heads"), f.number("index_head_dim"), f.number("index_topk"))
-    if min(ix.num_heads, ix.topk) < 1 or not rope_dim <= ix.head_dim:
+    for key, value in (("index_n_heads", ix.num_heads), ("index_topk", ix.topk), ("o_lora_rank", rank)):
+        if value < 1:
+            raise f.refuse(key, value, "a positive number")
+    if ix.head_dim < rope_dim:
         raise f.refuse("index_head_dim", ix.head_dim, f"the indexer's heads rotate their last {rope_dim} dims")
     compress = rope(f, _rope_params(f, "compress"), "rope_parameters.compress", f.number("compress_rope_theta", float),
                     partial=True)
     return CompressedAttention(f.number("q_lora_rank"), rope_dim, groups, rank, tuple(kinds), rates[CSA], rates[HCA],
                                compress, ix)
+
+
+def rotated_dims(f: Fields, head_dim: int) -> int:
+    """The last dims of each head that rotate: head_dim x ``partial_rotary_factor``, or the hub's
+    ``qk_rope_head_dim`` where no factor is given (as transformers reads them); both rotaries the same."""
+    factor, legacy = f.raw.get("partial_rotary_factor"), f.raw.get("qk_rope_head_dim")
+    dims = int(head_dim * float(factor)) if factor is not None else int(legacy) if legacy is not None else \
+        int(head_dim * DEFAULTS["partial_rotary_factor"])
+    if not 2 <= dims <= head_dim or dims % 2:
+        raise f.refuse("partial_rotary_factor", factor if factor is not None else legacy, f"it rotates {dims} of "
+                       f"head_dim {head_dim}: an even number of dims, at least 2")
+    for kind in ("main", "compress"):  # transformers would rotate another share on that rotary's blocks
+        params = (f.raw.get("rope_parameters") or {}).get(kind)
+        own = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+        if own is not None and int(head_dim * float(own)) != dims:
+            raise f.refuse(f"rope_parameters.{kind}.partial_rotary_factor", own, f"both rotaries rotate the same "
+                           f"{dims} dims of each head")
+    return dims
 
 
 def block_kinds(f: Fields, layers: int) -> list[str]:
@@ -96,8 +114,8 @@ def block_kinds(f: Fields, layers: int) -> list[str]:
     types = f.raw.get("layer_types")
     ratios = f.raw.get("compress_ratios")
     if types is None and ratios is not None:
-        if not isinstance(ratios, list) or set(ratios) - set(RATIO_KINDS):
-            raise f.refuse("compress_ratios", ratios, f"one of {sorted(RATIO_KINDS)} per block")
+        if not isinstance(ratios, list) or set(ratios) - set(RATIO_KINDS) or len(ratios) < layers:
+            raise f.refuse("compress_ratios", ratios, f"one of {sorted(RATIO_KINDS)} for each of the {layers} blocks")
         types = [RATIO_KINDS[r] for r in ratios]
     if types is None:
         types = [HCA] * min(layers, 2) + [CSA if i % 2 else HCA for i in range(max(layers - 2, 0))]
