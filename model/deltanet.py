@@ -15,8 +15,9 @@ with q and k L2-normalised where asked and q scaled by Dk^-1/2, as transformers'
 ``torch_recurrent_gated_delta_rule``) and flash-linear-attention's kernels compute it.
 
 * ``chunked``: for a forward over a sequence. Within a chunk of C positions the updates are
-  condensed into matmuls (the UT transform: one unit lower-triangular solve per chunk), and a
-  ``lax.scan`` carries the state from chunk to chunk: C times fewer sequential steps, each a few
+  condensed into matmuls (the UT transform: the inverse of one unit lower-triangular matrix per
+  chunk, ``unit_lower_inverse``), and a loop over the chunks, doing each one's work in turn,
+  carries the state from chunk to chunk: C times fewer sequential steps, each a few
   [C, D] x [D, D] matmuls. With a decay per key channel the chunk's pairwise products
   sum_d a_id b_jd exp(G_id - G_jd) are no plain matmul: ``channel_products`` factors them over
   sub-chunks with every exponent <= 0 (flash-linear-attention's way for KDA), one chunk at a time.
@@ -98,65 +99,93 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
             state: jax.Array | None = None, l2_normalize: bool = True,
             chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
     """``recurrent``'s result, computed chunk by chunk (the sequence zero-padded to a multiple of
-    ``chunk_size``: zero gates and keys there leave the state as it was)."""
+    ``chunk_size``: zero gates and keys there leave the state as it was). A loop over the chunks
+    does all of a chunk's work (``_chunk``) on slices of the inputs as they are laid out, writing
+    its outputs in place: on a CPU, every operand stays in cache and no sequence-sized
+    intermediate is built (each was a pass over memory costing as much as the matmuls)."""
+    batch, length, heads, dv = v.shape
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    pad = -length % chunk_size
+    n = (length + pad) // chunk_size
+
+    def chunks(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, N, C, ...] (a reshape where no padding)
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(batch, n, chunk_size, *x.shape[2:])
+
+    inputs = tuple(chunks(x) for x in (q, k, v, g, beta))
+
+    def step(i, carry):
+        s, out = carry
+        o, s = _chunk(*(jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False) for x in inputs), s, l2_normalize)
+        return s, jax.lax.dynamic_update_index_in_dim(out, o, i, 1)
+
+    state = jnp.zeros((batch, heads, k.shape[-1], dv), dtype) if state is None else state.astype(dtype)
+    state, out = jax.lax.fori_loop(0, n, step, (state, jnp.zeros((batch, n, chunk_size, heads, dv), dtype)))
+    return out.reshape(batch, n * chunk_size, heads, dv)[:, :length], state
+
+
+def _chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s: jax.Array,
+           l2_normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """One chunk of C positions (``recurrent``'s inputs for them, the state before it ``s``
+    [B, H, Dk, Dv]) -> (its outputs [B, C, H, Dv], the state after it). Its updates are condensed
+    into matmuls: the UT transform, (I + strictly-lower(k_beta k^T decay))^-1, solves every
+    in-chunk correction at once."""
     channels = per_channel(g, beta)
-    q, k, v, g, beta = _prepared(q, k, v, g, beta, l2_normalize)
-    batch, heads, length, dk = k.shape
-    dv, c = v.shape[-1], chunk_size
-    pad = -length % c
-    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
-    g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3)) for x in (g, beta))
-    n = (length + pad) // c
-    q, k, v = (x.reshape(batch, heads, n, c, x.shape[-1]) for x in (q, k, v))  # [B, H, N, C, D]
-    g = g.reshape(batch, heads, n, c, *g.shape[3:])                  # [B, H, N, C] (or [B, H, N, C, Dk])
-    beta = beta.reshape(batch, heads, n, c)                          # [B, H, N, C]
-
-    decay = jnp.cumsum(g, axis=3)                                    # log decay from the chunk's start
-    later = jnp.triu(jnp.ones((c, c), bool), 1)                      # [C, C] j > i: not read by i
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    q, k, v, g, beta = _prepared(q, k, v, g, beta, l2_normalize)      # [B, H, C, D], g [B, H, C(, Dk)]
+    c = k.shape[-2]
+    # The log decay from the chunk's start, a cumulative sum as a matmul by [C, C] s <= l (XLA:CPU's
+    # cumsum, fused into its users, is recomputed for every element they compute).
+    lower = jnp.tril(jnp.ones((c, c), q.dtype))                       # [L, S]
+    decay = lower @ g if channels else g @ lower.T                    # [B, H, C, Dk] or [B, H, C]
+    k_beta = k * beta[..., None]
     if channels:
-        system, within = chunk_products(k_beta, q, k, decay)
+        system, within = channel_products(k_beta, q, k, decay)
+        system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), system, 0.0)
     else:
-        pairwise = jnp.exp(jnp.where(later, -jnp.inf, decay[..., :, None] - decay[..., None, :]))  # [B, H, N, C, C]
+        later = jnp.triu(jnp.ones((c, c), bool), 1)                   # [C, C] j > i: not read by i
+        pairwise = jnp.exp(jnp.where(later, -jnp.inf, decay[..., :, None] - decay[..., None, :]))  # [B, H, C, C]
         system = jnp.where(later | jnp.eye(c, dtype=bool), 0.0, (k_beta @ jnp.swapaxes(k, -1, -2)) * pairwise)
-        within = (q @ jnp.swapaxes(k, -1, -2)) * pairwise             # [B, H, N, C, C]
-    # The UT transform: (I + strictly-lower(k_beta k^T decay)) solves every in-chunk correction at once.
-    unit = system + jnp.eye(c, dtype=q.dtype)
-
-    def solve(b):
-        return jax.lax.linalg.triangular_solve(unit, b, left_side=True, lower=True, unit_diagonal=True)
-
+        within = (q @ jnp.swapaxes(k, -1, -2)) * pairwise             # [B, H, C, C]
     # A position's decay scales a [C, D] operand's row (per head) or its key channels (per channel).
     decayed = (lambda x, d: x * jnp.exp(d)) if channels else (lambda x, d: x * jnp.exp(d)[..., None])
-    new_values = solve(v_beta)                                        # [B, H, N, C, Dv]
-    k_decayed = solve(decayed(k_beta, decay))                         # [B, H, N, C, Dk]
-    q_decayed = decayed(q, decay)
-    k_to_end = decayed(k, decay[:, :, :, -1:] - decay)
-    last = jnp.exp(decay[:, :, :, -1])                                # [B, H, N] (or [B, H, N, Dk])
-    chunk_decay = last[..., None] if channels else last[..., None, None]  # [B, H, N, Dk | 1, 1]
-
-    def step(s, chunk):
-        new_v, k_dec, q_dec, inside, k_end, d = chunk
-        corrected = new_v - k_dec @ s                                 # [B, H, C, Dv]
-        out = q_dec @ s + inside @ corrected
-        return s * d + jnp.swapaxes(k_end, -1, -2) @ corrected, out
-
-    state = jnp.zeros((batch, heads, dk, dv), q.dtype) if state is None else state.astype(q.dtype)
-    chunks = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_decayed, q_decayed, within, k_to_end, chunk_decay))
-    state, out = jax.lax.scan(step, state, chunks)                    # out [N, B, H, C, Dv]
-    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, n * c, dv)[:, :, :length]
-    return jnp.swapaxes(out, 1, 2), state
+    end = decay[..., -1:, :] if channels else decay[..., -1:]         # the chunk's last position's
+    # The state is read by the decayed keys (for the corrections) and queries (for the outputs) in
+    # one matmul; the update then depends on it, so XLA updates the state in place.
+    read = jnp.concatenate([decayed(k_beta, decay), decayed(q, decay)], axis=-2) @ s  # [B, H, 2C, Dv]
+    corrected = unit_lower_inverse(system) @ (v * beta[..., None] - read[..., :c, :])  # [B, H, C, Dv]
+    out = read[..., c:, :] + within @ corrected                        # [B, H, C, Dv]
+    k_to_end = jnp.swapaxes(decayed(k, end - decay), -1, -2)          # [B, H, Dk, C]
+    chunk_decay = jnp.exp(jnp.swapaxes(end, -1, -2)) if channels else jnp.exp(end)[..., None]  # [.., Dk | 1, 1]
+    return jnp.swapaxes(out, 1, 2), s * chunk_decay + k_to_end @ corrected
 
 
-def chunk_products(k_beta: jax.Array, q: jax.Array, k: jax.Array, decay: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """With a decay per key channel, every chunk's (``channel_products``, one chunk at a time so
-    that its [.., C, Dk]-per-position operands never exist for the whole sequence): ``k_beta``,
-    ``q``, ``k``, ``decay`` [B, H, N, C, Dk] -> (the UT system, strictly lower; the in-chunk reads,
-    lower with the diagonal), [B, H, N, C, C] each."""
-    first = lambda x: jnp.moveaxis(x, 2, 0)                          # chunks first: [N, B, H, C, Dk]
-    system, within = jax.lax.map(lambda xs: channel_products(*xs), tuple(first(x) for x in (k_beta, q, k, decay)))
-    strict = jnp.tril(jnp.ones(system.shape[-2:], bool), -1)
-    return jnp.where(strict, jnp.moveaxis(system, 0, 2), 0.0), jnp.moveaxis(within, 0, 2)
+def unit_lower_inverse(a: jax.Array, block: int = 16) -> jax.Array:
+    """(I + a)^-1 for a strictly lower triangular ``a`` [..., C, C] (unit lower triangular, as is
+    its inverse), in matmuls: blocks of up to ``block`` rows on the diagonal are inverted by
+    forward substitution, then merged in halves, [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1,
+    D^-1]] (flash-linear-attention's solve_tril merges its blocks so)."""
+    c = a.shape[-1]
+    if c <= block or c % 2:
+        return _forward_substitution(a)
+    h = c // 2
+    halves = unit_lower_inverse(jnp.stack([a[..., :h, :h], a[..., h:, h:]], axis=-3), block)  # [..., 2, h, h]
+    top, bottom = halves[..., 0, :, :], halves[..., 1, :, :]
+    below = -(bottom @ a[..., h:, :h]) @ top
+    return jnp.concatenate([jnp.concatenate([top, jnp.zeros_like(top)], -1),
+                            jnp.concatenate([below, bottom], -1)], -2)
+
+
+def _forward_substitution(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for a strictly lower ``a`` [..., b, b], a row at a time: row i is e_i minus
+    a's row i times the rows before it (a is zero from column i on)."""
+    eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+
+    def row(i, inverse):
+        a_i = jax.lax.dynamic_index_in_dim(a, i, -2)                  # [..., 1, b]
+        solved = jax.lax.dynamic_index_in_dim(eye, i, 0, keepdims=False) - (a_i @ inverse)[..., 0, :]
+        return jax.lax.dynamic_update_index_in_dim(inverse, solved, i, -2)
+
+    return jax.lax.fori_loop(1, a.shape[-1], row, jnp.broadcast_to(eye, a.shape))
 
 
 def sub_chunk(c: int) -> int:

@@ -12,8 +12,8 @@ clamped to the time-step limit, A = -exp(A_log) < 0; as transformers' torch path
 ``mamba2_selective_state_update``).
 
 * ``chunked``: for a forward over a sequence. Within a chunk of C positions the outputs are a
-  masked, decayed attention-like product (C B^T scaled by the pairwise decays), and a
-  ``lax.scan`` carries the [P, N] states from chunk to chunk.
+  masked, decayed attention-like product (C B^T scaled by the pairwise decays), and a loop over
+  the chunks, doing each one's work in turn, carries the [P, N] states from chunk to chunk.
 * ``recurrent``: one position at a time (a ``lax.scan`` over positions), for decoding.
 
 Everything is computed in float32 (in float64 where given it). Right padding is kept out of the
@@ -70,42 +70,62 @@ def recurrent(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Ar
 def chunked(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
             state: jax.Array | None = None, chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
     """``recurrent``'s result, computed chunk by chunk (the sequence zero-padded to a multiple of
-    ``chunk_size``: a zero dt there leaves the state as it was). Heads are laid out group by group
-    ([G, K] for H = G x K), each chunk's positions after them: C Bᵀ is computed once per group, and
-    the states' products are matmuls whose rows are a group's heads x channels."""
+    ``chunk_size``: a zero dt there leaves the state as it was). A loop over the chunks does all of
+    a chunk's work (``_chunk``) on slices of the inputs as they are laid out, writing its outputs
+    in place: on a CPU, every operand stays in cache and no sequence-sized intermediate is built
+    (each was a pass over memory costing as much as the matmuls)."""
     dtype = dt.dtype
     batch, length, heads, p = x.shape
     groups, n_state = b.shape[2], b.shape[-1]
-    k = heads // groups
-    x, b, c = x.astype(dtype), b.astype(dtype), c.astype(dtype)
     pad = -length % chunk_size
     n = (length + pad) // chunk_size
 
-    def chunks(y: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, N, C, ...]
-        y = jnp.pad(y, ((0, 0), (0, pad)) + ((0, 0),) * (y.ndim - 2))
+    def chunks(y: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, N, C, ...] (a reshape where no padding)
+        y = jnp.pad(y.astype(dtype), ((0, 0), (0, pad)) + ((0, 0),) * (y.ndim - 2))
         return y.reshape(batch, n, chunk_size, *y.shape[2:])
 
-    xs = chunks(x).reshape(batch, n, chunk_size, groups, k, p).transpose(0, 1, 3, 4, 2, 5)  # [B, N, G, K, C, P]
-    dts = chunks(dt).reshape(batch, n, chunk_size, groups, k).transpose(0, 1, 3, 4, 2)      # [B, N, G, K, C]
-    bs, cs = (chunks(y).transpose(0, 1, 3, 2, 4) for y in (b, c))                           # [B, N, G, C, Ns]
-    log_decay = jnp.cumsum(dts * a.reshape(groups, k)[:, :, None], axis=-1)  # [B, N, G, K, C] from the chunk's start
-    later = jnp.triu(jnp.ones((chunk_size, chunk_size), bool), 1)            # [C, C] s > l: not read by l
-    pairwise = jnp.exp(jnp.where(later, -jnp.inf, log_decay[..., :, None] - log_decay[..., None, :]))  # [.., L, S]
-    scores = jnp.einsum("bnglm,bngsm->bngls", cs, bs)[:, :, :, None] * pairwise  # [B, N, G, K, L, S]
-    written = xs * dts[..., None]                                            # [B, N, G, K, C, P]: dt x
-    within = jnp.einsum("bngkls,bngksp->bngklp", scores, written)
-    to_end = jnp.exp(log_decay[..., -1:] - log_decay)                        # [B, N, G, K, C]
-    chunk_states = jnp.einsum("bngksp,bngsm->bngkpm", written * to_end[..., None], bs)  # what each chunk adds
-    chunk_decay = jnp.exp(log_decay[..., -1])                                # [B, N, G, K]
+    inputs = (chunks(x), chunks(dt), chunks(b), chunks(c))  # [B, N, C, H, P], [B, N, C, H], [B, N, C, G, Ns] x 2
+    a, d = a.astype(dtype), d.astype(dtype)
 
-    def carry(s, inputs):
-        added, decay = inputs                                                # [B, G, K, P, Ns], [B, G, K]
-        return s * decay[..., None, None] + added, s                         # the state before each chunk
+    def step(i, carry):
+        s, out = carry
+        y, s = _chunk(*(jax.lax.dynamic_index_in_dim(y, i, 1, keepdims=False) for y in inputs), a, d, s)
+        return s, jax.lax.dynamic_update_index_in_dim(out, y, i, 1)
 
-    state = (jnp.zeros((batch, groups, k, p, n_state), dtype) if state is None
-             else state.astype(dtype).reshape(batch, groups, k, p, n_state))
-    state, before = jax.lax.scan(carry, state, (jnp.moveaxis(chunk_states, 1, 0), jnp.moveaxis(chunk_decay, 1, 0)))
-    before = jnp.moveaxis(before, 0, 1)                                      # [B, N, G, K, P, Ns]
-    from_before = jnp.einsum("bnglm,bngkpm->bngklp", cs, before) * jnp.exp(log_decay)[..., None]
-    y = (within + from_before).transpose(0, 1, 4, 2, 3, 5).reshape(batch, n * chunk_size, heads, p)[:, :length]
-    return y + d.astype(dtype)[:, None] * x, state.reshape(batch, heads, p, n_state)
+    # The state transposed, [B, G, Ns, K x P] for H = G x K: read and written by matmuls whose
+    # rows are a group's positions or state channels and whose columns are its heads x channels.
+    s = (jnp.zeros((batch, groups, n_state, heads // groups * p), dtype) if state is None
+         else jnp.swapaxes(state.astype(dtype).reshape(batch, groups, -1, n_state), -1, -2))
+    s, y = jax.lax.fori_loop(0, n, step, (s, jnp.zeros((batch, n, chunk_size, heads, p), dtype)))
+    state = jnp.swapaxes(s, -1, -2).reshape(batch, heads, p, n_state)
+    return y.reshape(batch, n * chunk_size, heads, p)[:, :length], state
+
+
+def _chunk(x: jax.Array, dt: jax.Array, b: jax.Array, c: jax.Array, a: jax.Array, d: jax.Array,
+           s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One chunk: x [B, C, H, P], dt [B, C, H], b, c [B, C, G, Ns], the state before it ``s``
+    [B, G, Ns, K x P] -> (its outputs [B, C, H, P], the state after it). Heads are laid out group
+    by group: C Bᵀ is computed once per group; within the chunk, the outputs are a masked, decayed
+    attention-like product (C Bᵀ scaled by each head's pairwise decays), plus what the state
+    before it contributes."""
+    batch, size, heads, p = x.shape
+    groups = b.shape[2]
+    k = heads // groups
+    xg = x.reshape(batch, size, groups, k, p).transpose(0, 2, 1, 3, 4)     # [B, G, C, K, P]
+    dtg = dt.reshape(batch, size, groups, k).transpose(0, 2, 3, 1)         # [B, G, K, C]
+    bg, cg = b.transpose(0, 2, 1, 3), c.transpose(0, 2, 1, 3)              # [B, G, C, Ns]
+    # Each head's log decay from the chunk's start, a cumulative sum as a matmul by [S, L] s <= l
+    # (XLA:CPU's cumsum, fused into its users, is recomputed for every element they compute).
+    log_decay = (dtg * a.reshape(groups, k, 1)) @ jnp.triu(jnp.ones((size, size), x.dtype))  # [B, G, K, C]
+    later = jnp.triu(jnp.ones((size, size), bool), 1)                      # [C, C] s > l: not read by l
+    pairwise = jnp.exp(jnp.where(later, -jnp.inf, log_decay[..., :, None] - log_decay[..., None, :]))  # [B, G, K, L, S]
+    scores = (cg @ jnp.swapaxes(bg, -1, -2))[:, :, None] * pairwise        # [B, G, K, L, S]
+    written = xg * jnp.swapaxes(dtg, -1, -2)[..., None]                    # [B, G, C, K, P]: dt x
+    within = scores @ written.transpose(0, 1, 3, 2, 4)                     # [B, G, K, L, P]
+    read = (cg @ s).reshape(written.shape) * jnp.exp(jnp.swapaxes(log_decay, -1, -2))[..., None]  # [B, G, C, K, P]
+    to_end = jnp.exp(log_decay[..., -1:] - log_decay)                      # [B, G, K, C]
+    added = (written * jnp.swapaxes(to_end, -1, -2)[..., None]).reshape(batch, groups, size, k * p)
+    chunk_decay = jnp.repeat(jnp.exp(log_decay[..., -1]), p, axis=-1)[:, :, None, :]  # [B, G, 1, K x P]
+    s = s * chunk_decay + jnp.swapaxes(bg, -1, -2) @ added                # [B, G, Ns, K x P]
+    y = within.transpose(0, 1, 3, 2, 4) + read + d.reshape(groups, 1, k, 1) * xg  # [B, G, C, K, P]
+    return y.transpose(0, 2, 1, 3, 4).reshape(batch, size, heads, p), s
