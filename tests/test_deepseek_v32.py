@@ -26,7 +26,7 @@ LENGTHS = [100, 37, 70]
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
 def checkpoint(request, tmp_path_factory):
-    """9 index heads of 12, top 16 keys, the first block dense (``fixtures.tiny_models``)."""
+    """17 index heads of 12, top 16 keys, the first block dense (``fixtures.tiny_models``)."""
     from fixtures.tiny_models import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=4)
 

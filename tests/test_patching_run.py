@@ -179,9 +179,10 @@ def test_the_runner_patches_a_stores_values_as_the_library_patches_its_pairs(set
                                    atol=1e-5 * np.abs(expected).max())
         whole = rows[(rows["grid"] == "patch:*:hook_resid_pre") & (rows["method"] == "exact")]
         assert len(whole) == layers
-        # Every position of a block's input: the clean run, to float32 rounding (test_patching: 1 within 1e-6
-        # with the clean run's own values; a store's come from the extraction's program, rounded otherwise).
-        np.testing.assert_allclose(whole["normalized"], 1, atol=1e-5)
+        # Every position of a block's input: the clean run's logit difference, to float32 rounding (test_patching:
+        # within 1e-6 with the clean run's own values; a store's come from the extraction's program, rounded
+        # otherwise). Compared as logit differences: the normalized metric divides the rounding by clean - corrupted.
+        np.testing.assert_allclose(whole["logit_diff"], expected[0], rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         unpatched = rows[rows["intervention"] == NOTHING]
         assert len(unpatched) == 2  # the corrupted run, both methods (another batch shape: within rounding)
         np.testing.assert_allclose(unpatched["normalized"], 0, atol=1e-5)
