@@ -15,8 +15,9 @@ Mamba-2 in each), kimi_linear (Kimi-Linear-48B-A3B reduced: 6 Kimi Delta Attenti
 attention, 64 experts, k 8, a shared expert), glm5_next (GLM-5.3-Flash reduced: 4 hyper-connection streams, 6
 Kimi Delta Attention blocks, 2 of indexed latent attention choosing 16 pools of 16 keys, 64 experts, k 8), deepseek_v4
 (DeepSeek-V4-Flash reduced: 4 streams, one key/value head through a window of 128 beside compressed entries, 5
-heavily compressed blocks, 3 compressed sparse ones choosing 128 entries, 64 experts, k 6, 3 hash-routed), minimax_m2
-or mistral4. ``--weights
+heavily compressed blocks, 3 compressed sparse ones choosing 128 entries, 64 experts, k 6, 3 hash-routed), qwen4_exp
+(Qwen4-Exp reduced: 4 gated streams, 6 Gated DeltaNet blocks, 2 with n-gram embeddings, 2 of attention choosing 16
+pools of 16 keys, 64 experts, k 8), minimax_m2 or mistral4. ``--weights
 real`` (the default where there is one: qwen2 is Qwen2.5-Coder-0.5B-Instruct, gemma3 is Gemma 3
 270M, from ``fixtures.real_models``) runs the real checkpoint on prompts tokenized by its own
 tokenizer; ``--weights random`` runs random
@@ -81,7 +82,8 @@ FAMILY_SHAPES = {"qwen2": "qwen2.5-0.5b", "llama": "llama-3.2-1b", "gemma2": "ge
                  "llama4": "llama-4-scout-reduced", "deepseek_v32": "deepseek-v3.2-reduced",
                  "granitemoehybrid": "granite-4.0-h-tiny-reduced", "nemotron_h": "nemotron-3-nano-reduced",
                  "falcon_h1": "falcon-h1-0.5b-reduced", "kimi_linear": "kimi-linear-48b-reduced",
-                 "glm5_next": "glm-5.3-flash-reduced", "deepseek_v4": "deepseek-v4-flash-reduced"}
+                 "glm5_next": "glm-5.3-flash-reduced", "deepseek_v4": "deepseek-v4-flash-reduced",
+                 "qwen4_exp": "qwen4-exp-reduced"}
 # --family -> its real checkpoint (fixtures.real_models), where there is one
 REAL_MODELS = {"qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma-3-270m"}
 
@@ -151,10 +153,16 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         # compressors and the indexer left out: a lower bound)
         attention_params = (h * ca.q_lora_rank + ca.q_lora_rank * n * c.head_dim + h * c.head_dim
                             + n * c.head_dim * ca.output_rank + ca.output_groups * ca.output_rank * h)
-    indexer = c.mla.indexer if c.mla is not None else None
-    if indexer is not None:  # its query, key and head weights
+    indexer = c.mla.indexer if c.mla is not None else c.attention_indexer
+    if indexer is not None and c.mla is not None:  # its query, key and head weights
         attention_params += (c.mla.q_lora_rank * indexer.num_heads * indexer.head_dim
                              + h * (indexer.head_dim + indexer.num_heads))
+    elif indexer is not None:  # Qwen4-Exp's: its queries and key from x
+        attention_params += h * (indexer.num_heads + 1) * indexer.head_dim
+    hc = c.hyper
+    # Qwen4-Exp's gated residual around each sublayer (down, up, inject) and its n-gram blocks' projections
+    residual_params = 2 * hc.streams * h * (2 * hc.rank + hc.streams) if hc is not None and hc.kind == "gated" else 0
+    ngram_params = c.ngram.embed_dim * (hc.streams + 1) * h if c.ngram is not None else 0
     d = c.deltanet
     if d is not None:  # q, k, v, z, b, a in; out
         deltanet_params = c.hidden_size * (2 * d.key_dim + 2 * d.value_dim + 2 * d.num_value_heads + d.value_dim)
@@ -184,13 +192,15 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
         return (deltanet_params if c.is_deltanet(layer) else mamba_params if c.is_mamba(layer)
                 else attention_params + beside)
 
-    dense = 2 * sum(mixer_params(layer) + mlp_params(layer) for layer in range(num_layers)) * sum(lengths)
+    dense = 2 * sum(mixer_params(layer) + mlp_params(layer) + residual_params
+                    + (ngram_params if c.ngram is not None and layer in c.ngram.layers else 0)
+                    for layer in range(num_layers)) * sum(lengths)
     deltanet = (sum(recurrence for layer in range(num_layers) if c.is_deltanet(layer))
                 + sum(scan for layer in range(num_layers) if c.is_mamba(layer) or c.has_parallel_mamba(layer)))
 
     def attended(n: int, window) -> int:  # (query, key) pairs of one sequence
-        if indexer is not None:  # each query's chosen keys
-            return sum(min(p + 1, indexer.topk) for p in range(n))
+        if indexer is not None:  # each query's chosen keys (and a pooled one's tail)
+            return sum(min(p + 1, indexer.width) for p in range(n))
         if isinstance(window, Chunked):  # a triangle per chunk
             full, rest = divmod(n, window.size)
             return full * window.size * (window.size + 1) // 2 + rest * (rest + 1) // 2
@@ -201,8 +211,10 @@ def useful_flops(config, num_layers: int, lengths: list[int]) -> float:
     pair_flops = 2 * c.num_attention_heads * (c.attention_head_dim + c.head_dim)
     attention = sum(pair_flops * attended(n, c.window(layer))
                     for layer in c.attention_layers if layer < num_layers for n in lengths)
-    if indexer is not None:  # the index scores of every causal pair
-        attention += num_layers * sum(2 * indexer.num_heads * indexer.head_dim * n * (n + 1) // 2 for n in lengths)
+    if indexer is not None:  # the index scores of every causal pair (of pool, pooled)
+        blocks = len([layer for layer in c.attention_layers if layer < num_layers]) if c.mla is None else num_layers
+        attention += blocks * sum(2 * indexer.num_heads * indexer.head_dim * n * (n + 1) // 2 // indexer.pool
+                                  for n in lengths)
     return dense + attention + deltanet
 
 

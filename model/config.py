@@ -156,6 +156,11 @@ class Indexer:
                                    # a divisor of topk); 1: one key at a time (DeepSeek-V3.2, GLM-5)
     pool_tail: bool = False        # with pools: a query also attends to the up to pool - 1 keys it sees past its
                                    # last whole pool (index_kpool_always_select_tail)
+    mean_pool: bool = False        # Qwen4-Exp's QSA (``DecoderConfig.attention_indexer``, as
+                                   # ``Qwen4ExpTextQSAIndexer``): queries and one raw key per position from x
+                                   # (``index_qk_proj``), the queries (1 + w) RMS-normed per head and rotated; a
+                                   # pool's key the mean of its raw keys, (1 + w) RMS-normed and rotated at the
+                                   # pool's first position; scores sum_h relu(q_h . k) / sqrt(head_dim), no weights
 
     def owns(self, layer: int) -> bool:
         """Whether block ``layer`` runs an indexer of its own (else it reuses an earlier block's choice)."""
@@ -310,7 +315,45 @@ class HyperConnections:
     norm_eps: float = 1e-6       # the unweighted RMSNorm of the flattened streams (the model's rms_norm_eps)
     head: str = "mean"           # how the last block's streams become one before the final norm: their mean
                                  # (GLM-5-next's) or weighted (DeepSeek-V4's hc_head: sigmoid(scale (fn @
-                                 # rms-normed streams) + base) + eps per stream)
+                                 # rms-normed streams) + base) + eps per stream); gated: the gated kind's
+                                 # collapse with its own weights (hyper_connection_mixer), no final norm after
+    kind: str = "mhc"            # mhc (above) | gated: Qwen4-Exp's gated residual (transformers'
+                                 # Qwen4ExpTextGatedResidual): each stream RMS-normed apart with a (1 + w) weight,
+                                 # the sublayer reads the streams' mean gated per channel by sigmoid(up(silu(
+                                 # down(normed) / N))) through ``rank``, and each stream k becomes x_k + inj_k out,
+                                 # inj = 2 sigmoid(inject(normed) / N): no mixing matrix
+    rank: int = 0                # gated: the gate's low rank (hc_lowrank)
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram:
+    """Qwen4-Exp's hashed n-gram embeddings (``DecoderConfig.ngram``; ``model.ngram``; transformers'
+    ``Qwen4ExpTextPLELayer``, its "PLE"): on ``layers`` each token's n-grams of orders 2 to ``order``
+    (within its segment: an ``eos`` token ends one) are hashed into ``heads_per_order`` tables each
+    (prime-sized, consecutive primes from ``vocab_base`` on, one series across the layers), the rows
+    concatenated [``embed_dim``]; a key and a value projection of it gate, per stream, a copy of the
+    value by the signed square root of its match with the RMS-normed stream; that plus a dilated
+    causal convolution (dilation ``order``, ``conv_kernel`` taps) of it is added to the streams
+    before the block's attention collapse."""
+    layers: tuple[int, ...]      # the blocks with one (transformers' 1-based ple_layer_ids, minus 1)
+    embed_dim: int               # ple_embed_dim: the concatenated rows' width
+    order: int = 3               # ngram_size: the largest n-gram order (orders 2..order)
+    heads_per_order: int = 8     # heads_per_ngram: tables per order
+    conv_kernel: int = 4         # ple_conv_kernel_size
+    vocab_base: int = 20_000_000  # ngram_vocab_size_base: each table's size is a prime from here on
+    rows_multiple: int = 128     # make_ngram_vocab_size_divisible_by: a layer's table rows rounded up to it
+    seed: int = 1234             # the hash multipliers' seed
+    eos: int = 0                 # eos_token_id: ends an n-gram's segment (and stands for positions before it)
+    parts: int = 512             # split_ngram_parts: the row shards a checkpoint holds each table in
+
+    @property
+    def heads(self) -> int:
+        """Tables a layer looks up per token: (order - 1) x heads_per_order."""
+        return (self.order - 1) * self.heads_per_order
+
+    def rank(self, layer: int) -> int:
+        """Block ``layer``'s place among the n-gram blocks (its hash constants depend on it)."""
+        return self.layers.index(layer)
 
 
 # DeepSeek-V4's attention kinds per block (transformers' layer_types): the sliding window alone, or beside it
@@ -444,6 +487,11 @@ class DecoderConfig:
                                          # is then the values' (v_head_dim), rotary_dim the rotated key part's
     hyper: HyperConnections | None = None  # the residual as several streams mixed around each sublayer (GLM-5-next)
     compressed: CompressedAttention | None = None  # DeepSeek-V4's attention in place of q/k/v projections
+    ngram: NGram | None = None           # hashed n-gram embeddings added to the streams on ngram.layers (Qwen4-Exp)
+    attention_indexer: Indexer | None = None  # each attention block's keys chosen by this indexer (its mean_pool
+                                         # kind: Qwen4-Exp's QSA); a latent attention's is ``mla.indexer``
+    final_norm: bool = True              # the final norm before the LM head; off: none (Qwen4-Exp, whose gated
+                                         # streams' collapse normalises)
     weight_block_size: tuple[int, int] | None = None  # block-FP8 checkpoints: the [rows, columns] of weight each
                                          # weight_scale_inv entry scales (``model.fp8``)
 
@@ -514,6 +562,8 @@ class DecoderConfig:
             return self.mla.indexer.width
         if self.compressed is not None and CSA in self.compressed.kinds:
             return self.compressed.indexer.topk
+        if self.attention_indexer is not None:
+            return self.attention_indexer.width
         return None
 
     @property

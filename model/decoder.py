@@ -63,7 +63,8 @@ from model.attention import (Window, cache_written, causal_attention, dense_atte
 from model.compressed import CompressedAttention
 from model.heads import heads_output
 from model.config import DecoderConfig, QueryTemperature
-from model.indexer import LightningIndexer
+from model.indexer import LightningIndexer, MeanPoolIndexer
+from model.ngram import NGramInjection
 from model.rope import apply_rope, rope_cos_sin
 from model.moe import MoEMLP, dispatch_for
 from model.interventions import STEER_TOKENS, block_arrays, delta_key, patch_key, steer_key
@@ -72,7 +73,7 @@ from model.layers import (ACTIVATIONS, MLP, RMSNorm, accumulation, dense, norm_f
 from model.sites import (ATTN_GATE, ATTN_IN, ATTN_K, ATTN_MODULE_OUT, ATTN_OUT, ATTN_PATTERN, ATTN_Q, ATTN_SCORES,
                          ATTN_V, ATTN_Z, DELTA_OUT, HC_ATTN, HC_MLP, INDEXED_KEYS, K_NORM_OUT, LN1_NORMALIZED,
                          LN2_NORMALIZED, MLP_IN, MLP_MODULE_OUT, MLP_OUT, Q_NORM_OUT, RESID_MID, RESID_POST, RESID_PRE,
-                         ROT_K, ROT_Q, SSM_MODULE_OUT, SSM_OUT, EMBED, FINAL_NORMALIZED)
+                         ROT_K, ROT_Q, SSM_MODULE_OUT, SSM_OUT, EMBED, FINAL_NORMALIZED, NGRAM_OUT)
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: [B, T, K, D] each
 BLOCK_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
@@ -161,6 +162,14 @@ class Attention(nn.Module):
             k, v = kv_from
         elif cache is not None:  # write this step's keys/values, attend over the whole cache
             k, v = cache_written(cache[0], k, cache_index), cache_written(cache[1], v, cache_index)  # [B, T, K, D]
+        index_keys = ()
+        if c.attention_indexer is not None:  # Qwen4-Exp's QSA: each query's keys chosen by the indexer
+            cached = None if cache is None else lambda keys: cache_written(cache[2], keys.astype(cache[2].dtype),
+                                                                          cache_index)
+            mask, chosen, raw = MeanPoolIndexer(c, self.dtype, self.residual_dtype, name="indexer")(
+                x, cos, sin, mask, cached)
+            self.sow("sites", INDEXED_KEYS, chosen)                                     # [B, S, width] int32
+            index_keys = (raw,)
         q = q.reshape(b, s, c.num_key_value_heads, c.kv_groups, c.head_dim)  # [B, S, K, G, D]
         sinks = None
         if c.attention_sinks:  # query head n = kv head * G + its group
@@ -179,7 +188,7 @@ class Attention(nn.Module):
             gated = out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32)).reshape(out.shape)
             out = gated.astype(self.dtype)
         out = heads_output(self, out, heads)  # [B, S, N*D]
-        return project(c.hidden_size, c.o_bias, "o_proj")(out), None if shared else (k, v)
+        return project(c.hidden_size, c.o_bias, "o_proj")(out), None if shared else (k, v, *index_keys)
 
 
 def attended(q, k, v, mask, positions, config: DecoderConfig, kernel: str, mesh: Mesh | None, window: Window,
@@ -575,8 +584,14 @@ class DecoderLayer(nn.Module):
         x = steered_at(x, RESID_PRE)
         block_in = x
         new_cache, added, picked = None, None, None
+        ngram_cache = None
+        if c.ngram is not None and self.layer in c.ngram.layers:  # Qwen4-Exp's: before the attention collapse
+            cache, ngram_cache = (None, None) if cache is None else cache
+            ngram_out, ngram_cache = self.ngram_addition(x, mask, token_ids, ngram_cache, cache_index)
+            x = x + ngram_out
+        attn_module, mlp_module = hyper.modules(c.hyper) if c.hyper else (None, None)
         if self.has_mixer:  # (Nemotron-H's MLP-only blocks have none)
-            read, mixing = self.collapsed(x, hyper.ATTN_MODULE, HC_ATTN, steered_at) if c.hyper else (x, None)
+            read, mixing = self.collapsed(x, attn_module, HC_ATTN, steered_at) if c.hyper else (x, None)
             added, new_cache, picked = self.mixer_addition(read, cos, sin, mask, positions, cache, cache_index,
                                                            kv_from, a, norm, steered_at, index_from)
             if not c.parallel_residual:  # the MLP reads the stream after the mixer's addition
@@ -585,7 +600,7 @@ class DecoderLayer(nn.Module):
                     x = steered_at(x, RESID_MID)
                     self.sow("sites", RESID_MID, x)
         if self.has_mlp:
-            read, mixing = self.collapsed(x, hyper.MLP_MODULE, HC_MLP, steered_at) if c.hyper else (x, None)
+            read, mixing = self.collapsed(x, mlp_module, HC_MLP, steered_at) if c.hyper else (x, None)
             mlp_in = read
             if c.pre_norms:
                 mlp_in = norm_for(c, "pre_mlp_norm", self.dtype, wide, normalized_site=LN2_NORMALIZED)(read, norm)
@@ -626,16 +641,35 @@ class DecoderLayer(nn.Module):
         if ablation is not None:  # a skipped block passes its input on, plus its mean contribution
             x = jnp.where(a["block_keep"], x, block_in + jnp.where(a["block_fill"], a["block_mean"].astype(x.dtype),
                                                                    jnp.zeros_like(x)))
+        if ngram_cache is not None:
+            new_cache = (new_cache, ngram_cache)
         return steered_at(x, RESID_POST), new_cache, picked
 
+    def ngram_addition(self, x: jax.Array, mask, token_ids: jax.Array, cache, cache_index):
+        """What Qwen4-Exp's hashed n-gram embedding adds to the streams x [B, S, N*H] (``model.ngram``),
+        sowing it; and its new cache (a prefill's at each row's length, a step's advanced) or None."""
+        c = self.config
+        stepping = cache is not None and jnp.ndim(cache_index) == 1
+        lengths = None if stepping else row_lengths(mask, x.shape[1])
+        out, new_cache = NGramInjection(c.ngram, c.ngram.rank(self.layer), c.hidden_size, c.hyper.streams,
+                                        c.vocab_size, c.norm_eps, self.dtype, name="ple")(
+            x.astype(self.dtype), token_ids, lengths, cache)
+        self.sow("sites", NGRAM_OUT, out)
+        return out.astype(x.dtype), new_cache
+
     def collapsed(self, x: jax.Array, name: str, sites: tuple[str, str, str], steered_at
-                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
         """What a sublayer reads from the hyper-connection streams x [B, S, N*H]: their collapse
         [B, S, H] (steered and patched as its site), and (post, comb) to write its output back with
-        (``model.hyper``); sows ``sites`` (collapse, write, mix)."""
-        read, post, comb = hyper.HyperConnection(self.config, self.dtype, name=name)(x)
+        (``model.hyper``; the gated kind's comb None); sows ``sites`` (collapse, write, mix)."""
+        if self.config.hyper.kind == "gated":
+            read, post = hyper.GatedResidual(self.config, self.dtype, self.residual_dtype, name=name)(x)
+            comb = None
+        else:
+            read, post, comb = hyper.HyperConnection(self.config, self.dtype, name=name)(x)
         read = steered_at(read, sites[0])
-        for site, value in zip(sites, (read, post, comb.reshape(*comb.shape[:2], -1))):
+        values = (read, post) if comb is None else (read, post, comb.reshape(*comb.shape[:2], -1))
+        for site, value in zip(sites, values):
             self.sow("sites", site, value)
         return read, (post, comb)
 
@@ -785,8 +819,11 @@ class Decoder(nn.Module):
                                     has_mlp=c.has_mlp(i), parallel_mamba=c.has_parallel_mamba(i), layer=i,
                                     name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
-        self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
-        if c.hyper is not None:
+        if c.final_norm:
+            self.norm = norm_for(c, "norm", self.dtype, self.residual_dtype, normalized_site=FINAL_NORMALIZED)
+        if c.hyper is not None and c.hyper.head == "gated":
+            self.hc_head = hyper.GatedResidual(c, self.dtype, self.residual_dtype, inject=False)
+        elif c.hyper is not None:
             self.hc_head = hyper.HyperHead(c)
         if c.per_layer_input_size:
             self.per_layer_inputs = PerLayerInputs(c, self.dtype, self.residual_dtype)
@@ -869,8 +906,13 @@ class Decoder(nn.Module):
 
     def final_norm(self, x):
         """The last block's output [..., H] through the final norm (hyper-connections' streams [..., N*H]
-        first collapsed into one: ``model.hyper.HyperHead``)."""
-        return self.norm(x if self.config.hyper is None else self.hc_head(x))
+        first collapsed into one: ``model.hyper.HyperHead``, or the gated kind's collapse with no norm after)."""
+        hc = self.config.hyper
+        if hc is not None and hc.head == "gated":
+            x = self.hc_head(x)[0]
+        elif hc is not None:
+            x = self.hc_head(x)
+        return self.norm(x) if self.config.final_norm else x
 
     def unembed(self, h):
         """Logits [..., V] of a final-normed hidden state [..., H]: linear in it (no bias), divided by

@@ -260,7 +260,9 @@ def model_site_values(model: Decoder, params: dict, state: dict, outputs: list, 
     if not any(site in AFTER_BLOCKS for site in sites):
         return found
     normed, norm_state = model.apply({"params": params}, outputs[-1], method=Decoder.final_norm, mutable=["sites"])
-    found[FINAL_NORMALIZED], found[FINAL_NORM] = norm_state["sites"]["norm"][FINAL_NORMALIZED][0], normed
+    found[FINAL_NORM] = normed
+    if model.config.final_norm:  # (Qwen4-Exp has none: missing_reason refuses the site)
+        found[FINAL_NORMALIZED] = norm_state["sites"]["norm"][FINAL_NORMALIZED][0]
     head = tuple(site for site in HEAD_OUTPUTS if site in sites)
     if head:
         following, has_next = next_tokens(input_ids, lengths)  # [B, S] each

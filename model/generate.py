@@ -37,6 +37,7 @@ from model.config import CSA, HCA, DecoderConfig
 from model.decoder import Decoder
 from model.extract import placed
 from model.interventions import STEER_TOKENS, steered_token_mask
+from model.ngram import empty_ngram_cache
 from model.sampling import GREEDY, Sampling
 from model.sharding import batch_sharding
 
@@ -152,7 +153,8 @@ class Generator:
         """Per block: keys and values [B, T, K, D] (None for a block that attends to another's:
         Gemma 4's kv sharing, or has no mixer), a latent attention's latent and shared key part, a
         Gated DeltaNet or Mamba-2 block's states (``model.decoder.GatedDeltaNet``), or a Falcon-H1
-        block's keys and values and Mamba-2 states."""
+        block's keys and values and Mamba-2 states; on Qwen4-Exp's n-gram blocks (the mixer's, the
+        n-gram embedding's window and last token ids)."""
         c = self.config
         zeros = lambda shape, dtype=self.dtype: self._rows_split(jnp.zeros(shape, dtype))
         m = c.mamba
@@ -183,8 +185,14 @@ class Generator:
                             zeros((rows, d.num_value_heads, d.key_head_dim, d.value_head_dim), jnp.float32)))
             elif c.has_parallel_mamba(layer):  # Falcon-H1's: attention's and its Mamba-2 mixer's
                 out.append(((zeros(shape), zeros(shape)), mamba_cache()))
+            elif c.attention_indexer is not None:  # and Qwen4-Exp's raw index keys (model.indexer.MeanPoolIndexer)
+                index = (rows, self.cache_length, 1, c.attention_indexer.head_dim)           # [B, T, 1, Di]
+                out.append((zeros(shape), zeros(shape), zeros(index)))
             else:
                 out.append((zeros(shape), zeros(shape)))
+            if c.ngram is not None and layer in c.ngram.layers:  # beside the mixer's: its n-gram embedding's
+                window, ids = empty_ngram_cache(c.ngram, c.hidden_size, c.hyper.streams, rows, self.dtype)
+                out[-1] = (out[-1], (self._rows_split(window), self._rows_split(ids)))
         return out
 
     def _compressed_cache(self, rows: int, layer: int, zeros) -> tuple:

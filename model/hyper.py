@@ -1,6 +1,8 @@
-"""Manifold-constrained hyper-connections (``model.config.HyperConnections``: GLM-5-next's): the
-residual as N streams per token, collapsed into the one vector a sublayer reads and written back
-into every stream with a learned mix of them.
+"""Hyper-connections (``model.config.HyperConnections``): the residual as N streams per token,
+collapsed into the one vector a sublayer reads and written back into every stream. The
+manifold-constrained kind (GLM-5-next's, DeepSeek-V4's) writes back with a learned mix of the
+streams; the gated kind (Qwen4-Exp's) reads a gated mean of the normed streams and adds the output
+to each stream with its own weight.
 
 The stream is held flat, [B, S, N x H] stream-major, so that every site, steering and statistic
 of the residual sees one array per token (``hook_resid_post`` is transformers' [B, S, N, H]
@@ -16,11 +18,18 @@ import jax
 import jax.numpy as jnp
 
 from model.config import DecoderConfig
-from model.layers import rms_normalized
+from model.layers import RMSNorm, accumulation, dense, rms_normalized
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # Each sublayer's hyper-connection module, named as transformers names them (parameters and sites are found by them).
 ATTN_MODULE, MLP_MODULE = "attn_hc", "ffn_hc"
+GATED_ATTN_MODULE, GATED_MLP_MODULE = "attn_hyper_connection", "mlp_hyper_connection"  # the gated kind's
+GATED_HEAD = "hyper_connection_mixer"  # the gated kind's final collapse
+
+
+def modules(hyper) -> tuple[str, str]:
+    """The attention and MLP hyper-connection modules' names for ``hyper``'s kind."""
+    return (GATED_ATTN_MODULE, GATED_MLP_MODULE) if hyper.kind == "gated" else (ATTN_MODULE, MLP_MODULE)
 
 
 class HyperConnection(nn.Module):
@@ -51,6 +60,38 @@ class HyperConnection(nn.Module):
         return collapsed, post, comb
 
 
+class GatedResidual(nn.Module):
+    """Qwen4-Exp's gated residual around one sublayer (transformers' ``Qwen4ExpTextGatedResidual``:
+    ``hc_norm``, ``input_mix_weight_down``, ``input_mix_weight_up``, with ``inject``
+    ``block_inject_weight``; the final collapse has none). Computed in the compute dtype, the norm
+    in float32 and rounded, as transformers' module does."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: object = None
+    inject: bool = True
+
+    @nn.compact
+    def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """streams [B, S, N*H] -> (what the sublayer reads [B, S, H]: mean_k gate_k * normed_k in
+        ``dtype``, the write weights inj [B, S, N] = 2 sigmoid(inject(normed) / N), or None without
+        ``inject``)."""
+        hc, h = self.config.hyper, self.config.hidden_size
+        n = hc.streams
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        project = lambda width, name: dense(width, False, name, self.dtype, accumulate)
+        normed = RMSNorm(self.config.norm_eps, self.dtype, unit_offset=True, groups=n, name="hc_norm")(streams)
+        down = project(hc.rank, "input_mix_weight_down")(normed).astype(self.dtype)      # [B, S, rank]
+        # Each step rounded to the compute dtype, as transformers computes it there.
+        low = jax.nn.silu((down / n).astype(self.dtype))
+        gate = jax.nn.sigmoid(project(n * h, "input_mix_weight_up")(low).astype(self.dtype))  # [B, S, N*H]
+        gated = (gate * normed).reshape(*streams.shape[:-1], n, h)                          # [B, S, N, H]
+        read = jnp.mean(gated.astype(jnp.float32), axis=-2).astype(self.dtype)            # [B, S, H]
+        if not self.inject:
+            return read, None
+        inject = project(n, "block_inject_weight")(normed).astype(self.dtype)               # [B, S, N]
+        return read, 2 * jax.nn.sigmoid((inject / n).astype(self.dtype))
+
+
 def sinkhorn(comb: jax.Array, iterations: int, eps: float) -> jax.Array:
     """Sinkhorn-Knopp as transformers runs it: columns normalised, then ``iterations - 1`` times
     rows then columns (each sum plus ``eps``); comb [..., N, N] -> nearly doubly stochastic (its
@@ -68,14 +109,15 @@ def expanded(embeddings: jax.Array, streams: int) -> jax.Array:
     return jnp.tile(embeddings, (1, 1, streams))
 
 
-def written(streams: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """The streams after a sublayer: post_k out + sum_j comb_jk x_j for each stream k, in the
-    streams' dtype (transformers rounds post and comb to it). streams [B, S, N*H], out [B, S, H],
-    post [B, S, N], comb [B, S, N, N] -> [B, S, N*H]."""
+def written(streams: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array | None) -> jax.Array:
+    """The streams after a sublayer: post_k out + sum_j comb_jk x_j for each stream k (the gated
+    kind, ``comb`` None: post_k out + x_k), in the streams' dtype (transformers rounds post and comb
+    to it). streams [B, S, N*H], out [B, S, H], post [B, S, N], comb [B, S, N, N] -> [B, S, N*H]."""
     b, s, n = post.shape
     dtype = streams.dtype
     split = streams.reshape(b, s, n, -1)                                                   # [B, S, N, H]
-    mixed = jnp.einsum("bsjk,bsjh->bskh", comb.astype(dtype), split, precision=HIGHEST)   # [B, S, N, H]
+    mixed = split if comb is None else jnp.einsum("bsjk,bsjh->bskh", comb.astype(dtype), split,
+                                                  precision=HIGHEST)                       # [B, S, N, H]
     return (post.astype(dtype)[..., None] * out.astype(dtype)[:, :, None] + mixed).reshape(b, s, -1)
 
 

@@ -18,6 +18,11 @@ each pool's positions ascending (-1 for a pool the query could not choose), then
 tail slots (its tail's positions ascending, then -1). Transformers puts the tail right after
 min(topk // pool, pools whole in any row of the batch) pools: the same layout wherever the batch
 has that many. A decoding cache holds each position's index key and gate scores.
+
+Qwen4-Exp's QSA (``Indexer.mean_pool``, an attention block's ``DecoderConfig.attention_indexer``, as
+transformers' ``Qwen4ExpTextQSAIndexer``): the same pools and choice, with unweighted heads; a
+pool's key is the mean of its positions' raw index keys, then (1 + w) RMS-normed and rotated at the
+pool's first position. A decoding cache holds each position's raw index key.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import jax.numpy as jnp
 
 from model.attention import over_query_blocks
 from model.config import DecoderConfig
-from model.layers import LayerNorm, accumulation, dense, precision_for
-from model.rope import apply_rope
+from model.layers import LayerNorm, RMSNorm, accumulation, dense, precision_for
+from model.rope import apply_rope, rope_cos_sin
 
 QUERY_BLOCK = 128  # queries scored together, at most: [B, 128, index heads, T] float32 at a time
 K_NORM_EPS = 1e-6  # transformers builds the index key's LayerNorm with it
@@ -98,6 +103,43 @@ class LightningIndexer(nn.Module):
         index = index_scores(q.astype(jnp.float32), keys, weights)                       # [B, S, T]
         allowed, ids = chosen_keys(index, mask, ix.topk)
         return allowed, ids, k
+
+
+class MeanPoolIndexer(nn.Module):
+    """Qwen4-Exp's QSA indexer of one attention block (parameters ``index_qk_proj``: the index
+    queries' rows, then the key's; ``q_layernorm``, ``k_layernorm``, as transformers names them)."""
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+    residual_dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, cached: Callable[[jax.Array], jax.Array] | None = None):
+        """x [B, S, H]; ``cos``, ``sin`` [B, S, R]: the queries' rotary tables (the pools' are computed
+        at their first positions, with the config's RoPE); ``mask`` [B, S, T]; ``cached`` as
+        ``LightningIndexer``'s (raw keys [B, S, 1, D]). -> (the mask narrowed to each query's chosen
+        pools and tail [B, S, T], their positions [B, S, ``Indexer.width``] int32, the raw keys)."""
+        c, ix = self.config, self.config.attention_indexer
+        b, s, _ = x.shape
+        heads, d = ix.num_heads, ix.head_dim
+        accumulate = accumulation(self.dtype, self.residual_dtype)
+        qk = dense((heads + 1) * d, False, "index_qk_proj", self.dtype, accumulate)(x).astype(self.dtype)
+        norm = lambda name, y: RMSNorm(c.norm_eps, self.dtype, unit_offset=True, name=name)(y)
+        q = apply_rope(norm("q_layernorm", qk[..., :heads * d].reshape(b, s, heads, d)), cos, sin)  # [B, S, Hi, D]
+        raw = qk[:, :, None, heads * d:]                                                 # [B, S, 1, D]
+        if cached is not None:
+            raw = cached(raw)                                                            # [B, T, 1, D]
+        t, pool = raw.shape[1], ix.pool
+        n = -(-t // pool)
+        grouped = jnp.pad(raw[:, :, 0], ((0, 0), (0, n * pool - t), (0, 0))).reshape(b, n, pool, d)
+        # The mean in float32, rounded (transformers'); a last pool past T is never whole, never chosen.
+        keys = norm("k_layernorm", jnp.mean(grouped.astype(jnp.float32), axis=2).astype(self.dtype))  # [B, T/P, D]
+        starts = jnp.broadcast_to(jnp.arange(n) * pool, (b, n))                          # each pool's first position
+        key_cos, key_sin = rope_cos_sin(starts, cos.shape[-1], c.rope)
+        keys = apply_rope(keys[:, :, None], key_cos.astype(cos.dtype), key_sin.astype(sin.dtype))[:, :, 0]
+        index = index_scores(q.astype(jnp.float32), keys.astype(jnp.float32) * d ** -0.5,
+                             jnp.ones((b, s, heads), jnp.float32))                       # [B, S, T/P]
+        allowed, ids = chosen_pools(index, mask, ix.topk // pool, pool, ix.pool_tail)
+        return allowed, ids, raw
 
 
 def pooled_keys(keys: jax.Array, gates: jax.Array, ape: jax.Array, pool: int) -> jax.Array:

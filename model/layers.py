@@ -60,6 +60,8 @@ class RMSNorm(nn.Module):
     keep_wide: bool = False     # with a wider stream, return float32 (what is added to it, or roped)
     normalized_site: str | None = None  # sow x / rms(x), before the weight, as this site
     weight_in_float32: bool = False  # w * x / rms(x) in float32, rounded once (OLMo 2); else rounded, then scaled
+    groups: int = 1             # x / rms(x) over each of this many equal parts of the last axis apart (the
+                                # weight spans them all: Qwen4-Exp's per-stream norms)
 
     @nn.compact
     def __call__(self, x: jax.Array, ablation: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -76,7 +78,10 @@ class RMSNorm(nn.Module):
             neutral = jnp.zeros_like(weight) if self.unit_offset else jnp.ones_like(weight)
             weight = jnp.where(keep, weight, jnp.where(fill, jnp.mean(weight), neutral))
         x32 = x.astype(jnp.float32)
+        if self.groups > 1:  # [..., groups, W / groups]: each part normed apart
+            x32 = x32.reshape(*x.shape[:-1], self.groups, -1)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = normed.reshape(x.shape)
         if self.normalized_site:
             self.sow("sites", self.normalized_site, normed)
         out_dtype = jnp.float32 if wide and self.keep_wide else self.dtype

@@ -423,10 +423,41 @@ def _llama_block(config: DecoderConfig, hf: str, layer: int, fused: bool = False
         yield from _norm(f"{hf}.post_per_layer_input_norm", ("post_per_layer_input_norm",), c)
     if c.layer_scalar:
         yield ("layer_scalar",), Source(f"{hf}.layer_scalar")
-    if c.hyper is not None:  # each sublayer's hyper-connection (model.hyper)
+    if c.hyper is not None and c.hyper.kind == "gated":  # Qwen4-Exp's gated residual (model.hyper.GatedResidual)
+        for module in hyper.modules(c.hyper):
+            yield from _gated_residual(c, f"{hf}.{module}", (module,), inject=True)
+    elif c.hyper is not None:  # each sublayer's hyper-connection (model.hyper)
         for ours, theirs in HYPER_MODULES.items():
             for leaf in ("fn", "base", "scale"):
                 yield (ours, leaf), Source(f"{hf}.{theirs}_{leaf}")
+    if c.attention_indexer is not None and not c.is_recurrent(layer):  # Qwen4-Exp's QSA (model.indexer)
+        yield from _linear(f"{hf}.self_attn.indexer.index_qk_proj", ("self_attn", "indexer", "index_qk_proj"), False)
+        for norm in ("q_layernorm", "k_layernorm"):
+            yield from _norm(f"{hf}.self_attn.indexer.{norm}", ("self_attn", "indexer", norm), c)
+    if c.ngram is not None and layer in c.ngram.layers:  # Qwen4-Exp's hashed n-gram embedding (model.ngram)
+        yield from _ngram(c, f"{hf}.ple")
+
+
+def _gated_residual(config: DecoderConfig, hf: str, path: tuple[str, ...], inject: bool):
+    """A gated residual's tensors (``model.hyper.GatedResidual``), as transformers names them."""
+    yield from _norm(f"{hf}.hc_norm", (*path, "hc_norm"), config)
+    for proj in ("input_mix_weight_down", "input_mix_weight_up", *(("block_inject_weight",) if inject else ())):
+        yield from _linear(f"{hf}.{proj}", (*path, proj), False)
+
+
+def _ngram(config: DecoderConfig, hf: str):
+    """A block's hashed n-gram embedding (``model.ngram.NGramInjection``): its table (on the hub in
+    ``split_ngram_parts`` row shards, concatenated in order, as transformers' loading does), its
+    projections, norms and convolution; transformers' hash buffers are not read (model.ngram computes
+    them from the config)."""
+    table = f"{hf}.ple_embedding.ngram_embedding"
+    shards = tuple(f"{table}.shard_{k}.weight" for k in range(config.ngram.parts))
+    yield ("ple", "ngram_embedding"), Source(f"{table}.weight", alternatives=(shards,))
+    for proj in ("key_proj", "value_proj"):
+        yield from _linear(f"{hf}.{proj}", ("ple", proj), False)
+    for norm in ("norm_key", "norm_query", "norm_conv"):
+        yield from _norm(f"{hf}.{norm}", ("ple", norm), config)
+    yield ("ple", "conv1d"), Source(f"{hf}.conv1d.weight")
 
 
 def _nemotron_h_block(config: DecoderConfig, hf: str, layer: int):
@@ -682,6 +713,8 @@ def block_norm_names(config: DecoderConfig) -> dict[str, str]:
     layout = layout_of(config)
     if layout.norms is not None:
         return layout.norms
+    if not config.pre_norms and not config.sandwich_norms:  # (Qwen4-Exp's blocks have none)
+        return {}
     if not config.pre_norms:
         return POST_NORM_NAMES
     return SANDWICH_NORM_NAMES if config.sandwich_norms else NORM_NAMES
@@ -710,12 +743,15 @@ def hf_site(site: str, config: DecoderConfig, layer: int | None = None) -> tuple
         return "", "mlp addition" if site == sites.MLP_OUT else "mlp addition unscaled"
     if site in sites.INSIDE:
         return _hf_inside_site(site, config, layout, norms, layer)
-    if site in sites.HYPER_SITES:  # transformers' hyper-connection returns (post, comb, collapse)
-        theirs, module = (sites.HC_ATTN, hyper.ATTN_MODULE) if site in sites.HC_ATTN else (sites.HC_MLP,
-                                                                                            hyper.MLP_MODULE)
-        return module, f"output {(2, 0, 1)[theirs.index(site)]}"
+    if site in sites.HYPER_SITES:  # transformers' hyper-connection returns (post, comb, collapse); the gated
+        theirs = sites.HC_ATTN if site in sites.HC_ATTN else sites.HC_MLP      # residual (collapse, streams, inj)
+        module = hyper.modules(config.hyper)[theirs is sites.HC_MLP]
+        order = (0, 2) if config.hyper.kind == "gated" else (2, 0, 1)
+        return module, f"output {order[theirs.index(site)]}"
     if site == sites.RESID_MID and config.hyper is not None:  # the streams the MLP's hyper-connection reads
-        return hyper.MLP_MODULE, "input"
+        return hyper.modules(config.hyper)[1], "input"
+    if site == sites.NGRAM_OUT:
+        return "ple", "output"
     if site == sites.ATTN_OUT and layer is not None and config.is_recurrent(layer) and not post:
         return mixer_module(config, layer), _times(config.residual_multiplier)
     multipliers = config.multipliers  # Falcon-H1's, on what each mixer adds
@@ -791,7 +827,8 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
         sites.ATTN_SCORES: (attn, "scores"),
         sites.ATTN_PATTERN: (attn, "pattern"),
         sites.ATTN_MODULE_OUT: module_out,
-        sites.INDEXED_KEYS: layout.indexed_keys or (f"{attn}.indexer", "indexed keys"),
+        sites.INDEXED_KEYS: layout.indexed_keys or (f"{attn}.indexer", "selected mask" if config.attention_indexer
+                                                    else "indexed keys"),
         # the gated norm's input: [B*S*Hv, Dv], every value head's row
         sites.DELTA_OUT: (f"{layout.deltanet}.{(layout.deltanet_names or {}).get('norm', 'norm')}", "input per head"),
         sites.MLP_PRE: (f"{mlp}.gate_proj" if config.gated_mlp else f"{mlp}.up_proj", "output"),
@@ -822,7 +859,10 @@ def param_names(config: DecoderConfig, num_layers: int, with_head: bool,
         for path, source in layout.block_tensors(config, f"{prefix}{layout.blocks}.{i}", i):
             yield (f"layers_{i}", *path), source
     if with_head:
-        yield from _norm(f"{prefix}{layout.final_norm}", ("norm",), config)
+        if config.final_norm:
+            yield from _norm(f"{prefix}{layout.final_norm}", ("norm",), config)
+        if config.hyper is not None and config.hyper.head == "gated":  # Qwen4-Exp's final collapse
+            yield from _gated_residual(config, f"{prefix}{hyper.GATED_HEAD}", ("hc_head",), inject=False)
         if not config.tie_word_embeddings:
             yield ("lm_head", "kernel"), Source(layout.head or HEAD_NAMES[prefix], True)
         if config.hyper is not None and config.hyper.head == "weighted":  # DeepSeek-V4's final collapse
@@ -901,6 +941,10 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
                 (h, c.per_layer_input_size), "per_layer_projection": (c.per_layer_input_size, h)}[module]
     if leaf == "layer_scalar":
         return (1,)
+    if c.hyper is not None and c.hyper.kind == "gated" and (shape := _gated_shape(path, c)) is not None:
+        return shape
+    if c.ngram is not None and "ple" in path:
+        return _ngram_shape(path, c)
     if module in HYPER_MODULES and c.hyper is not None:  # [(2 + N) N, N H] transformers' [out, in]; its bias; 3 scales
         n = c.hyper.streams
         return {"fn": ((2 + n) * n, n * h), "base": ((2 + n) * n,)}.get(leaf, (3,))
@@ -915,6 +959,35 @@ def expected_shape(path: tuple[str, ...], config: DecoderConfig, num_layers: int
     if module in ("q_norm", "k_norm"):  # per head, or over the whole projection
         return (d,) if c.qk_norm_scope == "head" else ((q,) if module == "q_norm" else (kv,))
     return (h,)
+
+
+def _gated_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, ...] | None:
+    """The shape of a Qwen4-Exp gated residual's parameter (its final collapse's too) or of its QSA
+    indexer's; None for the others."""
+    c = config
+    wide, rank, module = c.hyper.streams * c.hidden_size, c.hyper.rank, path[-2]
+    if module == "hc_norm":
+        return (wide,)
+    shapes = {"input_mix_weight_down": (wide, rank), "input_mix_weight_up": (rank, wide),
+              "block_inject_weight": (wide, c.hyper.streams)}
+    if module in shapes:
+        return shapes[module]
+    if "indexer" in path and c.attention_indexer is not None:
+        ix = c.attention_indexer
+        return (c.hidden_size, (ix.num_heads + 1) * ix.head_dim) if module == "index_qk_proj" else (ix.head_dim,)
+    return None
+
+
+def _ngram_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, ...]:
+    """The shape of a hashed n-gram embedding's parameter (``model.ngram.NGramInjection``)."""
+    from model.ngram import ngram_constants
+    c, g = config, config.ngram
+    wide = c.hyper.streams * c.hidden_size
+    layer = int(path[0].removeprefix("layers_"))
+    leaf = path[-1] if path[-2] == "ple" else path[-2]
+    return {"ngram_embedding": (ngram_constants(g, g.rank(layer), c.vocab_size).rows, g.embed_dim // g.heads),
+            "key_proj": (g.embed_dim, wide), "value_proj": (g.embed_dim, c.hidden_size),
+            "conv1d": (wide, 1, g.conv_kernel)}.get(leaf, (wide,))
 
 
 def _compressed_shape(path: tuple[str, ...], config: DecoderConfig) -> tuple[int, ...] | None:

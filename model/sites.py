@@ -45,6 +45,7 @@ ATTN_GATE, ATTN_MODULE_OUT = "attn.hook_gate", "attn.hook_out"
 DELTA_OUT = "attn.hook_delta_out"  # a Gated DeltaNet mixer's delta-rule output (model.decoder.GatedDeltaNet)
 INDEXED_KEYS = "attn.hook_indexed_keys"  # the keys DeepSeek sparse attention's indexer chose (model.indexer)
 SSM_MODULE_OUT, SSM_OUT = "ssm.hook_out", "hook_ssm_out"  # a Mamba-2 mixer beside attention (Falcon-H1's)
+NGRAM_OUT = "ngram.hook_out"  # what Qwen4-Exp's hashed n-gram embedding adds to the streams (model.ngram)
 # Hyper-connections' collapse, write weights and mixing matrix around each sublayer (model.hyper: GLM-5-next's).
 HC_ATTN_COLLAPSE, HC_ATTN_WRITE, HC_ATTN_MIX = "hc_attn.hook_collapse", "hc_attn.hook_write", "hc_attn.hook_mix"
 HC_MLP_COLLAPSE, HC_MLP_WRITE, HC_MLP_MIX = "hc_mlp.hook_collapse", "hc_mlp.hook_write", "hc_mlp.hook_mix"
@@ -105,10 +106,15 @@ SITES: dict[str, Site] = {s.name: s for s in (
                           "those positions", scope="model"),
     Site(RESID_PRE, "resid", "block L's input: block L-1's output (for L = 0 the embeddings: scaled in Gemma, "
                              "plus the learned positions in GPT-2; copied into each stream with hyper-connections)"),
+    Site(NGRAM_OUT, "resid", "on Qwen4-Exp's n-gram blocks, what the hashed n-gram embedding adds to every stream "
+                             "before attention's collapse reads them: each stream's gated copy of the n-grams' value "
+                             "plus its dilated convolution, [streams x hidden] stream-major"),
     Site(HC_ATTN_COLLAPSE, "hidden", "with hyper-connections (GLM-5-next, DeepSeek-V4), what attention's norm reads: "
-                                     "the block's input streams collapsed, sum_j pre_j x_j"),
+                                     "the block's input streams collapsed, sum_j pre_j x_j; with Qwen4-Exp's gated "
+                                     "residual what attention reads: the mean of the normed streams gated per channel"),
     Site(HC_ATTN_WRITE, "streams", "with hyper-connections, the weight post_k with which attention's output is "
-                                   "written into stream k (2 sigmoid, computed in float32)"),
+                                   "written into stream k (2 sigmoid, computed in float32; Qwen4-Exp's in the "
+                                   "compute dtype)"),
     Site(HC_ATTN_MIX, "stream_pairs", "with hyper-connections, the matrix comb [j, k] (row-major) mixing input "
                                       "stream j into stream k around attention: Sinkhorn-normalised, its columns "
                                       "summing to 1 within hc_eps (computed in float32)"),
@@ -198,7 +204,8 @@ SITES: dict[str, Site] = {s.name: s for s in (
                               "[B, S, N, H] (the final norm reads their mean, or DeepSeek-V4's weighted collapse)"),
     Site(FINAL_NORMALIZED, "hidden", "the last block's output after the final norm, before its gain: x / rms(x), "
                                      "or (x - mean) / std, in float32", scope="model"),
-    Site(FINAL_NORM, "hidden", "the final norm's output: what the unembedding reads (the logit lens's input)",
+    Site(FINAL_NORM, "hidden", "the final norm's output: what the unembedding reads (the logit lens's input; "
+                               "Qwen4-Exp's, which has no final norm: the final gated collapse of the streams)",
          scope="model"),
     Site(LOGITS, "vocab", "the next-token logits, float32 (soft-capped where the family caps: Gemma 2); "
                           "stored with a token selection", scope="model"),
@@ -283,6 +290,17 @@ def missing_reason(site: str, config, layer: int | None = None) -> str | None:
         return (f"{config.model_type} has one residual stream: no hyper-connections (GLM-5-next's, DeepSeek-V4's) "
                 "collapse or mix "
                 "streams")
+    if site in (HC_ATTN_MIX, HC_MLP_MIX) and config.hyper is not None and config.hyper.kind == "gated":
+        return (f"{config.model_type}'s gated residual adds a sublayer's output to each stream with its own weight "
+                "(hc_*.hook_write): no matrix mixes the streams")
+    if site == NGRAM_OUT and (config.ngram is None or layer is not None and layer >= 0
+                              and layer not in config.ngram.layers):
+        if config.ngram is None:
+            return f"{config.model_type} has no hashed n-gram embeddings (Qwen4-Exp's)"
+        return f"block {layer} adds no n-gram embedding: the n-gram blocks are {_spans(config.ngram.layers)}"
+    if site == FINAL_NORMALIZED and not config.final_norm:
+        return (f"{config.model_type} has no final norm: ln_final.hook_out is the final collapse of the streams, "
+                "what the LM head reads")
     if site in ROUTING + SHARED_EXPERT and config.moe is None:
         return f"{config.model_type} is a dense model: it has no router"
     if site in SHARED_EXPERT and not config.moe.shared_expert_size:

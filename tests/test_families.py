@@ -280,9 +280,9 @@ def test_the_fixture_command_writes_any_family_in_either_layout(tmp_path):
     assert load_config(tmp_path / "hub").model_type == "gemma2"
 
 
-@pytest.mark.parametrize("model_type, mechanism", [("qwen4_exp", "QSA indexer"), ("qwen4_exp_text", "QSA indexer")])
-def test_the_newest_families_not_yet_read_are_refused_naming_what_they_need(model_type, mechanism):
+def test_a_type_transformers_has_without_a_head_is_refused_naming_the_checkpoint_to_read():
     from model.families import config_from_dict
-    with pytest.raises(UserError, match=f"model_type {model_type!r}: .*{mechanism}.* not implemented") as caught:
-        config_from_dict({"model_type": model_type, "architectures": ["AnyForCausalLM"]})
+    with pytest.raises(UserError, match="model_type 'glm5_next_text': .* read the Glm5NextForConditionalGeneration "
+                       "checkpoint") as caught:
+        config_from_dict({"model_type": "glm5_next_text", "architectures": ["Glm5NextTextModel"]})
     assert "\n" not in str(caught.value)

@@ -24,7 +24,9 @@ SHAPES = {"gemma4": dict(num_hidden_layers=4, layer_types=["sliding_attention", 
           "qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                              mlp_only_layers=[1]),
           "glm5_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                            mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"])}
+                            mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"]),
+          "qwen4_exp": dict(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                            ple_layer_ids=[1], indexer_budget=4, indexer_compress_ratio=2)}
 
 
 @pytest.fixture(scope="module", params=["gemma4", "deepseek_v3", "gpt_oss"])
@@ -65,7 +67,7 @@ def edited(model, site: str, layer: int, edit) -> list:
     flat = edit  # hyper-connections' streams [1, S, N, H] edited as the [1, S, N*H] rows stored
     edit = lambda x: flat(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
     if site == RESID_MID and config.hyper is not None:
-        return _edited_streams(block, edit)
+        return _edited_streams(block, edit, config.hyper.kind == "gated")
     if site == RESID_MID:
         block_input = {}
 
@@ -93,10 +95,11 @@ def edited(model, site: str, layer: int, edit) -> list:
     return [module.register_forward_hook(post)]
 
 
-def _edited_streams(block, edit) -> list:
+def _edited_streams(block, edit, gated: bool) -> list:
     """Hooks editing the streams between a hyper-connection block's sublayers: the MLP's
     hyper-connection reads the edited streams, and the mix after the MLP (which reads the block's
-    own reference to them) gets comb^T times the edit's difference."""
+    own reference to them) gets comb^T times the edit's difference; Qwen4-Exp's gated residual
+    (``gated``) returns the streams it read as those the MLP's output is added to."""
     import torch
     kept = {}
 
@@ -113,6 +116,8 @@ def _edited_streams(block, edit) -> list:
         hidden = output[0] if isinstance(output, tuple) else output
         mixed = hidden + torch.matmul(kept["comb"].to(hidden.dtype).transpose(-1, -2), kept["change"])
         return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+    if gated:
+        return [block.mlp_hyper_connection.register_forward_pre_hook(streams_in, with_kwargs=True)]
     return [block.ffn_hc.register_forward_pre_hook(streams_in, with_kwargs=True),
             block.ffn_hc.register_forward_hook(weights), block.register_forward_hook(block_out)]
 
@@ -230,16 +235,19 @@ def test_every_grid_equals_transformers_hooks_and_autograd(models):
         patching_grid(ours, pair, ATTN_Z, values=[block[1:] for block in own])
 
 
-def test_hyper_connection_grids_equal_transformers_hooks_and_autograd(tmp_path):
+@pytest.mark.parametrize("family", ["glm5_next", "qwen4_exp"])
+def test_hyper_connection_grids_equal_transformers_hooks_and_autograd(tmp_path, family):
     """GLM-5-next's (a Kimi Delta Attention block, then an indexed attention block with experts; 3
-    streams): every stream site's grid and what each sublayer reads of the streams, exact and
-    attribution, against transformers' float64 model with the same values put in by hooks; the
-    streams between the sublayers edited where the MLP's hyper-connection and the mix after it
-    read them."""
+    streams), Qwen4-Exp's (a Gated DeltaNet block adding n-grams, then attention with QSA choosing 2
+    pools of 2; 3 gated streams): every stream site's grid and what each sublayer reads of the
+    streams, exact and attribution, against transformers' float64 model with the same values put in
+    by hooks; the streams between the sublayers edited where the MLP's hyper-connection and the mix
+    after it read them."""
     from model.sites import HC_ATTN_COLLAPSE, HC_MLP_COLLAPSE
-    ours, theirs, _ = loaded_pair(tmp_path / "glm5_next", "glm5_next")
+    ours, theirs, _ = loaded_pair(tmp_path / family, family)
     c = ours.config
-    pair, layers = a_pair(c.vocab_size), range(c.num_hidden_layers)
+    # (Qwen4-Exp's last query sees 3 whole pools and keeps 2: sparse)
+    pair, layers = a_pair(c.vocab_size, 7 if family == "qwen4_exp" else 4), range(c.num_hidden_layers)
     sites = (RESID_PRE, HC_ATTN_COLLAPSE, ATTN_OUT, RESID_MID, HC_MLP_COLLAPSE, MLP_OUT, RESID_POST)
     found = [cell for site in sites for cell in grid_cells(site, c.num_hidden_layers, len(pair.corrupted), None)]
     values = {key: value for site in sites for key, value in values_by_block(clean_values(ours, pair.clean, site),
@@ -249,9 +257,9 @@ def test_hyper_connection_grids_equal_transformers_hooks_and_autograd(tmp_path):
     exact = exact_metrics(ours, pair, found, values).reshape(len(sites), *shape)
     estimate = attribution_metrics(ours, pair, found, values)[0].reshape(len(sites), *shape)
     for site, exact_grid, estimate_grid in zip(sites, exact, estimate):
-        assert_close(exact_grid, reference_exact(theirs, pair, site, layers, None), 1e-5, f"glm5_next {site} exact")
+        assert_close(exact_grid, reference_exact(theirs, pair, site, layers, None), 1e-5, f"{family} {site} exact")
         assert_close(estimate_grid, reference_attribution(theirs, pair, site, layers, None), 1e-4,
-                     f"glm5_next {site} attribution")
+                     f"{family} {site} attribution")
 
 
 def every_cell(config, pair: Pair) -> list:

@@ -13,7 +13,7 @@ from model.config import DecoderConfig
 from model.families import (deepseek_v2, deepseek_v3, deepseek_v32, deepseek_v4, falcon_h1, gemma2, gemma3, gemma4,
                             glm4_moe, glm5_next, gpt2, gpt_neox, gpt_oss, granitemoehybrid, kimi_linear, llama, llama4,
                             minimax_m2, mistral, mistral4, mixtral, nemotron_h, olmo2, olmo3, olmo_hybrid, olmoe, phi3,
-                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
+                            qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe, qwen3_next, qwen4_exp, smollm3)
 
 # config.json's model_type -> (its reader, the architectures it accepts).
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
@@ -60,13 +60,13 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "kimi_linear": (kimi_linear, kimi_linear.ARCHITECTURES),
     "glm5_next": (glm5_next, glm5_next.ARCHITECTURES),
     "deepseek_v4": (deepseek_v4, deepseek_v4.ARCHITECTURES),
+    "qwen4_exp_text": (qwen4_exp, qwen4_exp.ARCHITECTURES),
+    "qwen4_exp": (qwen4_exp, qwen4_exp.WRAPPER_ARCHITECTURES),
 }
 # Types transformers has that reduce to none of the switches, each with what it lacks (docs/model.md).
 REFUSED = {
     "glm5_next_text": "a GLM-5-next text model alone has no LM head in transformers: read the "
                       "Glm5NextForConditionalGeneration checkpoint (model_type glm5_next)",
-    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "Qwen4-exp's QSA indexer over compressed keys, "
-                                                      "hyper-connections and n-gram embeddings are not implemented"),
 }
 SUPPORTED_ARCHITECTURES = tuple(a for _, architectures in FAMILIES.values() for a in architectures
                                 if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")))

@@ -61,6 +61,17 @@ def wrapped_text_config(raw: dict[str, Any], family: str) -> dict[str, Any]:
     return {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
 
 
+def untied_text_config(raw: dict[str, Any], family: str, text_type: str) -> dict[str, Any]:
+    """The text model's config of a ``*ForConditionalGeneration`` whose head is untied by default
+    (Llama 4's, Qwen3.5's, Qwen4-Exp's): its ``text_config`` as model_type ``text_type``, the head's
+    tying the wrapper's, else the text config's, else none."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(f"{family} config.json has no 'text_config' (the language model's settings)")
+    return {**text, "model_type": text_type,
+            "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+
+
 def shapes(f: Fields, eps_key: str = "rms_norm_eps") -> dict[str, Any]:
     """The fields every family reads the same way: widths, heads, norm epsilon (under
     ``eps_key``), head tying."""

@@ -18,9 +18,8 @@ Llama's pre-norm block, with:
 
 from __future__ import annotations
 
-from common.cli import UserError
 from model.config import CHUNKED, FULL, DecoderConfig, MoE, QueryTemperature
-from model.families.common import Fields, activation, rope, rope_parameters, shapes
+from model.families.common import Fields, activation, rope, rope_parameters, shapes, untied_text_config
 
 ARCHITECTURES = ("Llama4ForCausalLM", "Llama4TextModel")
 WRAPPER_ARCHITECTURES = ("Llama4ForConditionalGeneration",)
@@ -35,11 +34,7 @@ DEFAULTS = dict(vocab_size=202_048, hidden_size=5120, intermediate_size=8192, in
 
 def decoder_config(raw: dict) -> DecoderConfig:
     if raw.get("model_type") == "llama4":  # the multimodal wrapper: its text model only
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise UserError("llama4 config.json has no 'text_config' (the language model's settings)")
-        raw = {**text, "model_type": "llama4_text",
-               "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+        raw = untied_text_config(raw, "llama4", "llama4_text")
     if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:  # transformers: one per query head
         raw = {**raw, "num_key_value_heads": raw.get("num_attention_heads") or DEFAULTS["num_attention_heads"]}
     f = Fields(raw, DEFAULTS, "llama4")

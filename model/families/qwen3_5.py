@@ -16,9 +16,9 @@ Qwen3-Next (``model.families.qwen3_next``) is the same decoder with its tensors 
 
 from __future__ import annotations
 
-from common.cli import UserError
 from model.config import DecoderConfig, DeltaNet
-from model.families.common import Fields, activation, mixture_of_experts, rope, rope_parameters, rotary_dim, shapes
+from model.families.common import (Fields, activation, mixture_of_experts, rope, rope_parameters, rotary_dim, shapes,
+                                   untied_text_config)
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5TextModel")
 WRAPPER_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
@@ -41,11 +41,7 @@ MOE_DEFAULTS = dict(DEFAULTS, hidden_size=2048, num_hidden_layers=40, num_key_va
 def decoder_config(raw: dict) -> DecoderConfig:
     wrapper = raw.get("model_type")
     if wrapper in WRAPPERS:  # the multimodal wrapper: its text model only
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise UserError(f"{wrapper} config.json has no 'text_config' (the language model's settings)")
-        raw = {**text, "model_type": WRAPPERS[wrapper],
-               "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+        raw = untied_text_config(raw, wrapper, WRAPPERS[wrapper])
     moe = raw.get("model_type") == "qwen3_5_moe_text"
     f = Fields(raw, MOE_DEFAULTS if moe else DEFAULTS, "qwen3_5_moe" if moe else "qwen3_5")
     experts = mixture_of_experts(f, "moe_intermediate_size", normalize_top_k=True,
