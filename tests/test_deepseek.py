@@ -222,40 +222,14 @@ def test_fp8_dequantization_equals_transformers():
         dequantized(np.zeros((40, 36), ml_dtypes.float8_e4m3fn), np.ones((2, 3), np.float32), (16, 16))
 
 
-def fp8_checkpoints(root: pathlib.Path) -> tuple[str, str]:
-    """(a block-FP8 DeepSeek-V3 checkpoint as the hub stores one, the same weights dequantized): every
-    projection of the blocks (not the router) as float8 e4m3 with float32 scales per 16 x 16 block
-    (kv_a_proj_with_mqa's 28 rows end in a partial block)."""
-    import shutil
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-    from fixtures.tiny_models import write_checkpoint
-    plain = write_checkpoint(root / "dequantized", "deepseek_v3", seed=4)
-    quantized = root / "fp8"
-    shutil.copytree(plain, quantized)
-    tensors = load_file(pathlib.Path(plain, "model.safetensors"))
-    packed, generator = dict(tensors), torch.Generator().manual_seed(1)
-    for name, weight in tensors.items():
-        if not name.endswith("proj.weight") and not name.endswith("proj_with_mqa.weight"):
-            continue
-        rows, cols = weight.shape
-        scale = torch.rand((-(-rows // 16), -(-cols // 16)), generator=generator) * 0.01 + 1e-3
-        expanded = scale.repeat_interleave(16, 0)[:rows].repeat_interleave(16, 1)[:, :cols]
-        packed[name] = (weight / expanded).to(torch.float8_e4m3fn)
-        packed[name + "_scale_inv"] = scale
-        tensors[name] = _dequantize_fp8_weight(packed[name], scale, [16, 16], torch.float32)
-    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
-    save_file(tensors, pathlib.Path(plain, "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [16, 16]}
-    (quantized / "config.json").write_text(json.dumps(config))
-    return str(quantized), plain
-
-
 def test_an_fp8_checkpoint_extracts_as_its_dequantized_weights(tmp_path):
-    quantized, plain = fp8_checkpoints(tmp_path)
+    """Every projection of the blocks (not the router) as float8 e4m3 with float32 scales per 16 x 16
+    block (kv_a_proj_with_mqa's 28 rows end in a partial block) extracts as its dequantized weights."""
+    from fixtures.fp8_checkpoints import fp8_checkpoint
+    from fixtures.tiny_models import write_checkpoint
+    quantized, plain = fp8_checkpoint(tmp_path, write_checkpoint(tmp_path / "plain", "deepseek_v3", seed=4), (16, 16),
+                                      ("proj.weight", "proj_with_mqa.weight"),
+                                      {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"})
     assert load_config(quantized).weight_block_size == (16, 16)
     sequences = random_sequences([30, 17], seed=3, vocab=load_config(plain).vocab_size)
     outputs = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from model import fp8
 from model.config import DecoderConfig, LatentAttention, MoE
 from model.families.common import Fields, activation, rope, rope_parameters, shapes
 
@@ -87,7 +88,8 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
     config.update(head_dim=f.number("v_head_dim"))
     return DecoderConfig(f.family, **config, rope=rotary, rotary_dim=mla.qk_rope_head_dim, mla=mla,
                          query_pre_attn_scalar=scalar, qkv_bias=bias, o_bias=bias,
-                         hidden_act=activation(f, "hidden_act"), moe=moe, weight_block_size=fp8_block(f), **switches)
+                         hidden_act=activation(f, "hidden_act"), moe=moe,
+                         weight_block_size=fp8.block_size(f.raw.get("quantization_config"), f.refuse), **switches)
 
 
 def grouped_moe(f: Fields, dense_layers, **switches: Any) -> MoE:
@@ -120,16 +122,3 @@ def dense_layers_by_type(f: Fields, layers: int) -> list[int]:
     if len(types) != layers or set(types) - {"dense", "sparse"}:
         raise f.refuse("mlp_layer_types", types, f"one of dense or sparse for each of the {layers} layers")
     return [i for i, kind in enumerate(types) if kind == "dense"]
-
-
-def fp8_block(f: Fields) -> tuple[int, int] | None:
-    """A block-FP8 checkpoint's ``weight_block_size`` (None: no quantization)."""
-    quantization = f.raw.get("quantization_config")
-    if not quantization:
-        return None
-    if quantization.get("fmt", "e4m3") != "e4m3":
-        raise f.refuse("quantization_config.fmt", quantization.get("fmt"), "the FP8 weights read are e4m3")
-    block = quantization.get("weight_block_size") or [128, 128]
-    if len(block) != 2 or not all(isinstance(n, int) and n > 0 for n in block):
-        raise f.refuse("quantization_config.weight_block_size", block, "two positive integers: rows, columns")
-    return tuple(block)

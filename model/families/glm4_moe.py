@@ -9,9 +9,10 @@ not read."""
 
 from __future__ import annotations
 
+from model import fp8
 from model.config import DecoderConfig
 from model.families.common import Fields, activation, rope, rope_parameters, rotary_dim, shapes
-from model.families.deepseek_v3 import QUANTIZATIONS, fp8_block, grouped_moe
+from model.families.deepseek_v3 import QUANTIZATIONS, grouped_moe
 
 ARCHITECTURES = ("Glm4MoeForCausalLM", "Glm4MoeModel")
 __all__ = ["ARCHITECTURES", "QUANTIZATIONS", "decoder_config"]
@@ -35,4 +36,5 @@ def decoder_config(raw: dict) -> DecoderConfig:
     return DecoderConfig("glm4_moe", **config, rope=rope(f, params, where, f.number("rope_theta", float), partial=True),
                          rotary_dim=rotary_dim(f, params, where, config["head_dim"], default=0.5),
                          qkv_bias=bool(f.get("attention_bias")), qk_norm=bool(f.get("use_qk_norm")),
-                         hidden_act=activation(f, "hidden_act"), moe=moe, weight_block_size=fp8_block(f))
+                         hidden_act=activation(f, "hidden_act"), moe=moe,
+                         weight_block_size=fp8.block_size(f.raw.get("quantization_config"), f.refuse))
