@@ -8,7 +8,14 @@ entry (``weight_block_size`` [r, c], 128 x 128 on the hub). Both are widened to 
 multiplied once: the result equals transformers' dequantization (loading with ``dequantize=True``)
 bit for bit in float32, and its rounding to bfloat16 is the same single rounding. A last, partial
 block (V3's ``kv_a_proj_with_mqa``: 576 rows) takes the entry of its place in the ceil grid, as
-DeepSeek's own code and transformers' backward do (its load-time path takes whole blocks only)."""
+DeepSeek's own code and transformers' backward do (its load-time path takes whole blocks only).
+
+DeepSeek-V4's hub files (``scale_fmt`` ``ue8m0``) name the scales ``<module>.scale`` beside
+``<module>.weight`` (transformers renames them ``weight_scale_inv``), float8 e8m0 (a power of two:
+exact in float32; e8m0 bytes held as uint8 are read as transformers reads them, 2 ** (byte - 127)),
+and hold the routed experts in FP4 (``expert_dtype`` ``fp4``: an int8 weight, two e2m1 values a
+byte, a scale per 32 values of a row: ``model.mxfp4.rows``), which transformers' ``Fp8Dequantize``
+tells apart by the weight's dtype, as ``read`` does."""
 
 from __future__ import annotations
 
@@ -18,8 +25,11 @@ import ml_dtypes
 import numpy as np
 
 from common.cli import UserError
+from model import mxfp4
 
 SCALE = "_scale_inv"  # the suffix of a quantized weight's scales
+HUB_SCALE = ".scale"  # DeepSeek-V4's: <module>.scale beside a quantized <module>.weight
+QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))  # FP8 weights; FP4 ones (packed two a byte)
 # quantization_config.fmt as the hub's files spell e4m3: DeepSeek's and GLM's "e4m3", MiniMax-M2's "float8_e4m3fn".
 # (transformers' FineGrainedFP8Config reads no fmt at all: the weights are the tensors' own float8_e4m3fn.)
 E4M3 = ("e4m3", "float8_e4m3fn")
@@ -52,19 +62,52 @@ def dequantized(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int
     if scale_inv.shape[-2:] != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
         raise UserError(f"FP8 weight {list(weight.shape)} and its scales {list(scale_inv.shape)} do not match "
                         f"weight_block_size {list(block)} (expected scales {list(weight.shape[:-2]) + list(grid)})")
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), r, axis=-2)[..., :rows, :], c, axis=-1)[..., :cols]
+    scale = np.repeat(np.repeat(scale_values(scale_inv), r, axis=-2)[..., :rows, :], c, axis=-1)[..., :cols]
     return weight.astype(np.float32) * scale  # [..., R, C]
+
+
+def scale_values(scale_inv: np.ndarray) -> np.ndarray:
+    """Scales as float32: float ones widened, e8m0 bytes held as uint8 read as 2 ** (byte - 127) (as
+    transformers' ``Fp8Dequantize`` reads MXFP8's)."""
+    if scale_inv.dtype == np.uint8:
+        return np.ldexp(np.float32(1), scale_inv.astype(np.int32) - 127)
+    return scale_inv.astype(np.float32)
+
+
+def scale_name(checkpoint, name: str) -> str | None:
+    """The name of tensor ``name``'s FP8 (or FP4) scales in a ``model.checkpoint.Checkpoint``:
+    ``<name>_scale_inv``, or for a float8 or int8 ``<module>.weight`` DeepSeek-V4's ``<module>.scale``;
+    None where it has none."""
+    if name + SCALE in checkpoint:
+        return name + SCALE
+    hub = name.removesuffix(".weight") + HUB_SCALE
+    if name.endswith(".weight") and hub in checkpoint and checkpoint.dtype(name) in QUANTIZED:
+        return hub
+    return None
+
+
+def shape(checkpoint, name: str) -> tuple[int, ...]:
+    """Tensor ``name``'s shape once read (``read``): an FP4 weight's columns twice its bytes."""
+    stored = checkpoint.shape(name)
+    if checkpoint.dtype(name) == np.int8 and scale_name(checkpoint, name) is not None:
+        return (*stored[:-1], 2 * stored[-1])
+    return stored
 
 
 def read(checkpoint, name: str, block: tuple[int, int] | None) -> np.ndarray:
     """Tensor ``name`` of a ``model.checkpoint.Checkpoint``, dequantized where it is a block-FP8
-    weight (it has ``<name>_scale_inv``; ``block``: the config's ``weight_block_size``)."""
+    weight (it has scales: ``scale_name``; ``block``: the config's ``weight_block_size``) or an FP4
+    one (int8 with scales: ``model.mxfp4.rows``)."""
     tensor = checkpoint.tensor(name)
-    if name + SCALE not in checkpoint:
+    scales = scale_name(checkpoint, name)
+    if scales is None:
         if tensor.dtype == ml_dtypes.float8_e4m3fn:  # raw float8 values are no weights without their scales
-            raise UserError(f"checkpoint tensor {name!r} is float8 and has no {name + SCALE!r} (its FP8 scales)")
+            hub = f" or {name.removesuffix('.weight') + HUB_SCALE!r}" if name.endswith(".weight") else ""
+            raise UserError(f"checkpoint tensor {name!r} is float8 and has no {name + SCALE!r}{hub} (its FP8 scales)")
         return tensor
     if block is None:
         raise UserError(f"checkpoint tensor {name!r} has FP8 scales, and config.json no quantization_config "
                         "with a weight_block_size")
-    return dequantized(tensor, checkpoint.tensor(name + SCALE), block)
+    if tensor.dtype == np.int8:  # FP4 (transformers' Fp8Dequantize: an int8 weight is two e2m1 values a byte)
+        return mxfp4.rows(tensor, checkpoint.tensor(scales), name)
+    return dequantized(tensor, checkpoint.tensor(scales), block)

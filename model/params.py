@@ -69,7 +69,8 @@ class Source:
 class ExpertStack:
     """The tensors of each expert (torch Linear weights [out, in], transposed where asked) seen as
     one array [E, ...], read lazily: a slice reads only the experts it covers (each once), so the
-    experts of a device (``model.sharding`` splits them over the model axis) are all it reads."""
+    experts of a device (``model.sharding`` splits them over the model axis) are all it reads; a
+    block-FP8 or FP4 expert (DeepSeek-V4's) dequantized as it is read (``model.fp8.read``)."""
 
     def __init__(self, checkpoint: Checkpoint, names: Sequence[str], transpose: bool, slots: int | None = None,
                  fp8_block: tuple[int, int] | None = None):
@@ -79,6 +80,7 @@ class ExpertStack:
         first = checkpoint.shape(self.names[0])
         if any(checkpoint.shape(name) != first for name in self.names):
             raise UserError(f"checkpoint tensors {self.names[0]!r}... differ in shape from one expert to another")
+        first = fp8.shape(checkpoint, self.names[0])  # as read: a packed FP4 weight's columns unpacked
         self.expert_shape = first[::-1] if transpose else first
         self.shape = (slots or len(self.names), *self.expert_shape)
         self._read: dict[int, np.ndarray] = {}
@@ -588,13 +590,16 @@ def _neox_block(config: DecoderConfig, hf: str, layer: int):
 
 
 def _deepseek_v4_block(config: DecoderConfig, hf: str, layer: int):
-    """DeepSeek-V4's tensors as save_pretrained writes them (the hub's names below ``model.``): the
+    """DeepSeek-V4's tensors as save_pretrained writes them (the hub's names below ``model.``; the hub's
+    files have them without it, ``DEEPSEEK_V4``'s renamings reading its embedding and final collapse): the
     attention's (``model.compressed``: ``attn.wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``norm``, ``wo_a``
     as torch holds it [groups x rank, N D / groups], ``wo_b``, ``attn_sink``), its compressor's and its
     indexer's (``wkv``, ``wgate``, ``ape``, ``norm``; the indexer's ``wq_b`` and ``weights_proj``), the
     mixture of experts (``ffn.gate`` with its choice ``bias``, or a hash router's ``tid2eid``; the experts'
     and the shared experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down)), the norms and the
-    hyper-connections."""
+    hyper-connections. In the hub's files the projections (but the compressors' and ``weights_proj``)
+    and the shared experts are block-FP8 and the experts FP4, each with its ``.scale``: ``model.fp8``
+    dequantizes them as they are read."""
     c, ca = config, config.compressed
     attn, ffn = f"{hf}.attn", f"{hf}.ffn"
     for ours, theirs in (("q_a_proj", "wq_a"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"), ("o_b_proj", "wo_b")):
@@ -665,10 +670,12 @@ GLM5_NEXT = dataclasses.replace(DEEPSEEK, deltanet="self_attn", deltanet_names=K
     **{f"{hub}_{leaf}": f"{ours}.{leaf}" for ours, hub in HYPER_MODULES.items() for leaf in ("fn", "base", "scale")}})
 MISTRAL4 = dataclasses.replace(DEEPSEEK, expert_tensors=_stacked_moe)
 # DeepSeek-V4's (save_pretrained's names; its head ``head.weight``): the attention's output projection is
-# grouped (wo_a, then wo_b), the indexer's choice of compressed entries its output.
-DEEPSEEK_V4 = Layout(("model.",), "embed_tokens", "layers", "norm", _deepseek_v4_block, head="head.weight",
+# grouped (wo_a, then wo_b), the indexer's choice of compressed entries its output. The hub's files have the
+# same names without ``model.`` but for the embedding (``embed.weight``) and the final collapse (``hc_head_fn``).
+DEEPSEEK_V4 = Layout(("model.", ""), "embed_tokens", "layers", "norm", _deepseek_v4_block, head="head.weight",
                      o_proj="self_attn.o_a_proj", shared_expert="shared_experts",
-                     indexed_keys=("self_attn.compressor.indexer", "chosen entries"))
+                     indexed_keys=("self_attn.compressor.indexer", "chosen entries"),
+                     renamed={"embed_tokens.": "embed.", "hc_head.hc_": "hc_head_"})
 # Llama 4's: the MLP and the mixture of experts are ``feed_forward``, whose router returns (its scores:
 # the chosen experts' sigmoids, zero elsewhere [T, E]; its logits [T, E]).
 LLAMA4 = dataclasses.replace(LLAMA, mlp="feed_forward", down_proj="feed_forward.down_proj", moe_tensors="feed_forward",
@@ -838,9 +845,12 @@ def _hf_inside_site(site: str, config: DecoderConfig, layout: Layout, norms: dic
 
 
 def text_prefix(checkpoint: Checkpoint, layout: Layout = LLAMA) -> str:
-    """The prefix of the text model's tensors in this checkpoint."""
+    """The prefix of the text model's tensors in this checkpoint (the first of the layout's holding
+    the embedding, under its name or one the layout's renamings give it)."""
     for prefix in layout.prefixes:
-        if f"{prefix}{layout.embed}.weight" in checkpoint:
+        embedding = f"{prefix}{layout.embed}.weight"
+        if any(name in checkpoint for name in (embedding, *(embedding.replace(ours, theirs) for ours, theirs
+                                                           in (layout.renamed or {}).items() if ours in embedding))):
             return prefix
     raise UserError(f"checkpoint {checkpoint.model_dir!r} has no embedding ({layout.prefixes[0]}{layout.embed}.weight "
                     f"or another layout's)")

@@ -84,7 +84,7 @@ def test_ablating_attention_and_skipping_a_block_equal_transformers(checkpoint, 
 
 
 # DeepSeek-V4-Flash's config.json keys that matter, cut to 6 blocks, as the hub writes them (compress_ratios per
-# block, num_hash_layers, a flat YaRN rope_scaling for the compressed blocks, FP8 left out).
+# block, num_hash_layers, a flat YaRN rope_scaling for the compressed blocks; its FP8: tests/test_deepseek_v4_hub.py).
 HUB_CONFIG = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
               "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 64,
               "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024,
@@ -120,7 +120,7 @@ def test_the_hubs_config_reads_as_transformers_reads_it():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({**HUB_CONFIG, "quantization_config": {"quant_method": "fp8"}}, "quantization_config .fp8. is not supported"),
+    ({**HUB_CONFIG, "quantization_config": {"quant_method": "mxfp4"}}, "quantization_config .mxfp4. is not supported"),
     ({**HUB_CONFIG, "num_key_value_heads": 2}, "num_key_value_heads = 2 is not supported: one key/value head"),
     ({**HUB_CONFIG, "scoring_func": "softmax"}, "scoring_func = 'softmax' is not supported"),
     ({**HUB_CONFIG, "compress_ratios": [0, 0, 4, 64, 4, 128]}, "compress_ratios = .* is not supported"),

@@ -13,18 +13,33 @@ experts a token's id gives, ``tid2eid``), the chosen scores renormalised (+ 1e-2
 
 Two rotaries: the sliding blocks' (``rope_parameters.main``, ``rope_theta``) and the compressed
 blocks' and compressors' (``rope_parameters.compress``, ``compress_rope_theta``, YaRN with cos and
-sin unscaled), each over the last ``qk_rope_head_dim`` of a head. FP8 and FP4 checkpoints (the hub's
-V4-Flash) are refused: read a dequantized one."""
+sin unscaled), each over the last ``qk_rope_head_dim`` of a head.
+
+The hub's files (deepseek-ai/DeepSeek-V4-Flash, V4-Pro) are read as they are: their names (no
+``model.``, ``embed.weight``, ``hc_head_fn``: ``model.params.DEEPSEEK_V4``), the attention's
+projections, the indexer's ``wq_b`` and the shared expert block-FP8 (e4m3, an e8m0 ``.scale`` per
+128 x 128 block) and the routed experts FP4 (``expert_dtype`` ``fp4``: e2m1 two a byte, an e8m0
+``.scale`` per 32 values of a row; V4-Flash-Base's ``fp8``: block-FP8), dequantized at load as
+transformers' ``Fp8Dequantize`` does (``model.fp8``, ``model.mxfp4``). ``quantization_config``: the
+hub's (``fp8``, fmt ``e4m3``, ``scale_fmt`` ``ue8m0``, ``activation_scheme`` ``dynamic``,
+``weight_block_size``); any other method, fmt, scale format, expert format or activation scheme is
+refused in one line. The activations are not quantized (as transformers' dequantized model)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from model import fp8
 from model.config import CSA, HCA, SLIDING, SLIDING_ONLY, CompressedAttention, DecoderConfig, Indexer, MoE
 from model.families.common import Fields, rope, shapes
 from model.families.glm5_next import hyper_connections
 
 ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+QUANTIZATIONS = ("fp8",)  # quantization_config methods read (block-FP8 and FP4 experts: model.fp8)
+# What the hub's quantization_config may say, beside fmt and weight_block_size (model.fp8.block_size), as
+# transformers' FineGrainedFP8Config accepts it: the scales' format (transformers' default float: float32
+# scales), the routed experts' (fp4, or V4-Flash-Base's fp8; default fp8), activations quantized on the fly.
+SCALE_FORMATS, EXPERT_FORMATS, ACTIVATION_SCHEMES = ("ue8m0", "float"), ("fp4", "fp8"), ("dynamic",)
 # transformers' DeepseekV4Config defaults, for keys a config.json may leave out.
 DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
                 num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, num_experts_per_tok=6,
@@ -61,7 +76,31 @@ def decoder_config(raw: dict) -> DecoderConfig:
     return DecoderConfig(f.family, **config, rope=main, rotary_dim=attention.rope_dim, sliding_window=window,
                          layer_types=(SLIDING,) * layers, attention_sinks=True, norm_weight_in_float32=True,
                          moe=moe, compressed=attention,
-                         hyper=hyper_connections(f, head="weighted"), swiglu_limit=f.number("swiglu_limit", float))
+                         hyper=hyper_connections(f, head="weighted"), swiglu_limit=f.number("swiglu_limit", float),
+                         weight_block_size=quantized_blocks(f))
+
+
+def quantized_blocks(f: Fields) -> tuple[int, int] | None:
+    """The FP8 blocks of the hub's ``quantization_config`` (None where there is none); its other
+    fields as the hub has them, else refused in one line naming the field. ``expert_dtype``: in
+    ``quantization_config``, or beside it at the top level as the hub writes it (transformers moves
+    it in)."""
+    quantization = f.raw.get("quantization_config")
+    if not quantization:
+        return None
+    block = fp8.block_size(quantization, f.refuse)
+    in_config = "expert_dtype" in quantization
+    experts = quantization.get("expert_dtype", f.raw.get("expert_dtype", "fp8"))
+    for key, value, accepted, why in (
+            ("quantization_config.scale_fmt", quantization.get("scale_fmt", "float"), SCALE_FORMATS,
+             "the FP8 scales read are e8m0 powers of two (ue8m0) or floats"),
+            ("quantization_config.expert_dtype" if in_config else "expert_dtype", experts, EXPERT_FORMATS,
+             "the routed experts read are FP4 (e2m1 with e8m0 scales per 32 values) or block-FP8"),
+            ("quantization_config.activation_scheme", quantization.get("activation_scheme", "dynamic"),
+             ACTIVATION_SCHEMES, "the weights are dequantized; static activation scales are not read")):
+        if value not in accepted:
+            raise f.refuse(key, value, why)
+    return block
 
 
 def compressed_attention(f: Fields, layers: int, config: dict[str, Any]) -> CompressedAttention:
