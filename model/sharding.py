@@ -4,9 +4,9 @@ The mesh always has the axes ``("data", "model")``:
   * ``1d``: ``(devices, 1)``: pure data parallelism, parameters replicated;
   * ``2d``: ``(devices / m, m)``: projections split over ``model`` (q/k/v, gate/up by output
     column; o/down by input row; a Gated DeltaNet mixer's likewise, with its convolution's channels
-    and its per-head decay parameters), the embedding by vocabulary row, a mixture of experts' experts
-    by expert (``model.moe``: each device computes its own; their number padded to a multiple of
-    ``m``, ``expert_slots``), batches over ``data``. The
+    and its per-head decay parameters), the embedding (and Qwen4-Exp's n-gram tables) by row, a
+    mixture of experts' experts by expert (``model.moe``: each device computes its own; their number
+    padded to a multiple of ``m``, ``expert_slots``), batches over ``data``. The
     attention projections split by whole heads only: where ``m`` does not divide the heads (a
     model with a single key/value head, say) those heads are replicated.
 Over several processes (a multi-host slice) the mesh spans every process's devices, grouped by
@@ -100,8 +100,8 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, config
         return P("model")
     if module in ROW_SPLIT and leaf == "kernel" and split(0):
         return P("model", None)
-    if module in ("embed_tokens", "embed_tokens_per_layer") and split(0):
-        return P("model", None)
+    if (module in ("embed_tokens", "embed_tokens_per_layer") or leaf == "ngram_embedding") and split(0):
+        return P("model", None)  # tables by row (Qwen4-Exp's n-gram tables: tens of billions of values a block)
     return P()
 
 
