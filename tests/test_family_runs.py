@@ -17,7 +17,8 @@ from fixtures.hf_reference import (INSIDE_SITES, load_reference, random_sequence
                                    site_places)
 from model.families import load_config
 from model.extract import Extractor
-from model.sites import HYPER_SITES, MLP_IN, PARALLEL_SSM, RESID_POST, ROUTING, SHARED_EXPERT, SITES, array_key
+from model.sites import (HYPER_SITES, MLP_IN, NGRAM_OUT, PARALLEL_SSM, RESID_POST, ROUTING, SHARED_EXPERT, SITES,
+                         array_key)
 from fixtures.gcs_emulator import free_port
 from tests.conftest import run_in_process
 from tests.test_host_errors import one_line_error
@@ -25,9 +26,9 @@ from tests.test_multihost import start_slice, stored
 
 pytestmark = pytest.mark.slow
 MAX_SEQ = 64
-# of a dense block (no experts, no Mamba-2 mixer beside attention, one residual stream)
+# of a dense block (no experts, no Mamba-2 mixer beside attention, one residual stream, no n-gram embeddings)
 DENSE_SITES = tuple(site for site in SITES
-                    if site not in ROUTING + SHARED_EXPERT + PARALLEL_SSM + HYPER_SITES + INSIDE_SITES)
+                    if site not in (*ROUTING, *SHARED_EXPERT, *PARALLEL_SSM, *HYPER_SITES, *INSIDE_SITES, NGRAM_OUT))
 EVERY_SITE = ["--sites", ",".join(DENSE_SITES)]
 
 
