@@ -102,17 +102,20 @@ class ExpertStack:
 
 
 class StackedTensor:
-    """One checkpoint tensor of every expert's weights [E, ...] (Gemma 4's, gpt-oss's; or its MXFP4
-    blocks and scales, ``model.mxfp4``), with a ``Source``'s part taken and transpose applied,
-    seen as one array [slots, ...] and read lazily: a slice reads only the experts it covers (one
-    contiguous read of their rows, dequantized where they are MXFP4), so each process reads the
-    experts of its own devices only; slots past the experts are all-zero."""
+    """One checkpoint tensor of every expert's weights [E, ...] (Gemma 4's, gpt-oss's, Mistral 4's;
+    or its MXFP4 blocks and scales, ``model.mxfp4``), with a ``Source``'s part taken and transpose
+    applied, seen as one array [slots, ...] and read lazily: a slice reads only the experts it covers
+    (one contiguous read of their rows, dequantized where they are MXFP4, or FP8 with their scales'
+    rows: ``model.fp8.read``), so each process reads the experts of its own devices only; slots past
+    the experts are all-zero."""
 
     def __init__(self, checkpoint: Checkpoint, source: Source, slots: int | None = None,
-                 shared: dict | None = None):
+                 shared: dict | None = None, fp8_block: tuple[int, int] | None = None):
         """``shared``: the expert ranges read from the tensor, by range, kept for the other parts of
-        the same fused tensor (gpt-oss's gate and up), read and dequantized once."""
+        the same fused tensor (gpt-oss's gate and up), read and dequantized once; ``fp8_block``:
+        FP8 weights' blocks (``model.fp8``)."""
         self.checkpoint, self.source, self.shared = checkpoint, source, {} if shared is None else shared
+        self.fp8_block = fp8_block
         self.quantized = source.name not in checkpoint and source.name + mxfp4.BLOCKS in checkpoint
         if self.quantized:  # [E, out, groups, 16] -> dequantized [E, in, out]
             e, out, groups, _ = checkpoint.shape(source.name + mxfp4.BLOCKS)
@@ -135,7 +138,7 @@ class StackedTensor:
         self._read: dict[tuple[int, int], np.ndarray] = {}
 
     def padded(self, slots: int) -> "StackedTensor":
-        return StackedTensor(self.checkpoint, self.source, slots, self.shared)
+        return StackedTensor(self.checkpoint, self.source, slots, self.shared, self.fp8_block)
 
     def rows(self, first: int, last: int) -> np.ndarray:
         """Experts [first, last) (within the real ones) as loaded: [last - first, ...]."""
@@ -144,7 +147,7 @@ class StackedTensor:
             if span not in self.shared:
                 self.shared[span] = (mxfp4.dequantized(self.checkpoint.tensor(name + mxfp4.BLOCKS, span),
                                                        self.checkpoint.tensor(name + mxfp4.SCALES, span))
-                                     if self.quantized else self.checkpoint.tensor(name, span))
+                                     if self.quantized else fp8.read(self.checkpoint, name, self.fp8_block, span))
             tensor = self.shared[span]
             if self.source.part is not None:
                 axis, indices, _ = self.source.part
@@ -1040,7 +1043,7 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
             raise UserError(f"checkpoint {checkpoint.model_dir!r} has no tensor {names[0]!r}{hint}")
         return ExpertStack(checkpoint, names, source.transpose, fp8_block=fp8_block)
     if source.stacked:
-        return StackedTensor(checkpoint, source, shared=shared)
+        return StackedTensor(checkpoint, source, shared=shared, fp8_block=fp8_block)
     tensor = _saved_tensor(checkpoint, source, fp8_block)
     if source.flattened and tensor.size == max(tensor.shape, default=1):
         tensor = tensor.reshape(-1)

@@ -11,9 +11,22 @@ float32 forward is within 1e-5 of transformers' float64 forward of the same dequ
 * blocks of 8 x 8, which divide every weight: the reference is transformers loading the FP8 files
   themselves (``FineGrainedFP8Config(dequantize=True)``, which works on CPU).
 
-Mistral 4, Llama 4 and Kimi Linear still refuse their hub's quantized formats in one line (per-tensor
-FP8, compressed-tensors)."""
+Mistral Small 4 as the hub ships it (``Mistral3ForConditionalGeneration`` around a ``mistral4`` text
+model, per-tensor FP8 with static activation scales, the stacked experts' scales one per gate half,
+up half and down projection) loads as the same model transformers computes of its dequantized
+weights (the activation scales not applied: transformers' ``dequantize=True`` model):
 
+* every tensor quantized, against transformers' float64 forward of the weights dequantized by its
+  own ``Fp8Dequantize``, written back as a float ``Mistral4ForCausalLM``;
+* against transformers loading the FP8 files themselves (``FineGrainedFP8Config(dequantize=True)``),
+  the experts left float: transformers 5.24 leaves stacked FP8 experts (``gate_up_proj`` with its
+  ``gate_up_proj_scale_inv``) undequantized on that path.
+
+Llama 4 and Kimi Linear still refuse their hub's quantized formats in one line (compressed-tensors,
+FP8)."""
+
+
+import dataclasses
 
 import jax
 import ml_dtypes
@@ -21,8 +34,9 @@ import numpy as np
 import pytest
 
 from common.cli import UserError
-from fixtures.fp8_checkpoints import fp8_checkpoint
+from fixtures.fp8_checkpoints import MISTRAL4_QUANTIZATION, fp8_checkpoint, mistral4_hub_checkpoint
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
+from model import fp8
 from model.extract import Extractor
 from model.families import config_from_dict, load_config
 
@@ -43,6 +57,12 @@ def minimax(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("minimax_m2"), "minimax_m2", seed=4)
 
 
+@pytest.fixture(scope="module")
+def mistral4(tmp_path_factory):
+    from fixtures.tiny_models import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("mistral4"), "mistral4", seed=4)
+
+
 def block_errors(checkpoint: str, reference, sequences) -> list[float]:
     """Our float32 forward of ``checkpoint`` (padded into one batch) against ``reference`` (per
     sequence, transformers' float64 blocks): the relative error of every block of every sequence."""
@@ -53,6 +73,26 @@ def block_errors(checkpoint: str, reference, sequences) -> list[float]:
             for layer in expected]
 
 
+def dequantized_errors(quantized: str, dequantized: str) -> list[float]:
+    """``block_errors`` of FP8 checkpoint ``quantized`` against transformers' float64 forward of
+    ``dequantized`` (the same weights dequantized, as a float checkpoint)."""
+    sequences = random_sequences(LENGTHS, seed=3, vocab=load_config(quantized).vocab_size)
+    return block_errors(quantized, reference_activations(load_reference(dequantized, "float64"), sequences),
+                        sequences)
+
+
+def fp8_file_errors(model_class, quantized: str) -> list[float]:
+    """``block_errors`` of FP8 checkpoint ``quantized`` against transformers' float64 forward of the
+    same files, read by ``model_class`` with ``FineGrainedFP8Config(dequantize=True)``."""
+    import torch
+    from transformers import FineGrainedFP8Config
+    theirs = model_class.from_pretrained(quantized, dtype=torch.float64, attn_implementation="eager",
+                                         experts_implementation="eager",
+                                         quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    sequences = random_sequences(LENGTHS, seed=5, vocab=load_config(quantized).vocab_size)
+    return block_errors(quantized, reference_activations(theirs, sequences), sequences)
+
+
 @pytest.mark.slow
 def test_minimax_m2_fp8_with_partial_blocks_equals_transformers_on_the_dequantized_weights(minimax, tmp_path):
     quantized, dequantized = fp8_checkpoint(tmp_path, minimax, (16, 32), MINIMAX_QUANTIZED, HUB_QUANTIZATION)
@@ -60,23 +100,67 @@ def test_minimax_m2_fp8_with_partial_blocks_equals_transformers_on_the_dequantiz
     assert config.weight_block_size == (16, 32)
     # the experts' 40 rows (w1, w3) and columns (w2), q_proj's and k_proj's 48 columns end in partial blocks
     assert config.moe.expert_size % 16 and config.hidden_size % 32
-    sequences = random_sequences(LENGTHS, seed=3, vocab=config.vocab_size)
-    reference = reference_activations(load_reference(dequantized, "float64"), sequences)
-    errors = block_errors(quantized, reference, sequences)
+    errors = dequantized_errors(quantized, dequantized)
     assert len(errors) == len(LENGTHS) * config.num_hidden_layers and max(errors) <= 1e-5, errors
 
 
 @pytest.mark.slow
 def test_minimax_m2_fp8_equals_transformers_reading_the_fp8_files(minimax, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers import AutoModelForCausalLM
     quantized, _ = fp8_checkpoint(tmp_path, minimax, (8, 8), MINIMAX_QUANTIZED, HUB_QUANTIZATION)
-    theirs = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float64, attn_implementation="eager",
-                                                  experts_implementation="eager",
-                                                  quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
-    sequences = random_sequences(LENGTHS, seed=5, vocab=load_config(quantized).vocab_size)
-    errors = block_errors(quantized, reference_activations(theirs, sequences), sequences)
+    errors = fp8_file_errors(AutoModelForCausalLM, quantized)
     assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.slow
+def test_mistral_small_4_hub_fp8_equals_transformers_on_the_dequantized_weights(mistral4, tmp_path):
+    hub, dequantized = mistral4_hub_checkpoint(tmp_path, mistral4)
+    config = load_config(hub)
+    assert config == dataclasses.replace(load_config(dequantized), weight_block_size=fp8.FROM_SCALES)
+    errors = dequantized_errors(hub, dequantized)
+    assert len(errors) == len(LENGTHS) * config.num_hidden_layers and max(errors) <= 1e-5, errors
+
+
+@pytest.mark.slow
+def test_mistral_small_4_fp8_equals_transformers_reading_the_fp8_files(mistral4, tmp_path):
+    from transformers import Mistral3ForConditionalGeneration
+    hub, _ = mistral4_hub_checkpoint(tmp_path, mistral4, hub_names=False, quantized_experts=False)
+    errors = fp8_file_errors(Mistral3ForConditionalGeneration, hub)
+    assert max(errors) <= 1e-5, errors
+
+
+def test_per_tensor_scales_dequantize_as_transformers_does(tmp_path):
+    """A linear's scalar (0-d or [1]) scale and a stack of experts' [E, 2, 1] and [E, 1, 1] ones
+    dequantize bit for bit as transformers' ``Fp8Dequantize``, a range of experts as the whole
+    stack's rows; a scale grid that does not divide its weight is refused in one line."""
+    import torch
+    from safetensors.numpy import save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from model.checkpoint import Checkpoint
+    rng = np.random.default_rng(0)
+    fp8_weight = lambda *shape: rng.normal(0, 100, shape).astype(ml_dtypes.float8_e4m3fn)
+    tensors = {"linear.weight": fp8_weight(6, 10), "linear.weight_scale_inv": np.array(0.01, np.float32),
+               "row.weight": fp8_weight(6, 10), "row.weight_scale_inv": np.full([1], 0.02, np.float32),
+               "experts.gate_up_proj": fp8_weight(5, 8, 6), "experts.down_proj": fp8_weight(5, 6, 4),
+               "bad.weight": fp8_weight(6, 10), "bad.weight_scale_inv": np.ones((4, 1), np.float32)}
+    tensors["experts.gate_up_proj_scale_inv"] = rng.uniform(1e-3, 1e-2, (5, 2, 1)).astype(np.float32)
+    tensors["experts.down_proj_scale_inv"] = rng.uniform(1e-3, 1e-2, (5, 1, 1)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    checkpoint = Checkpoint(str(tmp_path))
+    as_torch = lambda a: torch.from_numpy(np.asarray(a).view(np.uint8)).view(torch.float8_e4m3fn) \
+        if a.dtype == ml_dtypes.float8_e4m3fn else torch.from_numpy(np.asarray(a))
+    for name, scales in (("linear.weight", "linear.weight_scale_inv"), ("row.weight", "row.weight_scale_inv"),
+                         ("experts.gate_up_proj", "experts.gate_up_proj_scale_inv"),
+                         ("experts.down_proj", "experts.down_proj_scale_inv")):
+        theirs = Fp8Dequantize(None)._dequantize_one(as_torch(tensors[name]), as_torch(tensors[scales]),
+                                                     output_dtype=torch.float32).numpy()
+        assert np.array_equal(fp8.read(checkpoint, name, fp8.FROM_SCALES), theirs), name
+        if name.startswith("experts."):
+            assert np.array_equal(fp8.read(checkpoint, name, fp8.FROM_SCALES, (1, 4)), theirs[1:4]), name
+    with pytest.raises(UserError, match=r"'bad.weight': FP8 weight \[6, 10\] is not divided evenly by its "
+                                        r"scales' grid \[4, 1\]") as caught:
+        fp8.read(checkpoint, "bad.weight", fp8.FROM_SCALES)
+    assert "\n" not in str(caught.value)
 
 
 def refusal(raw: dict) -> str:
@@ -89,7 +173,8 @@ def refusal(raw: dict) -> str:
 def test_the_fp8_formats_read_and_refused():
     """MiniMax-M2 reads fmt e4m3 however spelled (transformers reads none), the block size from the
     config (FineGrainedFP8Config's 128 x 128 where absent); it refuses e5m2, per-tensor scales and a
-    malformed block in one line, as Mistral 4, Llama 4 and Kimi Linear refuse their hub's formats."""
+    malformed block in one line, as Llama 4 and Kimi Linear refuse their hub's formats. Mistral 4
+    reads per-tensor scales, bare or in Mistral Small 4's wrapper, which refuses another text model."""
     base = {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 48,
             "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 7,
             "num_experts_per_tok": 3, "num_hidden_layers": 2, "vocab_size": 512, "rotary_dim": 8}
@@ -108,15 +193,23 @@ def test_the_fp8_formats_read_and_refused():
                                                                                             **changes}}).match(message)
     assert "compressed-tensors) is not supported" in refusal({**base, "quantization_config": {
         "quant_method": "compressed-tensors"}})
-    # Mistral Small 4's (per-tensor FP8, static activation scales), Llama 4 Maverick's (compressed-tensors), an FP8
-    # Kimi Linear: refused before a weight is read.
-    mistral4 = {"model_type": "mistral4", "architectures": ["Mistral4ForCausalLM"], "quantization_config": {
-        "quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None}}
+    # Mistral Small 4's (per-tensor FP8, static activation scales): read, bare or wrapped; the wrapper around
+    # another text model (Mistral Small 3.1's) refused.
+    mistral4 = {"model_type": "mistral4", "architectures": ["Mistral4ForCausalLM"],
+                "quantization_config": dict(MISTRAL4_QUANTIZATION)}
+    wrapper = {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+               "text_config": {k: v for k, v in mistral4.items() if k != "quantization_config"},
+               "quantization_config": dict(MISTRAL4_QUANTIZATION)}
+    assert config_from_dict(mistral4).weight_block_size == fp8.FROM_SCALES
+    assert config_from_dict(wrapper) == dataclasses.replace(config_from_dict(mistral4), tie_word_embeddings=True)
+    assert "text_config.model_type = 'mistral' is not supported" in refusal(
+        {**wrapper, "text_config": {"model_type": "mistral"}})
+    # Llama 4 Maverick's (compressed-tensors), an FP8 Kimi Linear: refused before a weight is read.
     llama4 = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "quantization_config": {
         "quant_method": "compressed-tensors", "format": "float-quantized"}}
     kimi = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "quantization_config": {
         **HUB_QUANTIZATION}}
-    for raw, method in ((mistral4, "fp8"), (llama4, "compressed-tensors"), (kimi, "fp8")):
+    for raw, method in ((llama4, "compressed-tensors"), (kimi, "fp8")):
         assert f"quantization_config ({method}) is not supported" in refusal(raw)
 
 
@@ -124,7 +217,6 @@ def test_a_float8_weight_without_its_scales_is_refused(tmp_path):
     """A float8 tensor whose scales are missing (or saved under another name) is refused, not read as
     raw float8 values; with its scales it is dequantized."""
     from safetensors.numpy import save_file
-    from model import fp8
     from model.checkpoint import Checkpoint
     weight = np.full((4, 6), 2.0, ml_dtypes.float8_e4m3fn)
     save_file({"a.weight": weight, "b.weight": weight, "b.weight_scale_inv": np.full((1, 1), 0.5, np.float32),

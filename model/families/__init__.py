@@ -54,6 +54,7 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...]]] = {
     "glm4_moe": (glm4_moe, glm4_moe.ARCHITECTURES),
     "minimax_m2": (minimax_m2, minimax_m2.ARCHITECTURES),
     "mistral4": (mistral4, mistral4.ARCHITECTURES),
+    "mistral3": (mistral4, mistral4.WRAPPER_ARCHITECTURES),  # Mistral Small 4: its mistral4 text model
     "granitemoehybrid": (granitemoehybrid, granitemoehybrid.ARCHITECTURES),
     "nemotron_h": (nemotron_h, nemotron_h.ARCHITECTURES),
     "falcon_h1": (falcon_h1, falcon_h1.ARCHITECTURES),

@@ -63,11 +63,12 @@ def decoder_config(raw: dict) -> DecoderConfig:
 
 
 def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool, partial_rope: bool = False,
-                   rotates: bool = True, **switches: Any) -> DecoderConfig:
+                   rotates: bool = True, per_tensor_fp8: bool = False, **switches: Any) -> DecoderConfig:
     """A DeepSeek decoder of latent attention (the reading V2 shares) with ``moe``; ``partial_rope``:
     the RoPE parameters may state the rotated share (Mistral 4's, qk_rope_head_dim over the head);
     ``rotates`` off: no block rotates (Kimi Linear's), so no RoPE parameters are read (nor YaRN's
-    softmax scale)."""
+    softmax scale); ``per_tensor_fp8``: FP8 with per-tensor scales is read (Mistral's files:
+    ``model.fp8.block_size``)."""
     config = shapes(f)
     heads = config["num_attention_heads"]
     if config["num_key_value_heads"] != heads:
@@ -89,7 +90,8 @@ def latent_decoder(f: Fields, moe: MoE, interleave: bool, rope_in_float32: bool,
     return DecoderConfig(f.family, **config, rope=rotary, rotary_dim=mla.qk_rope_head_dim, mla=mla,
                          query_pre_attn_scalar=scalar, qkv_bias=bias, o_bias=bias,
                          hidden_act=activation(f, "hidden_act"), moe=moe,
-                         weight_block_size=fp8.block_size(f.raw.get("quantization_config"), f.refuse), **switches)
+                         weight_block_size=fp8.block_size(f.raw.get("quantization_config"), f.refuse, per_tensor_fp8),
+                         **switches)
 
 
 def grouped_moe(f: Fields, dense_layers, **switches: Any) -> MoE:
