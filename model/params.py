@@ -31,6 +31,7 @@ from common.cli import UserError
 from model import fp8, hyper, mxfp4
 from model.checkpoint import Checkpoint
 from model.config import CSA, HCA, DecoderConfig
+from model.row_shards import RowShards
 from model.sharding import expert_slots, param_sharding
 
 LINEAR_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -1044,6 +1045,8 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
         return ExpertStack(checkpoint, names, source.transpose, fp8_block=fp8_block)
     if source.stacked:
         return StackedTensor(checkpoint, source, shared=shared, fp8_block=fp8_block)
+    if (shards := _row_shards(checkpoint, source)) is not None:
+        return RowShards(checkpoint, shards)
     tensor = _saved_tensor(checkpoint, source, fp8_block)
     if source.flattened and tensor.size == max(tensor.shape, default=1):
         tensor = tensor.reshape(-1)
@@ -1054,6 +1057,18 @@ def read_source(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, in
                             f"sizes do not give (its fused parts make {size} along axis {axis})")
         tensor = np.take(tensor, indices, axis=axis)
     return tensor
+
+
+def _row_shards(checkpoint: Checkpoint, source: Source) -> list[str] | None:
+    """The tensors ``source`` is saved as where they are its row shards, to be read lazily by row
+    (``model.row_shards``: Qwen4-Exp's n-gram tables, split by row over a mesh): its name absent and
+    its first alternative there several tensors, taken whole (no part, no flattening), none FP8."""
+    if source.name in checkpoint or source.part is not None or source.flattened:
+        return None
+    names = next((list(names) for names in source.alternatives if all(name in checkpoint for name in names)), None)
+    if names is None or len(names) < 2 or any(checkpoint.dtype(name) in fp8.QUANTIZED for name in names):
+        return None
+    return names
 
 
 def _saved_tensor(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None) -> np.ndarray:
