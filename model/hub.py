@@ -1,5 +1,6 @@
 """Where a checkpoint directory comes from: a local directory as given, or a hub id fetched with
-``huggingface_hub`` at a revision (a branch, tag or commit), config and safetensors only.
+``huggingface_hub`` at a revision (a branch, tag or commit): its json files, then the safetensors
+files its index names (or ``model.safetensors``) and no others.
 
 A hub revision with PyTorch ``.bin`` weights only (Pythia's training checkpoints) is converted
 once to safetensors outside the hub cache (``converted_root``), so that ``model.checkpoint``'s
@@ -39,10 +40,28 @@ def resolve_model_dir(model_path: str, revision: str | None = None) -> str:
         return model_path
     if os.path.exists(model_path) or model_path.startswith((".", "/", "~")):
         raise UserError(f"--model_path {model_path!r} is not a checkpoint directory")
-    snapshot = _download(model_path, revision, ["*.json", "*.safetensors"])
+    snapshot = _download(model_path, revision, ["*.json"])
+    commit = os.path.basename(os.path.normpath(snapshot))  # the weights fetched at the config's commit
+    snapshot = _download(model_path, commit, ["*.json", *_weight_files(snapshot)])
     if any(name.endswith(".safetensors") for name in os.listdir(snapshot)):
         return snapshot
     return _converted(model_path, revision, snapshot)
+
+
+def _weight_files(snapshot: str) -> list[str]:
+    """The safetensors files ``model.checkpoint.Checkpoint`` reads from a snapshot holding its json
+    files: those ``model.safetensors.index.json`` names, else ``model.safetensors``. Only these are
+    fetched: Mistral's repositories also hold ``consolidated.safetensors``, a second copy of the
+    weights in mistral-inference's names, which a ``*.safetensors`` pattern would fetch too."""
+    index = os.path.join(snapshot, INDEX_FILE)
+    if not os.path.exists(index):
+        return [SINGLE_FILE]
+    try:
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{index} is not a safetensors index (a weight_map of tensor names to files): "
+                        f"{type(e).__name__}: {e}") from None
 
 
 def converted_root() -> str:

@@ -75,6 +75,31 @@ def test_an_unknown_revision_is_a_one_line_error(hub_cache):
     assert "\n" not in str(error.value)
 
 
+def test_only_the_safetensors_the_index_names_are_fetched(tmp_path, monkeypatch):
+    """A revision holding, beside its index and shards, ``consolidated.safetensors`` (Mistral's second
+    copy of the weights) that was never downloaded: the client's cached listing says the snapshot
+    lacks it for ``*.safetensors``, and the checkpoint resolves without it."""
+    from huggingface_hub import snapshot_download
+    cache_dir = str(tmp_path / "hub")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache_dir)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    source = tmp_path / "mistral"
+    os.makedirs(source)
+    (source / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    for name, file in weight_map.items():
+        save_file({name: np.full((2, 3), len(name), np.float32)}, str(source / file))
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"tok_embeddings.weight": np.zeros((2, 3), np.float32)}, str(source / "consolidated.safetensors"))
+    commit = write_hub_cache(cache_dir, "mistralai/tiny", {"main": str(source)})["main"]
+    snapshot = os.path.join(cache_dir, "models--mistralai--tiny", "snapshots", commit)
+    os.remove(os.path.join(snapshot, "consolidated.safetensors"))  # listed by the hub, not fetched
+    with pytest.raises(Exception, match="consolidated.safetensors"):
+        snapshot_download("mistralai/tiny", allow_patterns=["*.json", "*.safetensors"])
+    assert resolve_model_dir("mistralai/tiny") == snapshot
+    assert Checkpoint(snapshot).names() == ["a", "b"]
+
+
 def test_a_revision_with_a_local_directory_is_an_error(tmp_path):
     local = checkpoint(tmp_path / "local", 1000)
     assert resolve_model_dir(local) == local
