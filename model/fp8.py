@@ -25,7 +25,13 @@ DeepSeek-V4's hub files (``scale_fmt`` ``ue8m0``) name the scales ``<module>.sca
 exact in float32; e8m0 bytes held as uint8 are read as transformers reads them, 2 ** (byte - 127)),
 and hold the routed experts in FP4 (``expert_dtype`` ``fp4``: an int8 weight, two e2m1 values a
 byte, a scale per 32 values of a row: ``model.mxfp4.rows``), which transformers' ``Fp8Dequantize``
-tells apart by the weight's dtype, as ``read`` does."""
+tells apart by the weight's dtype, as ``read`` does.
+
+compressed-tensors' FP8 (``quantization_config`` ``compressed-tensors``, format ``float-quantized``:
+Llama 4 Maverick's ``-Instruct-FP8``) names a float8 weight's scale ``<name>_scale``
+(``<module>.weight_scale``, [out, 1] per channel or one per tensor) and multiplies by it as the
+others do; its block is derived from the scale's grid (``FROM_SCALES``: a row each for a
+per-channel scale)."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from model import mxfp4
 
 SCALE = "_scale_inv"  # the suffix of a quantized weight's scales
 HUB_SCALE = ".scale"  # DeepSeek-V4's: <module>.scale beside a quantized <module>.weight
+COMPRESSED_SCALE = "_scale"  # compressed-tensors': <module>.weight_scale beside a float8 <module>.weight
 QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))  # FP8 weights; FP4 ones (packed two a byte)
 # quantization_config.fmt as the hub's files spell e4m3: DeepSeek's and GLM's "e4m3", MiniMax-M2's "float8_e4m3fn".
 # (transformers' FineGrainedFP8Config reads no fmt at all: the weights are the tensors' own float8_e4m3fn.)
@@ -109,13 +116,18 @@ def scale_values(scale_inv: np.ndarray) -> np.ndarray:
 
 def scale_name(checkpoint, name: str) -> str | None:
     """The name of tensor ``name``'s FP8 (or FP4) scales in a ``model.checkpoint.Checkpoint``:
-    ``<name>_scale_inv``, or for a float8 or int8 ``<module>.weight`` DeepSeek-V4's ``<module>.scale``;
-    None where it has none."""
+    ``<name>_scale_inv``; for a float8 or int8 ``<module>.weight`` DeepSeek-V4's ``<module>.scale``;
+    for a float8 one compressed-tensors' ``<name>_scale``; None where it has none."""
     if name + SCALE in checkpoint:
         return name + SCALE
+    if not name.endswith(".weight"):
+        return None
     hub = name.removesuffix(".weight") + HUB_SCALE
-    if name.endswith(".weight") and hub in checkpoint and checkpoint.dtype(name) in QUANTIZED:
+    if hub in checkpoint and checkpoint.dtype(name) in QUANTIZED:
         return hub
+    # (a float weight beside a *_scale is no quantized one: compressed-tensors' other formats, or not its own)
+    if name + COMPRESSED_SCALE in checkpoint and checkpoint.dtype(name) == ml_dtypes.float8_e4m3fn:
+        return name + COMPRESSED_SCALE
     return None
 
 
@@ -137,7 +149,8 @@ def read(checkpoint, name: str, block: tuple[int, int] | None,
     scales = scale_name(checkpoint, name)
     if scales is None:
         if tensor.dtype == ml_dtypes.float8_e4m3fn:  # raw float8 values are no weights without their scales
-            hub = f" or {name.removesuffix('.weight') + HUB_SCALE!r}" if name.endswith(".weight") else ""
+            hub = (f", {name + COMPRESSED_SCALE!r} or {name.removesuffix('.weight') + HUB_SCALE!r}"
+                   if name.endswith(".weight") else "")
             raise UserError(f"checkpoint tensor {name!r} is float8 and has no {name + SCALE!r}{hub} (its FP8 scales)")
         return tensor
     if block is None:

@@ -65,6 +65,9 @@ class Source:
     # concatenated along axis 0 (what transformers' conversions undo on load: OLMo hybrid's).
     alternatives: tuple[tuple[str, ...], ...] = ()
     flattened: bool = False  # a vector saved with unit axes around it (Kimi's A_log [1, 1, H, 1]), read as one axis
+    # Where a stacked tensor is absent: its experts' tensors one an expert (a Source with ``experts``), read
+    # instead (Llama 4's FP8 experts, compressed-tensors' Linear modules: ``resolved``).
+    per_expert: Source | None = None
 
 
 class ExpertStack:
@@ -312,12 +315,18 @@ def _stacked_moe(config: DecoderConfig, hf: str):
 def _llama4_moe(config: DecoderConfig, hf: str):
     """Llama 4's mixture of experts below ``feed_forward``: the router [E, H], the experts' stacked
     tensors as transformers holds them, [E, in, out] (``gate_up_proj`` [E, H, 2F]: gate columns,
-    then up; ``down_proj`` [E, F, H]), and the ungated ``shared_expert``."""
-    f = config.moe.expert_size
+    then up; ``down_proj`` [E, F, H]), or where they are absent one Linear an expert as
+    compressed-tensors saves them (Maverick's FP8: ``experts.{e}.gate_proj.weight`` [F, H], ...),
+    and the ungated ``shared_expert``."""
+    f, experts = config.moe.expert_size, f"{hf}.feed_forward.experts"
+    one_each = {proj: Source(f"{experts}.{{e}}.{proj}.weight", True, experts=config.moe.num_experts)
+                for proj in ("gate_proj", "up_proj", "down_proj")}
     yield ("mlp", "router", "kernel"), Source(f"{hf}.feed_forward.router.weight", True)
     for proj, part in zip(("gate_proj", "up_proj"), _split(2, [f, f])):
-        yield ("mlp", "experts", proj), Source(f"{hf}.feed_forward.experts.gate_up_proj", part=part, stacked=True)
-    yield ("mlp", "experts", "down_proj"), Source(f"{hf}.feed_forward.experts.down_proj", stacked=True)
+        yield ("mlp", "experts", proj), Source(f"{experts}.gate_up_proj", part=part, stacked=True,
+                                               per_expert=one_each[proj])
+    yield ("mlp", "experts", "down_proj"), Source(f"{experts}.down_proj", stacked=True,
+                                                  per_expert=one_each["down_proj"])
     for proj in ("gate_proj", "up_proj", "down_proj"):
         yield from _linear(f"{hf}.feed_forward.shared_expert.{proj}", ("mlp", "shared_expert", proj), False)
 
@@ -1084,7 +1093,11 @@ def _saved_tensor(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, 
 def resolved(checkpoint: Checkpoint, source: Source, layout: Layout) -> Source:
     """``source`` with the names the layout's renamings give it as alternatives, and, where its name
     is absent and one of its one-tensor alternatives is there, named as that one (the experts' tensors
-    one an expert: read as that alternative's stack of them all, ``Source.stacked``)."""
+    one an expert: read as that alternative's stack of them all, ``Source.stacked``); a stacked tensor
+    absent with its experts' tensors one an expert there, as those (``Source.per_expert``)."""
+    if source.per_expert is not None and source.name not in checkpoint \
+            and source.per_expert.name.format(e=0) in checkpoint:
+        return source.per_expert
     renamed = [source.name.replace(ours, theirs) for ours, theirs in (layout.renamed or {}).items()
                if ours in source.name]
     source = dataclasses.replace(source, alternatives=source.alternatives + tuple((name,) for name in renamed))

@@ -22,8 +22,11 @@ weights (the activation scales not applied: transformers' ``dequantize=True`` mo
   the experts left float: transformers 5.24 leaves stacked FP8 experts (``gate_up_proj`` with its
   ``gate_up_proj_scale_inv``) undequantized on that path.
 
-Llama 4 and Kimi Linear still refuse their hub's quantized formats in one line (compressed-tensors,
-FP8)."""
+Llama 4 Maverick's ``-Instruct-FP8`` (compressed-tensors: float8 weights with per-channel
+``weight_scale``, the experts one Linear each) loads as the same model transformers computes of its
+dequantized weights (written back as a float ``Llama4ForCausalLM`` with the stacked experts); other
+compressed-tensors schemes are refused in one line naming the key. Kimi Linear still refuses its
+hub's FP8 in one line."""
 
 
 import dataclasses
@@ -34,7 +37,8 @@ import numpy as np
 import pytest
 
 from common.cli import UserError
-from fixtures.fp8_checkpoints import MISTRAL4_QUANTIZATION, fp8_checkpoint, mistral4_hub_checkpoint
+from fixtures.fp8_checkpoints import (LLAMA4_QUANTIZATION, MISTRAL4_QUANTIZATION, fp8_checkpoint,
+                                      llama4_compressed_checkpoint, mistral4_hub_checkpoint)
 from fixtures.hf_reference import load_reference, random_sequences, reference_activations, relative_error
 from model import fp8
 from model.extract import Extractor
@@ -63,22 +67,30 @@ def mistral4(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("mistral4"), "mistral4", seed=4)
 
 
-def block_errors(checkpoint: str, reference, sequences) -> list[float]:
-    """Our float32 forward of ``checkpoint`` (padded into one batch) against ``reference`` (per
-    sequence, transformers' float64 blocks): the relative error of every block of every sequence."""
-    extractor = Extractor.load(checkpoint, dtype="float32", max_seq_length=64, batch_size_per_device=len(sequences),
-                               devices=jax.devices()[:1])
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    from fixtures.tiny_models import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("llama4"), "llama4", seed=4)
+
+
+def block_errors(checkpoint: str, reference, sequences, **mesh) -> list[float]:
+    """Our float32 forward of ``checkpoint`` (padded into one batch, on one device unless ``mesh``
+    says: ``Extractor.load``'s devices, mesh_type, model_axis_size, batch_size_per_device) against
+    ``reference`` (per sequence, transformers' float64 blocks): the relative error of every block of
+    every sequence."""
+    mesh = {"devices": jax.devices()[:1], "batch_size_per_device": len(sequences), **mesh}
+    extractor = Extractor.load(checkpoint, dtype="float32", max_seq_length=64, **mesh)
     ours = dict(extractor.extract(enumerate(sequences)))
     return [relative_error(ours[i][layer], expected[layer]) for i, expected in enumerate(reference)
             for layer in expected]
 
 
-def dequantized_errors(quantized: str, dequantized: str) -> list[float]:
-    """``block_errors`` of FP8 checkpoint ``quantized`` against transformers' float64 forward of
-    ``dequantized`` (the same weights dequantized, as a float checkpoint)."""
+def dequantized_errors(quantized: str, dequantized: str, **mesh) -> list[float]:
+    """``block_errors`` of FP8 checkpoint ``quantized`` (on ``mesh``) against transformers' float64
+    forward of ``dequantized`` (the same weights dequantized, as a float checkpoint)."""
     sequences = random_sequences(LENGTHS, seed=3, vocab=load_config(quantized).vocab_size)
     return block_errors(quantized, reference_activations(load_reference(dequantized, "float64"), sequences),
-                        sequences)
+                        sequences, **mesh)
 
 
 def fp8_file_errors(model_class, quantized: str) -> list[float]:
@@ -127,6 +139,27 @@ def test_mistral_small_4_fp8_equals_transformers_reading_the_fp8_files(mistral4,
     hub, _ = mistral4_hub_checkpoint(tmp_path, mistral4, hub_names=False, quantized_experts=False)
     errors = fp8_file_errors(Mistral3ForConditionalGeneration, hub)
     assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.slow
+def test_llama4_maverick_fp8_equals_transformers_on_the_dequantized_weights(llama4, tmp_path):
+    """Maverick's FP8 files (the wrapper's names, the experts one float8 Linear each with bfloat16
+    per-channel scales, the other projections float8 with float32 ones) read as the causal LM of
+    the dequantized weights, stacked experts and all; every block within 1e-5 of transformers', on
+    one device and with the experts split over a model axis of 2 (5 experts in 6 slots)."""
+    from model.checkpoint import Checkpoint
+    hub, dequantized = llama4_compressed_checkpoint(tmp_path, llama4)
+    config = load_config(hub)
+    assert config == dataclasses.replace(load_config(dequantized), weight_block_size=fp8.FROM_SCALES)
+    names = Checkpoint(hub)
+    expert = "language_model.model.layers.0.feed_forward.experts.4.down_proj.weight"
+    assert "language_model.model.layers.0.feed_forward.experts.gate_up_proj" not in names
+    assert names.dtype(expert) == ml_dtypes.float8_e4m3fn and names.shape(expert + "_scale") == (48, 1)
+    errors = dequantized_errors(hub, dequantized)
+    assert len(errors) == len(LENGTHS) * config.num_hidden_layers and max(errors) <= 1e-5, errors
+    split = dequantized_errors(hub, dequantized, devices=jax.devices()[:4], mesh_type="2d", model_axis_size=2,
+                               batch_size_per_device=1)
+    assert max(split) <= 1e-5, split
 
 
 def test_per_tensor_scales_dequantize_as_transformers_does(tmp_path):
@@ -192,7 +225,7 @@ def test_the_fp8_formats_read_and_refused():
         assert pytest.raises(UserError, config_from_dict, {**base, "quantization_config": {**HUB_QUANTIZATION,
                                                                                             **changes}}).match(message)
     assert "compressed-tensors) is not supported" in refusal({**base, "quantization_config": {
-        "quant_method": "compressed-tensors"}})
+        "quant_method": "compressed-tensors"}})  # (Llama 4's only)
     # Mistral Small 4's (per-tensor FP8, static activation scales): read, bare or wrapped; the wrapper around
     # another text model (Mistral Small 3.1's) refused.
     mistral4 = {"model_type": "mistral4", "architectures": ["Mistral4ForCausalLM"],
@@ -204,25 +237,84 @@ def test_the_fp8_formats_read_and_refused():
     assert config_from_dict(wrapper) == dataclasses.replace(config_from_dict(mistral4), tie_word_embeddings=True)
     assert "text_config.model_type = 'mistral' is not supported" in refusal(
         {**wrapper, "text_config": {"model_type": "mistral"}})
-    # Llama 4 Maverick's (compressed-tensors), an FP8 Kimi Linear: refused before a weight is read.
-    llama4 = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "quantization_config": {
-        "quant_method": "compressed-tensors", "format": "float-quantized"}}
+    # An FP8 Kimi Linear: refused before a weight is read.
     kimi = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "quantization_config": {
         **HUB_QUANTIZATION}}
-    for raw, method in ((llama4, "compressed-tensors"), (kimi, "fp8")):
-        assert f"quantization_config ({method}) is not supported" in refusal(raw)
+    assert "quantization_config (fp8) is not supported" in refusal(kimi)
+
+
+def llama4_quantized(weights: dict | None = None, inputs: dict | None = None, unquantized_inputs: bool = False,
+                     wrapped: bool = True, **changes) -> dict:
+    """Maverick's FP8 config.json (a one-block text model), its quantization_config changed: its
+    ``changes``, group_0's ``weights`` updated by ``weights``, its ``input_activations`` by ``inputs``
+    (``unquantized_inputs``: none)."""
+    group = LLAMA4_QUANTIZATION["config_groups"]["group_0"]
+    group = {**group, "weights": {**group["weights"], **(weights or {})},
+             "input_activations": None if unquantized_inputs else {**group["input_activations"], **(inputs or {})}}
+    quantization = {**LLAMA4_QUANTIZATION, "config_groups": {"group_0": group}, **changes}
+    if not wrapped:
+        return {"model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 1,
+                "quantization_config": quantization}
+    return {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+            "text_config": {"num_hidden_layers": 1}, "quantization_config": quantization}
+
+
+@pytest.mark.parametrize("raw", [
+    llama4_quantized(), llama4_quantized(wrapped=False), llama4_quantized(weights={"strategy": "tensor"}),
+    llama4_quantized(unquantized_inputs=True), llama4_quantized(format="naive-quantized"),
+    llama4_quantized(sparsity_config=None, transform_config=None), llama4_quantized(inputs={"dynamic": False}),
+    llama4_quantized(format="mixed-precision", config_groups={"group_0": {
+        **LLAMA4_QUANTIZATION["config_groups"]["group_0"], "format": "float-quantized"}})])
+def test_llama4_compressed_tensors_fp8_is_read_with_the_blocks_of_its_scales(raw):
+    """FP8 weights per channel or per tensor, whatever the activations' scheme (not applied), float- or
+    naive-quantized (one storage; a group's own format under a mixed-precision config), bare or in the
+    wrapper: dequantized by the scales' grids."""
+    assert config_from_dict(raw).weight_block_size == fp8.FROM_SCALES
+
+
+GROUP = "quantization_config.config_groups.group_0"
+
+
+@pytest.mark.parametrize("raw, key", [
+    (llama4_quantized(weights={"num_bits": 4}), f"{GROUP}.weights.num_bits = 4"),
+    (llama4_quantized(weights={"type": "int"}), f"{GROUP}.weights.type = 'int'"),
+    (llama4_quantized(weights={"strategy": "group", "group_size": 128}), f"{GROUP}.weights.strategy = 'group'"),
+    (llama4_quantized(weights={"strategy": "block", "block_structure": [128, 128]}),
+     f"{GROUP}.weights.strategy = 'block'"),
+    (llama4_quantized(weights={"symmetric": False}), f"{GROUP}.weights.symmetric = False"),
+    (llama4_quantized(format="mixed-precision"), f"{GROUP}.format = 'mixed-precision'"),
+    (llama4_quantized(format="pack-quantized"), "quantization_config.format = 'pack-quantized'"),
+    (llama4_quantized(kv_cache_scheme={"num_bits": 8, "type": "float"}), "quantization_config.kv_cache_scheme"),
+    (llama4_quantized(sparsity_config={"format": "sparse-24-bitmask"}), "quantization_config.sparsity_config"),
+    (llama4_quantized(quantization_status="frozen"), "quantization_config.quantization_status = 'frozen'"),
+    (llama4_quantized(config_groups={}), "quantization_config.config_groups = {}")])
+def test_a_llama4_compressed_tensors_scheme_not_read_is_refused_naming_its_key(raw, key):
+    message = refusal(raw)
+    assert message.startswith(f"llama4 config.json: {key}") and " is not supported: " in message, message
 
 
 def test_a_float8_weight_without_its_scales_is_refused(tmp_path):
-    """A float8 tensor whose scales are missing (or saved under another name) is refused, not read as
-    raw float8 values; with its scales it is dequantized."""
+    """A float8 tensor whose scales are missing (or saved under another name) is refused in one line,
+    not read as raw float8 values; with its scales (``weight_scale_inv``, or compressed-tensors'
+    per-channel ``weight_scale``) it is dequantized; a float weight beside a ``weight_scale`` is read
+    as it is."""
     from safetensors.numpy import save_file
     from model.checkpoint import Checkpoint
     weight = np.full((4, 6), 2.0, ml_dtypes.float8_e4m3fn)
     save_file({"a.weight": weight, "b.weight": weight, "b.weight_scale_inv": np.full((1, 1), 0.5, np.float32),
-               "c.weight": np.ones((4, 6), np.float32)}, str(tmp_path / "model.safetensors"))
+               "c.weight": np.ones((4, 6), np.float32), "d.weight": weight,
+               "d.weight_scale": np.arange(1, 5, dtype=ml_dtypes.bfloat16)[:, None] / 4,  # [out, 1]: per channel
+               "e.weight": np.ones((4, 6), ml_dtypes.bfloat16), "e.weight_scale": np.full((4, 1), 0.5, np.float32)},
+              str(tmp_path / "model.safetensors"))
     checkpoint = Checkpoint(str(tmp_path))
-    with pytest.raises(UserError, match="'a.weight' is float8 and has no 'a.weight_scale_inv'"):
+    with pytest.raises(UserError, match="'a.weight' is float8 and has no 'a.weight_scale_inv', 'a.weight_scale' "
+                                        "or 'a.scale' \\(its FP8 scales\\)$") as caught:
         fp8.read(checkpoint, "a.weight", (128, 128))
+    assert "\n" not in str(caught.value)
     assert np.array_equal(fp8.read(checkpoint, "b.weight", (128, 128)), np.ones((4, 6), np.float32))
     assert np.array_equal(fp8.read(checkpoint, "c.weight", None), np.ones((4, 6), np.float32))
+    # compressed-tensors' per-channel scale: each row times its own; a bfloat16 weight beside a scale as it is
+    assert np.array_equal(fp8.read(checkpoint, "d.weight", fp8.FROM_SCALES),
+                          np.repeat(np.arange(1, 5, dtype=np.float32)[:, None] / 2, 6, axis=1))
+    assert fp8.scale_name(checkpoint, "e.weight") is None
+    assert np.array_equal(fp8.read(checkpoint, "e.weight", fp8.FROM_SCALES), np.ones((4, 6), ml_dtypes.bfloat16))

@@ -14,15 +14,42 @@ Llama's pre-norm block, with:
     ``num_local_experts`` of ``intermediate_size``, the top ``num_experts_per_tok`` logits chosen,
     each expert reading x times the sigmoid of its logit (input-scaled, ``MoE.input_scaled``), plus
     an ungated shared expert of ``intermediate_size``; the other blocks' MLP is ``intermediate_size_mlp``
-    wide. The experts' tensors are stacked: ``gate_up_proj`` [E, H, 2F], ``down_proj`` [E, F, H]."""
+    wide. The experts' tensors are stacked: ``gate_up_proj`` [E, H, 2F], ``down_proj`` [E, F, H].
+
+Maverick's ``-Instruct-FP8`` (``quantization_config`` ``compressed-tensors``, format ``float-quantized``:
+float8 e4m3 weights, each with its ``weight_scale`` per output channel, and dynamic per-token
+activations) is dequantized at load (``model.fp8``), wherever a float8 weight has its scale beside
+it (its ``ignore`` list is not read); its experts are one Linear an expert
+(``experts.{e}.gate_proj.weight``, ...: ``model.params``). The activations are not quantized
+(dynamic or static: a static ``input_scale`` is not read, as Mistral 4's are not): what is computed
+is the model of the dequantized weights. Any other compressed-tensors scheme is refused
+in one line naming its key."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from model import fp8
 from model.config import CHUNKED, FULL, DecoderConfig, MoE, QueryTemperature
 from model.families.common import Fields, activation, rope, rope_parameters, shapes, untied_text_config
 
 ARCHITECTURES = ("Llama4ForCausalLM", "Llama4TextModel")
 WRAPPER_ARCHITECTURES = ("Llama4ForConditionalGeneration",)
+QUANTIZATIONS = ("compressed-tensors",)  # quantization_config methods read (FP8 per channel or tensor: model.fp8)
+__all__ = ["ARCHITECTURES", "WRAPPER_ARCHITECTURES", "QUANTIZATIONS", "decoder_config"]
+# compressed-tensors' formats that store an 8-bit float weight as float8 beside its weight_scale
+# (float-quantized is naive-quantized under another name).
+COMPRESSED_FORMATS = ("float-quantized", "naive-quantized")
+# A group's weights as read: (the key below its ``weights``, compressed-tensors' default where absent, the
+# values accepted, why).
+WEIGHT_SCHEME = (("num_bits", 8, (8,), "the quantized weights read are 8-bit floats (FP8)"),
+                 ("type", "int", ("float",), "the quantized weights read are 8-bit floats (FP8)"),
+                 ("strategy", "tensor", ("channel", "tensor"), "the FP8 scales read are per output channel or per "
+                  "tensor"),
+                 ("symmetric", True, (True,), "the FP8 weights read have no zero point"),
+                 ("dynamic", False, (False,), "the FP8 weights read have stored scales"),
+                 ("group_size", None, (None,), "the FP8 scales read are per output channel or per tensor"),
+                 ("block_structure", None, (None,), "the FP8 scales read are per output channel or per tensor"))
 # transformers' Llama4TextConfig defaults, for keys a config.json may leave out.
 DEFAULTS = dict(vocab_size=202_048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
                 num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128, hidden_act="silu",
@@ -33,6 +60,7 @@ DEFAULTS = dict(vocab_size=202_048, hidden_size=5120, intermediate_size=8192, in
 
 
 def decoder_config(raw: dict) -> DecoderConfig:
+    quantization = raw.get("quantization_config")  # (the wrapper's: its text model's weights among them)
     if raw.get("model_type") == "llama4":  # the multimodal wrapper: its text model only
         raw = untied_text_config(raw, "llama4", "llama4_text")
     if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:  # transformers: one per query head
@@ -52,7 +80,54 @@ def decoder_config(raw: dict) -> DecoderConfig:
                          qk_l2_norm=bool(f.get("use_qk_norm")), query_temperature=temperature,
                          attention_chunk_size=int(chunk) if CHUNKED in types else None,
                          layer_types=types if CHUNKED in types else (), qkv_bias=bias, o_bias=bias,
-                         moe=experts(f, n), hidden_act=activation(f, "hidden_act"))
+                         moe=experts(f, n), hidden_act=activation(f, "hidden_act"),
+                         weight_block_size=compressed_fp8(f, quantization))
+
+
+def compressed_fp8(f: Fields, quantization: dict | None) -> tuple[int, int] | None:
+    """``fp8.FROM_SCALES`` for compressed-tensors' FP8 (every group's weights 8-bit floats, symmetric,
+    scaled per channel or per tensor; its input activations' scheme not applied; nothing else compressed),
+    None without a ``quantization_config``; anything else refused in one line naming its key."""
+    if not quantization:
+        return None
+    check = lambda key, value, accepted, why: _accepted(f, f"quantization_config.{key}", value, accepted, why)
+    top = quantization.get("format")  # a group's own format, where it has one, overrides it (mixed-precision)
+    check("format", top, (None, "mixed-precision", *COMPRESSED_FORMATS), "the compressed-tensors formats read "
+          "store FP8 weights as float8 beside their weight_scale")
+    check("quantization_status", quantization.get("quantization_status", "compressed"), ("compressed",),
+          "the weights read are stored compressed")
+    for key, why in (("sparsity_config", "sparse weights are not read"),
+                     ("transform_config", "transformed (rotated) weights are not read"),
+                     ("kv_cache_scheme", "a quantized KV cache would change the computation")):
+        check(key, quantization.get(key) or None, (None,), why)
+    groups = quantization.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise f.refuse("quantization_config.config_groups", groups, "expected the quantization schemes by group")
+    for name, group in groups.items():
+        _check_group(f, f"config_groups.{name}", group, top)
+    return fp8.FROM_SCALES
+
+
+def _check_group(f: Fields, where: str, group: dict[str, Any], top: str | None) -> None:
+    """Refuses a compressed-tensors scheme (``config_groups.<name>``; ``top``: the config's format)
+    other than FP8 weights with per-channel or per-tensor scales (whatever its activations' scheme:
+    they are not quantized here, as Mistral 4's static scales are not read)."""
+    check = lambda key, value, accepted, why: _accepted(f, f"quantization_config.{where}.{key}", value, accepted, why)
+    check("format", group.get("format") or top, COMPRESSED_FORMATS, "the compressed-tensors formats read "
+          "store FP8 weights as float8 beside their weight_scale")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise f.refuse(f"quantization_config.{where}.weights", weights, "expected the weights' scheme")
+    for key, default, accepted, why in WEIGHT_SCHEME:
+        check(f"weights.{key}", weights.get(key, default), accepted, why)
+    check("output_activations", group.get("output_activations"), (None,), "quantized outputs are not read")
+
+
+def _accepted(f: Fields, key: str, value: Any, accepted: tuple, why: str) -> None:
+    """Refuses ``value`` of ``key`` unless it is one of ``accepted``, of its type too."""
+    # (bool is an int: True must not pass for num_bits 1, nor 1 for symmetric)
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        raise f.refuse(key, value, why)
 
 
 def rotating_layers(f: Fields, num_layers: int) -> list[bool]:
