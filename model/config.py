@@ -492,8 +492,9 @@ class DecoderConfig:
                                          # kind: Qwen4-Exp's QSA); a latent attention's is ``mla.indexer``
     final_norm: bool = True              # the final norm before the LM head; off: none (Qwen4-Exp, whose gated
                                          # streams' collapse normalises)
-    weight_block_size: tuple[int, int] | None = None  # block-FP8 checkpoints: the [rows, columns] of weight each
-                                         # weight_scale_inv entry scales (``model.fp8``)
+    weight_block_size: tuple[int, int] | None = None  # FP8 checkpoints: the [rows, columns] of weight each
+                                         # scale entry scales, or ``model.fp8.FROM_SCALES`` (each weight's from
+                                         # its scales' grid: per-tensor or per-channel scales)
 
     def layer_config(self, layer: int) -> "DecoderConfig":
         """The config as block ``layer`` sees it: its head size, kv heads and MLP width where

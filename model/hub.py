@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_dir(model_path: str, revision: str | None = None) -> str:
-    """A local checkpoint directory; a hub id is downloaded (config and safetensors only) at
+    """A local checkpoint directory; a hub id is downloaded (its json files and the safetensors
+    files its index names: ``_weight_files``) at
     ``revision`` (a branch, tag or commit; Pythia's training checkpoints are revisions such as
     ``step143000``), else the hub's default branch. A local directory has no revisions, so a
     revision with one is a mistake, not ignored.

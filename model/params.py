@@ -1072,21 +1072,26 @@ def _row_shards(checkpoint: Checkpoint, source: Source) -> list[str] | None:
     """The tensors ``source`` is saved as where they are its row shards, to be read lazily by row
     (``model.row_shards``: Qwen4-Exp's n-gram tables, split by row over a mesh): its name absent and
     its first alternative there several tensors, taken whole (no part, no flattening), none FP8."""
-    if source.name in checkpoint or source.part is not None or source.flattened:
+    if source.part is not None or source.flattened:
         return None
-    names = next((list(names) for names in source.alternatives if all(name in checkpoint for name in names)), None)
+    names = _saved_alternative(checkpoint, source)
     if names is None or len(names) < 2 or any(checkpoint.dtype(name) in fp8.QUANTIZED for name in names):
         return None
-    return names
+    return list(names)
+
+
+def _saved_alternative(checkpoint: Checkpoint, source: Source) -> tuple[str, ...] | None:
+    """Where ``source.name`` is absent, the first of its alternatives the checkpoint holds whole."""
+    if source.name in checkpoint:
+        return None
+    return next((names for names in source.alternatives if all(name in checkpoint for name in names)), None)
 
 
 def _saved_tensor(checkpoint: Checkpoint, source: Source, fp8_block: tuple[int, int] | None) -> np.ndarray:
     """Tensor ``source.name``, or where it is absent the first of its alternatives the checkpoint
     holds, concatenated; ``UserError`` naming ``source.name`` where none is there."""
-    if source.name not in checkpoint:
-        for names in source.alternatives:
-            if all(name in checkpoint for name in names):
-                return np.concatenate([fp8.read(checkpoint, name, fp8_block) for name in names], axis=0)
+    if (names := _saved_alternative(checkpoint, source)) is not None:
+        return np.concatenate([fp8.read(checkpoint, name, fp8_block) for name in names], axis=0)
     return fp8.read(checkpoint, source.name, fp8_block)
 
 

@@ -52,24 +52,31 @@ class Fields:
 
 
 def wrapped_text_config(raw: dict[str, Any], family: str) -> dict[str, Any]:
-    """The text model's config of a Gemma ``*ForConditionalGeneration`` (its ``text_config``), the
-    wrapper alone deciding the tying of the LM head, as transformers reads it (default tied: the
-    text_config's own key is not read)."""
+    """The text model's config of a ``*ForConditionalGeneration`` whose head is tied by default
+    (Gemma's, Mistral 3's): its ``text_config``, the wrapper alone deciding the tying of the LM head,
+    as transformers reads it (default tied: the text_config's own key is not read), with the
+    wrapper's ``quantization_config``."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise UserError(f"{family} config.json has no 'text_config' (the language model's settings)")
-    return {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+    return {**text, **_quantization(raw), "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
 
 
 def untied_text_config(raw: dict[str, Any], family: str, text_type: str) -> dict[str, Any]:
     """The text model's config of a ``*ForConditionalGeneration`` whose head is untied by default
     (Llama 4's, Qwen3.5's, Qwen4-Exp's): its ``text_config`` as model_type ``text_type``, the head's
-    tying the wrapper's, else the text config's, else none."""
+    tying the wrapper's, else the text config's, else none; with the wrapper's ``quantization_config``."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise UserError(f"{family} config.json has no 'text_config' (the language model's settings)")
-    return {**text, "model_type": text_type,
+    return {**text, **_quantization(raw), "model_type": text_type,
             "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+
+
+def _quantization(raw: dict[str, Any]) -> dict[str, Any]:
+    """A wrapper's ``quantization_config``, which covers its text model's weights, as a text config's
+    key (none where it has none)."""
+    return {"quantization_config": raw["quantization_config"]} if raw.get("quantization_config") else {}
 
 
 def shapes(f: Fields, eps_key: str = "rms_norm_eps") -> dict[str, Any]:

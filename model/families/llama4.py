@@ -60,7 +60,6 @@ DEFAULTS = dict(vocab_size=202_048, hidden_size=5120, intermediate_size=8192, in
 
 
 def decoder_config(raw: dict) -> DecoderConfig:
-    quantization = raw.get("quantization_config")  # (the wrapper's: its text model's weights among them)
     if raw.get("model_type") == "llama4":  # the multimodal wrapper: its text model only
         raw = untied_text_config(raw, "llama4", "llama4_text")
     if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:  # transformers: one per query head
@@ -81,7 +80,7 @@ def decoder_config(raw: dict) -> DecoderConfig:
                          attention_chunk_size=int(chunk) if CHUNKED in types else None,
                          layer_types=types if CHUNKED in types else (), qkv_bias=bias, o_bias=bias,
                          moe=experts(f, n), hidden_act=activation(f, "hidden_act"),
-                         weight_block_size=compressed_fp8(f, quantization))
+                         weight_block_size=compressed_fp8(f, f.raw.get("quantization_config")))
 
 
 def compressed_fp8(f: Fields, quantization: dict | None) -> tuple[int, int] | None:

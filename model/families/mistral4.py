@@ -61,12 +61,11 @@ def decoder_config(raw: dict) -> DecoderConfig:
 def text_config(raw: dict) -> dict:
     """The text model's config of a ``Mistral3ForConditionalGeneration`` (its ``text_config``, the
     head tied as the wrapper says, by default tied as transformers' ``Mistral3Config``; with the
-    wrapper's ``quantization_config``); refused in one line unless it is Mistral 4's."""
+    wrapper's ``quantization_config``: ``wrapped_text_config``); refused in one line unless it is
+    Mistral 4's."""
     text = raw.get("text_config")
     kind = text.get("model_type") if isinstance(text, dict) else None
     if isinstance(text, dict) and kind != "mistral4":
         raise Fields(raw, {}, "mistral3").refuse("text_config.model_type", kind, "the text model read inside "
                                                  "Mistral3ForConditionalGeneration is Mistral 4's (mistral4)")
-    quantization = raw.get("quantization_config")
-    text = wrapped_text_config(raw, "mistral3")
-    return {**text, "quantization_config": quantization} if quantization else text
+    return wrapped_text_config(raw, "mistral3")
